@@ -1,0 +1,10 @@
+"""private_engine — exact, fast, memory-lean differentially private training for PyTorch."""
+from . import layers, optim
+from .clipping import abadi_clip, automatic_clip, global_clip
+from .engine import PrivacyEngine
+from .plan import LayerDecision, format_plan, layer_plan
+from .validation import fix_batchnorm
+
+__version__ = "0.1.0"
+__all__ = ["PrivacyEngine", "LayerDecision", "layer_plan", "format_plan", "fix_batchnorm", "optim", "layers",
+           "abadi_clip", "automatic_clip", "global_clip", "__version__"]

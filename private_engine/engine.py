@@ -1,0 +1,161 @@
+"""The privacy engine: orchestration of hooks, clipping, the private optimizer and accounting.
+
+Entry point 1 of the design notes::
+
+    engine = PrivacyEngine(model, batch_size=1000, sample_size=50_000, epochs=3,
+                           max_grad_norm=0.1, target_epsilon=3.0)
+    engine.attach(optimizer)
+    optimizer.step(loss=per_sample_losses)       # or virtual_step(loss=...) to accumulate
+    engine.get_epsilon()
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, List, Optional, Union
+
+import torch
+from torch import nn
+
+from . import optim as _optim
+from .accounting import calibrate_noise_multiplier, make_accountant, steps_for
+from .clipping import ClipFn, PerSampleClipper, check_per_sample_loss
+from .plan import LayerDecision, check_mode
+from .validation import check_no_batchnorm, clipped_layers
+
+
+class PrivacyEngine:
+    """Differentially private training of ``model`` by per-sample clipping and Gaussian noise.
+
+    Each logical batch releases ``Σ_i C_i·g_i + N(0, σ²R²I)`` (divided by the expected batch
+    size), where ``g_i`` is sample i's gradient over every trainable parameter, ``C_i`` its clip
+    factor and ``R = max_grad_norm``. Per-sample norms come from ghost norms or instantiated
+    per-sample gradients, chosen per layer (seed 002, "mixed ghost clipping"); the clipped sum
+    comes from a second backward of ``Σ_i C_i·L_i``.
+
+    Args:
+        model: the ``nn.Module`` to train; every trainable parameter must be covered by a layer
+            rule (otherwise a ValueError names them). BatchNorm is rejected (see ``fix_batchnorm``).
+        batch_size: expected logical batch size B (the divisor of the noisy sum).
+        sample_size: number of training examples n; the sampling rate is ``q = B / n``.
+        epochs / steps: training length, needed when calibrating σ from ``target_epsilon``.
+        max_grad_norm: clipping threshold R.
+        noise_multiplier: σ; or give ``target_epsilon`` (and epochs/steps) to calibrate it.
+        target_delta: δ; default ``1 / (2·sample_size)``.
+        clipping_mode: "mixed" (default; seed 002 eq. 4.1 per layer), "ghost" or "per_sample".
+        clipping_fn: "abadi", "automatic", "global" or a callable ``(norms, R) -> factors``.
+        accountant: "rdp", "prv" or "gdp" (Opacus' accountants).
+        noise_generator: optional ``torch.Generator`` for the noise (on the parameters' device).
+    """
+
+    def __init__(self, model: nn.Module, *, batch_size: int, sample_size: int, max_grad_norm: float,
+                 epochs: Optional[float] = None, steps: Optional[int] = None,
+                 noise_multiplier: Optional[float] = None, target_epsilon: Optional[float] = None,
+                 target_delta: Optional[float] = None, clipping_mode: str = "mixed",
+                 clipping_fn: Union[str, ClipFn] = "abadi", accountant: str = "rdp",
+                 noise_generator: Optional[torch.Generator] = None):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}.")
+        if not (isinstance(batch_size, int) and batch_size > 0):
+            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}.")
+        if not (isinstance(sample_size, int) and sample_size >= batch_size):
+            raise ValueError(f"sample_size must be an integer ≥ batch_size ({batch_size}), got {sample_size!r}.")
+        if (noise_multiplier is None) == (target_epsilon is None):
+            raise ValueError("give exactly one of noise_multiplier or target_epsilon.")
+        check_mode(clipping_mode)
+        self.model = model
+        self.batch_size = batch_size
+        self.sample_size = sample_size
+        self.sample_rate = batch_size / sample_size
+        self.max_grad_norm = float(max_grad_norm)
+        self.target_delta = float(target_delta) if target_delta is not None else 1.0 / (2 * sample_size)
+        self.target_epsilon = target_epsilon
+        self.accountant_name = accountant
+        self.accountant = make_accountant(accountant)
+        self.clipping_mode = clipping_mode
+        self.noise_generator = noise_generator
+        if target_epsilon is not None:
+            self.steps = steps_for(epochs, steps, self.sample_rate)
+            self.noise_multiplier = calibrate_noise_multiplier(
+                target_epsilon, self.target_delta, self.sample_rate, self.steps, accountant)
+        else:
+            if noise_multiplier < 0 or not math.isfinite(noise_multiplier):
+                raise ValueError(f"noise_multiplier must be a finite number ≥ 0, got {noise_multiplier}.")
+            self.noise_multiplier = float(noise_multiplier)
+            self.steps = steps_for(epochs, steps, self.sample_rate) if (epochs or steps) else None
+
+        check_no_batchnorm(model)
+        layers = clipped_layers(model, strict=True)
+        self.params: List[nn.Parameter] = [p for p in model.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError("the model has no trainable parameters (requires_grad=True).")
+        self.clipper = PerSampleClipper(layers, self.params, mode=clipping_mode, clipping_fn=clipping_fn,
+                                        max_grad_norm=max_grad_norm)
+        self._attached: List[_optim.PrivateStep] = []
+
+    # -- optimizer ---------------------------------------------------------------------------
+    def attach(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Privatise ``optimizer`` in place: ``step(loss=...)`` and ``virtual_step(loss=...)``.
+
+        Every parameter the optimizer updates must be a trainable parameter of the model.
+        """
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"attach expects a torch.optim.Optimizer, got {type(optimizer).__name__}.")
+        mine = {id(p) for p in self.params}
+        foreign = [i for g in optimizer.param_groups for i, p in enumerate(g["params"])
+                   if p.requires_grad and id(p) not in mine]
+        if foreign:
+            raise ValueError(
+                f"the optimizer updates {len(foreign)} trainable parameter(s) that are not the model's; they would "
+                "be updated without privacy. Build the optimizer from model.parameters()."
+            )
+        if any(s.optimizer is optimizer and s.attached for s in self._attached):
+            raise RuntimeError("this optimizer is already attached to the engine.")
+        self._attached.append(_optim.attach(self, optimizer))
+        return optimizer
+
+    def detach(self) -> None:
+        """Remove the hooks and restore every attached optimizer's own ``step``."""
+        for state in self._attached:
+            _optim.detach(state)
+        self._attached = []
+        self.clipper.remove()
+
+    # -- clipping ------------------------------------------------------------------------------
+    def clipped_grad_sum(self, loss: torch.Tensor):
+        """``([Σ_i C_i ∂L_i/∂θ for θ in params], B)`` for one physical batch.
+
+        Raises on a malformed or non-finite loss before anything is modified.
+        """
+        check_per_sample_loss(loss)
+        if loss.numel() == 0:  # an empty (Poisson) batch contributes nothing
+            self.clipper.recorder.reset()
+            return [torch.zeros_like(p) for p in self.params], 0
+        norms = self.clipper.per_sample_norms(loss)
+        if not bool(torch.isfinite(norms).all() & torch.isfinite(loss.detach()).all()):
+            self.clipper.recorder.reset()
+            raise ValueError(
+                "non-finite loss or per-sample gradient norm (NaN/inf); nothing was updated. Lower the learning "
+                "rate, check the data, or use a loss that stays finite."
+            )
+        factors = self.clipper.clip_factors(norms)
+        self.last_norms = norms.detach()
+        return self.clipper.clipped_grad_sum(loss, factors), loss.shape[0]
+
+    @property
+    def layer_plan(self) -> List[LayerDecision]:
+        """The per-layer ghost/instantiate decisions made on the last batch."""
+        return self.clipper.last_plan
+
+    # -- accounting ----------------------------------------------------------------------------
+    def _account_step(self) -> None:
+        self.accountant.step(noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate)
+
+    @property
+    def steps_taken(self) -> int:
+        return sum(n for _, _, n in self.accountant.history)
+
+    def get_epsilon(self, delta: Optional[float] = None) -> float:
+        """ε spent so far at ``delta`` (default ``target_delta``) by the engine's accountant."""
+        if not self.accountant.history:
+            return 0.0
+        return float(self.accountant.get_epsilon(delta=self.target_delta if delta is None else delta))

@@ -1,0 +1,142 @@
+"""Recording of layer inputs and output gradients — nothing else.
+
+A forward hook on every clipped module keeps, for **each call**, the (detached) input
+activation and the layer dimensions; a tensor hook on the call's output catches the gradient
+of the loss w.r.t. that output during the engine's norm pass. The tensor hook sits on the
+output's *root* (its base when the output is a reshaped view, as ``F.linear`` returns for 3-D
+inputs), so later in-place ops on the output (``ReLU(inplace=True)``) do not hide the gradient:
+hooks registered before an in-place op receive the gradient of the value before it.
+
+When all calls of a layer have their gradient, ``on_layer_ready(layer)`` is called and the
+layer's recorded tensors are released right after.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+from torch.autograd.graph import get_gradient_edge
+
+from .layers import LayerDims, LayerRule
+
+
+@dataclass
+class RecordedCall:
+    """One forward call of a clipped layer."""
+
+    activation: Optional[torch.Tensor]
+    output_shape: torch.Size
+    dims: LayerDims
+    edge: object  # autograd GradientEdge of the output's root
+    input_requires_grad: bool
+    grad: Optional[torch.Tensor] = None
+    fired: bool = False
+
+
+@dataclass
+class RecordedLayer:
+    """A clipped module and its calls in the current forward pass(es)."""
+
+    name: str
+    module: nn.Module
+    rule: LayerRule
+    calls: List[RecordedCall] = field(default_factory=list)
+
+    def pairs(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        """``[(activation, output_grad)]`` of the calls whose gradient reached the layer."""
+        return [(c.activation, c.grad) for c in self.calls if c.fired and c.grad is not None]
+
+    def release(self) -> None:
+        self.calls = []
+
+
+class LayerRecorder:
+    """Installs the hooks on ``layers = [(name, module, rule)]`` and holds their records."""
+
+    def __init__(self, layers: Sequence[Tuple[str, nn.Module, LayerRule]],
+                 on_layer_ready: Optional[Callable[[RecordedLayer], None]] = None):
+        self.layers = [RecordedLayer(name, module, rule) for name, module, rule in layers]
+        self.on_layer_ready = on_layer_ready
+        self.capturing = False
+        self.recording = True
+        self._handles = [layer.module.register_forward_hook(self._make_forward_hook(layer)) for layer in self.layers]
+
+    # -- forward ---------------------------------------------------------------------------
+    def _make_forward_hook(self, layer: RecordedLayer):
+        def hook(module, inputs, output):
+            if not (self.recording and torch.is_grad_enabled() and isinstance(output, torch.Tensor)
+                    and output.requires_grad):
+                return None
+            if not inputs or not isinstance(inputs[0], torch.Tensor):
+                raise TypeError(
+                    f"{layer.name} ({type(module).__name__}) was called without a positional tensor input; "
+                    "call clipped layers as module(x)."
+                )
+            activation = inputs[0].detach()
+            root = output
+            base = output._base
+            if base is not None and base.numel() == output.numel() and output.is_contiguous() and base.is_contiguous():
+                root = base
+            call = RecordedCall(
+                activation=activation,
+                output_shape=output.shape,
+                dims=layer.rule.dims(module, activation, output),
+                edge=get_gradient_edge(root),
+                input_requires_grad=inputs[0].requires_grad,
+            )
+            layer.calls.append(call)
+            root.register_hook(self._make_grad_hook(layer, call))
+            return None
+
+        return hook
+
+    # -- backward --------------------------------------------------------------------------
+    def _make_grad_hook(self, layer: RecordedLayer, call: RecordedCall):
+        def hook(grad):
+            if not self.capturing or call.fired:
+                return None
+            call.grad = grad.detach().reshape(call.output_shape)
+            call.fired = True
+            if all(c.fired for c in layer.calls) and self.on_layer_ready is not None:
+                self.on_layer_ready(layer)
+            return None
+
+        return hook
+
+    # -- queries used by the norm pass ------------------------------------------------------
+    def active_layers(self) -> List[RecordedLayer]:
+        return [layer for layer in self.layers if layer.calls]
+
+    def sink_edges(self) -> list:
+        """Edges of calls whose input needs no gradient: the first trainable layers.
+
+        Asking autograd for the gradients at these edges makes it run backward through every
+        recorded layer while computing activation gradients only (no weight gradients).
+        """
+        return [c.edge for layer in self.layers for c in layer.calls if not c.input_requires_grad]
+
+    def unfired_edges(self) -> list:
+        return [c.edge for layer in self.layers for c in layer.calls if not c.fired]
+
+    def finish_unfired(self) -> None:
+        """Mark calls the loss does not depend on as done (they contribute nothing)."""
+        for layer in self.layers:
+            if layer.calls and not all(c.fired for c in layer.calls):
+                for c in layer.calls:
+                    c.fired = True
+                if layer.pairs() and self.on_layer_ready is not None:
+                    self.on_layer_ready(layer)
+
+    def reset(self) -> None:
+        """Drop every record (activations, gradients, graph edges)."""
+        for layer in self.layers:
+            layer.release()
+
+    def remove(self) -> None:
+        """Remove all hooks and records."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self.reset()

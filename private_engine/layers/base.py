@@ -1,0 +1,142 @@
+"""Layer rules: the per-layer math of per-sample gradient norms.
+
+A *rule* knows, for one family of ``nn.Module`` s, how to turn the recorded input activation
+``a`` and the gradient of the layer output ``g`` (both batch-first, one slice per sample) into
+
+* the layer dimensions ``(T, D, p)`` used by the mixed-clipping decision (seed 002, eq. 4.1),
+* the per-sample squared gradient norm ``‖∂L_i/∂W‖²`` by the **ghost norm**
+  ``⟨a_i a_iᵀ, g_i g_iᵀ⟩`` (seed 002, eq. 2.7) — never forming the per-sample gradient,
+* the per-sample squared gradient norm by **instantiating** ``G_i = g_iᵀ a_i`` (p×D),
+* the per-sample gradients themselves (used by tests and by later modes).
+
+Bias terms are included in both norms: ``‖Σ_t g_{i,t}‖²``. Only parameters with
+``requires_grad=True`` contribute, so a frozen weight with a trainable bias costs only the bias.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional, Sequence, Tuple, Type
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class LayerDims:
+    """Dimensions of one layer call for the decision rule of seed 002, eq. (4.1).
+
+    ``T``: output positions per sample (H_out·W_out, sequence length, 1 for a plain vector);
+    ``D``: fan-in of one output unit (input channels per group × kernel size);
+    ``p``: output channels; ``groups``: independent weight blocks (grouped convolutions).
+    ``ghost_capable``: False for layers whose per-sample gradient is no larger than the
+    activation itself (elementwise-affine norms), where instantiation is always cheaper.
+    """
+
+    T: int
+    D: int
+    p: int
+    groups: int = 1
+    ghost_capable: bool = True
+
+    @property
+    def ghost_cost(self) -> int:
+        """Memory per sample of the ghost norm: two T×T Gram matrices per group, ``2·T²``."""
+        return 2 * self.T * self.T * self.groups
+
+    @property
+    def instantiate_cost(self) -> int:
+        """Memory per sample of the instantiated per-sample weight gradient, ``p·D``."""
+        return self.p * self.D
+
+
+Call = Tuple[torch.Tensor, torch.Tensor]  # (activation a, output gradient g) of one forward call
+
+
+class LayerRule:
+    """Base class of a layer rule; subclasses implement the math for one module family.
+
+    Every norm method takes *all* calls of the module in one forward pass, ``calls = [(a, g), …]``:
+    a layer applied c times has per-sample gradient ``Σ_c G_i^c`` whose norm has cross terms, so
+    calls are concatenated along the position axis (ghost) or summed (instantiation), never
+    normed one by one.
+    """
+
+    #: module classes this rule applies to (looked up along the class hierarchy)
+    module_types: Tuple[Type[nn.Module], ...] = ()
+    #: names of the direct parameters the rule clips
+    param_names: Tuple[str, ...] = ("weight", "bias")
+
+    def check(self, module: nn.Module) -> None:
+        """Raise a clear error if this module instance uses a feature the rule cannot clip."""
+
+    def dims(self, module: nn.Module, activation: torch.Tensor, output: torch.Tensor) -> LayerDims:
+        """Dimensions (T, D, p) of one forward call, from shapes only (no device work)."""
+        raise NotImplementedError
+
+    def ghost_norm_sq(self, module: nn.Module, calls: Sequence[Call]) -> torch.Tensor:
+        """Per-sample ‖∂L_i/∂θ‖² over the module's trainable parameters, by ghost norm."""
+        raise NotImplementedError
+
+    def per_sample_grads(self, module: nn.Module, calls: Sequence[Call]) -> Dict[str, torch.Tensor]:
+        """Per-sample gradients ``{param_name: (B, *param.shape)}`` of trainable parameters."""
+        raise NotImplementedError
+
+    def instantiated_norm_sq(self, module: nn.Module, calls: Sequence[Call]) -> torch.Tensor:
+        """Per-sample ‖∂L_i/∂θ‖² by instantiating the per-sample gradients, ``Σ_θ ‖G_i^θ‖²_F``."""
+        g = calls[0][1]
+        total = torch.zeros(g.shape[0], dtype=accumulation_dtype(g), device=g.device)
+        for grad in self.per_sample_grads(module, calls).values():
+            total = total + grad.reshape(grad.shape[0], -1).pow(2).sum(1)
+        return total
+
+
+_RULES: Dict[Type[nn.Module], LayerRule] = {}
+
+
+def register_rule(rule: LayerRule, *module_types: Type[nn.Module]) -> LayerRule:
+    """Register ``rule`` for ``module_types`` (default: ``rule.module_types``)."""
+    for cls in module_types or rule.module_types:
+        _RULES[cls] = rule
+    return rule
+
+
+def find_rule(module: nn.Module) -> Optional[LayerRule]:
+    """The rule for ``module``: the registered class nearest along its MRO, or None."""
+    for cls in type(module).__mro__:
+        rule = _RULES.get(cls)
+        if rule is not None:
+            return rule
+    return None
+
+
+def trainable(module: nn.Module, name: str) -> bool:
+    """True when ``module.<name>`` is a parameter that requires a gradient."""
+    param = getattr(module, name, None)
+    return isinstance(param, nn.Parameter) and param.requires_grad
+
+
+def accumulation_dtype(t: torch.Tensor) -> torch.dtype:
+    """Norms are accumulated in at least float32 (float64 stays float64)."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def flatten_positions(t: torch.Tensor, features: int) -> torch.Tensor:
+    """Reshape a batch-first tensor ``(B, *positions, features)`` to ``(B, T, features)``."""
+    return t.reshape(t.shape[0], -1, features)
+
+
+def gram_inner(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Ghost norm ``⟨a aᵀ, g gᵀ⟩`` per leading index for ``a: (N, T, D)``, ``g: (N, T, p)``.
+
+    With T = 1 this is ``‖a‖²·‖g‖²`` (no Gram matrices needed).
+    """
+    if a.shape[1] == 1:
+        return a.pow(2).sum((1, 2)) * g.pow(2).sum((1, 2))
+    aat = torch.bmm(a, a.transpose(1, 2))
+    ggt = torch.bmm(g, g.transpose(1, 2))
+    return (aat * ggt).sum((1, 2))
+
+
+def zeros_like_batch(g: torch.Tensor) -> torch.Tensor:
+    """A zero per-sample vector in the accumulation dtype of ``g``."""
+    return torch.zeros(g.shape[0], dtype=accumulation_dtype(g), device=g.device)

@@ -1,0 +1,104 @@
+"""Rule for ``nn.Conv1d/2d/3d``: stride, padding (ints, "same", "valid", every padding mode),
+dilation, groups and bias.
+
+The input is padded exactly as the layer pads it and unfolded (im2col, operator U of seed 002)
+into ``U(a_i) ∈ R^{T×groups×D}`` with ``T = Π S_out`` and ``D = (C_in/groups)·Π k``. For each
+group γ the layer is linear: ``G_i^γ = g_i^γᵀ U(a_i)^γ`` (p/groups × D), so
+
+* ghost norm: ``‖G_i‖² = Σ_γ ⟨U(a_i)^γ U(a_i)^γᵀ, g_i^γ g_i^γᵀ⟩`` (seed 002, eq. 2.7, per group),
+* instantiation: ``Σ_γ ‖g_i^γᵀ U(a_i)^γ‖²_F``,
+* bias: ``‖Σ_t g_{i,t}‖²``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .base import LayerDims, LayerRule, accumulation_dtype, gram_inner, register_rule, trainable, zeros_like_batch
+
+
+def unfold_conv_input(module: nn.modules.conv._ConvNd, a: torch.Tensor) -> torch.Tensor:
+    """im2col for any spatial rank: ``(B, C_in, *S) -> (B, T, groups, (C_in/groups)·Πk)``.
+
+    Padding follows the module (``_reversed_padding_repeated_twice`` covers ints, "same" with
+    its asymmetric split, and "valid"; the padding mode picks zeros/reflect/replicate/circular),
+    so the column order matches ``weight.view(p, -1)`` within each group.
+    """
+    nd = a.dim() - 2
+    pad = list(module._reversed_padding_repeated_twice)
+    if any(pad):
+        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+        a = F.pad(a, pad, mode=mode)
+    for i in range(nd):
+        k, s, d = module.kernel_size[i], module.stride[i], module.dilation[i]
+        a = a.unfold(2 + i, d * (k - 1) + 1, s)
+    if any(d != 1 for d in module.dilation):
+        index = (slice(None),) * (2 + nd) + tuple(slice(None, None, d) for d in module.dilation)
+        a = a[index]
+    B, C = a.shape[:2]
+    T = math.prod(a.shape[2 : 2 + nd])
+    a = a.permute(0, *range(2, 2 + nd), 1, *range(2 + nd, 2 + 2 * nd))
+    return a.reshape(B, T, module.groups, (C // module.groups) * math.prod(module.kernel_size))
+
+
+class ConvRule(LayerRule):
+    module_types = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+    def _views(self, module, calls):
+        """Unfolded inputs ``(B·groups, T, D)`` and output grads ``(B·groups, T, p/groups)``."""
+        Us, Gs = [], []
+        for a, g in calls:
+            dt = accumulation_dtype(g)
+            if a.dim() != len(module.kernel_size) + 2:
+                raise ValueError(
+                    f"{type(module).__name__} expects batched input (B, C, *spatial); got shape {tuple(a.shape)}. "
+                    "Unbatched inputs cannot be clipped per sample: add a batch dimension."
+                )
+            U = unfold_conv_input(module, a.to(dt))  # (B, T, groups, D)
+            B, T, groups, D = U.shape
+            G = g.to(dt).reshape(B, groups, module.out_channels // groups, -1)  # (B, groups, p_g, T)
+            if G.shape[-1] != T:
+                raise ValueError(
+                    f"{type(module).__name__}: unfolded {T} positions but the output has {G.shape[-1]}; "
+                    "a subclass that changes Conv's forward needs its own rule."
+                )
+            Us.append(U.permute(0, 2, 1, 3).reshape(B * groups, T, D))
+            Gs.append(G.permute(0, 1, 3, 2).reshape(B * groups, T, -1))
+        if len(calls) == 1:
+            return Us[0], Gs[0]
+        return torch.cat(Us, 1), torch.cat(Gs, 1)
+
+    def dims(self, module, activation, output):
+        T = math.prod(output.shape[2:])
+        D = (module.in_channels // module.groups) * math.prod(module.kernel_size)
+        return LayerDims(T=T, D=D, p=module.out_channels, groups=module.groups)
+
+    def _bias_grad(self, calls):
+        return sum(g.to(accumulation_dtype(g)).flatten(2).sum(2) for _, g in calls)
+
+    def ghost_norm_sq(self, module, calls):
+        g0 = calls[0][1]
+        total = zeros_like_batch(g0)
+        if trainable(module, "weight"):
+            U, G = self._views(module, calls)
+            total = total + gram_inner(U, G).reshape(g0.shape[0], module.groups).sum(1)
+        if trainable(module, "bias"):
+            total = total + self._bias_grad(calls).pow(2).sum(1)
+        return total
+
+    def per_sample_grads(self, module, calls) -> Dict[str, torch.Tensor]:
+        out = {}
+        if trainable(module, "weight"):
+            U, G = self._views(module, calls)
+            W = torch.bmm(G.transpose(1, 2), U)  # (B*groups, p_g, D)
+            out["weight"] = W.reshape(calls[0][1].shape[0], *module.weight.shape)
+        if trainable(module, "bias"):
+            out["bias"] = self._bias_grad(calls)
+        return out
+
+
+register_rule(ConvRule())

@@ -1,0 +1,70 @@
+"""Rule for ``nn.Embedding`` (``padding_idx`` respected).
+
+For token ids x_i ∈ {0..V-1}^T and output gradient g_i ∈ R^{T×p}, the per-sample gradient is
+``G_i = Σ_t e_{x_{i,t}} g_{i,t}ᵀ`` (V×p), with rows at ``padding_idx`` zero. Its ghost norm is
+``‖G_i‖² = Σ_{t,s} 1[x_{i,t} = x_{i,s}] ⟨g_{i,t}, g_{i,s}⟩`` (Li et al. 2022; seed 002 §1),
+i.e. ``⟨a_i a_iᵀ, g_i g_iᵀ⟩`` with one-hot rows ``a_{i,t} = e_{x_{i,t}}``; ``D = V``.
+"""
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+from torch import nn
+
+from .base import LayerDims, LayerRule, accumulation_dtype, register_rule, trainable, zeros_like_batch
+
+
+class EmbeddingRule(LayerRule):
+    module_types = (nn.Embedding,)
+    param_names = ("weight",)
+
+    def check(self, module):
+        if module.sparse:
+            raise ValueError(
+                "nn.Embedding(sparse=True) produces sparse gradients that DP noise would densify; "
+                "build it with sparse=False."
+            )
+        if module.scale_grad_by_freq:
+            raise ValueError(
+                "nn.Embedding(scale_grad_by_freq=True) scales gradients by token counts of the whole batch, "
+                "which couples samples and breaks per-sample clipping; build it with scale_grad_by_freq=False."
+            )
+
+    def _views(self, module, calls):
+        ids_all, G_all = [], []
+        for ids, g in calls:
+            B = ids.shape[0]
+            ids = ids.reshape(B, -1)
+            G = g.to(accumulation_dtype(g)).reshape(B, ids.shape[1], module.embedding_dim)
+            if module.padding_idx is not None:
+                G = G * (ids != module.padding_idx).unsqueeze(-1).to(G.dtype)
+            ids_all.append(ids)
+            G_all.append(G)
+        if len(calls) == 1:
+            return ids_all[0], G_all[0]
+        return torch.cat(ids_all, 1), torch.cat(G_all, 1)
+
+    def dims(self, module, activation, output):
+        B = activation.shape[0]
+        T = activation.numel() // B if B else 1
+        return LayerDims(T=T, D=module.num_embeddings, p=module.embedding_dim)
+
+    def ghost_norm_sq(self, module, calls):
+        if not trainable(module, "weight"):
+            return zeros_like_batch(calls[0][1])
+        ids, G = self._views(module, calls)
+        same = (ids.unsqueeze(2) == ids.unsqueeze(1)).to(G.dtype)
+        return (same * torch.bmm(G, G.transpose(1, 2))).sum((1, 2))
+
+    def per_sample_grads(self, module, calls) -> Dict[str, torch.Tensor]:
+        if not trainable(module, "weight"):
+            return {}
+        ids, G = self._views(module, calls)
+        B, T = ids.shape
+        out = torch.zeros(B, module.num_embeddings, module.embedding_dim, dtype=G.dtype, device=G.device)
+        out.scatter_add_(1, ids.unsqueeze(-1).expand(B, T, module.embedding_dim), G)
+        return {"weight": out}
+
+
+register_rule(EmbeddingRule())

@@ -1,0 +1,60 @@
+"""Rule for ``nn.Linear`` with inputs of any rank ≥ 2: (B, d), (B, T, d), (B, H, W, d), …
+
+With a_i ∈ R^{T×d} and g_i ∈ R^{T×p} (positions flattened, calls concatenated), the per-sample
+weight gradient is ``G_i = g_iᵀ a_i`` and its ghost norm ``‖G_i‖²_F = ⟨a_i a_iᵀ, g_i g_iᵀ⟩``
+(seed 002, eq. 2.7); the bias gradient is ``Σ_t g_{i,t}``.
+"""
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+from torch import nn
+
+from .base import (LayerDims, LayerRule, accumulation_dtype, flatten_positions, gram_inner, register_rule,
+                   trainable, zeros_like_batch)
+
+
+class LinearRule(LayerRule):
+    module_types = (nn.Linear,)
+
+    def _views(self, module: nn.Linear, calls):
+        A, G = [], []
+        for a, g in calls:
+            if a.shape[-1] != module.in_features or g.shape[-1] != module.out_features:
+                raise ValueError(
+                    f"{type(module).__name__}: recorded shapes {tuple(a.shape)} -> {tuple(g.shape)} do not match "
+                    f"in_features={module.in_features}, out_features={module.out_features}; a subclass that "
+                    "changes Linear's forward needs its own rule (private_engine.layers.register_rule)."
+                )
+            dt = accumulation_dtype(g)
+            A.append(flatten_positions(a, module.in_features).to(dt))
+            G.append(flatten_positions(g, module.out_features).to(dt))
+        if len(calls) == 1:
+            return A[0], G[0]
+        return torch.cat(A, 1), torch.cat(G, 1)
+
+    def dims(self, module, activation, output):
+        T = output.numel() // (output.shape[0] * module.out_features) if output.shape[0] else 1
+        return LayerDims(T=T, D=module.in_features, p=module.out_features)
+
+    def ghost_norm_sq(self, module, calls):
+        A, G = self._views(module, calls)
+        total = zeros_like_batch(G)
+        if trainable(module, "weight"):
+            total = total + gram_inner(A, G)
+        if trainable(module, "bias"):
+            total = total + G.sum(1).pow(2).sum(1)
+        return total
+
+    def per_sample_grads(self, module, calls) -> Dict[str, torch.Tensor]:
+        A, G = self._views(module, calls)
+        out = {}
+        if trainable(module, "weight"):
+            out["weight"] = torch.bmm(G.transpose(1, 2), A)
+        if trainable(module, "bias"):
+            out["bias"] = G.sum(1)
+        return out
+
+
+register_rule(LinearRule())

@@ -1,0 +1,122 @@
+"""The layerwise decision of mixed ghost clipping (seed 002, Algorithm 1, eq. 4.1) and its report.
+
+Per layer and per batch: use the ghost norm iff ``2·T² < p·D`` (mode "mixed"), always
+(mode "ghost"), or never (mode "per_sample"). Layers whose per-sample gradient is no larger
+than an activation row (affine parameters of LayerNorm/GroupNorm) are always instantiated.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from .layers import LayerDims
+
+CLIPPING_MODES = ("mixed", "ghost", "per_sample")
+
+
+@dataclass(frozen=True)
+class LayerDecision:
+    """One row of the layer plan.
+
+    ``ghost_cost = 2·T²`` (times the number of groups for grouped convolutions) and
+    ``instantiate_cost = p·D`` are per-sample memory in elements (seed 002, Table 1).
+    ``calls`` counts the layer's calls in the forward pass (their positions are concatenated).
+    """
+
+    name: str
+    layer_type: str
+    T: int
+    D: int
+    p: int
+    ghost_cost: int
+    instantiate_cost: int
+    use_ghost: bool
+    groups: int = 1
+    calls: int = 1
+
+
+def check_mode(mode: str) -> str:
+    if mode not in CLIPPING_MODES:
+        raise ValueError(f"clipping_mode must be one of {CLIPPING_MODES}, got {mode!r}.")
+    return mode
+
+
+def merge_dims(dims: Sequence[LayerDims]) -> LayerDims:
+    """Dimensions of a layer called several times: positions of all calls concatenated."""
+    first = dims[0]
+    return LayerDims(T=sum(d.T for d in dims), D=first.D, p=first.p, groups=first.groups,
+                     ghost_capable=first.ghost_capable)
+
+
+def use_ghost(dims: LayerDims, mode: str) -> bool:
+    """Seed 002, eq. (4.1): ghost norm iff ``2·T² < p·D`` in mode "mixed"."""
+    if not dims.ghost_capable:
+        return False
+    if mode == "ghost":
+        return True
+    if mode == "per_sample":
+        return False
+    return dims.ghost_cost < dims.instantiate_cost
+
+
+def decide(name: str, module: nn.Module, dims: Sequence[LayerDims], mode: str) -> LayerDecision:
+    """The decision for one layer given the dimensions of its calls in this batch."""
+    merged = merge_dims(dims)
+    return LayerDecision(
+        name=name, layer_type=type(module).__name__, T=merged.T, D=merged.D, p=merged.p,
+        ghost_cost=merged.ghost_cost, instantiate_cost=merged.instantiate_cost,
+        use_ghost=use_ghost(merged, mode), groups=merged.groups, calls=len(dims),
+    )
+
+
+def layer_plan(model: nn.Module, example_input, mode: str = "mixed") -> List[LayerDecision]:
+    """The per-layer ghost/instantiate decision for ``model`` on ``example_input``, without training.
+
+    Runs one forward pass with recording hooks (no backward, no parameter change) and applies
+    eq. (4.1) of seed 002 to every trainable layer that has a rule. ``example_input`` is a tensor
+    or a tuple of positional inputs, batch-first.
+    """
+    from .hooks import LayerRecorder
+    from .validation import clipped_layers
+
+    check_mode(mode)
+
+    recorder = LayerRecorder(clipped_layers(model, strict=False))
+    was_training = model.training
+    try:
+        with torch.enable_grad():
+            args = example_input if isinstance(example_input, tuple) else (example_input,)
+            model(*args)
+        return [decide(l.name, l.module, [c.dims for c in l.calls], mode) for l in recorder.active_layers()]
+    finally:
+        recorder.remove()
+        model.train(was_training)
+
+
+def _fmt(n: int) -> str:
+    return f"{n:,}"
+
+
+def format_plan(plan: Sequence[LayerDecision], title: Optional[str] = None) -> str:
+    """A readable table of a layer plan with per-strategy totals of per-sample memory."""
+    headers = ["layer", "type", "T", "D", "p", "2T²", "pD", "choice"]
+    rows = []
+    for d in plan:
+        rows.append([d.name + (f" (x{d.calls})" if d.calls > 1 else ""), d.layer_type, _fmt(d.T), _fmt(d.D),
+                     _fmt(d.p), _fmt(d.ghost_cost), _fmt(d.instantiate_cost),
+                     "ghost" if d.use_ghost else "instantiate"])
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    line = lambda r: "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+    out = [title] if title else []
+    out += [line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows]
+    ghost_total = sum(d.ghost_cost for d in plan)
+    inst_total = sum(d.instantiate_cost for d in plan)
+    mixed_total = sum(d.ghost_cost if d.use_ghost else d.instantiate_cost for d in plan)
+    n_ghost = sum(d.use_ghost for d in plan)
+    out.append("")
+    out.append(f"per-sample memory (elements): all ghost {_fmt(ghost_total)} | all instantiate {_fmt(inst_total)} "
+               f"| this plan {_fmt(mixed_total)} ({n_ghost} ghost, {len(plan) - n_ghost} instantiate)")
+    return "\n".join(out)

@@ -1,0 +1,104 @@
+"""Model checks done before training starts, and the BatchNorm fix helper."""
+from __future__ import annotations
+
+from typing import List, Tuple
+
+from torch import nn
+
+from .layers import LayerRule, find_rule
+
+
+def batchnorm_modules(model: nn.Module) -> List[str]:
+    """Names of BatchNorm modules (their batch statistics mix samples, so no per-sample gradient exists)."""
+    return [name or type(model).__name__ for name, m in model.named_modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+
+def check_no_batchnorm(model: nn.Module) -> None:
+    bns = batchnorm_modules(model)
+    if bns:
+        shown = ", ".join(bns[:8]) + (f", … ({len(bns)} in all)" if len(bns) > 8 else "")
+        raise ValueError(
+            f"the model has BatchNorm layers ({shown}); BatchNorm mixes samples through batch statistics, so "
+            "per-sample clipping is not defined. Replace them with GroupNorm: "
+            "model = private_engine.fix_batchnorm(model)."
+        )
+
+
+def fix_batchnorm(model: nn.Module, num_groups: int = 32) -> nn.Module:
+    """Replace every BatchNorm by GroupNorm (Opacus' ``ModuleValidator.fix``), returning the fixed model.
+
+    GroupNorm(min(num_groups, C), C) normalises each sample on its own, so per-sample gradients exist.
+    timm's ``BatchNormAct2d`` (BatchNorm + activation) becomes timm's ``GroupNormAct`` with the same
+    activation.
+    """
+    from opacus.validators import ModuleValidator
+
+    model = _fix_timm_norm_act(model, num_groups)
+    model = ModuleValidator.fix(model)
+    check_no_batchnorm(model)
+    return model
+
+
+def _groups_for(channels: int, num_groups: int) -> int:
+    import math
+
+    return math.gcd(channels, num_groups)
+
+
+def _fix_timm_norm_act(model: nn.Module, num_groups: int) -> nn.Module:
+    try:
+        from timm.layers import BatchNormAct2d, GroupNormAct
+    except ImportError:  # pragma: no cover - timm is a dependency
+        return model
+    for name, child in list(model.named_children()):
+        if isinstance(child, BatchNormAct2d):
+            C = child.num_features
+            repl = GroupNormAct(C, num_groups=_groups_for(C, num_groups), eps=child.eps, affine=child.affine,
+                                apply_act=not isinstance(child.act, nn.Identity))
+            repl.act = child.act
+            repl.drop = child.drop
+            setattr(model, name, repl)
+        else:
+            _fix_timm_norm_act(child, num_groups)
+    return model
+
+
+def clipped_layers(model: nn.Module, strict: bool = True) -> List[Tuple[str, nn.Module, LayerRule]]:
+    """``[(name, module, rule)]`` for every module owning trainable parameters, checked.
+
+    With ``strict``, a trainable parameter that no rule covers raises one error naming all of
+    them (never silently frozen or left unclipped), as does a parameter shared between modules.
+    """
+    layers, unsupported, owners = [], [], {}
+    for name, module in model.named_modules():
+        own = [(pname, p) for pname, p in module.named_parameters(recurse=False) if p.requires_grad]
+        if not own:
+            continue
+        rule = find_rule(module)
+        covered = set(rule.param_names) if rule is not None else set()
+        missing = [f"{name + '.' if name else ''}{pname}" for pname, _ in own if pname not in covered]
+        for pname, p in own:
+            owners.setdefault(id(p), []).append(f"{name + '.' if name else ''}{pname}")
+        if missing:
+            unsupported.append((type(module).__name__, missing))
+            continue
+        if strict:
+            rule.check(module)
+        layers.append((name, module, rule))
+    if strict:
+        shared = [names for names in owners.values() if len(names) > 1]
+        if shared:
+            raise ValueError(
+                "parameters shared between modules are not supported yet (their per-sample gradients add up "
+                f"across modules): {shared}. Untie them or freeze them (requires_grad_(False))."
+            )
+        if unsupported:
+            lines = "\n".join(f"  {t}: {', '.join(ps)}" for t, ps in unsupported)
+            raise ValueError(
+                "these trainable parameters have no per-sample clipping rule yet:\n" + lines + "\n"
+                "Freeze them with p.requires_grad_(False) (e.g. timm ViT cls_token/pos_embed), replace the module "
+                "with a supported one (Linear, Conv1d/2d/3d, Embedding, LayerNorm, GroupNorm), or register a rule "
+                "with private_engine.layers.register_rule."
+            )
+    return layers
