@@ -36,6 +36,7 @@ class LayerDecision:
     use_ghost: bool
     groups: int = 1
     calls: int = 1
+    ghost_capable: bool = True
 
 
 def check_mode(mode: str) -> str:
@@ -69,6 +70,7 @@ def decide(name: str, module: nn.Module, dims: Sequence[LayerDims], mode: str) -
         name=name, layer_type=type(module).__name__, T=merged.T, D=merged.D, p=merged.p,
         ghost_cost=merged.ghost_cost, instantiate_cost=merged.instantiate_cost,
         use_ghost=use_ghost(merged, mode), groups=merged.groups, calls=len(dims),
+        ghost_capable=merged.ghost_capable,
     )
 
 
@@ -101,18 +103,21 @@ def _fmt(n: int) -> str:
 
 
 def format_plan(plan: Sequence[LayerDecision], title: Optional[str] = None) -> str:
-    """A readable table of a layer plan with per-strategy totals of per-sample memory."""
+    """A readable table of a layer plan with per-strategy totals of per-sample memory.
+
+    Layers without a ghost form (affine norms, "-" in the 2T² column) count at p·D in every total.
+    """
     headers = ["layer", "type", "T", "D", "p", "2T²", "pD", "choice"]
     rows = []
     for d in plan:
         rows.append([d.name + (f" (x{d.calls})" if d.calls > 1 else ""), d.layer_type, _fmt(d.T), _fmt(d.D),
-                     _fmt(d.p), _fmt(d.ghost_cost), _fmt(d.instantiate_cost),
+                     _fmt(d.p), _fmt(d.ghost_cost) if d.ghost_capable else "-", _fmt(d.instantiate_cost),
                      "ghost" if d.use_ghost else "instantiate"])
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
     line = lambda r: "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
     out = [title] if title else []
     out += [line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows]
-    ghost_total = sum(d.ghost_cost for d in plan)
+    ghost_total = sum(d.ghost_cost if d.ghost_capable else d.instantiate_cost for d in plan)
     inst_total = sum(d.instantiate_cost for d in plan)
     mixed_total = sum(d.ghost_cost if d.use_ghost else d.instantiate_cost for d in plan)
     n_ghost = sum(d.use_ghost for d in plan)

@@ -64,12 +64,8 @@ def _fix_timm_norm_act(model: nn.Module, num_groups: int) -> nn.Module:
     return model
 
 
-def clipped_layers(model: nn.Module, strict: bool = True) -> List[Tuple[str, nn.Module, LayerRule]]:
-    """``[(name, module, rule)]`` for every module owning trainable parameters, checked.
-
-    With ``strict``, a trainable parameter that no rule covers raises one error naming all of
-    them (never silently frozen or left unclipped), as does a parameter shared between modules.
-    """
+def _scan(model: nn.Module):
+    """Modules owning trainable parameters: ``(layers, unsupported, owners)``."""
     layers, unsupported, owners = [], [], {}
     for name, module in model.named_modules():
         own = [(pname, p) for pname, p in module.named_parameters(recurse=False) if p.requires_grad]
@@ -77,28 +73,45 @@ def clipped_layers(model: nn.Module, strict: bool = True) -> List[Tuple[str, nn.
             continue
         rule = find_rule(module)
         covered = set(rule.param_names) if rule is not None else set()
-        missing = [f"{name + '.' if name else ''}{pname}" for pname, _ in own if pname not in covered]
+        prefix = f"{name}." if name else ""
         for pname, p in own:
-            owners.setdefault(id(p), []).append(f"{name + '.' if name else ''}{pname}")
+            owners.setdefault(id(p), []).append(prefix + pname)
+        missing = [prefix + pname for pname, _ in own if pname not in covered]
         if missing:
             unsupported.append((type(module).__name__, missing))
-            continue
-        if strict:
-            rule.check(module)
-        layers.append((name, module, rule))
-    if strict:
-        shared = [names for names in owners.values() if len(names) > 1]
-        if shared:
-            raise ValueError(
-                "parameters shared between modules are not supported yet (their per-sample gradients add up "
-                f"across modules): {shared}. Untie them or freeze them (requires_grad_(False))."
-            )
-        if unsupported:
-            lines = "\n".join(f"  {t}: {', '.join(ps)}" for t, ps in unsupported)
-            raise ValueError(
-                "these trainable parameters have no per-sample clipping rule yet:\n" + lines + "\n"
-                "Freeze them with p.requires_grad_(False) (e.g. timm ViT cls_token/pos_embed), replace the module "
-                "with a supported one (Linear, Conv1d/2d/3d, Embedding, LayerNorm, GroupNorm), or register a rule "
-                "with private_engine.layers.register_rule."
-            )
+        else:
+            layers.append((name, module, rule))
+    return layers, unsupported, owners
+
+
+def unsupported_parameters(model: nn.Module) -> List[str]:
+    """Names of trainable parameters that no layer rule covers."""
+    return [n for _, names in _scan(model)[1] for n in names]
+
+
+def clipped_layers(model: nn.Module, strict: bool = True) -> List[Tuple[str, nn.Module, LayerRule]]:
+    """``[(name, module, rule)]`` for every module owning trainable parameters, checked.
+
+    With ``strict``, a trainable parameter that no rule covers raises one error naming all of
+    them (never silently frozen or left unclipped), as does a parameter shared between modules.
+    """
+    layers, unsupported, owners = _scan(model)
+    if not strict:
+        return layers
+    for _, module, rule in layers:
+        rule.check(module)
+    shared = [names for names in owners.values() if len(names) > 1]
+    if shared:
+        raise ValueError(
+            "parameters shared between modules are not supported yet (their per-sample gradients add up "
+            f"across modules): {shared}. Untie them or freeze them (requires_grad_(False))."
+        )
+    if unsupported:
+        lines = "\n".join(f"  {t}: {', '.join(ps)}" for t, ps in unsupported)
+        raise ValueError(
+            "these trainable parameters have no per-sample clipping rule yet:\n" + lines + "\n"
+            "Freeze them with p.requires_grad_(False) (e.g. timm ViT cls_token/pos_embed), replace the module "
+            "with a supported one (Linear, Conv1d/2d/3d, Embedding, LayerNorm, GroupNorm), or register a rule "
+            "with private_engine.layers.register_rule."
+        )
     return layers

@@ -1,0 +1,111 @@
+"""Command line: ``private-engine plan | epsilon | noise | probe``."""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional
+
+
+def _ints(text: str) -> List[int]:
+    try:
+        return [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 3,224,224; got {text!r}") from None
+
+
+def cmd_plan(args) -> int:
+    """Print the per-layer ghost/instantiate decision (seed 002, eq. 4.1) for a named model."""
+    import torch
+
+    from .models import create_model
+    from .plan import format_plan, layer_plan
+    from .validation import batchnorm_modules, fix_batchnorm, unsupported_parameters
+
+    model = create_model(args.model, pretrained=False)
+    if batchnorm_modules(model):
+        model = fix_batchnorm(model)
+        print("note: BatchNorm replaced by GroupNorm (private_engine.fix_batchnorm) for the plan")
+    model.train()
+    x = torch.randn(args.batch_size, *args.input_size)
+    plan = layer_plan(model, x, mode=args.mode)
+    print(format_plan(plan, title=f"{args.model} at input {tuple(args.input_size)}, mode={args.mode}"))
+    missing = unsupported_parameters(model)
+    if missing:
+        print(f"\nno rule yet (freeze them or see docs): {', '.join(missing)}")
+    return 0
+
+
+def cmd_epsilon(args) -> int:
+    """ε spent by DP-SGD with noise σ, batch B, n examples, after the given epochs or steps."""
+    from .accounting import epsilon_for, steps_for
+
+    q = args.batch_size / args.sample_size
+    steps = steps_for(args.epochs, args.steps, q)
+    delta = args.delta if args.delta is not None else 1.0 / (2 * args.sample_size)
+    eps = epsilon_for(args.noise_multiplier, q, steps, delta, args.accountant)
+    print(f"ε = {eps:.4f} at δ = {delta:.3g} ({args.accountant}; σ = {args.noise_multiplier}, q = {q:.5g}, "
+          f"{steps} steps)")
+    return 0
+
+
+def cmd_noise(args) -> int:
+    """The noise multiplier σ that spends ``--epsilon`` over the given training length."""
+    from .accounting import calibrate_noise_multiplier, steps_for
+
+    q = args.batch_size / args.sample_size
+    steps = steps_for(args.epochs, args.steps, q)
+    delta = args.delta if args.delta is not None else 1.0 / (2 * args.sample_size)
+    sigma = calibrate_noise_multiplier(args.epsilon, delta, q, steps, args.accountant)
+    print(f"σ = {sigma:.5f} for ε = {args.epsilon} at δ = {delta:.3g} ({args.accountant}; q = {q:.5g}, {steps} steps)")
+    return 0
+
+
+def _training_length(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--batch-size", type=int, required=True, help="expected logical batch size B")
+    p.add_argument("--sample-size", type=int, required=True, help="number of training examples n")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--epochs", type=float)
+    g.add_argument("--steps", type=int)
+    p.add_argument("--delta", type=float, default=None, help="default 1/(2n)")
+    p.add_argument("--accountant", default="rdp", choices=["rdp", "prv", "gdp"])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="private-engine", description="Differentially private training tools.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("plan", help="per-layer ghost/instantiate decision for a timm/torchvision model")
+    p.add_argument("--model", required=True, help="timm or torchvision model name, e.g. vit_tiny_patch16_224")
+    p.add_argument("--input-size", type=_ints, default=[3, 224, 224], help="C,H,W of one sample (default 3,224,224)")
+    p.add_argument("--mode", default="mixed", choices=["mixed", "ghost", "per_sample"])
+    p.add_argument("--batch-size", type=int, default=1, help="batch used for the shape pass")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("epsilon", help="ε spent by DP-SGD for a noise multiplier and training length")
+    p.add_argument("--noise-multiplier", type=float, required=True)
+    _training_length(p)
+    p.set_defaults(func=cmd_epsilon)
+
+    p = sub.add_parser("noise", help="noise multiplier σ calibrated to a target ε")
+    p.add_argument("--epsilon", type=float, required=True)
+    _training_length(p)
+    p.set_defaults(func=cmd_noise)
+
+    try:
+        from .heads.probe import add_probe_arguments, run_probe
+    except ImportError:  # heads not installed in this build
+        pass
+    else:
+        p = sub.add_parser("probe", help="DP linear probes (DP-LS, DP-Newton, DP-FC, DP-Adam, DP mean) over a list of ε")
+        add_probe_arguments(p)
+        p.set_defaults(func=run_probe)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""Data the project can use without any download, and batching helpers for DP training.
+
+* ``load_digits_images``: the UCI handwritten digits (1,797 8×8 images, 10 classes) shipped
+  inside scikit-learn, resized to any image size and channel count.
+* ``poisson_loader``: Opacus' ``DPDataLoader`` (Poisson sampling at rate q = B/n, the sampling
+  the accountants assume; empty batches possible).
+* ``physical_chunks``: split a logical batch into physical batches for gradient accumulation.
+"""
+from __future__ import annotations
+
+from typing import Iterator, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def load_digits_images(image_size: int = 32, channels: int = 3, test_fraction: float = 0.2, seed: int = 0,
+                       normalize: bool = True) -> Tuple[TensorDataset, TensorDataset]:
+    """Train/test ``TensorDataset`` s of scikit-learn's digits, as ``(N, channels, size, size)`` floats.
+
+    Pixels (0..16) are scaled to [0, 1], resized bilinearly, repeated over channels and (with
+    ``normalize``) standardised with the training-set mean and std. The split is stratified-free,
+    a seeded permutation.
+    """
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    y = torch.tensor(digits.target, dtype=torch.long)
+    if image_size != 8:
+        x = F.interpolate(x, size=(image_size, image_size), mode="bilinear", align_corners=False)
+    x = x.repeat(1, channels, 1, 1)
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(len(y), generator=g)
+    n_test = int(round(test_fraction * len(y)))
+    test_idx, train_idx = perm[:n_test], perm[n_test:]
+    if normalize:
+        mean, std = x[train_idx].mean(), x[train_idx].std()
+        x = (x - mean) / std
+    return TensorDataset(x[train_idx], y[train_idx]), TensorDataset(x[test_idx], y[test_idx])
+
+
+def poisson_loader(dataset, batch_size: int, generator: torch.Generator = None) -> DataLoader:
+    """Opacus' Poisson-sampling loader: each example joins each batch independently with
+    probability exactly ``q = batch_size / len(dataset)`` (the rate the engine accounts for);
+    ``len(loader) = int(1/q)`` batches per epoch, empty batches possible."""
+    from opacus.data_loader import DPDataLoader
+
+    return DPDataLoader(dataset, sample_rate=batch_size / len(dataset), generator=generator)
+
+
+def physical_chunks(tensors: Sequence[torch.Tensor], max_physical: int) -> Iterator[Tuple[torch.Tensor, ...]]:
+    """Consecutive slices of at most ``max_physical`` samples of batch-first ``tensors``."""
+    n = tensors[0].shape[0]
+    for start in range(0, n, max_physical):
+        yield tuple(t[start:start + max_physical] for t in tensors)

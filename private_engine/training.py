@@ -1,0 +1,55 @@
+"""Training-loop helpers: one logical DP batch in physical chunks, and evaluation."""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .data import physical_chunks
+
+
+def private_logical_step(optimizer: torch.optim.Optimizer, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
+                         physical_batch_size: int, loss_fn: Optional[Callable] = None,
+                         device: Optional[torch.device] = None) -> float:
+    """One DP step on a logical batch ``(x, y)``, run in physical chunks of ≤ ``physical_batch_size``.
+
+    Every chunk but the last goes through ``optimizer.virtual_step(loss=…)`` (clip and
+    accumulate); the last through ``optimizer.step(loss=…)`` (noise once, update). An empty
+    (Poisson) batch still takes a step — noise only — as the accountant assumes. Returns the
+    mean loss of the batch (0.0 if empty).
+    """
+    loss_fn = loss_fn or (lambda logits, target: F.cross_entropy(logits, target, reduction="none"))
+    if x.shape[0] == 0:
+        optimizer.step(loss=torch.zeros(0, device=device))
+        return 0.0
+    chunks = list(physical_chunks((x, y), physical_batch_size))
+    total, count = 0.0, 0
+    for k, (xb, yb) in enumerate(chunks):
+        if device is not None:
+            xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
+        loss = loss_fn(model(xb), yb)
+        total += float(loss.detach().sum())
+        count += loss.shape[0]
+        if k + 1 < len(chunks):
+            optimizer.virtual_step(loss=loss)
+        else:
+            optimizer.step(loss=loss)
+    optimizer.zero_grad(set_to_none=True)
+    return total / max(count, 1)
+
+
+@torch.no_grad()
+def accuracy(model: nn.Module, loader, device: Optional[torch.device] = None) -> float:
+    """Top-1 accuracy of ``model`` over ``loader`` (eval mode, restored afterwards)."""
+    was_training = model.training
+    model.eval()
+    correct = total = 0
+    for x, y in loader:
+        if device is not None:
+            x, y = x.to(device), y.to(device)
+        correct += int((model(x).argmax(1) == y).sum())
+        total += y.shape[0]
+    model.train(was_training)
+    return correct / max(total, 1)
