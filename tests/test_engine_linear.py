@@ -1,0 +1,52 @@
+"""nn.Linear on inputs of rank 2, 3 and 4: every mode × every clip function × random shapes."""
+import pytest
+import torch
+from torch import nn
+
+from engine_checks import CLIPS, MODES, check_against_reference, gen_for, one_thread, rng_for, target_like  # noqa: F401
+
+SEEDS = range(3)
+
+
+def linear_case(rank: int, seed: int):
+    rng = rng_for("linear", rank, seed)
+    B = rng.randint(3, 6)
+    d, p = rng.randint(1, 6), rng.randint(1, 6)
+    positions = {2: (), 3: (rng.randint(1, 6),), 4: (rng.randint(1, 3), rng.randint(1, 4))}[rank]
+    bias = rng.random() < 0.7
+    torch.manual_seed(seed)
+    layer = nn.Linear(d, p, bias=bias)
+    if seed % 2:  # a trainable layer before it: its input requires grad
+        d0 = rng.randint(1, 5)
+        model = nn.Sequential(nn.Linear(d0, d), nn.Tanh(), layer)
+    else:
+        d0 = d
+        model = nn.Sequential(layer)
+    model = model.double()
+    gen = gen_for(seed)
+    x = torch.randn(B, *positions, d0, generator=gen, dtype=torch.float64)
+    return model, [x, target_like(model, x, gen)]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("clip", CLIPS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("rank", [2, 3, 4])
+def test_linear_matches_reference(rank, mode, clip, seed):
+    model, inputs = linear_case(rank, seed)
+    check_against_reference(model, inputs, mode=mode, clip=clip)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_linear_mixed_plan_uses_both_strategies(mode):
+    """One model where eq. (4.1) picks ghost for one layer and instantiation for the other."""
+    torch.manual_seed(0)
+    # layer "0": T=1 → 2T² = 2 < pD = 144 (ghost); layer "3": T=12 → 2T² = 288 > pD = 6 (instantiate)
+    gen = gen_for(0)
+    x = torch.randn(5, 6, generator=gen, dtype=torch.float64)
+    model = nn.Sequential(nn.Linear(6, 24), nn.Tanh(), nn.Unflatten(1, (12, 2)), nn.Linear(2, 3)).double()
+    engine = check_against_reference(model, [x, target_like(model, x, gen)], mode=mode, clip="abadi")
+    choice = {d.name: d.use_ghost for d in engine.layer_plan}
+    expected = {"mixed": {"0": True, "3": False}, "ghost": {"0": True, "3": True},
+                "per_sample": {"0": False, "3": False}}[mode]
+    assert choice == expected

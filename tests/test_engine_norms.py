@@ -1,0 +1,119 @@
+"""nn.LayerNorm (multi-dim normalized_shape, elementwise_affine, bias=False), nn.GroupNorm and
+timm's LayerNorm / GroupNorm subclasses: every mode × every clip function."""
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from engine_checks import CLIPS, MODES, check_against_reference, gen_for, one_thread, rng_for, target_like  # noqa: F401
+
+SEEDS = range(3)
+
+
+def _randomize_affine(module: nn.Module, seed: int) -> None:
+    """Affine params away from (1, 0), so that mistakes in x̂ or in g show."""
+    gen = gen_for(seed + 100)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype))
+
+
+def layernorm_case(seed: int, affine: bool, bias: bool, norm_cls=nn.LayerNorm):
+    rng = rng_for("layernorm", seed, affine, bias, norm_cls.__name__)
+    B = rng.randint(3, 5)
+    rank = rng.randint(2, 4)  # input (B, *rest)
+    rest = [rng.randint(2, 4) for _ in range(rank - 1)]
+    n_norm = rng.randint(1, min(2, rank - 1))
+    normalized_shape = tuple(rest[-n_norm:])
+    torch.manual_seed(seed)
+    # timm's LayerNorm(num_channels, eps, affine, **kwargs) names the flag differently
+    kwargs = {"elementwise_affine" if norm_cls is nn.LayerNorm else "affine": affine, "bias": bias}
+    norm = norm_cls(normalized_shape if n_norm > 1 else normalized_shape[0], **kwargs)
+    _randomize_affine(norm, seed)
+    d0 = rng.randint(1, 4)
+    if seed % 2 or not affine:  # a trainable Linear before it (required when LN has no params)
+        model = nn.Sequential(nn.Linear(d0, rest[-1]), norm)
+        x_shape = (B, *rest[:-1], d0)
+    else:
+        model = nn.Sequential(norm)
+        x_shape = (B, *rest)
+    model = model.double()
+    gen = gen_for(seed)
+    x = torch.randn(*x_shape, generator=gen, dtype=torch.float64) * 2 + 0.5
+    return model, [x, target_like(model, x, gen)]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("clip", CLIPS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("affine,bias", [(True, True), (True, False), (False, False)],
+                         ids=["affine", "no_bias", "no_affine"])
+def test_layernorm_matches_reference(affine, bias, mode, clip, seed):
+    model, inputs = layernorm_case(seed, affine, bias)
+    check_against_reference(model, inputs, mode=mode, clip=clip)
+
+
+def groupnorm_case(seed: int, affine: bool, norm_factory=None):
+    rng = rng_for("groupnorm", seed, affine)
+    B = rng.randint(3, 5)
+    groups = rng.randint(1, 3)
+    spatial = [rng.randint(1, 4) for _ in range(rng.randint(0, 2))]
+    per_group = rng.randint(1, 3)
+    if per_group * math.prod(spatial) == 1:  # GroupNorm needs more than one value per group
+        per_group = 2
+    C = groups * per_group
+    torch.manual_seed(seed)
+    norm = (norm_factory or nn.GroupNorm)(groups, C, affine=affine)
+    _randomize_affine(norm, seed)
+    c0 = rng.randint(1, 3)
+    # no bias before GroupNorm: with one channel per group the norm removes it (a gradient of ~1e-17)
+    if not spatial:
+        pre = nn.Linear(c0, C, bias=False)
+    else:
+        pre = {1: nn.Conv1d, 2: nn.Conv2d}[len(spatial)](c0, C, 1, bias=False)
+    if seed % 2 or not affine:
+        model = nn.Sequential(pre, norm)
+        x_shape = (B, c0, *spatial)
+    else:
+        model = nn.Sequential(norm)
+        x_shape = (B, C, *spatial)
+    model = model.double()
+    gen = gen_for(seed)
+    x = torch.randn(*x_shape, generator=gen, dtype=torch.float64) * 2 + 0.5
+    return model, [x, target_like(model, x, gen)]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("clip", CLIPS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "no_affine"])
+def test_groupnorm_matches_reference(affine, mode, clip, seed):
+    model, inputs = groupnorm_case(seed, affine)
+    check_against_reference(model, inputs, mode=mode, clip=clip)
+
+
+# -- timm subclasses with the same math (the rule is found along the class hierarchy) ---------
+timm_layers = pytest.importorskip("timm.layers")
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("mode", MODES)
+def test_timm_layernorm_subclass(mode, seed):
+    assert issubclass(timm_layers.LayerNorm, nn.LayerNorm)
+    for clip, bias in zip(CLIPS, [True, False, True, False]):
+        model, inputs = layernorm_case(seed, True, bias, norm_cls=timm_layers.LayerNorm)
+        assert type(model[-1]) is timm_layers.LayerNorm
+        check_against_reference(model, inputs, mode=mode, clip=clip)
+
+
+@pytest.mark.parametrize("factory", ["GroupNorm", "GroupNorm1"])
+@pytest.mark.parametrize("mode", MODES)
+def test_timm_groupnorm_subclasses(mode, factory):
+    cls = getattr(timm_layers, factory)
+    # timm's GroupNorm(num_channels, num_groups) / GroupNorm1(num_channels) put channels first
+    make = ((lambda g, c, affine: cls(c, g, affine=affine)) if factory == "GroupNorm"
+            else (lambda g, c, affine: cls(c, affine=affine)))
+    for seed in SEEDS:
+        model, inputs = groupnorm_case(seed, True, norm_factory=make)
+        check_against_reference(model, inputs, mode=mode, clip="abadi")
