@@ -29,8 +29,10 @@ def fix_batchnorm(model: nn.Module, num_groups: int = 32) -> nn.Module:
     """Replace every BatchNorm by GroupNorm (Opacus' ``ModuleValidator.fix``), returning the fixed model.
 
     GroupNorm(min(num_groups, C), C) normalises each sample on its own, so per-sample gradients exist.
-    timm's ``BatchNormAct2d`` (BatchNorm + activation) becomes timm's ``GroupNormAct`` with the same
-    activation.
+    timm's ``BatchNormAct2d`` (BatchNorm + activation) becomes ``Sequential(norm=GroupNorm, drop, act)``
+    with the same dropout and activation: a plain GroupNorm whose own output gradient the engine sees
+    (timm's ``GroupNormAct`` applies the activation inside the norm module, so its output gradient is
+    taken after the activation and the GroupNorm rule does not hold for it).
     """
     from opacus.validators import ModuleValidator
 
@@ -48,16 +50,16 @@ def _groups_for(channels: int, num_groups: int) -> int:
 
 def _fix_timm_norm_act(model: nn.Module, num_groups: int) -> nn.Module:
     try:
-        from timm.layers import BatchNormAct2d, GroupNormAct
+        from timm.layers import BatchNormAct2d
     except ImportError:  # pragma: no cover - timm is a dependency
         return model
+    from collections import OrderedDict
+
     for name, child in list(model.named_children()):
         if isinstance(child, BatchNormAct2d):
             C = child.num_features
-            repl = GroupNormAct(C, num_groups=_groups_for(C, num_groups), eps=child.eps, affine=child.affine,
-                                apply_act=not isinstance(child.act, nn.Identity))
-            repl.act = child.act
-            repl.drop = child.drop
+            norm = nn.GroupNorm(_groups_for(C, num_groups), C, eps=child.eps, affine=child.affine)
+            repl = nn.Sequential(OrderedDict(norm=norm, drop=child.drop, act=child.act))
             setattr(model, name, repl)
         else:
             _fix_timm_norm_act(child, num_groups)
@@ -112,6 +114,7 @@ def clipped_layers(model: nn.Module, strict: bool = True) -> List[Tuple[str, nn.
             "these trainable parameters have no per-sample clipping rule yet:\n" + lines + "\n"
             "Freeze them with p.requires_grad_(False) (e.g. timm ViT cls_token/pos_embed), replace the module "
             "with a supported one (Linear, Conv1d/2d/3d, Embedding, LayerNorm, GroupNorm), or register a rule "
-            "with private_engine.layers.register_rule."
+            "with private_engine.layers.register_rule (a subclass that overrides forward needs its own rule: "
+            "its parent's rule could give wrong per-sample norms)."
         )
     return layers

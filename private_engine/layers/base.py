@@ -100,12 +100,33 @@ def register_rule(rule: LayerRule, *module_types: Type[nn.Module]) -> LayerRule:
     return rule
 
 
+#: Subclasses that override ``forward`` without changing their registered parent's math (checked
+#: against the sample-by-sample reference in tests/test_engine_norms.py and test_engine_models.py).
+#: Qualified names, so that timm need not be imported.
+SAME_MATH_SUBCLASSES = frozenset({
+    "timm.layers.norm.LayerNorm",  # F.layer_norm (or its fused twin) with the same arguments
+    "timm.layers.norm.GroupNorm",
+    "timm.layers.norm.GroupNorm1",
+    "timm.layers.linear.Linear",  # F.linear; only TorchScript takes another branch
+})
+
+
 def find_rule(module: nn.Module) -> Optional[LayerRule]:
-    """The rule for ``module``: the registered class nearest along its MRO, or None."""
+    """The rule for ``module``: the registered class nearest along its MRO, or None.
+
+    A class on the way that defines its own ``forward`` ends the search with None (unless it is
+    registered itself or listed in ``SAME_MATH_SUBCLASSES``): a rule describes its class's forward,
+    and a subclass that permutes dimensions, adds an activation or transforms its weight (timm's
+    LayerNorm2d, GroupNormAct, StdConv2d) would get per-sample norms that are wrong without any
+    error — a sensitivity above max_grad_norm. Such a module is then reported as unsupported before
+    training; ``register_rule`` accepts it when its math is the parent's.
+    """
     for cls in type(module).__mro__:
         rule = _RULES.get(cls)
         if rule is not None:
             return rule
+        if "forward" in vars(cls) and f"{cls.__module__}.{cls.__qualname__}" not in SAME_MATH_SUBCLASSES:
+            return None
     return None
 
 
