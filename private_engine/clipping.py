@@ -106,7 +106,9 @@ class PerSampleClipper:
                 if a.shape[0] != self._batch_size or g.shape[0] != self._batch_size:
                     raise ValueError(
                         f"layer {layer.name} saw a batch of {a.shape[0]} but the loss has {self._batch_size} values; "
-                        "inputs must be batch-first (batch dimension 0) and the loss must have one value per sample."
+                        'the loss must have one value per sample: compute it with reduction="none" and sum '
+                        "per-token or per-element losses per sample (e.g. loss.view(B, -1).sum(1)). Inputs must be "
+                        "batch-first (batch dimension 0)."
                     )
             decision = decide(layer.name, layer.module, [c.dims for c in layer.calls if c.fired and c.grad is not None],
                               self.mode)

@@ -26,17 +26,19 @@ def check_no_batchnorm(model: nn.Module) -> None:
 
 
 def fix_batchnorm(model: nn.Module, num_groups: int = 32) -> nn.Module:
-    """Replace every BatchNorm by GroupNorm (Opacus' ``ModuleValidator.fix``), returning the fixed model.
+    """Replace every BatchNorm by GroupNorm, then apply Opacus' ``ModuleValidator.fix``; returns the model.
 
-    GroupNorm(min(num_groups, C), C) normalises each sample on its own, so per-sample gradients exist.
-    timm's ``BatchNormAct2d`` (BatchNorm + activation) becomes ``Sequential(norm=GroupNorm, drop, act)``
-    with the same dropout and activation: a plain GroupNorm whose own output gradient the engine sees
-    (timm's ``GroupNormAct`` applies the activation inside the norm module, so its output gradient is
-    taken after the activation and the GroupNorm rule does not hold for it).
+    ``GroupNorm(gcd(num_groups, C), C)`` normalises each sample on its own, so per-sample gradients
+    exist. Frozen BatchNorms are replaced too (their batch statistics mix samples all the same), by a
+    GroupNorm that stays frozen. timm's ``BatchNormAct2d`` (BatchNorm + activation) becomes
+    ``Sequential(norm=GroupNorm, drop, act)`` with the same dropout and activation: a plain GroupNorm
+    whose own output gradient the engine sees (timm's ``GroupNormAct`` applies the activation inside
+    the norm module, so its output gradient is taken after the activation and the GroupNorm rule does
+    not hold for it).
     """
     from opacus.validators import ModuleValidator
 
-    model = _fix_timm_norm_act(model, num_groups)
+    model = _replace_batchnorm(model, num_groups)
     model = ModuleValidator.fix(model)
     check_no_batchnorm(model)
     return model
@@ -48,21 +50,29 @@ def _groups_for(channels: int, num_groups: int) -> int:
     return math.gcd(channels, num_groups)
 
 
-def _fix_timm_norm_act(model: nn.Module, num_groups: int) -> nn.Module:
+def _replace_batchnorm(model: nn.Module, num_groups: int) -> nn.Module:
+    # Opacus' ModuleValidator.fix only replaces *trainable* BatchNorms: a frozen one stayed, and the
+    # check after it then asked the user to call fix_batchnorm — the function that had just failed.
     try:
         from timm.layers import BatchNormAct2d
     except ImportError:  # pragma: no cover - timm is a dependency
-        return model
+        BatchNormAct2d = ()
     from collections import OrderedDict
 
     for name, child in list(model.named_children()):
-        if isinstance(child, BatchNormAct2d):
+        if isinstance(child, nn.modules.batchnorm._BatchNorm):
             C = child.num_features
             norm = nn.GroupNorm(_groups_for(C, num_groups), C, eps=child.eps, affine=child.affine)
-            repl = nn.Sequential(OrderedDict(norm=norm, drop=child.drop, act=child.act))
-            setattr(model, name, repl)
+            like = next((t for t in (*child.parameters(), *child.buffers()) if t.is_floating_point()), None)
+            if like is not None:  # same device and dtype as the layer it replaces
+                norm.to(device=like.device, dtype=like.dtype)
+            if child.affine:
+                norm.requires_grad_(child.weight.requires_grad)
+            if isinstance(child, BatchNormAct2d):
+                norm = nn.Sequential(OrderedDict(norm=norm, drop=child.drop, act=child.act))
+            setattr(model, name, norm)
         else:
-            _fix_timm_norm_act(child, num_groups)
+            _replace_batchnorm(child, num_groups)
     return model
 
 

@@ -1,0 +1,258 @@
+"""What bad input gets: clear errors, and a failed step leaves the model parameters, the optimizer
+state, the accumulated sums and the accountant untouched."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import private_engine as pe
+from engine_checks import gen_for, make_engine, one_thread, tanh_clip  # noqa: F401
+
+REDUCTION = 'reduction="none"'
+
+
+def _setup(opt_cls=torch.optim.Adam, clip="abadi", noise=0.0, B=4, seed=0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(3, 5), nn.ReLU(), nn.Linear(5, 3)).double()
+    engine = make_engine(model, B, clip=clip, R=0.5, noise_multiplier=noise)
+    opt = opt_cls(model.parameters(), lr=0.1)
+    engine.attach(opt)
+    gen = gen_for(seed)
+    x = torch.randn(B, 3, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 3, (B,), generator=gen)
+    return model, engine, opt, x, y
+
+
+def _loss(model, x, y):
+    return F.cross_entropy(model(x), y, reduction="none")
+
+
+def _snapshot(model, opt, engine):
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "grads": [None if p.grad is None else p.grad.clone() for p in model.parameters()],
+        "opt": copy.deepcopy(opt.state_dict()),
+        "history": list(engine.accountant.history),
+        "sums": [None if s.grad_sums is None else [g.clone() for g in s.grad_sums] for s in engine._attached],
+        "samples": [s.samples for s in engine._attached],
+    }
+
+
+def _assert_same(a, b):
+    assert len(a["params"]) == len(b["params"])
+    for p, q in zip(a["params"], b["params"]):
+        assert torch.equal(p, q), "parameters changed by a failed step"
+    for p, q in zip(a["grads"], b["grads"]):
+        assert (p is None and q is None) or torch.equal(p, q), ".grad changed by a failed step"
+    assert a["history"] == b["history"], "the accountant counted a failed step"
+    assert a["samples"] == b["samples"]
+    for s, t in zip(a["sums"], b["sums"]):
+        assert (s is None and t is None) or all(torch.equal(u, v) for u, v in zip(s, t)), "accumulated sums changed"
+    sa, sb = a["opt"]["state"], b["opt"]["state"]
+    assert sa.keys() == sb.keys(), "optimizer state changed by a failed step"
+    for k in sa:
+        for name in sa[k]:
+            assert torch.equal(torch.as_tensor(sa[k][name]), torch.as_tensor(sb[k][name])), name
+
+
+def _warm(model, engine, opt, x, y):
+    """One good step and one good virtual step, so that every kind of state is non-trivial."""
+    opt.step(loss=_loss(model, x, y))
+    opt.virtual_step(loss=_loss(model, x, y))
+
+
+# -- loss that is not one value per sample -----------------------------------------------------------
+BAD_LOSSES = {
+    "sum": lambda l, logits, y: l.sum(),
+    "mean_reduced": lambda l, logits, y: F.cross_entropy(logits, y),  # reduction="mean"
+    "column": lambda l, logits, y: l.unsqueeze(1),  # (B, 1)
+    "too_short": lambda l, logits, y: l[:-1],
+    "too_long": lambda l, logits, y: torch.cat([l, l]),
+    "per_element": lambda l, logits, y: F.mse_loss(logits, torch.zeros_like(logits), reduction="none").flatten(),
+}
+
+
+@pytest.mark.parametrize("entry", ["step", "virtual_step", "clipped_grad_sum"])
+@pytest.mark.parametrize("kind", list(BAD_LOSSES))
+def test_loss_not_one_value_per_sample(kind, entry):
+    model, engine, opt, x, y = _setup()
+    _warm(model, engine, opt, x, y)
+    before = _snapshot(model, opt, engine)
+    logits = model(x)
+    loss = BAD_LOSSES[kind](F.cross_entropy(logits, y, reduction="none"), logits, y)
+    call = {"step": lambda: opt.step(loss=loss), "virtual_step": lambda: opt.virtual_step(loss=loss),
+            "clipped_grad_sum": lambda: engine.clipped_grad_sum(loss)}[entry]
+    with pytest.raises(ValueError) as err:
+        call()
+    assert REDUCTION in str(err.value), str(err.value)
+    _assert_same(before, _snapshot(model, opt, engine))
+    # the engine still works afterwards, and the failed call left nothing behind in the records
+    opt.step(loss=_loss(model, x, y))
+    assert len(engine.accountant.history) == 1 and engine.steps_taken == 2
+
+
+def test_loss_without_grad():
+    model, engine, opt, x, y = _setup()
+    with torch.no_grad():
+        loss = _loss(model, x, y)
+    with pytest.raises(ValueError, match="grad"):
+        opt.step(loss=loss)
+    with pytest.raises(TypeError):
+        opt.step(loss=[1.0, 2.0])
+
+
+# -- BatchNorm ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bn", [nn.BatchNorm1d(4), nn.BatchNorm2d(4), nn.BatchNorm3d(4), nn.SyncBatchNorm(4)],
+                         ids=["1d", "2d", "3d", "sync"])
+def test_batchnorm_points_to_fix(bn):
+    model = nn.Sequential(nn.Linear(3, 4), nn.Sequential(bn), nn.Linear(4, 2))
+    bn.requires_grad_(False)  # even frozen: batch statistics still mix samples
+    with pytest.raises(ValueError) as err:
+        make_engine(model, 4)
+    msg = str(err.value)
+    assert "fix_batchnorm" in msg and "GroupNorm" in msg and "1.0" in msg, msg
+    assert not any(m._forward_hooks for m in model.modules())
+    if not isinstance(bn, nn.SyncBatchNorm):
+        fixed = pe.fix_batchnorm(model.double())
+        assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in fixed.modules())
+        gn = fixed[1][0]
+        assert isinstance(gn, nn.GroupNorm) and gn.weight.dtype == torch.float64
+        assert not gn.weight.requires_grad, "a frozen BatchNorm becomes a frozen GroupNorm"
+        make_engine(fixed, 4)
+
+
+# -- step()/virtual_step() misuse --------------------------------------------------------------------
+def test_step_without_loss():
+    model, engine, opt, x, y = _setup()
+    _warm(model, engine, opt, x, y)
+    before = _snapshot(model, opt, engine)
+    with pytest.raises(ValueError, match="loss="):
+        opt.step()
+    with pytest.raises(ValueError, match="loss="):
+        opt.virtual_step()
+    with pytest.raises(ValueError, match="closure"):
+        opt.step(closure=lambda: _loss(model, x, y).sum())
+    _assert_same(before, _snapshot(model, opt, engine))
+
+
+def test_virtual_step_after_detach():
+    model, engine, opt, x, y = _setup(torch.optim.SGD)
+    opt.virtual_step(loss=_loss(model, x, y))
+    engine.detach()
+    with pytest.raises(RuntimeError, match="attach"):
+        opt.virtual_step(loss=_loss(model, x, y))
+    assert not any(m._forward_hooks for m in model.modules())
+    # the optimizer's own step is back: an ordinary, non-private step works
+    before = [p.detach().clone() for p in model.parameters()]
+    _loss(model, x, y).mean().backward()
+    opt.step()
+    assert any(not torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert engine.steps_taken == 0
+
+
+def test_attach_checks():
+    model, engine, opt, x, y = _setup()
+    with pytest.raises(RuntimeError, match="already attached"):
+        engine.attach(opt)
+    other = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="not the model's"):
+        engine.attach(torch.optim.SGD(list(model.parameters()) + list(other.parameters()), lr=0.1))
+    with pytest.raises(TypeError):
+        engine.attach(object())
+
+
+# -- non-finite losses ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("where", ["loss_nan", "loss_inf", "input_nan", "input_huge"])
+@pytest.mark.parametrize("entry", ["step", "virtual_step"])
+def test_non_finite_loss_leaves_everything_untouched(where, entry):
+    model, engine, opt, x, y = _setup(noise=1.0)
+    _warm(model, engine, opt, x, y)
+    before = _snapshot(model, opt, engine)
+    xb = x.clone()
+    if where == "input_nan":
+        xb[1, 0] = float("nan")
+    if where == "input_huge":
+        xb[2] = 1e300
+    loss = _loss(model, xb, y)
+    if where == "loss_nan":
+        loss = loss * torch.tensor([1.0, float("nan"), 1.0, 1.0], dtype=loss.dtype)
+    if where == "loss_inf":
+        loss = loss + torch.tensor([0.0, 0.0, float("inf"), 0.0], dtype=loss.dtype)
+    with pytest.raises(ValueError, match="non-finite"):
+        getattr(opt, entry)(loss=loss)
+    _assert_same(before, _snapshot(model, opt, engine))
+
+
+def test_failed_virtual_step_does_not_pollute_the_logical_batch():
+    """good virtual_step, bad virtual_step (raises), good step == good virtual_step + good step."""
+    results = []
+    for include_bad in (False, True):
+        model, engine, opt, x, y = _setup(torch.optim.SGD)
+        opt.virtual_step(loss=_loss(model, x, y))
+        if include_bad:
+            with pytest.raises(ValueError):
+                opt.virtual_step(loss=_loss(model, x, y) * float("nan"))
+            with pytest.raises(ValueError):
+                opt.virtual_step(loss=_loss(model, x, y).mean())
+        opt.step(loss=_loss(model, x[:2], y[:2]))
+        results.append([p.detach().clone() for p in model.parameters()])
+        assert engine.steps_taken == 1
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+# -- custom clip functions that would break the sensitivity ------------------------------------------
+BAD_CLIPS = {
+    "no_clipping": lambda norms, R: torch.ones_like(norms),
+    "twice_R": lambda norms, R: 2 * R / (norms + 1e-6),
+    "negative": lambda norms, R: -torch.clamp(R / (norms + 1e-6), max=1.0),
+    "wrong_shape": lambda norms, R: torch.ones(len(norms) + 1, dtype=norms.dtype),
+    "not_a_tensor": lambda norms, R: 1.0,
+}
+
+
+@pytest.mark.parametrize("kind", list(BAD_CLIPS))
+def test_custom_clip_violating_sensitivity(kind):
+    model, engine, opt, x, y = _setup(torch.optim.SGD, clip=BAD_CLIPS[kind])
+    before = _snapshot(model, opt, engine)
+    with pytest.raises(ValueError, match="clipping_fn"):
+        opt.step(loss=_loss(model, x, y) * 100)  # norms far above R = 0.5
+    _assert_same(before, _snapshot(model, opt, engine))
+
+
+def test_custom_clip_valid_passes():
+    model, engine, opt, x, y = _setup(torch.optim.SGD, clip=tanh_clip)
+    opt.step(loss=_loss(model, x, y) * 100)
+    assert engine.steps_taken == 1
+
+
+# -- constructor arguments ---------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(noise_multiplier=1.0, target_epsilon=1.0, epochs=1), ValueError, "exactly one"),
+    (dict(), ValueError, "exactly one"),
+    (dict(noise_multiplier=-1.0), ValueError, "noise_multiplier"),
+    (dict(noise_multiplier=float("nan")), ValueError, "noise_multiplier"),
+    (dict(noise_multiplier=1.0, clipping_mode="fast"), ValueError, "clipping_mode"),
+    (dict(noise_multiplier=1.0, clipping_fn="clamp"), ValueError, "clipping_fn"),
+    (dict(noise_multiplier=1.0, accountant="moments"), ValueError, "accountant"),
+    (dict(noise_multiplier=1.0, max_grad_norm=0.0), ValueError, "max_grad_norm"),
+    (dict(noise_multiplier=1.0, batch_size=0), ValueError, "batch_size"),
+    (dict(noise_multiplier=1.0, sample_size=3), ValueError, "sample_size"),
+    (dict(target_epsilon=1.0), ValueError, "epochs"),
+    (dict(target_epsilon=-1.0, epochs=1), ValueError, "target_epsilon"),
+])
+def test_constructor_arguments(kwargs, exc, match):
+    model = nn.Linear(3, 2)
+    args = dict(batch_size=4, sample_size=100, max_grad_norm=1.0)
+    args.update(kwargs)
+    with pytest.raises(exc, match=match):
+        pe.PrivacyEngine(model, **args)
+    assert not model._forward_hooks
+
+
+def test_model_without_trainable_parameters():
+    model = nn.Linear(3, 2).requires_grad_(False)
+    with pytest.raises(ValueError, match="trainable"):
+        make_engine(model, 4)
