@@ -130,6 +130,18 @@ class PrivacyEngine:
         if loss.numel() == 0:  # an empty (Poisson) batch contributes nothing
             self.clipper.recorder.reset()
             return [torch.zeros_like(p) for p in self.params], 0
+        outside = self.clipper.recorder.params_reached_outside_calls(loss, self.params)
+        if outside:
+            self.clipper.recorder.reset()
+            names = {id(p): n for n, p in self.model.named_parameters()}
+            raise ValueError(
+                f"the loss depends on trainable parameters {[names.get(id(p), tuple(p.shape)) for p in outside]} "
+                "other than through a recorded call of their layer, so their per-sample gradients would be missing "
+                "from the clipping norms. Causes: a weight used outside its module's forward (e.g. a tied weight in "
+                "F.linear(h, emb.weight): untie or freeze it); a forward pass run before the engine was built; or a "
+                "loss whose forward pass ran before the previous step/virtual_step (each clipping pass drops the "
+                "records of all earlier forward passes: run forward and step batch by batch). Nothing was updated."
+            )
         norms = self.clipper.per_sample_norms(loss)
         if not bool(torch.isfinite(norms).all() & torch.isfinite(loss.detach()).all()):
             self.clipper.recorder.reset()

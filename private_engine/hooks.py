@@ -31,6 +31,7 @@ class RecordedCall:
     dims: LayerDims
     edge: object  # autograd GradientEdge of the output's root
     input_requires_grad: bool
+    input_node: object = None  # autograd node of the input (None when it needs no gradient)
     grad: Optional[torch.Tensor] = None
     fired: bool = False
 
@@ -85,6 +86,7 @@ class LayerRecorder:
                 dims=layer.rule.dims(module, activation, output),
                 edge=get_gradient_edge(root),
                 input_requires_grad=inputs[0].requires_grad,
+                input_node=get_gradient_edge(inputs[0]).node if inputs[0].requires_grad else None,
             )
             layer.calls.append(call)
             root.register_hook(self._make_grad_hook(layer, call))
@@ -116,6 +118,36 @@ class LayerRecorder:
         recorded layer while computing activation gradients only (no weight gradients).
         """
         return [c.edge for layer in self.layers for c in layer.calls if not c.input_requires_grad]
+
+    def params_reached_outside_calls(self, loss: torch.Tensor, params: Sequence[torch.Tensor]) -> list:
+        """Parameters of ``params`` that ``loss`` depends on other than through a recorded layer call.
+
+        Walks the autograd graph from the loss, stepping over each recorded call (from its output
+        node straight to its input node). A parameter still reached is used outside its layer's
+        forward (e.g. a tied weight in ``F.linear(h, emb.weight)``) or belongs to a call that was
+        not recorded (a forward run before the hooks were installed): its per-sample gradient
+        would be missing from the norms.
+        """
+        wanted = {id(p) for p in params}
+        calls = {}
+        for layer in self.layers:
+            for c in layer.calls:
+                calls.setdefault(c.edge.node, []).append(c.input_node)
+        found, seen, stack = {}, set(), [loss.grad_fn]
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            if node in calls:
+                stack.extend(calls[node])
+                continue
+            var = getattr(node, "variable", None)  # AccumulateGrad of a leaf
+            if var is not None and id(var) in wanted:
+                found[id(var)] = var
+                continue
+            stack.extend(n for n, _ in node.next_functions)
+        return list(found.values())
 
     def unfired_edges(self) -> list:
         return [c.edge for layer in self.layers for c in layer.calls if not c.fired]

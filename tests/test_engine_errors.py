@@ -256,3 +256,65 @@ def test_model_without_trainable_parameters():
     model = nn.Linear(3, 2).requires_grad_(False)
     with pytest.raises(ValueError, match="trainable"):
         make_engine(model, 4)
+
+
+# -- per-sample gradients the norms would miss -------------------------------------------------------
+class TiedOutput(nn.Module):
+    """A language-model style tied output projection: emb.weight also used outside emb's forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(7, 4)
+        self.mid = nn.Linear(4, 4)
+
+    def forward(self, ids):
+        h = torch.tanh(self.mid(self.emb(ids)))
+        return F.linear(h, self.emb.weight)
+
+
+def _tied_loss(model, ids, y):
+    return F.cross_entropy(model(ids).transpose(1, 2), y, reduction="none").sum(1)
+
+
+def test_weight_used_outside_its_module_is_refused():
+    """Its per-sample norm would miss the F.linear use (norms too small: sensitivity above R)."""
+    torch.manual_seed(0)
+    model = TiedOutput().double()
+    engine = make_engine(model, 3, R=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    engine.attach(opt)
+    ids, y = torch.randint(0, 7, (3, 5)), torch.randint(0, 7, (3, 5))
+    before = _snapshot(model, opt, engine)
+    with pytest.raises(ValueError, match="emb.weight"):
+        opt.step(loss=_tied_loss(model, ids, y))
+    _assert_same(before, _snapshot(model, opt, engine))
+    # frozen, the tied weight is no longer clipped, and the rest is exact
+    model.emb.weight.requires_grad_(False)
+    from engine_checks import check_against_reference
+    engine.detach()
+    check_against_reference(model, [ids, y], _tied_loss, mode="mixed", clip="abadi")
+
+
+def test_loss_from_a_forward_before_the_engine_is_refused():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 2)).double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    loss = model(x).pow(2).sum(1) * 100  # no hooks yet: nothing recorded
+    engine = make_engine(model, 4, R=1.0)
+    with pytest.raises(ValueError, match="before the engine was built"):
+        engine.clipped_grad_sum(loss)
+
+
+def test_two_forwards_then_two_steps_is_refused():
+    """loss2's forward ran before virtual_step(loss1), whose clipping pass dropped loss2's records;
+    without the check loss2's norms were 0 and its gradients went in unclipped."""
+    model, engine, opt, x, y = _setup(torch.optim.SGD)
+    loss1 = _loss(model, x, y)
+    loss2 = _loss(model, x * 2, y)
+    opt.virtual_step(loss=loss1)
+    before = _snapshot(model, opt, engine)
+    with pytest.raises(ValueError, match="batch by batch"):
+        opt.step(loss=loss2)
+    _assert_same(before, _snapshot(model, opt, engine))
+    opt.step(loss=_loss(model, x * 2, y))  # forward and step batch by batch works
+    assert engine.steps_taken == 1

@@ -151,3 +151,11 @@ def test_format_plan_table_and_totals():
 def test_layer_plan_rejects_unknown_mode():
     with pytest.raises(ValueError, match="clipping_mode"):
         pe.layer_plan(nn.Linear(2, 2), torch.randn(1, 2), mode="fastest")
+
+
+@pytest.mark.parametrize("d_in,p,ghost", [(8, 4, False), (11, 3, True), (31, 1, False), (3, 11, True)])
+def test_decision_at_the_boundary(d_in, p, ghost):
+    """T = 4: 2T² = 32 against pD = 32 (tie: instantiate), 33 (ghost), 31 (instantiate), 33 (ghost)."""
+    (d,) = pe.layer_plan(nn.Sequential(nn.Linear(d_in, p)), torch.randn(2, 4, d_in))
+    assert (d.ghost_cost, d.instantiate_cost) == (32, p * d_in)
+    assert d.use_ghost is ghost
