@@ -1,0 +1,415 @@
+"""Shared machinery of the DP feature heads: input conversion, label handling, clipping, noise
+(with a ledger of every Gaussian release), symmetric/PSD post-processing, σ calibration and the
+sklearn-style estimator surface (``fit``/``predict``/``decision_function``/``score``).
+
+Privacy conventions used by every head
+--------------------------------------
+* **Neighbouring datasets** differ by adding or removing one example (seed 000, Def. 1.1). The
+  number of examples ``n`` is treated as public, as in seed 000 (Algorithms 1 and 3 divide by n).
+* Every private quantity is released by a Gaussian mechanism with an L2 sensitivity ``Δ`` that is
+  guaranteed by clipping (or normalisation), and noise std ``σ_i·Δ``; each release is recorded in
+  a :class:`~private_engine.accounting.zcdp.ZCDPLedger`; the fitted ``rho_`` is the ledger's sum
+  and is checked against the head's theorem.
+* ``epsilon=inf`` (or ``noise_multiplier=0``) is the non-private reference: **no noise and no
+  clipping** (seed 000, Table 1 caption), and ``rho_ = epsilon_ = inf``.
+
+Noisy symmetric matrices (Gram matrices, Hessians)
+--------------------------------------------------
+Let ``vec_s(A) = (A_11, …, A_dd, √2·A_ij for i<j)``. It is an isometry from symmetric matrices
+with the Frobenius norm onto ``R^{d(d+1)/2}``, so the query ``vec_s(G(D))`` has the same L2
+sensitivity ``Δ`` as ``G`` in Frobenius norm (e.g. ``‖x xᵀ‖_F = ‖x‖² ≤ C²``). We add
+``N(0, (σΔ)²)`` to each coordinate of ``vec_s(G)`` and map back (post-processing), which gives
+``G̃ = G + E`` with ``E`` symmetric, ``E_ii ~ N(0, (σΔ)²)`` and ``E_ij = E_ji ~ N(0, (σΔ)²/2)``
+for i ≠ j — the same ρ = 1/(2σ²) as the paper's full i.i.d. d×d noise matrix (which has the same
+Frobenius sensitivity), but symmetric by construction and with half the off-diagonal variance.
+(Adding ``N(0, (σΔ)²)`` to the upper triangle and mirroring, without the √2, is also valid at the
+same σ since it only drops coordinates' weights, but it is noisier.) Equivalently ``E = (N+Nᵀ)/2``
+for the paper's i.i.d. matrix N, i.e. symmetrising the paper's release — pure post-processing.
+
+Positive definiteness is restored by post-processing only: eigenvalues of the noisy symmetric
+system matrix are floored at ``eig_floor`` (default 0: projection onto the PSD cone) before the
+ridge ``λI`` is added, so every matrix that is inverted has eigenvalues ≥ λ > 0.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+import numbers
+from typing import Any, Dict, Optional, Tuple
+
+import numpy as np
+import torch
+
+from ..accounting.zcdp import (CONVERSIONS, ZCDPLedger, epsilon_to_rho, rho_to_epsilon)
+
+__all__ = ["NotFittedError", "DPHeadBase", "to_tensor", "encode_labels", "clip_rows", "normalize_rows",
+           "symmetric_noise", "psd_floor", "NoiseSource"]
+
+
+class NotFittedError(ValueError, AttributeError):
+    """Raised when ``predict``/``decision_function``/``score`` is called before ``fit``."""
+
+
+# ----------------------------------------------------------------------------- inputs
+def to_tensor(X: Any, dtype: torch.dtype = torch.float64, device: Optional[torch.device] = None,
+              name: str = "X") -> torch.Tensor:
+    """2-D float tensor from a numpy array, torch tensor or nested list; keeps a tensor's device.
+
+    Raises a ValueError naming the problem for wrong rank, empty input or non-finite values.
+    """
+    if isinstance(X, torch.Tensor):
+        t = X.detach()
+        t = t.to(device=device if device is not None else t.device, dtype=dtype)
+    else:
+        try:
+            arr = np.asarray(X)
+        except Exception as exc:  # pragma: no cover - exotic inputs
+            raise TypeError(f"{name} must be a numpy array or torch tensor, got {type(X).__name__}.") from exc
+        if arr.dtype == object or not np.issubdtype(arr.dtype, np.number) and arr.dtype != bool:
+            raise TypeError(f"{name} must hold numbers, got dtype {arr.dtype}.")
+        t = torch.as_tensor(arr.astype(np.float64, copy=False), dtype=dtype, device=device)
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be 2-D (n_samples, n_features), got shape {tuple(t.shape)}; "
+                         "reshape a single sample with X.reshape(1, -1).")
+    if t.shape[0] == 0 or t.shape[1] == 0:
+        raise ValueError(f"{name} is empty (shape {tuple(t.shape)}).")
+    if not bool(torch.isfinite(t).all()):
+        raise ValueError(f"{name} contains NaN or infinite values; clean the features first.")
+    return t
+
+
+def _labels_to_numpy(y: Any) -> np.ndarray:
+    if isinstance(y, torch.Tensor):
+        return y.detach().cpu().numpy()
+    return np.asarray(y)
+
+
+def encode_labels(y: Any, classes: Optional[np.ndarray] = None) -> Tuple[np.ndarray, np.ndarray]:
+    """Map integer labels to indices ``0..m−1`` of ``classes`` (given, or ``np.unique(y)``).
+
+    Labels must be integers (an integer dtype, or floats with integral values); anything else
+    raises a ValueError explaining how to encode them.
+    """
+    arr = _labels_to_numpy(y)
+    if arr.ndim != 1:
+        raise ValueError(f"y must be 1-D (n_samples,) integer class labels, got shape {arr.shape}.")
+    if arr.dtype == bool:
+        arr = arr.astype(np.int64)
+    if not np.issubdtype(arr.dtype, np.integer):
+        if np.issubdtype(arr.dtype, np.floating) and np.all(np.isfinite(arr)) and np.all(arr == np.round(arr)):
+            arr = arr.astype(np.int64)
+        else:
+            sample = arr[:3].tolist()
+            raise ValueError(
+                f"y must hold integer class labels, got dtype {arr.dtype} (e.g. {sample}). Encode them first, "
+                "e.g. classes, y = np.unique(y, return_inverse=True).")
+    if classes is None:
+        classes = np.unique(arr)
+    else:
+        classes = np.asarray(classes)
+        if classes.ndim != 1 or len(np.unique(classes)) != len(classes) or not np.issubdtype(classes.dtype, np.integer):
+            raise ValueError("classes must be a 1-D array of distinct integer labels.")
+        classes = np.sort(classes)
+    index = np.searchsorted(classes, arr)
+    index = np.clip(index, 0, len(classes) - 1)
+    bad = classes[index] != arr
+    if np.any(bad):
+        raise ValueError(f"y contains labels not in classes: {np.unique(arr[bad])[:5].tolist()}.")
+    return index.astype(np.int64), classes
+
+
+# ----------------------------------------------------------------------------- clipping
+def row_norms(X: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.vector_norm(X, dim=1)
+
+
+def clip_rows(X: torch.Tensor, C: float) -> torch.Tensor:
+    """``clip(x) = x·min(1, C/‖x‖₂)`` row-wise (seed 000, Alg. 1 line 1)."""
+    norms = row_norms(X)
+    factor = torch.clamp(C / torch.clamp(norms, min=1e-300), max=1.0)
+    return X * factor[:, None]
+
+
+def normalize_rows(X: torch.Tensor) -> torch.Tensor:
+    """``x/‖x‖₂`` row-wise (zero rows stay zero): a per-example map, free of privacy cost."""
+    norms = row_norms(X)
+    return X / torch.where(norms > 0, norms, torch.ones_like(norms))[:, None]
+
+
+# ----------------------------------------------------------------------------- noise
+class NoiseSource:
+    """Gaussian noise from one ``torch.Generator`` plus the ledger of releases it served.
+
+    ``release(name, value, sensitivity, noise_multiplier)`` returns ``value + N(0, (σΔ)²)``
+    (or the isometric symmetric noise of the module docstring with ``symmetric=True``) and records
+    ``(Δ, σΔ)`` in the ledger. ``count`` records several same-size mechanisms at once (e.g. the m
+    per-class gradients of DP-Newton).
+    """
+
+    def __init__(self, generator: torch.Generator, ledger: Optional[ZCDPLedger] = None):
+        self.generator = generator
+        self.ledger = ledger if ledger is not None else ZCDPLedger()
+
+    def gaussian(self, shape, std: float, like: torch.Tensor) -> torch.Tensor:
+        return torch.randn(shape, generator=self.generator, dtype=like.dtype, device=like.device) * std
+
+    def symmetric(self, d: int, std: float, like: torch.Tensor, batch: Tuple[int, ...] = ()) -> torch.Tensor:
+        return symmetric_noise(d, std, self.generator, like.dtype, like.device, batch)
+
+    def release(self, name: str, value: torch.Tensor, sensitivity: float, noise_multiplier: float,
+                symmetric: bool = False, count: int = 1, record: bool = True) -> torch.Tensor:
+        std = float(noise_multiplier) * float(sensitivity)
+        if record:
+            self.ledger.add(name, sensitivity, std, count=count, shape=tuple(value.shape))
+        if std == 0:
+            return value
+        if symmetric:
+            d = value.shape[-1]
+            return value + self.symmetric(d, std, value, tuple(value.shape[:-2]))
+        return value + self.gaussian(value.shape, std, value)
+
+
+def symmetric_noise(d: int, std: float, generator: torch.Generator, dtype=torch.float64, device=None,
+                    batch: Tuple[int, ...] = ()) -> torch.Tensor:
+    """Symmetric noise E with ``E_ii ~ N(0, std²)``, ``E_ij = E_ji ~ N(0, std²/2)`` (i ≠ j).
+
+    This is ``vec_s⁻¹(N(0, std² I))`` for the isometry ``vec_s`` of the module docstring, i.e. the
+    Gaussian mechanism on the upper triangle of a symmetric query with Frobenius sensitivity Δ when
+    ``std = σΔ`` (same ρ = 1/(2σ²) as seed 000's i.i.d. d×d noise), mirrored to the lower triangle.
+    """
+    Z = torch.randn(*batch, d, d, generator=generator, dtype=dtype, device=device) * std
+    upper = torch.triu(Z, diagonal=1) / math.sqrt(2.0)
+    return upper + upper.transpose(-1, -2) + torch.diag_embed(torch.diagonal(Z, dim1=-2, dim2=-1))
+
+
+def psd_floor(M: torch.Tensor, floor: float = 0.0) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Eigen-decomposition of symmetric ``M`` (batched) with eigenvalues floored at ``floor``.
+
+    Returns ``(eigvals, eigvecs)`` with ``M_psd = V diag(max(Λ, floor)) Vᵀ``. Post-processing of
+    an already-released matrix: it costs no privacy.
+    """
+    M = 0.5 * (M + M.transpose(-1, -2))
+    evals, evecs = torch.linalg.eigh(M)
+    return torch.clamp(evals, min=floor), evecs
+
+
+def make_generator(random_state: Any, device: torch.device) -> torch.Generator:
+    """A torch.Generator on ``device`` seeded from ``random_state`` (int, Generator or None=fresh)."""
+    if isinstance(random_state, torch.Generator):
+        if random_state.device.type != torch.device(device).type:
+            raise ValueError(f"random_state generator is on {random_state.device}, data is on {device}.")
+        return random_state
+    g = torch.Generator(device=device)
+    if random_state is None:
+        g.seed()
+    elif isinstance(random_state, numbers.Integral):
+        g.manual_seed(int(random_state))
+    elif isinstance(random_state, np.random.Generator):
+        g.manual_seed(int(random_state.integers(0, 2 ** 63 - 1)))
+    else:
+        raise TypeError(f"random_state must be None, an int or a torch.Generator, got {type(random_state).__name__}.")
+    return g
+
+
+# ----------------------------------------------------------------------------- estimator base
+class DPHeadBase:
+    """Base class of the DP feature heads (sklearn-style estimator).
+
+    Privacy arguments (exactly one of ``epsilon`` / ``noise_multiplier``):
+
+    * ``epsilon`` (with ``delta``): the noise multiplier σ is calibrated so the whole fit is
+      (ε, δ)-DP: ``σ = sqrt(c/ρ*)`` where the head is ``c/σ²``-zCDP (its theorem) and ρ* is the
+      largest ρ whose (ε, δ) conversion (``accounting``) is ≤ ε (bisection, see
+      :func:`~private_engine.accounting.zcdp.epsilon_to_rho`). ``epsilon=float("inf")`` fits
+      without noise and without clipping.
+    * ``noise_multiplier``: σ directly; ``epsilon_`` is then reported if ``delta`` is given.
+
+    Fitted attributes common to all heads: ``classes_``, ``n_features_in_``,
+    ``noise_multiplier_`` (σ), ``rho_`` (zCDP of the fit, from the release ledger),
+    ``epsilon_`` (ε at ``delta_``), ``delta_``, ``privacy_ledger_`` (every release with its
+    sensitivity and noise std).
+    """
+
+    _estimator_name = "DP head"
+    _has_proba = False
+
+    def __init__(self, *, epsilon: Optional[float] = None, delta: Optional[float] = None,
+                 noise_multiplier: Optional[float] = None, accounting: str = "rdp",
+                 random_state: Any = None, classes: Any = None, normalize: bool = False,
+                 dtype: torch.dtype = torch.float64):
+        self.epsilon = epsilon
+        self.delta = delta
+        self.noise_multiplier = noise_multiplier
+        self.accounting = accounting
+        self.random_state = random_state
+        self.classes = classes
+        self.normalize = normalize
+        self.dtype = dtype
+
+    # -- sklearn parameter protocol --------------------------------------------------------
+    @classmethod
+    def _param_names(cls):
+        names = []
+        for klass in cls.__mro__:
+            if klass is object or "__init__" not in klass.__dict__:
+                continue
+            sig = inspect.signature(klass.__init__)
+            for p in sig.parameters.values():
+                if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.name not in names:
+                    names.append(p.name)
+            break  # the most derived __init__ lists every parameter
+        return names
+
+    def get_params(self, deep: bool = True) -> Dict[str, Any]:
+        """Constructor parameters (sklearn protocol; lets ``sklearn.base.clone`` work)."""
+        return {k: getattr(self, k) for k in self._param_names()}
+
+    def set_params(self, **params) -> "DPHeadBase":
+        valid = set(self._param_names())
+        for k, v in params.items():
+            if k not in valid:
+                raise ValueError(f"unknown parameter {k!r} for {type(self).__name__}; valid: {sorted(valid)}.")
+            setattr(self, k, v)
+        return self
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.get_params().items()
+                         if k in ("epsilon", "delta", "noise_multiplier") and v is not None)
+        return f"{type(self).__name__}({args})"
+
+    # -- privacy plumbing --------------------------------------------------------------------
+    def _rho_sigma2(self) -> float:
+        """The constant c of the head's theorem: the fit is ``c/σ²``-zCDP."""
+        raise NotImplementedError
+
+    def _check_privacy_args(self) -> None:
+        if self.accounting not in CONVERSIONS:
+            raise ValueError(f"accounting must be one of {CONVERSIONS}, got {self.accounting!r}.")
+        if self.epsilon is None and self.noise_multiplier is None:
+            raise ValueError(
+                f"{type(self).__name__} needs a privacy level: pass epsilon=... together with delta=... to "
+                "calibrate the noise, or noise_multiplier=... to set it directly "
+                "(epsilon=float('inf') fits without privacy).")
+        if self.epsilon is not None and self.noise_multiplier is not None:
+            raise ValueError("pass either epsilon (σ is then calibrated) or noise_multiplier, not both.")
+        if self.delta is not None and not (0 < float(self.delta) < 1):
+            raise ValueError(f"delta must be in (0, 1), got {self.delta!r}; a common choice is delta < 1/n.")
+        if self.epsilon is not None:
+            if not (float(self.epsilon) > 0):
+                raise ValueError(f"epsilon must be > 0 (or float('inf')), got {self.epsilon!r}.")
+            if self.delta is None and not math.isinf(float(self.epsilon)):
+                raise ValueError(
+                    f"epsilon={self.epsilon} needs delta: pass delta=..., typically below 1/n_samples "
+                    "(e.g. delta=1e-5).")
+        if self.noise_multiplier is not None and not (float(self.noise_multiplier) >= 0
+                                                      and math.isfinite(float(self.noise_multiplier))):
+            raise ValueError(f"noise_multiplier must be a finite number ≥ 0, got {self.noise_multiplier!r}.")
+
+    def _resolve_noise_multiplier(self) -> float:
+        """σ: calibrated from (ε, δ) or as given; 0 means a non-private fit."""
+        self._check_privacy_args()
+        if self.noise_multiplier is not None:
+            return float(self.noise_multiplier)
+        eps = float(self.epsilon)
+        if math.isinf(eps):
+            return 0.0
+        rho = epsilon_to_rho(eps, float(self.delta), self.accounting)
+        return math.sqrt(self._rho_sigma2() / rho)
+
+    def _finalize_privacy(self, sigma: float, ledger: ZCDPLedger) -> None:
+        self.noise_multiplier_ = float(sigma)
+        self.privacy_ledger_ = ledger
+        self.delta_ = None if self.delta is None else float(self.delta)
+        if sigma == 0:
+            self.rho_ = math.inf
+            self.epsilon_ = math.inf
+            return
+        rho = ledger.rho
+        planned = self._rho_sigma2() / sigma ** 2
+        if rho > planned * (1 + 1e-9) or rho < planned * (1 - 1e-9):
+            raise RuntimeError(f"{type(self).__name__}: released ρ={rho} differs from its theorem's ρ={planned}.")
+        self.rho_ = rho
+        self.epsilon_ = None if self.delta_ is None else rho_to_epsilon(rho, self.delta_, self.accounting)
+
+    # -- fit/predict surface -----------------------------------------------------------------
+    @property
+    def private_(self) -> bool:
+        """Whether the fit added noise (False for the ε = ∞ reference)."""
+        self._check_fitted()
+        return self.noise_multiplier_ > 0
+
+    def _prepare_fit(self, X, y):
+        Xt = to_tensor(X, self.dtype)
+        idx, classes = encode_labels(y, self.classes)
+        if len(idx) != Xt.shape[0]:
+            raise ValueError(f"X has {Xt.shape[0]} samples but y has {len(idx)}.")
+        self.classes_ = classes
+        self.n_features_in_ = Xt.shape[1]
+        Y = torch.zeros(Xt.shape[0], len(classes), dtype=self.dtype, device=Xt.device)
+        Y[torch.arange(Xt.shape[0], device=Xt.device), torch.as_tensor(idx, device=Xt.device)] = 1.0
+        return Xt, Y
+
+    def _features(self, X: torch.Tensor) -> torch.Tensor:
+        """The per-example feature map applied at fit and at inference (normalisation)."""
+        return normalize_rows(X) if self.normalize else X
+
+    def fit(self, X, y) -> "DPHeadBase":
+        """Fit the head on features ``X`` (n, d) and integer labels ``y`` (n,)."""
+        sigma = self._resolve_noise_multiplier()
+        Xt, Y = self._prepare_fit(X, y)
+        gen = make_generator(self.random_state, Xt.device)
+        noise = NoiseSource(gen)
+        self._fit(self._features(Xt), Y, sigma, noise)
+        self._finalize_privacy(sigma, noise.ledger)
+        return self
+
+    def _fit(self, X: torch.Tensor, Y: torch.Tensor, sigma: float, noise: NoiseSource) -> None:
+        raise NotImplementedError
+
+    def _check_fitted(self) -> None:
+        if not hasattr(self, "classes_"):
+            raise NotFittedError(f"This {type(self).__name__} instance is not fitted yet; call fit(X, y) first.")
+
+    def _prepare_predict(self, X) -> Tuple[torch.Tensor, bool, Optional[torch.device]]:
+        self._check_fitted()
+        is_torch = isinstance(X, torch.Tensor)
+        Xt = to_tensor(X, self.dtype, device=self._device())
+        if Xt.shape[1] != self.n_features_in_:
+            raise ValueError(f"X has {Xt.shape[1]} features, but {type(self).__name__} was fitted with "
+                             f"{self.n_features_in_}.")
+        return self._features(Xt), is_torch, (X.device if is_torch else None)
+
+    def _device(self) -> torch.device:
+        raise NotImplementedError
+
+    @staticmethod
+    def _out(t: torch.Tensor, is_torch: bool, device):
+        if is_torch:
+            return t.to(device)
+        return t.detach().cpu().numpy()
+
+    def _decision(self, X: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def decision_function(self, X):
+        """Class scores (n, m); ``predict`` is their arg-max. Same array type as ``X``."""
+        Xt, is_torch, dev = self._prepare_predict(X)
+        return self._out(self._decision(Xt), is_torch, dev)
+
+    def predict(self, X):
+        """Predicted labels ``classes_[argmax_j score_j(x)]``; numpy for numpy input, torch for torch."""
+        Xt, is_torch, dev = self._prepare_predict(X)
+        idx = torch.argmax(self._decision(Xt), dim=1).cpu().numpy()
+        labels = self.classes_[idx]
+        if is_torch:
+            return torch.as_tensor(labels, device=dev)
+        return labels
+
+    def score(self, X, y) -> float:
+        """Accuracy of ``predict(X)`` against ``y``."""
+        pred = self.predict(X)
+        pred = pred.cpu().numpy() if isinstance(pred, torch.Tensor) else pred
+        truth = _labels_to_numpy(y)
+        if truth.shape != pred.shape:
+            raise ValueError(f"y has shape {truth.shape}, predictions have shape {pred.shape}.")
+        return float(np.mean(pred == truth))
