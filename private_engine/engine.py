@@ -110,6 +110,7 @@ class PrivacyEngine:
             )
         if any(s.optimizer is optimizer and s.attached for s in self._attached):
             raise RuntimeError("this optimizer is already attached to the engine.")
+        self.clipper.recorder.install()  # hooks removed by detach() come back
         self._attached.append(_optim.attach(self, optimizer))
         return optimizer
 

@@ -62,7 +62,14 @@ class LayerRecorder:
         self.on_layer_ready = on_layer_ready
         self.capturing = False
         self.recording = True
-        self._handles = [layer.module.register_forward_hook(self._make_forward_hook(layer)) for layer in self.layers]
+        self._handles = []
+        self.install()
+
+    def install(self) -> None:
+        """(Re-)register the forward hooks; a no-op while they are installed."""
+        if not self._handles:
+            self._handles = [layer.module.register_forward_hook(self._make_forward_hook(layer))
+                             for layer in self.layers]
 
     # -- forward ---------------------------------------------------------------------------
     def _make_forward_hook(self, layer: RecordedLayer):

@@ -318,3 +318,27 @@ def test_two_forwards_then_two_steps_is_refused():
     _assert_same(before, _snapshot(model, opt, engine))
     opt.step(loss=_loss(model, x * 2, y))  # forward and step batch by batch works
     assert engine.steps_taken == 1
+
+
+def test_detach_then_attach_again():
+    """virtual_step after detach says "call engine.attach(optimizer) again": that must clip again."""
+    from engine_checks import RTOL
+    from reference import assert_close_rel, reference_clipped_sum
+
+    model, engine, opt, x, y = _setup(torch.optim.SGD)
+    opt.step(loss=_loss(model, x, y))
+    engine.detach()
+    assert not any(m._forward_hooks for m in model.modules())
+    engine.attach(opt)
+    ref_sum, _ = reference_clipped_sum(model, [x, y], _loss, 0.5, lambda n, R: torch.clamp(R / (n + 1e-6), max=1.0))
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step(loss=_loss(model, x, y))
+    delta = [p.detach() - b for p, b in zip(model.parameters(), before)]
+    assert_close_rel(delta, [-0.1 * r / 4 for r in ref_sum], RTOL)
+    assert engine.steps_taken == 2
+    # a second engine on the same model and optimizer after detaching the first
+    engine.detach()
+    engine2 = make_engine(model, 4, R=0.5)
+    engine2.attach(opt)
+    opt.step(loss=_loss(model, x, y))
+    assert engine2.steps_taken == 1 and engine.steps_taken == 2
