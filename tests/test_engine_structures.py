@@ -262,3 +262,33 @@ def test_modes_give_identical_sums():
         torch.testing.assert_close(out[mode][1], out["mixed"][1], rtol=1e-12, atol=0)
         for a, b in zip(out[mode][0], out["mixed"][0]):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-15)
+
+
+# -- layouts and sizes -------------------------------------------------------------------------------
+class TransposedInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x):  # (B, 4, T) -> Linear on a non-contiguous (B, T, 4) view
+        return self.lin(x.transpose(1, 2))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", ["batch_of_one", "channels_last", "non_contiguous"])
+def test_layouts_and_batch_of_one(case, mode):
+    torch.manual_seed(0)
+    if case == "batch_of_one":
+        model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.GroupNorm(2, 4), nn.Flatten(), nn.Linear(64, 3)).double()
+        inputs = _inputs(model, (1, 3, 6, 6))
+        check_against_reference(model, inputs, mode=mode, clip="abadi", R=0.01)  # R below the only norm
+        return
+    if case == "channels_last":
+        model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 4, 3, stride=2, groups=4))
+        model = model.double().to(memory_format=torch.channels_last)
+        x, t = _inputs(model, (3, 3, 7, 7))
+        inputs = [x.to(memory_format=torch.channels_last), t]
+    else:
+        model = TransposedInput().double()
+        inputs = _inputs(model, (4, 4, 5))
+    check_against_reference(model, inputs, mode=mode, clip="abadi")
