@@ -25,19 +25,20 @@ def private_logical_step(optimizer: torch.optim.Optimizer, model: nn.Module, x: 
         optimizer.step(loss=torch.zeros(0, device=device))
         return 0.0
     chunks = list(physical_chunks((x, y), physical_batch_size))
-    total, count = 0.0, 0
+    total, count = None, 0
     for k, (xb, yb) in enumerate(chunks):
         if device is not None:
             xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
         loss = loss_fn(model(xb), yb)
-        total += float(loss.detach().sum())
+        batch_sum = loss.detach().sum()
+        total = batch_sum if total is None else total + batch_sum  # stays on device: one sync at the end
         count += loss.shape[0]
         if k + 1 < len(chunks):
             optimizer.virtual_step(loss=loss)
         else:
             optimizer.step(loss=loss)
     optimizer.zero_grad(set_to_none=True)
-    return total / max(count, 1)
+    return float(total) / max(count, 1)
 
 
 @torch.no_grad()
