@@ -65,7 +65,7 @@ def attach(engine: "PrivacyEngine", optimizer: torch.optim.Optimizer) -> Private
     def virtual_step(loss=None):
         """Clip the per-sample ``loss`` of this physical batch and accumulate (gradient accumulation)."""
         if not state.attached:
-            raise RuntimeError("the privacy engine was detached from this optimizer; call engine.attach(optimizer) again.")
+            raise RuntimeError(_DETACHED)
         if loss is None:
             raise ValueError("virtual_step needs loss=<per-sample losses, shape (B,)>.")
         state.accumulate(loss)
@@ -75,7 +75,7 @@ def attach(engine: "PrivacyEngine", optimizer: torch.optim.Optimizer) -> Private
     def step(loss=None, closure=None):
         """Clip ``loss`` (per-sample), add noise once, average, and update the parameters."""
         if not state.attached:
-            raise RuntimeError("the privacy engine was detached from this optimizer; call engine.attach(optimizer) again.")
+            raise RuntimeError(_DETACHED)
         if closure is not None:
             raise ValueError("closures are not supported by private steps; pass loss=<per-sample losses>.")
         if loss is None:
@@ -103,16 +103,25 @@ def attach(engine: "PrivacyEngine", optimizer: torch.optim.Optimizer) -> Private
     return state
 
 
+_DETACHED = "the privacy engine was detached from this optimizer; call engine.attach(optimizer) again."
+
+
 def detach(state: PrivateStep) -> None:
-    """Restore the optimizer's own step; virtual_step then raises a clear error."""
+    """Restore the optimizer's own (non-private) step; private calls then raise a clear error."""
     opt = state.optimizer
-    opt.step = state.original_step
+    original = state.original_step
     state.attached = False
     state.reset()
 
-    def virtual_step(loss=None):
-        raise RuntimeError("the privacy engine was detached from this optimizer; call engine.attach(optimizer) again.")
+    def step(*args, loss=None, **kwargs):
+        if loss is not None:
+            raise RuntimeError(_DETACHED)
+        return original(*args, **kwargs)
 
+    def virtual_step(loss=None):
+        raise RuntimeError(_DETACHED)
+
+    opt.step = step
     opt.virtual_step = virtual_step
 
 

@@ -342,3 +342,24 @@ def test_detach_then_attach_again():
     engine2.attach(opt)
     opt.step(loss=_loss(model, x, y))
     assert engine2.steps_taken == 1 and engine.steps_taken == 2
+
+
+def test_private_step_after_detach_raises_clear_error_and_plain_step_still_works():
+    import torch
+    from torch import nn
+
+    import private_engine as pe
+
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    engine = pe.PrivacyEngine(model, batch_size=4, sample_size=40, max_grad_norm=1.0, noise_multiplier=0.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine.attach(opt)
+    engine.detach()
+    loss = model(torch.randn(4, 3)).sum(1)
+    with pytest.raises(RuntimeError, match="detached"):
+        opt.step(loss=loss)
+    before = model.weight.detach().clone()
+    loss.sum().backward()
+    opt.step()  # the optimizer's own step is back
+    assert not torch.equal(before, model.weight)
