@@ -32,6 +32,7 @@ ridge ``λI`` is added, so every matrix that is inverted has eigenvalues ≥ λ 
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import numbers
@@ -43,7 +44,7 @@ import torch
 from ..accounting.zcdp import (CONVERSIONS, ZCDPLedger, epsilon_to_rho, rho_to_epsilon)
 
 __all__ = ["NotFittedError", "DPHeadBase", "to_tensor", "encode_labels", "clip_rows", "normalize_rows",
-           "symmetric_noise", "psd_floor", "NoiseSource"]
+           "symmetric_noise", "psd_floor", "sym_eigh", "solve", "NoiseSource"]
 
 
 class NotFittedError(ValueError, AttributeError):
@@ -182,14 +183,45 @@ def symmetric_noise(d: int, std: float, generator: torch.Generator, dtype=torch.
     return upper + upper.transpose(-1, -2) + torch.diag_embed(torch.diagonal(Z, dim1=-2, dim2=-1))
 
 
+@contextlib.contextmanager
+def small_lapack(t: torch.Tensor, max_dim: int = 1024):
+    """Run CPU LAPACK calls on matrices of size ≤ ``max_dim`` single-threaded.
+
+    Multi-threaded MKL gains nothing on such matrices and, on a busy machine, its spinning
+    threads made 192×192 eigendecompositions take seconds instead of milliseconds (and print
+    spurious "DLASWP" errors). The previous thread count is restored on exit.
+    """
+    if t.device.type != "cpu" or t.shape[-1] > max_dim:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def sym_eigh(M: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``torch.linalg.eigh`` of the symmetric part of ``M`` (batched), see :func:`small_lapack`."""
+    M = 0.5 * (M + M.transpose(-1, -2))
+    with small_lapack(M):
+        return torch.linalg.eigh(M)
+
+
+def solve(M: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+    """``torch.linalg.solve(M, rhs)`` (batched), see :func:`small_lapack`."""
+    with small_lapack(M):
+        return torch.linalg.solve(M, rhs)
+
+
 def psd_floor(M: torch.Tensor, floor: float = 0.0) -> Tuple[torch.Tensor, torch.Tensor]:
     """Eigen-decomposition of symmetric ``M`` (batched) with eigenvalues floored at ``floor``.
 
     Returns ``(eigvals, eigvecs)`` with ``M_psd = V diag(max(Λ, floor)) Vᵀ``. Post-processing of
     an already-released matrix: it costs no privacy.
     """
-    M = 0.5 * (M + M.transpose(-1, -2))
-    evals, evecs = torch.linalg.eigh(M)
+    evals, evecs = sym_eigh(M)
     return torch.clamp(evals, min=floor), evecs
 
 
@@ -359,7 +391,9 @@ class DPHeadBase:
         Xt, Y = self._prepare_fit(X, y)
         gen = make_generator(self.random_state, Xt.device)
         noise = NoiseSource(gen)
-        self._fit(self._features(Xt), Y, sigma, noise)
+        # small CPU problems run single-threaded: faster, and robust on a busy machine (see small_lapack)
+        with small_lapack(Xt, max_dim=1024 if Xt.numel() <= 2 ** 22 else 0):
+            self._fit(self._features(Xt), Y, sigma, noise)
         self._finalize_privacy(sigma, noise.ledger)
         return self
 

@@ -24,7 +24,7 @@ from typing import Any, Optional
 import torch
 
 from ._glm import LOSSES, clipped_gradient_sum, probabilities
-from .base import DPHeadBase, NoiseSource, clip_rows, psd_floor
+from .base import DPHeadBase, NoiseSource, clip_rows, psd_floor, sym_eigh
 
 __all__ = ["DPFeatureCovariance"]
 
@@ -47,8 +47,8 @@ class DPFeatureCovariance(DPHeadBase):
         intercept_init: initial bias (−10 for "sigmoid" as in seed 000 App. D; 0 is used for softmax).
         eig_floor: eigenvalue floor of the noisy covariance before ``+λI`` (None: no projection).
 
-    Fitted attributes: ``coef_`` (m, d), ``intercept_`` (m,) or None, ``reg_``, ``n_iter_``, and the
-    base privacy attributes.
+    Fitted attributes: ``coef_`` (m, d), ``intercept_`` (m,) or None, ``reg_``, ``n_iter_``,
+    ``noisy_covariance_`` (the released G̃ before the PSD floor and λI), and the base privacy attributes.
     """
 
     _has_proba = True
@@ -100,7 +100,7 @@ class DPFeatureCovariance(DPHeadBase):
         if private and self.eig_floor is not None:
             evals, evecs = psd_floor(G, float(self.eig_floor))
         else:
-            evals, evecs = torch.linalg.eigh(0.5 * (G + G.T))
+            evals, evecs = sym_eigh(G)
         if float((evals + lam).min()) <= 0:
             raise ValueError("the preconditioner G + λI is not positive definite; increase reg.")
         G_inv = (evecs / (evals + lam)) @ evecs.T
@@ -121,6 +121,7 @@ class DPFeatureCovariance(DPHeadBase):
             W = W - self.lr * gW @ G_inv
         self.coef_ = W
         self.intercept_ = b
+        self.noisy_covariance_ = G  # released (1/n)Σx̃x̃ᵀ + noise, before the PSD floor and λI
         self.n_iter_ = self.steps
 
     def _device(self) -> torch.device:

@@ -26,7 +26,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-from .base import DPHeadBase, NoiseSource, clip_rows, encode_labels, psd_floor, to_tensor
+from .base import DPHeadBase, NoiseSource, clip_rows, encode_labels, psd_floor, solve, to_tensor
 
 __all__ = ["DPLeastSquares"]
 
@@ -58,7 +58,8 @@ class DPLeastSquares(DPHeadBase):
     Multi-label: ``fit(X, Y)`` also accepts an (n, m) 0/1 indicator matrix with at most ``k``
     ones per row (``classes`` are then ``0..m−1``).
 
-    Fitted attributes: ``coef_`` (m, d), ``reg_`` (λ used), and the privacy attributes of the base.
+    Fitted attributes: ``coef_`` (m, d), ``reg_`` (λ used), the released ``noisy_gram_`` (G̃, d×d)
+    and ``noisy_class_sums_`` (b̃, m×d), and the privacy attributes of the base.
     """
 
     def __init__(self, *, epsilon: Optional[float] = None, delta: Optional[float] = None,
@@ -140,8 +141,7 @@ class DPLeastSquares(DPHeadBase):
             Yc = Y[:, start:stop]
             A = torch.einsum("ni,nj,nc->cij", Xc, Xc, Yc) if stop - start > 1 else (Xc * Yc).T @ Xc
             A = A.reshape(stop - start, d, d)
-            if private:
-                A = A + noise.symmetric(d, s_A * sk * C * C, A, batch=(stop - start,))
+            A = noise.release("A (class Grams)", A, sk * C * C, s_A, symmetric=True, record=False)
             M = A + self.alpha * G
             rhs = b[:, start:stop].T  # (c, d)
             if self.eig_floor is not None and private:
@@ -150,8 +150,10 @@ class DPLeastSquares(DPHeadBase):
                 coef[start:stop] = torch.einsum("cij,cj->ci", evecs, proj / (evals + lam))
             else:
                 eye = torch.eye(d, dtype=X.dtype, device=X.device)
-                coef[start:stop] = torch.linalg.solve(M + lam * eye, rhs.unsqueeze(-1)).squeeze(-1)
+                coef[start:stop] = solve(M + lam * eye, rhs.unsqueeze(-1)).squeeze(-1)
         self.coef_ = coef
+        self.noisy_gram_ = G  # the released statistics (post-processing of them is free)
+        self.noisy_class_sums_ = b.T
         self.clip_ = C if private else None
 
     def _device(self) -> torch.device:

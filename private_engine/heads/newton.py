@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 import torch
 
-from .base import DPHeadBase, NoiseSource, clip_rows, psd_floor
+from .base import DPHeadBase, NoiseSource, clip_rows, psd_floor, solve
 
 __all__ = ["DPNewton"]
 
@@ -109,16 +109,15 @@ class DPNewton(DPHeadBase):
             for start in range(0, m, chunk):
                 stop = min(m, start + chunk)
                 H = torch.einsum("nc,ni,nj->cij", W[:, start:stop], Xc, Xc)
-                if private:
-                    H = H + noise.symmetric(d, sigma * sqrt_m * self.beta_h * C * C, H, batch=(stop - start,))
-                H = H / n
+                H = noise.release(f"Hessian[t={t}]", H, self.beta_h * C * C, sigma * sqrt_m, symmetric=True,
+                                  record=False) / n
                 rhs = g[start:stop]
                 if private and self.eig_floor is not None:
                     evals, evecs = psd_floor(H, float(self.eig_floor))
                     proj = torch.einsum("cji,cj->ci", evecs, rhs)
                     step[start:stop] = torch.einsum("cij,cj->ci", evecs, proj / (evals + lam))
                 else:
-                    step[start:stop] = torch.linalg.solve(H + lam * eye, rhs.unsqueeze(-1)).squeeze(-1)
+                    step[start:stop] = solve(H + lam * eye, rhs.unsqueeze(-1)).squeeze(-1)
             theta = theta - self.lr * step
         self.coef_ = theta
         self.n_iter_ = self.steps
