@@ -162,6 +162,8 @@ class NoiseSource:
         std = float(noise_multiplier) * float(sensitivity)
         if record:
             self.ledger.add(name, sensitivity, std, count=count, shape=tuple(value.shape))
+        if symmetric:  # the statistic is symmetric in exact arithmetic; make it so in floating point too
+            value = 0.5 * (value + value.transpose(-1, -2))
         if std == 0:
             return value
         if symmetric:
