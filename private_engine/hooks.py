@@ -50,6 +50,12 @@ class RecordedLayer:
         return [(c.activation, c.grad) for c in self.calls if c.fired and c.grad is not None]
 
     def release(self) -> None:
+        """Drop the calls and break their references: each call's tensor hook (owned by an
+        autograd node) refers to the call, and the call to graph nodes, a cycle through C++
+        that Python's garbage collector cannot see — left intact it would keep every graph
+        and activation alive."""
+        for c in self.calls:
+            c.activation = c.grad = c.edge = c.input_node = None
         self.calls = []
 
 
