@@ -138,9 +138,8 @@ class DPLeastSquares(DPHeadBase):
         chunk = max(1, int(self.class_chunk_size))
         for start in range(0, m, chunk):
             stop = min(m, start + chunk)
-            Yc = Y[:, start:stop]
-            A = torch.einsum("ni,nj,nc->cij", Xc, Xc, Yc) if stop - start > 1 else (Xc * Yc).T @ Xc
-            A = A.reshape(stop - start, d, d)
+            # A_j = Σ_{i: y_ij = 1} x̃_i x̃_iᵀ: a Gram matrix of the class's rows (k·n·d² work in all)
+            A = torch.stack([Xc[Y[:, j] > 0].T @ Xc[Y[:, j] > 0] for j in range(start, stop)])
             A = noise.release("A (class Grams)", A, sk * C * C, s_A, symmetric=True, record=False)
             M = A + self.alpha * G
             rhs = b[:, start:stop].T  # (c, d)
