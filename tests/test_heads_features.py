@@ -126,7 +126,7 @@ def test_interrupted_extraction_resumes(tmp_path):
 
 
 def test_model_by_name_and_errors():
-    timm = pytest.importorskip("timm")  # noqa: F841
+    pytest.importorskip("timm")
     x, _ = images(3, 16)
     fs = extract_features("resnet10t", x, batch_size=2, progress=False)  # built offline, random weights
     assert fs.features.shape == (3, 512)

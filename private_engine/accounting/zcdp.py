@@ -42,7 +42,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import Iterable, List, Optional, Sequence, Tuple
+from typing import Iterable, List, Sequence, Tuple
 
 import numpy as np
 from scipy.optimize import minimize_scalar
@@ -249,18 +249,22 @@ class ZCDPLedger:
 
     def add(self, name: str, sensitivity: float, noise_std: float, count: int = 1,
             shape: Tuple[int, ...] = ()) -> GaussianRelease:
+        """Record ``count`` Gaussian mechanisms of L2 sensitivity ``sensitivity`` and noise std ``noise_std``."""
         rel = GaussianRelease(name, float(sensitivity), float(noise_std), int(count), tuple(shape))
         self.releases.append(rel)
         return rel
 
     @property
     def rho(self) -> float:
+        """Total zCDP: the sum of the releases' ρ (adaptive composition)."""
         return compose_rho(r.rho for r in self.releases)
 
     def epsilon(self, delta: float, method: str = "rdp") -> float:
+        """ε of the composed releases at ``delta``: :func:`rho_to_epsilon` of the summed ρ."""
         return rho_to_epsilon(self.rho, delta, method)
 
     def summary(self) -> str:
+        """A table of the releases (count, sensitivity, noise std, ρ) and the total ρ."""
         lines = [f"{'release':<24}{'count':>7}{'sensitivity':>14}{'noise std':>14}{'rho':>12}"]
         for r in self.releases:
             lines.append(f"{r.name:<24}{r.count:>7}{r.sensitivity:>14.4g}{r.noise_std:>14.4g}{r.rho:>12.4g}")

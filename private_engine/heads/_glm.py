@@ -19,17 +19,12 @@ LOSSES = ("sigmoid", "softmax")
 
 
 def probabilities(Z: torch.Tensor, loss: str) -> torch.Tensor:
+    """``s(Z)`` (one-vs-rest sigmoid) or ``softmax(Z)`` row-wise."""
     if loss == "sigmoid":
         return torch.sigmoid(Z)
     if loss == "softmax":
         return torch.softmax(Z, dim=1)
     raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}.")
-
-
-def mean_loss(Z: torch.Tensor, Y: torch.Tensor, loss: str) -> torch.Tensor:
-    if loss == "sigmoid":
-        return torch.nn.functional.binary_cross_entropy_with_logits(Z, Y, reduction="sum") / Z.shape[0]
-    return -(Y * torch.log_softmax(Z, dim=1)).sum() / Z.shape[0]
 
 
 def clipped_gradient_sum(X: torch.Tensor, Y: torch.Tensor, W: torch.Tensor, b: Optional[torch.Tensor],

@@ -11,7 +11,6 @@ conversion as the second-order heads, so the methods are compared at equal (ε, 
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Optional, Tuple
 
 import torch

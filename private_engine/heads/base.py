@@ -121,6 +121,7 @@ def encode_labels(y: Any, classes: Optional[np.ndarray] = None) -> Tuple[np.ndar
 
 # ----------------------------------------------------------------------------- clipping
 def row_norms(X: torch.Tensor) -> torch.Tensor:
+    """``‖x_i‖₂`` for every row ``x_i`` of X."""
     return torch.linalg.vector_norm(X, dim=1)
 
 
@@ -152,13 +153,19 @@ class NoiseSource:
         self.ledger = ledger if ledger is not None else ZCDPLedger()
 
     def gaussian(self, shape, std: float, like: torch.Tensor) -> torch.Tensor:
+        """i.i.d. ``N(0, std²)`` of ``shape`` with ``like``'s dtype and device (not recorded)."""
         return torch.randn(shape, generator=self.generator, dtype=like.dtype, device=like.device) * std
 
     def symmetric(self, d: int, std: float, like: torch.Tensor, batch: Tuple[int, ...] = ()) -> torch.Tensor:
+        """Symmetric d×d noise of :func:`symmetric_noise` (not recorded)."""
         return symmetric_noise(d, std, self.generator, like.dtype, like.device, batch)
 
     def release(self, name: str, value: torch.Tensor, sensitivity: float, noise_multiplier: float,
                 symmetric: bool = False, count: int = 1, record: bool = True) -> torch.Tensor:
+        """Gaussian mechanism: ``value + N(0, (σΔ)²)`` (isometric symmetric noise if ``symmetric``).
+
+        ``record=False`` is for the later chunks of a release already entered in the ledger.
+        """
         std = float(noise_multiplier) * float(sensitivity)
         if record:
             self.ledger.add(name, sensitivity, std, count=count, shape=tuple(value.shape))
@@ -299,6 +306,7 @@ class DPHeadBase:
         return {k: getattr(self, k) for k in self._param_names()}
 
     def set_params(self, **params) -> "DPHeadBase":
+        """Set constructor parameters (sklearn protocol); unknown names raise a ValueError."""
         valid = set(self._param_names())
         for k, v in params.items():
             if k not in valid:

@@ -26,7 +26,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-from .base import DPHeadBase, NoiseSource, clip_rows, encode_labels, psd_floor, solve, to_tensor
+from .base import DPHeadBase, NoiseSource, clip_rows, psd_floor, solve, to_tensor
 
 __all__ = ["DPLeastSquares"]
 

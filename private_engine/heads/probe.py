@@ -278,6 +278,7 @@ def run_probe(args) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    """Entry point of ``examples/linear_probe.py``: parse ``argv`` with the probe options and run."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_probe_arguments(parser)
     return run_probe(parser.parse_args(argv))
