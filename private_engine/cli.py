@@ -91,14 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
     _training_length(p)
     p.set_defaults(func=cmd_noise)
 
-    try:
-        from .heads.probe import add_probe_arguments, run_probe
-    except ImportError:  # heads not installed in this build
-        pass
-    else:
-        p = sub.add_parser("probe", help="DP linear probes (DP-LS, DP-Newton, DP-FC, DP-Adam, DP mean) over a list of ε")
-        add_probe_arguments(p)
-        p.set_defaults(func=run_probe)
+    from .heads.probe import add_probe_arguments, run_probe
+
+    p = sub.add_parser("probe", help="DP linear probes (DP-LS, DP-Newton, DP-FC, DP-Adam, DP mean) over a list of ε")
+    add_probe_arguments(p)
+    p.set_defaults(func=run_probe)
     return parser
 
 
