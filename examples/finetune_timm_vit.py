@@ -14,6 +14,7 @@ import time
 
 import timm
 import torch
+import torch.nn.functional as F
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
@@ -87,12 +88,15 @@ def main(argv=None):
           f"B={args.batch_size} (physical {args.physical_batch_size}), σ={engine.noise_multiplier:.4f}, "
           f"R={args.max_grad_norm}, mode={args.clipping_mode}, clipping={args.clipping_fn}")
 
+    def per_sample_loss(xb, yb):
+        return F.cross_entropy(model(xb), yb, reduction="none")
+
     start = time.perf_counter()
     model.train()
     for epoch in range(1, args.epochs + 1):
         bar = tqdm(loader, desc=f"epoch {epoch}/{args.epochs}", leave=False)
         for x, y in bar:
-            loss = private_logical_step(optimizer, model, x, y, args.physical_batch_size, device=device)
+            loss = private_logical_step(optimizer, (x, y), per_sample_loss, args.physical_batch_size, device=device)
             bar.set_postfix(loss=f"{loss:.3f}", eps=f"{engine.get_epsilon():.2f}")
         acc = accuracy(model, test_loader, device)
         print(f"epoch {epoch}: test accuracy {acc:.3f}, ε = {engine.get_epsilon():.3f}")

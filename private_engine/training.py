@@ -1,37 +1,37 @@
 """Training-loop helpers: one logical DP batch in physical chunks, and evaluation."""
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .data import physical_chunks
 
 
-def private_logical_step(optimizer: torch.optim.Optimizer, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
-                         physical_batch_size: int, loss_fn: Optional[Callable] = None,
+def private_logical_step(optimizer: torch.optim.Optimizer, batch: Sequence[torch.Tensor],
+                         per_sample_loss: Callable[..., torch.Tensor], physical_batch_size: int,
                          device: Optional[torch.device] = None) -> float:
-    """One DP step on a logical batch ``(x, y)``, run in physical chunks of ≤ ``physical_batch_size``.
+    """One DP step on a logical ``batch`` (batch-first tensors), in physical chunks of ≤ ``physical_batch_size``.
 
-    Every chunk but the last goes through ``optimizer.virtual_step(loss=…)`` (clip and
-    accumulate); the last through ``optimizer.step(loss=…)`` (noise once, update). An empty
-    (Poisson) batch still takes a step — noise only — as the accountant assumes. Returns the
-    mean loss of the batch (0.0 if empty).
+    ``per_sample_loss(*chunk)`` returns the chunk's per-sample losses (reduction="none"). Every
+    chunk but the last goes through ``optimizer.virtual_step(loss=…)`` (clip and accumulate), the
+    last through ``optimizer.step(loss=…)`` (noise once, update). An empty (Poisson) batch still
+    takes a step — noise only — as the accountant assumes. Returns the batch's mean loss (0.0 if
+    empty), with one host synchronisation.
     """
-    loss_fn = loss_fn or (lambda logits, target: F.cross_entropy(logits, target, reduction="none"))
-    if x.shape[0] == 0:
+    if batch[0].shape[0] == 0:
         optimizer.step(loss=torch.zeros(0, device=device))
+        optimizer.zero_grad(set_to_none=True)
         return 0.0
-    chunks = list(physical_chunks((x, y), physical_batch_size))
+    chunks = list(physical_chunks(batch, physical_batch_size))
     total, count = None, 0
-    for k, (xb, yb) in enumerate(chunks):
+    for k, chunk in enumerate(chunks):
         if device is not None:
-            xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
-        loss = loss_fn(model(xb), yb)
+            chunk = tuple(t.to(device, non_blocking=True) for t in chunk)
+        loss = per_sample_loss(*chunk)
         batch_sum = loss.detach().sum()
-        total = batch_sum if total is None else total + batch_sum  # stays on device: one sync at the end
+        total = batch_sum if total is None else total + batch_sum  # stays on device
         count += loss.shape[0]
         if k + 1 < len(chunks):
             optimizer.virtual_step(loss=loss)

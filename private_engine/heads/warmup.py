@@ -149,6 +149,7 @@ def warmup_finetune(model: nn.Module, X: torch.Tensor, y: torch.Tensor, *, epsil
 
     import private_engine as pe
     from ..data import poisson_loader
+    from ..training import private_logical_step
 
     if epochs < 1:
         raise ValueError(f"epochs must be ≥ 1, got {epochs}.")
@@ -203,25 +204,11 @@ def warmup_finetune(model: nn.Module, X: torch.Tensor, y: torch.Tensor, *, epsil
         for epoch in range(1, epochs + 1):
             model.train()
             total, count = 0.0, 0
-            for xb_all, yb_all, hb_all in tqdm(loader, desc=f"warm-up epoch {epoch}/{epochs}", disable=not progress,
-                                               leave=False):
-                if xb_all.shape[0] == 0:  # empty Poisson batch: noise-only step, as accounted
-                    opt.step(loss=torch.zeros(0, device=device))
-                    opt.zero_grad(set_to_none=True)
-                    continue
-                starts = list(range(0, xb_all.shape[0], phys))
-                for k, s in enumerate(starts):
-                    xb = xb_all[s:s + phys].to(device)
-                    yb = yb_all[s:s + phys].to(device)
-                    hb = hb_all[s:s + phys].to(device)
-                    loss = residual_loss(model(xb), hb, yb)
-                    total += float(loss.detach().sum())
-                    count += loss.shape[0]
-                    if k + 1 < len(starts):
-                        opt.virtual_step(loss=loss)
-                    else:
-                        opt.step(loss=loss)
-                opt.zero_grad(set_to_none=True)
+            for xb, yb, hb in tqdm(loader, desc=f"warm-up epoch {epoch}/{epochs}", disable=not progress,
+                                   leave=False):
+                mean_loss = private_logical_step(opt, (xb, hb, yb), lambda x, h, t: residual_loss(model(x), h, t),
+                                                 phys, device=device)
+                total, count = total + mean_loss * xb.shape[0], count + xb.shape[0]
             record = {"epoch": epoch, "train_loss": total / max(count, 1), "epsilon_train": engine.get_epsilon(delta_train)}
             if eval_data is not None:
                 record["test_accuracy"] = warmup_accuracy(classifier, *eval_data, batch_size=phys)
