@@ -15,6 +15,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from .base import DPHeadBase
+
 LOSSES = ("sigmoid", "softmax")
 
 
@@ -42,3 +44,21 @@ def clipped_gradient_sum(X: torch.Tensor, Y: torch.Tensor, W: torch.Tensor, b: O
     gW = R.T @ X
     gb = R.sum(dim=0) if b is not None else None
     return gW, gb, norms
+
+
+class GLMHead(DPHeadBase):
+    """Shared prediction of the linear heads trained by (clipped) gradient steps (DP-FC, DP-Adam):
+    scores ``Xθᵀ + b`` and probabilities from the training loss's link."""
+
+    def _device(self) -> torch.device:
+        return self.coef_.device
+
+    def _decision(self, X: torch.Tensor) -> torch.Tensor:
+        Z = X @ self.coef_.T
+        return Z + self.intercept_ if self.intercept_ is not None else Z
+
+    def predict_proba(self, X):
+        """Class probabilities: softmax, or one-vs-rest sigmoids normalised to sum to 1."""
+        Xt, is_torch, dev = self._prepare_predict(X)
+        P = probabilities(self._decision(Xt), self.loss)
+        return self._out(P / P.sum(dim=1, keepdim=True), is_torch, dev)

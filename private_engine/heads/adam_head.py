@@ -15,13 +15,13 @@ from typing import Any, Optional, Tuple
 
 import torch
 
-from ._glm import LOSSES, clipped_gradient_sum, probabilities
-from .base import DPHeadBase, NoiseSource
+from ._glm import LOSSES, GLMHead, clipped_gradient_sum
+from .base import NoiseSource
 
 __all__ = ["DPAdamHead"]
 
 
-class DPAdamHead(DPHeadBase):
+class DPAdamHead(GLMHead):
     """Full-batch DP-Adam on a linear head — ``T/(2σ²)``-zCDP.
 
     Args:
@@ -98,16 +98,3 @@ class DPAdamHead(DPHeadBase):
         self.coef_ = params[0]
         self.intercept_ = params[1] if self.fit_intercept else None
         self.n_iter_ = self.steps
-
-    def _device(self) -> torch.device:
-        return self.coef_.device
-
-    def _decision(self, X: torch.Tensor) -> torch.Tensor:
-        Z = X @ self.coef_.T
-        return Z + self.intercept_ if self.intercept_ is not None else Z
-
-    def predict_proba(self, X):
-        """Class probabilities: softmax, or one-vs-rest sigmoids normalised to sum to 1."""
-        Xt, is_torch, dev = self._prepare_predict(X)
-        P = probabilities(self._decision(Xt), self.loss)
-        return self._out(P / P.sum(dim=1, keepdim=True), is_torch, dev)

@@ -23,13 +23,13 @@ from typing import Any, Optional
 
 import torch
 
-from ._glm import LOSSES, clipped_gradient_sum, probabilities
-from .base import DPHeadBase, NoiseSource, clip_rows, psd_floor, sym_eigh
+from ._glm import LOSSES, GLMHead, clipped_gradient_sum
+from .base import NoiseSource, clip_rows, psd_floor, sym_eigh
 
 __all__ = ["DPFeatureCovariance"]
 
 
-class DPFeatureCovariance(DPHeadBase):
+class DPFeatureCovariance(GLMHead):
     """DP-FC, seed 000 Algorithm 3 — ``(T+1)/(2σ²)``-zCDP (Theorem 2.3).
 
     Args:
@@ -123,16 +123,3 @@ class DPFeatureCovariance(DPHeadBase):
         self.intercept_ = b
         self.noisy_covariance_ = G  # released (1/n)Σx̃x̃ᵀ + noise, before the PSD floor and λI
         self.n_iter_ = self.steps
-
-    def _device(self) -> torch.device:
-        return self.coef_.device
-
-    def _decision(self, X: torch.Tensor) -> torch.Tensor:
-        Z = X @ self.coef_.T
-        return Z + self.intercept_ if self.intercept_ is not None else Z
-
-    def predict_proba(self, X):
-        """Class probabilities: softmax, or one-vs-rest sigmoids normalised to sum to 1."""
-        Xt, is_torch, dev = self._prepare_predict(X)
-        P = probabilities(self._decision(Xt), self.loss)
-        return self._out(P / P.sum(dim=1, keepdim=True), is_torch, dev)
