@@ -1,0 +1,711 @@
+#!/usr/bin/env python
+"""Seconds per step and peak memory of non-private training, private_engine and Opacus, in one run.
+
+Every method trains the same model (same initialisation, same trainable parameters) on the same
+random batch with SGD and cross-entropy. One step is forward + per-sample clipping + noise +
+optimizer step (forward + backward + step for non-private training)::
+
+    nondp         plain training (the reference for every ratio)
+    mixed         private_engine, clipping_mode="mixed" (ghost or instantiate per layer)
+    ghost         private_engine, clipping_mode="ghost"
+    per_sample    private_engine, clipping_mode="per_sample"
+    opacus_hooks  Opacus make_private(grad_sample_mode="hooks")  (per-sample gradients)
+    opacus_ghost  Opacus make_private(grad_sample_mode="ghost")  (ghost clipping)
+
+Each method runs in its own subprocess (``--only METHOD``, driven step by step over a pipe), so
+peak memory is not polluted by the other methods and every method starts from the same state. On
+CPU the steps are interleaved by default (one step of each method per round), so changing
+background load hits every method alike. Time is the median over the timed steps
+(``time.perf_counter``, with ``torch.cuda.synchronize`` on CUDA), warm-up steps excluded. Peak memory is the increase during the steps over what the process holds once the
+model, batch and optimizer are built: ``torch.cuda.max_memory_allocated`` on CUDA, the peak
+resident set size (VmHWM, reset through /proc/self/clear_refs; ``ru_maxrss`` otherwise) on CPU.
+
+Parameters that private_engine has no per-sample rule for yet (timm ViT's ``cls_token`` and
+``pos_embed``) are frozen for *every* method, and BatchNorm is replaced by GroupNorm
+(``private_engine.fix_batchnorm``) for every method, so all methods train the same parameters.
+
+Examples::
+
+    python bench/bench_clipping.py                                   # ViT-Tiny, 224², batch 16
+    python bench/bench_clipping.py --model resnet18 --img-size 64 --device cuda
+    python bench/bench_clipping.py --methods nondp mixed opacus_ghost --markdown docs/benchmarks.md
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import fnmatch
+import json
+import os
+import platform
+import resource
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+METHODS = ("nondp", "mixed", "ghost", "per_sample", "opacus_hooks", "opacus_ghost")
+OURS = ("mixed", "ghost", "per_sample")
+OPACUS = ("opacus_hooks", "opacus_ghost")
+SAMPLE_SIZE = 50_000  # only enters the accountant's sampling rate; irrelevant to speed and memory
+RESULT_TAG = "@@bench-result@@ "
+MIB = 2 ** 20
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="vit_tiny_patch16_224", help="timm or torchvision model name (random init)")
+    p.add_argument("--img-size", type=int, default=224, help="input height = width")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--num-classes", type=int, default=10)
+    p.add_argument("--steps", type=int, default=5, help="timed steps per method")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps before timing")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS, metavar="METHOD",
+                   help=f"subset of {', '.join(METHODS)} (default: all)")
+    p.add_argument("--freeze", nargs="*", default=[], metavar="GLOB",
+                   help="also freeze parameters whose name matches a glob, for every method (e.g. 'blocks.*')")
+    p.add_argument("--no-inplace", action="store_true",
+                   help="set inplace=False on every module that has it (e.g. ReLU), for every method: Opacus' "
+                        "full backward hooks reject in-place ops on the outputs of hooked layers")
+    p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument("--noise-multiplier", type=float, default=1.0)
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--schedule", default="auto", choices=("auto", "interleaved", "sequential"),
+                   help="interleaved: one step of each method per round (robust to changing background load); "
+                        "sequential: one method at a time (one subprocess alive). auto: interleaved on CPU, "
+                        "sequential on CUDA")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds allowed for building a method or one step")
+    p.add_argument("--markdown", metavar="PATH", help="write (or replace) this run's section in a markdown file")
+    p.add_argument("--only", choices=METHODS, help=argparse.SUPPRESS)  # internal: run one method, print JSON
+    args = p.parse_args(argv)
+    if args.device == "auto":
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.schedule == "auto":
+        args.schedule = "sequential" if args.device == "cuda" else "interleaved"
+    if args.steps < 1 or args.warmup < 0:
+        p.error("--steps must be ≥ 1 and --warmup ≥ 0")
+    return args
+
+
+#: options forwarded from the parent to each per-method subprocess (the parent counts the steps)
+FORWARDED = ("model", "img_size", "batch_size", "num_classes", "device", "dtype", "freeze", "no_inplace",
+             "max_grad_norm", "noise_multiplier", "lr", "seed")
+
+
+def child_command(args: argparse.Namespace, method: str) -> List[str]:
+    """The command line of the subprocess that runs ``method`` with the parent's settings."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--only", method]
+    for name in FORWARDED:
+        value = getattr(args, name)
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            cmd += [flag] if value else []
+        elif isinstance(value, list):
+            if value:
+                cmd += [flag, *map(str, value)]
+        else:
+            cmd += [flag, str(value)]
+    return cmd
+
+
+# ---------------------------------------------------------------------------------------------
+# Model, data and the six methods (run inside the per-method subprocess)
+# ---------------------------------------------------------------------------------------------
+def build_model(args):
+    """The model (fixed seed, so the same initialisation for every method) and notes on what was changed."""
+    import torch
+    import private_engine
+    from private_engine.models import create_model
+    from private_engine.validation import batchnorm_modules, unsupported_parameters
+
+    torch.manual_seed(args.seed)
+    model = _create(create_model, args)
+    notes = {}
+    if batchnorm_modules(model):
+        model = private_engine.fix_batchnorm(model)
+        notes["batchnorm"] = "BatchNorm replaced by GroupNorm (private_engine.fix_batchnorm) for every method"
+    if args.no_inplace:
+        for m in model.modules():
+            if getattr(m, "inplace", False) is True:
+                m.inplace = False
+        notes["inplace"] = "in-place activations disabled (--no-inplace) for every method"
+    no_rule = unsupported_parameters(model)
+    by_glob = [n for n, p in model.named_parameters() if p.requires_grad and any(fnmatch.fnmatch(n, g) for g in args.freeze)]
+    params = dict(model.named_parameters())
+    for name in set(no_rule) | set(by_glob):
+        params[name].requires_grad_(False)
+    notes["frozen_no_rule"] = no_rule
+    notes["frozen_glob"] = by_glob
+    notes["trainable"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    dtype = getattr(torch, args.dtype)
+    return model.to(device=args.device, dtype=dtype).train(), notes
+
+
+def _create(create_model, args):
+    """timm models get ``img_size`` when they take it (ViTs); CNNs do not need it."""
+    import timm
+
+    if timm.is_model(args.model):
+        try:
+            return create_model(args.model, num_classes=args.num_classes, img_size=args.img_size)
+        except TypeError:
+            pass
+    return create_model(args.model, num_classes=args.num_classes)
+
+
+def make_batch(args):
+    """A random batch of the right shape, identical for every method."""
+    import torch
+
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    x = torch.randn(args.batch_size, 3, args.img_size, args.img_size, generator=gen)
+    y = torch.randint(0, args.num_classes, (args.batch_size,), generator=gen)
+    return x.to(args.device, getattr(torch, args.dtype)), y.to(args.device)
+
+
+@dataclass
+class Runner:
+    """One method, ready to train: ``step()`` runs one full training step; ``describe()`` notes after the run."""
+
+    step: Callable[[], None]
+    describe: Callable[[], str] = lambda: ""
+
+
+def sgd(model, args):
+    import torch
+
+    return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=args.lr)
+
+
+def setup_nondp(model, x, y, args) -> Runner:
+    import torch.nn.functional as F
+
+    opt = sgd(model, args)
+
+    def step():
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return Runner(step)
+
+
+def setup_ours(mode: str):
+    def setup(model, x, y, args) -> Runner:
+        import torch.nn.functional as F
+        import private_engine
+
+        opt = sgd(model, args)
+        engine = private_engine.PrivacyEngine(model, batch_size=args.batch_size, sample_size=SAMPLE_SIZE,
+                                              max_grad_norm=args.max_grad_norm,
+                                              noise_multiplier=args.noise_multiplier, clipping_mode=mode)
+        engine.attach(opt)
+
+        def step():
+            opt.step(loss=F.cross_entropy(model(x), y, reduction="none"))
+            opt.zero_grad(set_to_none=True)
+
+        def describe():
+            plan = engine.layer_plan
+            n_ghost = sum(d.use_ghost for d in plan)
+            return f"{n_ghost} ghost / {len(plan) - n_ghost} instantiated layers"
+
+        return Runner(step, describe)
+
+    return setup
+
+
+def setup_opacus(grad_sample_mode: str):
+    def setup(model, x, y, args) -> Runner:
+        import torch
+        from opacus import PrivacyEngine as OpacusEngine
+        from torch.utils.data import DataLoader, TensorDataset
+
+        opt = sgd(model, args)
+        # The loader only tells Opacus the sampling rate and expected batch size (= batch_size);
+        # the benchmark feeds the fixed batch itself, as for the other methods.
+        loader = DataLoader(TensorDataset(x, y), batch_size=args.batch_size)
+        criterion = torch.nn.CrossEntropyLoss()
+        out = OpacusEngine().make_private(module=model, optimizer=opt, data_loader=loader, criterion=criterion,
+                                          noise_multiplier=args.noise_multiplier, max_grad_norm=args.max_grad_norm,
+                                          grad_sample_mode=grad_sample_mode, poisson_sampling=False)
+        if grad_sample_mode == "ghost":
+            dp_model, dp_opt, criterion, _ = out  # criterion's backward() runs both passes
+        else:
+            dp_model, dp_opt, _ = out
+
+        def step():
+            criterion(dp_model(x), y).backward()
+            dp_opt.step()
+            dp_opt.zero_grad(set_to_none=True)
+
+        return Runner(step)
+
+    return setup
+
+
+SETUPS: Dict[str, Callable] = {
+    "nondp": setup_nondp,
+    "mixed": setup_ours("mixed"),
+    "ghost": setup_ours("ghost"),
+    "per_sample": setup_ours("per_sample"),
+    "opacus_hooks": setup_opacus("hooks"),
+    "opacus_ghost": setup_opacus("ghost"),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Measuring one method (subprocess side)
+# ---------------------------------------------------------------------------------------------
+class MemoryMeter:
+    """Peak memory increase over a baseline: CUDA allocator statistics, or the process' peak RSS on CPU."""
+
+    def __init__(self, device: str):
+        import torch
+
+        self.cuda = device == "cuda"
+        self.torch = torch
+        self.exact_cpu_peak = False
+
+    def start(self) -> None:
+        if self.cuda:
+            self.torch.cuda.synchronize()
+            self.torch.cuda.reset_peak_memory_stats()
+            self.base = self.torch.cuda.memory_allocated()
+        else:
+            self.exact_cpu_peak = _reset_peak_rss()
+            self.base = _rss_bytes() if self.exact_cpu_peak else _maxrss_bytes()
+
+    def peak(self) -> int:
+        """Peak bytes since ``start`` (absolute)."""
+        if self.cuda:
+            self.torch.cuda.synchronize()
+            return self.torch.cuda.max_memory_allocated()
+        return _maxrss_bytes()
+
+    def delta_mib(self, nbytes: int) -> float:
+        return max(nbytes - self.base, 0) / MIB
+
+    def held_mib(self) -> float:
+        """Memory still held over the baseline (after garbage collection): a leak shows here."""
+        import gc
+
+        gc.collect()
+        return self.delta_mib(self.torch.cuda.memory_allocated() if self.cuda else _rss_bytes())
+
+
+def _reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS counter (Linux ≥ 4.0); False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return _maxrss_bytes()
+
+
+def _maxrss_bytes() -> int:
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024  # bytes on macOS, KiB on Linux
+
+
+def emit(payload: dict) -> None:
+    """Send one message to the parent (the only lines the child writes that the parent reads)."""
+    print(RESULT_TAG + json.dumps(payload), flush=True)
+
+
+def error_text(e: BaseException) -> str:
+    first = str(e).strip().splitlines()[0].split(". ")[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {first}"[:300]
+
+
+def run_child(args) -> None:
+    """Subprocess entry point: build ``args.only``, then serve ``step`` / ``finish`` requests from stdin.
+
+    Replies (one tagged JSON line each): ``{"ready": …}`` once built, ``{"time": s}`` per step,
+    the measurements on ``finish``, or ``{"error": …}`` — e.g. a layer Opacus does not support.
+    """
+    import warnings
+
+    import torch
+
+    warnings.filterwarnings("ignore")
+    try:
+        model, notes = build_model(args)
+        x, y = make_batch(args)
+        runner = SETUPS[args.only](model, x, y, args)
+    except Exception as e:
+        return emit({"error": error_text(e)})
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    meter = MemoryMeter(args.device)
+    meter.start()
+    emit({"ready": True})
+    first_peak = None
+    for line in sys.stdin:
+        if line.strip() == "step":
+            try:
+                sync()
+                t0 = time.perf_counter()
+                runner.step()
+                sync()
+            except Exception as e:
+                return emit({"error": error_text(e)})
+            elapsed = time.perf_counter() - t0
+            first_peak = meter.peak() if first_peak is None else first_peak
+            emit({"time": elapsed})
+        elif line.strip() == "finish":
+            peak = meter.peak()
+            return emit({"peak_delta_mib": meter.delta_mib(peak),
+                         "first_step_peak_delta_mib": meter.delta_mib(first_peak or peak),
+                         "peak_total_mib": peak / MIB, "held_mib": meter.held_mib(),
+                         "exact_cpu_peak": meter.exact_cpu_peak, "note": runner.describe(),
+                         "threads": torch.get_num_threads(), **notes})
+
+
+# ---------------------------------------------------------------------------------------------
+# Parent: run every method, compute ratios, print and write the tables
+# ---------------------------------------------------------------------------------------------
+def child_env(args) -> Dict[str, str]:
+    """The subprocess environment. On CPU, glibc's malloc gets a fixed mmap threshold: by default it
+    raises the threshold as large blocks are freed and then keeps freed memory in its heap, so the
+    peak RSS would count freed memory and depend on the allocation history (with the fixed
+    threshold, the peak RSS increase matches PyTorch's own peak of allocated bytes within a few MiB)."""
+    env = dict(os.environ)
+    if args.device == "cpu":
+        env.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
+        env.setdefault("MALLOC_TRIM_THRESHOLD_", "65536")
+    return env
+
+
+class Worker:
+    """One method in its own subprocess, driven step by step."""
+
+    def __init__(self, args, method: str):
+        import queue
+        import tempfile
+        import threading
+
+        self.method, self.timeout = method, args.timeout
+        self.result: dict = {"method": method, "times": []}
+        self.stderr = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(child_command(args, method), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.stderr, text=True, bufsize=1, env=child_env(args))
+        self.replies: "queue.Queue[Optional[str]]" = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        self._request(None)  # wait for "ready" (or the setup error)
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            if line.startswith(RESULT_TAG):
+                self.replies.put(line[len(RESULT_TAG):])
+        self.replies.put(None)  # the child exited
+
+    @property
+    def ok(self) -> bool:
+        return "error" not in self.result
+
+    def _request(self, command: Optional[str]) -> dict:
+        """Send ``command`` (None: just wait) and return the child's reply; failures end in ``result["error"]``."""
+        import queue
+
+        if not self.ok:
+            return {}
+        try:
+            if command is not None:
+                self.proc.stdin.write(command + "\n")
+                self.proc.stdin.flush()
+            line = self.replies.get(timeout=self.timeout)
+        except (queue.Empty, BrokenPipeError, OSError):
+            line = None
+            if self.proc.poll() is None:
+                self.result["error"] = f"timed out after {self.timeout:.0f} s"
+        if line is None:
+            self.result.setdefault("error", self._crash_reason())
+            self.close()
+            return {}
+        reply = json.loads(line)
+        if "error" in reply:
+            self.result["error"] = reply["error"]
+            self.close()
+        return reply
+
+    def _crash_reason(self) -> str:
+        self.proc.poll()
+        self.stderr.seek(0)
+        tail = (self.stderr.read().strip().splitlines() or ["no output"])[-1]
+        return f"crashed (exit {self.proc.returncode}): {tail}"[:300]
+
+    def step(self) -> None:
+        reply = self._request("step")
+        if "time" in reply:
+            self.result["times"].append(reply["time"])
+
+    def finish(self) -> dict:
+        self.result.update(self._request("finish"))
+        self.close()
+        return self.result
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.stderr.close()
+
+
+def run_all(args, methods: List[str]) -> Dict[str, dict]:
+    """Run the methods, each in its own subprocess; return ``{method: result}``.
+
+    "interleaved": all subprocesses are built first, then each round runs one step of every method
+    (the starting method rotates), so a change in background load hits all methods alike.
+    "sequential": one method after the other (one subprocess alive at a time).
+    """
+    from tqdm import tqdm
+
+    rounds = args.warmup + args.steps
+    bar = tqdm(total=len(methods) * (rounds + 1), unit="step")
+
+    def start(method):
+        bar.set_postfix_str(f"building {method}")
+        worker = Worker(args, method)
+        bar.update()
+        return worker
+
+    def steps(worker, n):
+        for _ in range(n):
+            bar.set_postfix_str(worker.method)
+            worker.step()
+            bar.update()
+
+    results = {}
+    if args.schedule == "sequential":
+        for method in methods:
+            worker = start(method)
+            steps(worker, rounds)
+            results[method] = worker.finish()
+    else:
+        workers = [start(m) for m in methods]
+        for r in range(rounds):
+            k = r % len(workers)
+            for worker in workers[k:] + workers[:k]:
+                steps(worker, 1)
+        results = {w.method: w.finish() for w in workers}
+    bar.close()
+    for r in results.values():  # drop warm-up steps
+        r["times"] = r["times"][args.warmup:]
+        if r.get("times") and "error" not in r:
+            r["median_s"] = statistics.median(r["times"])
+    add_paired_ratios(results)
+    return results
+
+
+def add_paired_ratios(results: Dict[str, dict]) -> None:
+    """``time_ratio``: median over rounds of (step time / non-DP step time of the same round)."""
+    ref = results.get("nondp", {}).get("times")
+    for r in results.values():
+        if ref and r.get("times") and len(r["times"]) == len(ref) and "error" not in r:
+            r["time_ratio"] = statistics.median(t / t0 for t, t0 in zip(r["times"], ref))
+
+
+def ratio(a: Optional[float], b: Optional[float]) -> str:
+    return f"{a / b:.2f}×" if a is not None and b else "—"
+
+
+def results_table(results: Dict[str, dict], cuda: bool = False) -> List[List[str]]:
+    """Rows of the main table: time and memory, with ratios to non-private training.
+
+    On CUDA a column gives the absolute peak (``max_memory_allocated``, model included) too; on CPU
+    the absolute RSS would mostly be the Python runtime and libraries, so only increases are shown.
+    """
+    ref = results.get("nondp", {})
+    rows = [["method", "s/step (median)", "min–max", "time × non-DP", "peak mem Δ (MiB)", "mem × non-DP",
+             "1st-step peak Δ", "held after"] + (["peak total (MiB)"] if cuda else []) + ["notes"]]
+    for m, r in results.items():
+        if "error" in r:
+            rows.append([m] + ["—"] * (len(rows[0]) - 2) + [r["error"]])
+            continue
+        rows.append([m, f"{r['median_s']:.3f}", f"{min(r['times']):.3f}–{max(r['times']):.3f}",
+                     f"{r['time_ratio']:.2f}×" if "time_ratio" in r else ratio(r["median_s"], ref.get("median_s")),
+                     f"{r['peak_delta_mib']:.0f}",
+                     ratio(r["peak_delta_mib"], ref.get("peak_delta_mib")), f"{r['first_step_peak_delta_mib']:.0f}",
+                     f"{r['held_mib']:.0f}"] + ([f"{r['peak_total_mib']:.0f}"] if cuda else []) + [r.get("note", "")])
+    return rows
+
+
+def versus_opacus_table(results: Dict[str, dict]) -> List[List[str]]:
+    """Rows comparing each of our modes with each Opacus mode (ratios < 1 favour private_engine)."""
+    ours = [m for m in OURS if "median_s" in results.get(m, {})]
+    theirs = [m for m in OPACUS if "median_s" in results.get(m, {})]
+    if not ours or not theirs:
+        return []
+    rows = [["ours"] + [f"time / {o}" for o in theirs] + [f"mem / {o}" for o in theirs]]
+    for m in ours:
+        r = results[m]
+        rows.append([m] + [ratio(r["median_s"], results[o]["median_s"]) for o in theirs]
+                    + [ratio(r["peak_delta_mib"], results[o]["peak_delta_mib"]) for o in theirs])
+    return rows
+
+
+def format_text(rows: List[List[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def format_markdown(rows: List[List[str]]) -> str:
+    lines = ["| " + " | ".join(rows[0]) + " |", "|" + "|".join(" --- " for _ in rows[0]) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows[1:]]
+    return "\n".join(lines)
+
+
+def machine_info(device: str, load: Optional[float] = None) -> Dict[str, str]:
+    import opacus
+    import timm
+    import torch
+
+    cpu = platform.processor() or "unknown CPU"
+    mem = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+        with open("/proc/meminfo") as f:
+            kib = int(next(l.split()[1] for l in f if l.startswith("MemTotal")))
+            mem = f", {kib / 2 ** 20:.0f} GiB RAM"
+    except (OSError, StopIteration):
+        pass
+    name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
+    busy = f", 1-min load average {load:.1f} at start" if load is not None else ""
+    return {
+        "machine": f"{cpu}, {os.cpu_count()} cores (torch threads: {torch.get_num_threads()}){mem}{busy}",
+        "device": name,
+        "software": f"Python {platform.python_version()}, torch {torch.__version__}, timm {timm.__version__}, "
+                    f"opacus {opacus.__version__}",
+    }
+
+
+def engine_revision() -> str:
+    """The git commit measured, flagged when private_engine/ has uncommitted changes."""
+    repo = Path(__file__).resolve().parents[1]
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "private_engine"], cwd=repo,
+                               capture_output=True, text=True, check=True).stdout.rstrip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+    changed = [line[3:] for line in dirty.splitlines()]
+    return rev + (f" (uncommitted changes: {', '.join(changed)})" if changed else "")
+
+
+def command_line() -> str:
+    return "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0])] + sys.argv[1:])
+
+
+def setup_lines(args, results: Dict[str, dict]) -> List[str]:
+    """What every method trained, read back from a successful run."""
+    ok = next((r for r in results.values() if "error" not in r), None)
+    lines = [f"SGD (lr {args.lr}), cross-entropy on a fixed random batch, {args.num_classes} classes, "
+             f"σ = {args.noise_multiplier}, R = {args.max_grad_norm}, {args.dtype}; "
+             f"{args.steps} timed steps after {args.warmup} warm-up, median; one subprocess per method, "
+             f"{args.schedule}" + (" (one step of each method per round; 'time × non-DP' is the median of the "
+                                   "per-round ratios)." if args.schedule == "interleaved" else ".")]
+    if ok is None:
+        return lines
+    lines.append(f"Trainable parameters (same for every method): {ok['trainable']:,}.")
+    if ok.get("frozen_no_rule"):
+        lines.append(f"Frozen for every method (no per-sample rule in private_engine yet): "
+                     f"{', '.join(ok['frozen_no_rule'])}.")
+    if ok.get("frozen_glob"):
+        lines.append(f"Frozen by --freeze: {len(ok['frozen_glob'])} parameters.")
+    for key in ("batchnorm", "inplace"):
+        if ok.get(key):
+            lines.append(ok[key][0].upper() + ok[key][1:] + ".")
+    mem = ("torch.cuda.max_memory_allocated" if args.device == "cuda" else
+           "peak RSS (VmHWM reset per method)" if ok.get("exact_cpu_peak") else "ru_maxrss")
+    lines.append(f"Peak memory: increase over model + batch + optimizer during all steps, by {mem}; "
+                 "'1st-step peak Δ': the same over the first step only; 'held after': still allocated after the "
+                 "last step (MiB). The three agree unless memory grows from step to step.")
+    return lines
+
+
+def section_key(args) -> str:
+    return (f"{args.model}-{args.img_size}-b{args.batch_size}-{args.device}-{args.dtype}"
+            + ("-noinplace" if args.no_inplace else ""))
+
+
+def markdown_section(args, results: Dict[str, dict], info: Dict[str, str]) -> str:
+    key = section_key(args)
+    body = [f"<!-- bench:{key} -->",
+            f"### {args.model}, {args.img_size}×{args.img_size}, batch {args.batch_size}, "
+            f"{info['device']} ({args.dtype})", "",
+            f"- Date: {datetime.date.today().isoformat()}",
+            f"- Machine: {info['machine']}; device: {info['device']}",
+            f"- Software: {info['software']}; private_engine at commit {engine_revision()}",
+            f"- Command: `{command_line()}`"]
+    body += [f"- {line}" for line in setup_lines(args, results)]
+    body += ["", format_markdown(results_table(results, args.device == "cuda"))]
+    vs = versus_opacus_table(results)
+    if vs:
+        body += ["", "private_engine vs Opacus (ratios below 1 favour private_engine):", "", format_markdown(vs)]
+    body += [f"<!-- /bench:{key} -->"]
+    return "\n".join(body) + "\n"
+
+
+def write_markdown(path: Path, section: str, key: str) -> None:
+    """Replace this configuration's section in ``path`` (between its markers), or append it."""
+    start, end = f"<!-- bench:{key} -->", f"<!-- /bench:{key} -->"
+    text = path.read_text() if path.exists() else "# Benchmarks\n\nWritten by `bench/bench_clipping.py`.\n"
+    if start in text and end in text:
+        before, rest = text.split(start, 1)
+        text = before + section.rstrip("\n") + rest.split(end, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    args = parse_args(argv)
+    if args.only:
+        run_child(args)
+        return
+    methods = [m for m in METHODS if m in args.methods]
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    results = run_all(args, methods)
+    info = machine_info(args.device, load)
+    print(f"\n{args.model}, {args.img_size}×{args.img_size}, batch {args.batch_size}, {info['device']} "
+          f"({args.dtype})\n{info['machine']}\n{info['software']}; private_engine at commit {engine_revision()}")
+    for line in setup_lines(args, results):
+        print(line)
+    print("\n" + format_text(results_table(results, args.device == "cuda")))
+    vs = versus_opacus_table(results)
+    if vs:
+        print("\nprivate_engine vs Opacus (ratios below 1 favour private_engine):\n" + format_text(vs))
+    if args.markdown:
+        write_markdown(Path(args.markdown), markdown_section(args, results, info), section_key(args))
+        print(f"\nwrote {args.markdown}")
+
+
+if __name__ == "__main__":
+    main()
