@@ -35,13 +35,20 @@ def cmd_plan(args) -> int:
     return 0
 
 
-def cmd_epsilon(args) -> int:
-    """ε spent by DP-SGD with noise σ, batch B, n examples, after the given epochs or steps."""
-    from .accounting import epsilon_for, steps_for
+def _sampling(args):
+    """``(q, steps, δ)`` from the training-length options (δ defaults to 1/(2n), as the engine)."""
+    from .accounting import steps_for
 
     q = args.batch_size / args.sample_size
-    steps = steps_for(args.epochs, args.steps, q)
     delta = args.delta if args.delta is not None else 1.0 / (2 * args.sample_size)
+    return q, steps_for(args.epochs, args.steps, q), delta
+
+
+def cmd_epsilon(args) -> int:
+    """ε spent by DP-SGD with noise σ, batch B, n examples, after the given epochs or steps."""
+    from .accounting import epsilon_for
+
+    q, steps, delta = _sampling(args)
     eps = epsilon_for(args.noise_multiplier, q, steps, delta, args.accountant)
     print(f"ε = {eps:.4f} at δ = {delta:.3g} ({args.accountant}; σ = {args.noise_multiplier}, q = {q:.5g}, "
           f"{steps} steps)")
@@ -50,11 +57,9 @@ def cmd_epsilon(args) -> int:
 
 def cmd_noise(args) -> int:
     """The noise multiplier σ that spends ``--epsilon`` over the given training length."""
-    from .accounting import calibrate_noise_multiplier, steps_for
+    from .accounting import calibrate_noise_multiplier
 
-    q = args.batch_size / args.sample_size
-    steps = steps_for(args.epochs, args.steps, q)
-    delta = args.delta if args.delta is not None else 1.0 / (2 * args.sample_size)
+    q, steps, delta = _sampling(args)
     sigma = calibrate_noise_multiplier(args.epsilon, delta, q, steps, args.accountant)
     print(f"σ = {sigma:.5f} for ε = {args.epsilon} at δ = {delta:.3g} ({args.accountant}; q = {q:.5g}, {steps} steps)")
     return 0
