@@ -12,6 +12,7 @@ import math
 from typing import Dict
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .base import LayerDims, LayerRule, accumulation_dtype, register_rule, trainable
@@ -43,11 +44,8 @@ class LayerNormRule(_AffineNormRule):
                 f"{tuple(module.normalized_shape)}; a LayerNorm subclass that normalises other dimensions "
                 "needs its own rule (private_engine.layers.register_rule)."
             )
-        x = a.to(accumulation_dtype(a))
-        dims = tuple(range(-n, 0))
-        mean = x.mean(dims, keepdim=True)
-        var = x.var(dims, unbiased=False, keepdim=True)
-        return (x - mean) * torch.rsqrt(var + module.eps)
+        # x̂ = (x − mean) / √(var + eps) over the normalised dims, in one fused kernel
+        return F.layer_norm(a.to(accumulation_dtype(a)), module.normalized_shape, None, None, module.eps)
 
     def dims(self, module, activation, output):
         p = math.prod(module.normalized_shape)
@@ -76,10 +74,8 @@ class GroupNormRule(_AffineNormRule):
                 f"{type(module).__name__}: input has {C} channels, expected {module.num_channels} "
                 "(batch-first (B, C, *) layout)."
             )
-        x = a.to(accumulation_dtype(a)).reshape(B, module.num_groups, -1)
-        mean = x.mean(2, keepdim=True)
-        var = x.var(2, unbiased=False, keepdim=True)
-        return ((x - mean) * torch.rsqrt(var + module.eps)).reshape(B, C, -1)
+        # x̂ = (x − mean_group) / √(var_group + eps), in one fused kernel
+        return F.group_norm(a.to(accumulation_dtype(a)), module.num_groups, None, None, module.eps).reshape(B, C, -1)
 
     def dims(self, module, activation, output):
         T = math.prod(output.shape[2:])
