@@ -91,6 +91,8 @@ class PrivacyEngine:
         self.clipper = PerSampleClipper(layers, self.params, mode=clipping_mode, clipping_fn=clipping_fn,
                                         max_grad_norm=max_grad_norm)
         self._attached: List[_optim.PrivateStep] = []
+        #: per-sample gradient norms ‖g_i‖ of the last clipped physical batch (None before the first)
+        self.last_norms: Optional[torch.Tensor] = None
 
     # -- optimizer ---------------------------------------------------------------------------
     def attach(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

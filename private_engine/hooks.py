@@ -67,7 +67,6 @@ class LayerRecorder:
         self.layers = [RecordedLayer(name, module, rule) for name, module, rule in layers]
         self.on_layer_ready = on_layer_ready
         self.capturing = False
-        self.recording = True
         self._handles = []
         self.install()
 
@@ -80,8 +79,7 @@ class LayerRecorder:
     # -- forward ---------------------------------------------------------------------------
     def _make_forward_hook(self, layer: RecordedLayer):
         def hook(module, inputs, output):
-            if not (self.recording and torch.is_grad_enabled() and isinstance(output, torch.Tensor)
-                    and output.requires_grad):
+            if not (torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad):
                 return None
             if not inputs or not isinstance(inputs[0], torch.Tensor):
                 raise TypeError(

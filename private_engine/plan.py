@@ -87,7 +87,6 @@ def layer_plan(model: nn.Module, example_input, mode: str = "mixed") -> List[Lay
     check_mode(mode)
 
     recorder = LayerRecorder(clipped_layers(model, strict=False))
-    was_training = model.training
     try:
         with torch.enable_grad():
             args = example_input if isinstance(example_input, tuple) else (example_input,)
@@ -95,7 +94,6 @@ def layer_plan(model: nn.Module, example_input, mode: str = "mixed") -> List[Lay
         return [decide(l.name, l.module, [c.dims for c in l.calls], mode) for l in recorder.active_layers()]
     finally:
         recorder.remove()
-        model.train(was_training)
 
 
 def _fmt(n: int) -> str:

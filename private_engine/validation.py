@@ -1,6 +1,7 @@
 """Model checks done before training starts, and the BatchNorm fix helper."""
 from __future__ import annotations
 
+import math
 from typing import List, Tuple
 
 from torch import nn
@@ -44,12 +45,6 @@ def fix_batchnorm(model: nn.Module, num_groups: int = 32) -> nn.Module:
     return model
 
 
-def _groups_for(channels: int, num_groups: int) -> int:
-    import math
-
-    return math.gcd(channels, num_groups)
-
-
 def _replace_batchnorm(model: nn.Module, num_groups: int) -> nn.Module:
     # Opacus' ModuleValidator.fix only replaces *trainable* BatchNorms: a frozen one stayed, and the
     # check after it then asked the user to call fix_batchnorm — the function that had just failed.
@@ -62,7 +57,7 @@ def _replace_batchnorm(model: nn.Module, num_groups: int) -> nn.Module:
     for name, child in list(model.named_children()):
         if isinstance(child, nn.modules.batchnorm._BatchNorm):
             C = child.num_features
-            norm = nn.GroupNorm(_groups_for(C, num_groups), C, eps=child.eps, affine=child.affine)
+            norm = nn.GroupNorm(math.gcd(C, num_groups), C, eps=child.eps, affine=child.affine)
             like = next((t for t in (*child.parameters(), *child.buffers()) if t.is_floating_point()), None)
             if like is not None:  # same device and dtype as the layer it replaces
                 norm.to(device=like.device, dtype=like.dtype)
