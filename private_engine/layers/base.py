@@ -81,6 +81,17 @@ class LayerRule:
         """Per-sample gradients ``{param_name: (B, *param.shape)}`` of trainable parameters."""
         raise NotImplementedError
 
+    def weighted_grads(self, module: nn.Module, calls: Sequence[Call], factors: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """Clipped gradient sum ``{param_name: Σ_i C_i·∂L_i/∂θ}`` straight from the recorded calls.
+
+        Book-keeping (Bu et al. 2023, "Differentially Private Optimization on Large Model at Small
+        Cost"): with the output gradients of one backward kept, ``Σ_i C_i g_iᵀ a_i = gᵀ·diag(C)·a``
+        needs no second backward. ``factors`` is ``(B,)``, one clip factor per sample. This default
+        contracts the instantiated per-sample gradients with ``C``; rules override it with one matmul.
+        """
+        return {name: torch.tensordot(factors.to(grad.dtype), grad, dims=1)
+                for name, grad in self.per_sample_grads(module, calls).items()}
+
     def instantiated_norm_sq(self, module: nn.Module, calls: Sequence[Call]) -> torch.Tensor:
         """Per-sample ‖∂L_i/∂θ‖² by instantiating the per-sample gradients, ``Σ_θ ‖G_i^θ‖²_F``."""
         g = calls[0][1]

@@ -56,5 +56,16 @@ class LinearRule(LayerRule):
             out["bias"] = G.sum(1)
         return out
 
+    def weighted_grads(self, module, calls, factors) -> Dict[str, torch.Tensor]:
+        """``Σ_i C_i G_i = Gᵀ·diag(C)·A`` over all positions (one matmul), bias ``Σ_{i,t} C_i g_{i,t}``."""
+        A, G = self._views(module, calls)
+        GC = G * factors.to(G.dtype)[:, None, None]
+        out = {}
+        if trainable(module, "weight"):
+            out["weight"] = GC.reshape(-1, GC.shape[-1]).t().mm(A.reshape(-1, A.shape[-1]))
+        if trainable(module, "bias"):
+            out["bias"] = GC.sum((0, 1))
+        return out
+
 
 register_rule(LinearRule())

@@ -1,0 +1,36 @@
+"""``LayerRule.weighted_grads`` (book-keeping: Σ_i C_i ∂L_i/∂θ from recorded (a, g)) against a per-sample loop."""
+import pytest
+import torch
+from torch import nn
+
+from private_engine.layers import find_rule
+
+CASES = [
+    ("linear-3d", lambda: nn.Linear(5, 3), lambda g: torch.randn(4, 7, 5, generator=g, dtype=torch.float64)),
+    ("linear-2d-nobias", lambda: nn.Linear(5, 3, bias=False), lambda g: torch.randn(4, 5, generator=g, dtype=torch.float64)),
+    ("conv2d-grouped", lambda: nn.Conv2d(4, 6, 3, padding=1, groups=2), lambda g: torch.randn(4, 4, 6, 6, generator=g, dtype=torch.float64)),
+    ("conv1d-strided", lambda: nn.Conv1d(3, 2, 3, stride=2), lambda g: torch.randn(4, 3, 9, generator=g, dtype=torch.float64)),
+    ("embedding", lambda: nn.Embedding(10, 3, padding_idx=0), lambda g: torch.randint(0, 10, (4, 6), generator=g)),
+    ("layernorm", lambda: nn.LayerNorm(5), lambda g: torch.randn(4, 7, 5, generator=g, dtype=torch.float64)),
+    ("groupnorm", lambda: nn.GroupNorm(2, 4), lambda g: torch.randn(4, 4, 5, 5, generator=g, dtype=torch.float64)),
+]
+
+
+@pytest.mark.parametrize("name,make,inputs", CASES, ids=[c[0] for c in CASES])
+def test_weighted_grads_equal_sum_of_clipped_per_sample_grads(name, make, inputs):
+    gen = torch.Generator().manual_seed(0)
+    module = make().double()
+    x = inputs(gen)
+    out = module(x)
+    g = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    factors = torch.rand(x.shape[0], generator=gen, dtype=torch.float64)
+    params = dict((n, p) for n, p in module.named_parameters() if p.requires_grad)
+    expected = {n: torch.zeros_like(p) for n, p in params.items()}
+    for i in range(x.shape[0]):
+        grads = torch.autograd.grad((module(x[i:i + 1]) * g[i:i + 1]).sum(), list(params.values()))
+        for n, gr in zip(params, grads):
+            expected[n] += factors[i] * gr
+    got = find_rule(module).weighted_grads(module, [(x, g)], factors)
+    assert set(got) == set(expected)
+    for n in expected:
+        torch.testing.assert_close(got[n], expected[n], rtol=1e-10, atol=1e-12)
