@@ -69,6 +69,7 @@ DEFAULT_MODELS = {"cpu": ["vit_tiny_patch16_224"],
 CPU_TARGET_RATIO = 1.2
 SAMPLE_SIZE = 50_000  # only enters the accountant's sampling rate; irrelevant to speed and memory
 RESULT_TAG = "@@bench-result@@ "
+SKIPPED = "skipped:"  # error text of a method not run because it would repeat another
 MIB = 2 ** 20
 
 
@@ -175,6 +176,9 @@ def build_model(args, method: str = "nondp"):
     notes["no_rule"] = unsupported_parameters(model)  # reported, not frozen
     by_glob = matching(model, args.freeze)
     by_set = matching(model, args.frozen_set) if method.endswith(FROZEN) else []
+    if method.endswith(FROZEN) and not by_set:
+        raise Skip(f"no parameter matches --frozen-set {' '.join(args.frozen_set)}: "
+                   f"same as {method[:-len(FROZEN)]}")
     params = dict(model.named_parameters())
     for name in set(by_glob) | set(by_set):
         params[name].requires_grad_(False)
@@ -183,6 +187,10 @@ def build_model(args, method: str = "nondp"):
     notes["trainable"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
     dtype = getattr(torch, args.dtype)
     return model.to(device=args.device, dtype=dtype).train(), notes
+
+
+class Skip(Exception):
+    """A method that would only repeat another one on this model (reported in the table, not run)."""
 
 
 def matching(model, globs) -> List[str]:
@@ -390,7 +398,7 @@ def emit(payload: dict) -> None:
 def error_text(e: BaseException) -> str:
     """``Type: first sentence`` of the message, its lines joined (so a list of names on the next lines shows)."""
     text = " ".join(line.strip() for line in str(e).strip().splitlines() if line.strip())
-    return f"{type(e).__name__}: {text.split('. ')[0]}"[:300]
+    return f"{SKIPPED if isinstance(e, Skip) else type(e).__name__ + ':'} {text.split('. ')[0]}"[:300]
 
 
 def run_child(args) -> None:
@@ -633,8 +641,8 @@ def target_lines(args, results: Dict[str, dict]) -> List[str]:
     lines = []
     for m in OURS:
         r = results.get(m, {})
-        if "error" in r:
-            lines.append(f"{m}: failed ({r['error'][:80]})")
+        if "error" in r and not r["error"].startswith(SKIPPED):
+            lines.append(f"{m}: failed ({r['error'][:120]})")
         elif "median_s" in r:
             x = r.get("time_ratio", r["median_s"] / results["nondp"]["median_s"])
             lines.append(f"{m}: {x:.2f}× ({'met' if x <= CPU_TARGET_RATIO else 'not met'})")

@@ -90,3 +90,13 @@ def test_cpu_target_line(bench):
     (line,) = bench.target_lines(args, results)
     assert "mixed: 1.15× (met)" in line and "ghost: 2.00× (not met)" in line and "per_sample: failed" in line
     assert bench.target_lines(bench.parse_args(["--device", "cuda"]), results) == []
+
+
+def test_frozen_variant_is_skipped_when_nothing_matches(bench):
+    args = bench.parse_args(["--device", "cpu", "--model", "resnet18", "--img-size", "32"])
+    with pytest.raises(bench.Skip) as info:
+        bench.build_model(args, "mixed_frozen")
+    assert bench.error_text(info.value).startswith("skipped: no parameter matches --frozen-set cls_token")
+    results = {"nondp": _result(1.0, 10), "mixed": _result(1.5, 10), "mixed_frozen": {"error": "skipped: same"}}
+    (line,) = bench.target_lines(args, results)
+    assert "mixed_frozen" not in line
