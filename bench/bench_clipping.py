@@ -422,7 +422,7 @@ def run_child(args) -> None:
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     meter = MemoryMeter(args.device)
     meter.start()
-    emit({"ready": True})
+    emit({"ready": True, **notes})
     first_peak = None
     for line in sys.stdin:
         if line.strip() == "step":
@@ -475,7 +475,8 @@ class Worker:
                                      stderr=self.stderr, text=True, bufsize=1, env=child_env(args))
         self.replies: "queue.Queue[Optional[str]]" = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
-        self._request(None)  # wait for "ready" (or the setup error)
+        ready = self._request(None)  # wait for "ready" with the model notes (or the setup error)
+        self.result.update({k: v for k, v in ready.items() if k != "ready"})
 
     def _read(self) -> None:
         for line in self.proc.stdout:
