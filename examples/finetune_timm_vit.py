@@ -64,8 +64,8 @@ def parse_args(argv=None):
     p.add_argument("--patch-size", type=int, help="ViT patch size (default: the model's; 2 in the digits preset)")
     p.add_argument("--depth", type=int, help="ViT blocks (default: the model's; 4 in the digits preset)")
     p.add_argument("--global-pool", choices=["avg", "token"],
-                   help="ViT head input: mean of patch tokens (built without cls_token) or the cls token "
-                        "(default: the model's; avg in the digits preset)")
+                   help="ViT head input: mean of patch tokens (built without cls_token unless --pretrained) or "
+                        "the cls token (default: the model's; avg in the digits preset)")
     p.add_argument("--epsilon", type=float, default=8.0, help="target ε (σ is calibrated to spend it)")
     p.add_argument("--delta", type=float, default=None, help="default 1/(2n)")
     p.add_argument("--epochs", type=int, default=30)
@@ -132,7 +132,9 @@ def build_model(args, num_classes: int) -> torch.nn.Module:
             if getattr(args, key) is not None:
                 kwargs[key] = getattr(args, key)
         if args.global_pool == "avg":
-            kwargs.update(class_token=False, global_pool="avg")
+            kwargs["global_pool"] = "avg"
+            if not args.pretrained:  # no cls_token at all (a pretrained checkpoint has one: it stays, unpooled)
+                kwargs["class_token"] = False
         elif args.global_pool == "token":
             kwargs.update(class_token=True, global_pool="token")
     model = create_model(args.model, **kwargs)

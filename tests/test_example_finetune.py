@@ -209,8 +209,10 @@ def test_pretrained_and_presets_reach_the_model_factory(monkeypatch):
     example.build_model(example.parse_args(["--pretrained"]), 10)
     example.build_model(example.parse_args([]), 10)
     example.build_model(example.parse_args(["--data", "folder", "--data-dir", "x", "--img-size", "64"]), 7)
-    (n1, pre1, kw1), (n2, pre2, kw2), (n3, pre3, kw3) = calls
+    example.build_model(example.parse_args(["--pretrained", "--global-pool", "avg"]), 10)
+    (n1, pre1, kw1), (n2, pre2, kw2), (n3, pre3, kw3), (n4, pre4, kw4) = calls
     assert pre1 is True and kw1 == {"num_classes": 10}
+    assert pre4 is True and kw4 == {"num_classes": 10, "global_pool": "avg"}  # the checkpoint's cls_token is kept
     assert pre2 is False and kw2 == {"num_classes": 10, "img_size": 8, "patch_size": 2, "depth": 4,
                                      "class_token": False, "global_pool": "avg"}
     assert pre3 is False and kw3 == {"num_classes": 7, "img_size": 64}
