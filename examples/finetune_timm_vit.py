@@ -207,8 +207,13 @@ def main(argv=None):
     return acc
 
 
-if __name__ == "__main__":
+def cli(argv=None):
+    """``main`` for the command line: missing data ends with its message (exit status 1), no traceback."""
     try:
-        main()
+        main(argv)
     except FileNotFoundError as e:
         sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    cli()

@@ -93,6 +93,8 @@ def num_classes(source: str, root: Optional[str] = None) -> int:
     counts = {"digits": 10, "cifar10": 10, "cifar100": 100}
     if source not in counts:
         raise ValueError(f"unknown data source {source!r}; choose one of {', '.join(SOURCES)}")
+    if source in _CIFAR_FOLDERS:
+        _cifar_folder(source, root)  # fail before anything is built when the files are absent
     return counts[source]
 
 
@@ -145,16 +147,29 @@ def _split(dataset, seed, test_fraction):
     return Subset(dataset, perm[n_test:]), Subset(dataset, perm[:n_test])
 
 
+def _cifar_hint(source: str, root) -> str:
+    name = "CIFAR10" if source == "cifar10" else "CIFAR100"
+    return (f"{source} is not on disk: expected torchvision's {Path(root) / _CIFAR_FOLDERS[source]}/ (this example "
+            f"never downloads). Fetch it once elsewhere with torchvision.datasets.{name}({str(root)!r}, "
+            "download=True), or use --data digits / --data folder")
+
+
+def _cifar_folder(source: str, root) -> Path:
+    """The folder torchvision reads ``source`` from; ``FileNotFoundError`` with what to do if it is absent."""
+    if root is None:
+        raise ValueError(f"--data {source} needs a folder: pass --data-dir DIR")
+    expected = Path(root) / _CIFAR_FOLDERS[source]
+    if not expected.is_dir():
+        raise FileNotFoundError(_cifar_hint(source, root))
+    return expected
+
+
 def _cifar(source: str, root: Path, config):
     from torchvision import datasets
 
     cls = datasets.CIFAR10 if source == "cifar10" else datasets.CIFAR100
-    expected = root / _CIFAR_FOLDERS[source]
-    hint = (f"{source} is not on disk: expected torchvision's {expected}/ (this example never downloads). "
-            f"Fetch it once elsewhere with torchvision.datasets.{cls.__name__}({str(root)!r}, download=True), "
-            "or use --data digits / --data folder")
-    if not expected.is_dir():
-        raise FileNotFoundError(hint)
+    expected = _cifar_folder(source, root)
+    hint = _cifar_hint(source, root)
     tf = image_transform(config)
     try:
         train = cls(str(root), train=True, transform=tf, download=False)

@@ -166,21 +166,17 @@ def test_absent_cifar_gives_a_clear_error(tmp_path):
     config = {"input_size": (3, 8, 8), "mean": (0.5,) * 3, "std": (0.5,) * 3, "interpolation": "bilinear"}
     with pytest.raises(FileNotFoundError, match=r"cifar-100-python.*never downloads.*download=True"):
         load_image_data("cifar100", config, tmp_path)
+    with pytest.raises(FileNotFoundError, match="cifar-10-batches-py"):
+        num_classes("cifar10", tmp_path)  # checked before the model is built
     (tmp_path / "cifar-10-batches-py").mkdir()  # present but empty: torchvision's check fails
     with pytest.raises(FileNotFoundError, match="incomplete or corrupted"):
         load_image_data("cifar10", config, tmp_path)
 
 
 def test_example_exits_with_the_error_text_when_cifar_is_absent(tmp_path):
-    import os
-    import subprocess
-
-    cmd = [sys.executable, str(ROOT / "examples" / "finetune_timm_vit.py"), "--data", "cifar10",
-           "--data-dir", str(tmp_path), "--epochs", "1"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # this checkout's private_engine, not an installed one
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
-    assert out.returncode == 1
-    assert "error: cifar10 is not on disk" in out.stderr and "Traceback" not in out.stderr
+    with pytest.raises(SystemExit) as info:
+        load_example().cli(["--data", "cifar10", "--data-dir", str(tmp_path), "--epochs", "1"])
+    assert str(info.value.code).startswith(f"error: cifar10 is not on disk: expected torchvision's {tmp_path}")
 
 
 # -- models -----------------------------------------------------------------------------------------
