@@ -47,7 +47,6 @@ def test_only_the_frozen_methods_freeze_the_token_parameters(bench):
 
 
 def test_opacus_on_root_owned_parameters_is_reported_as_whole_model_functorch(bench):
-    import torch
     from opacus import GradSampleModule
 
     args = bench.parse_args(["--device", "cpu", "--img-size", "32"])

@@ -6,7 +6,6 @@ layout (its md5 check patched out), ``--pretrained`` is checked up to the hub ca
 import importlib.util
 import pickle
 import re
-import sys
 from pathlib import Path
 
 import numpy as np
