@@ -27,8 +27,10 @@ demo: $(VENV)/.core
 test: $(VENV)/.test
 	$(PY) -m pytest -q
 
+# `make bench` = ViT-Tiny on CPU (ViT-Tiny/-Small/-Base on a GPU); more: make bench BENCH_ARGS="--models resnet18 --img-size 64"
+BENCH_ARGS ?=
 bench: $(VENV)/.core
-	$(PY) bench/bench_clipping.py
+	$(PY) bench/bench_clipping.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,16 +1,22 @@
 #!/usr/bin/env python
 """Seconds per step and peak memory of non-private training, private_engine and Opacus, in one run.
 
-Every method trains the same model (same initialisation, same trainable parameters) on the same
-random batch with SGD and cross-entropy. One step is forward + per-sample clipping + noise +
-optimizer step (forward + backward + step for non-private training)::
+Every method trains the same model (same initialisation, all parameters trainable unless its name
+ends in ``_frozen``) on the same random batch with SGD and cross-entropy. One step is forward +
+per-sample clipping + noise + optimizer step (forward + backward + step for non-private training)::
 
-    nondp         plain training (the reference for every ratio)
-    mixed         private_engine, clipping_mode="mixed" (ghost or instantiate per layer)
-    ghost         private_engine, clipping_mode="ghost"
-    per_sample    private_engine, clipping_mode="per_sample"
-    opacus_hooks  Opacus make_private(grad_sample_mode="hooks")  (per-sample gradients)
-    opacus_ghost  Opacus make_private(grad_sample_mode="ghost")  (ghost clipping)
+    nondp                plain training (the reference for every ratio)
+    mixed                private_engine, clipping_mode="mixed" (ghost or instantiate per layer)
+    ghost                private_engine, clipping_mode="ghost"
+    per_sample           private_engine, clipping_mode="per_sample"
+    opacus_hooks         Opacus make_private(grad_sample_mode="hooks")  (per-sample gradients)
+    opacus_ghost         Opacus make_private(grad_sample_mode="ghost")  (ghost clipping)
+    mixed_frozen         mixed, with the --frozen-set parameters (ViT cls_token, pos_embed, …) frozen
+    opacus_hooks_frozen  opacus_hooks, likewise
+    opacus_ghost_frozen  opacus_ghost, likewise
+
+A method that cannot run the model (e.g. private_engine before it has a rule for ``cls_token``,
+or Opacus on parameters owned by the model's root module) shows its error text in the table.
 
 Each method runs in its own subprocess (``--only METHOD``, driven step by step over a pipe), so
 peak memory is not polluted by the other methods and every method starts from the same state. On
@@ -20,13 +26,14 @@ background load hits every method alike. Time is the median over the timed steps
 model, batch and optimizer are built: ``torch.cuda.max_memory_allocated`` on CUDA, the peak
 resident set size (VmHWM, reset through /proc/self/clear_refs; ``ru_maxrss`` otherwise) on CPU.
 
-Parameters that private_engine has no per-sample rule for yet (timm ViT's ``cls_token`` and
-``pos_embed``) are frozen for *every* method, and BatchNorm is replaced by GroupNorm
-(``private_engine.fix_batchnorm``) for every method, so all methods train the same parameters.
+BatchNorm is replaced by GroupNorm (``private_engine.fix_batchnorm``) for every method.
+``--models`` runs several models one after the other (one table each); the default is ViT-Tiny on
+CPU and ViT-Tiny, -Small and -Base on CUDA.
 
 Examples::
 
     python bench/bench_clipping.py                                   # ViT-Tiny, 224², batch 16
+    python bench/bench_clipping.py --models vit_small_patch16_224 vit_base_patch16_224 --device cuda
     python bench/bench_clipping.py --model resnet18 --img-size 64 --device cuda
     python bench/bench_clipping.py --methods nondp mixed opacus_ghost --markdown docs/benchmarks.md
 """
@@ -48,11 +55,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
-METHODS = ("nondp", "mixed", "ghost", "per_sample", "opacus_hooks", "opacus_ghost")
-OURS = ("mixed", "ghost", "per_sample")
+FROZEN = "_frozen"  # suffix: the method with the --frozen-set parameters frozen
+METHODS = ("nondp", "mixed", "ghost", "per_sample", "opacus_hooks", "opacus_ghost",
+           "mixed" + FROZEN, "opacus_hooks" + FROZEN, "opacus_ghost" + FROZEN)
+OURS = ("mixed", "ghost", "per_sample", "mixed" + FROZEN)
 OPACUS = ("opacus_hooks", "opacus_ghost")
+#: parameters timm ViTs own directly (no layer around them): frozen in the ``*_frozen`` methods
+TOKEN_PARAMS = ("cls_token", "pos_embed", "reg_token", "dist_token")
+#: --models default
+DEFAULT_MODELS = {"cpu": ["vit_tiny_patch16_224"],
+                  "cuda": ["vit_tiny_patch16_224", "vit_small_patch16_224", "vit_base_patch16_224"]}
+#: issue 4's target for private_engine on CPU: seconds per step ≤ this × non-DP
+CPU_TARGET_RATIO = 1.2
 SAMPLE_SIZE = 50_000  # only enters the accountant's sampling rate; irrelevant to speed and memory
 RESULT_TAG = "@@bench-result@@ "
+SKIPPED = "skipped:"  # error text of a method not run because it would repeat another
 MIB = 2 ** 20
 
 
@@ -62,7 +79,9 @@ MIB = 2 ** 20
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="vit_tiny_patch16_224", help="timm or torchvision model name (random init)")
+    p.add_argument("--models", "--model", nargs="+", metavar="MODEL",
+                   help="timm or torchvision model names (random init), one table each; default "
+                        f"{' '.join(DEFAULT_MODELS['cpu'])} on CPU, {' '.join(DEFAULT_MODELS['cuda'])} on CUDA")
     p.add_argument("--img-size", type=int, default=224, help="input height = width")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--num-classes", type=int, default=10)
@@ -74,6 +93,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help=f"subset of {', '.join(METHODS)} (default: all)")
     p.add_argument("--freeze", nargs="*", default=[], metavar="GLOB",
                    help="also freeze parameters whose name matches a glob, for every method (e.g. 'blocks.*')")
+    p.add_argument("--frozen-set", nargs="+", default=list(TOKEN_PARAMS), metavar="GLOB",
+                   help=f"parameters frozen in the *{FROZEN} methods (default: {' '.join(TOKEN_PARAMS)})")
     p.add_argument("--no-inplace", action="store_true",
                    help="set inplace=False on every module that has it (e.g. ReLU), for every method: Opacus' "
                         "full backward hooks reject in-place ops on the outputs of hooked layers")
@@ -95,14 +116,19 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.schedule == "auto":
         args.schedule = "sequential" if args.device == "cuda" else "interleaved"
+    if not args.models:
+        args.models = list(DEFAULT_MODELS[args.device])
+    if args.only and len(args.models) != 1:
+        p.error("--only runs one model")
+    args.model = args.models[0]
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be ≥ 1 and --warmup ≥ 0")
     return args
 
 
 #: options forwarded from the parent to each per-method subprocess (the parent counts the steps)
-FORWARDED = ("model", "img_size", "batch_size", "num_classes", "device", "dtype", "freeze", "no_inplace",
-             "max_grad_norm", "noise_multiplier", "lr", "seed")
+FORWARDED = ("model", "img_size", "batch_size", "num_classes", "device", "dtype", "freeze", "frozen_set",
+             "no_inplace", "max_grad_norm", "noise_multiplier", "lr", "seed")
 
 
 def child_command(args: argparse.Namespace, method: str) -> List[str]:
@@ -124,8 +150,13 @@ def child_command(args: argparse.Namespace, method: str) -> List[str]:
 # ---------------------------------------------------------------------------------------------
 # Model, data and the six methods (run inside the per-method subprocess)
 # ---------------------------------------------------------------------------------------------
-def build_model(args):
-    """The model (fixed seed, so the same initialisation for every method) and notes on what was changed."""
+def build_model(args, method: str = "nondp"):
+    """The model (fixed seed, so the same initialisation for every method) and notes on what was changed.
+
+    Every parameter is trainable except those matching ``--freeze`` (every method) and, for the
+    ``*_frozen`` methods, ``--frozen-set``. Nothing is frozen because private_engine lacks a rule:
+    that method then fails and the table shows its error.
+    """
     import torch
     import private_engine
     from private_engine.models import create_model
@@ -142,16 +173,29 @@ def build_model(args):
             if getattr(m, "inplace", False) is True:
                 m.inplace = False
         notes["inplace"] = "in-place activations disabled (--no-inplace) for every method"
-    no_rule = unsupported_parameters(model)
-    by_glob = [n for n, p in model.named_parameters() if p.requires_grad and any(fnmatch.fnmatch(n, g) for g in args.freeze)]
+    notes["no_rule"] = unsupported_parameters(model)  # reported, not frozen
+    by_glob = matching(model, args.freeze)
+    by_set = matching(model, args.frozen_set) if method.endswith(FROZEN) else []
+    if method.endswith(FROZEN) and not by_set:
+        raise Skip(f"no parameter matches --frozen-set {' '.join(args.frozen_set)}: "
+                   f"same as {method[:-len(FROZEN)]}")
     params = dict(model.named_parameters())
-    for name in set(no_rule) | set(by_glob):
+    for name in set(by_glob) | set(by_set):
         params[name].requires_grad_(False)
-    notes["frozen_no_rule"] = no_rule
     notes["frozen_glob"] = by_glob
+    notes["frozen_set"] = by_set
     notes["trainable"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
     dtype = getattr(torch, args.dtype)
     return model.to(device=args.device, dtype=dtype).train(), notes
+
+
+class Skip(Exception):
+    """A method that would only repeat another one on this model (reported in the table, not run)."""
+
+
+def matching(model, globs) -> List[str]:
+    """Names of trainable parameters matching any of ``globs`` (fnmatch)."""
+    return [n for n, p in model.named_parameters() if p.requires_grad and any(fnmatch.fnmatch(n, g) for g in globs)]
 
 
 def _create(create_model, args):
@@ -252,9 +296,24 @@ def setup_opacus(grad_sample_mode: str):
             dp_opt.step()
             dp_opt.zero_grad(set_to_none=True)
 
-        return Runner(step)
+        def describe():
+            ft = opacus_functorch_modules(dp_model)
+            return f"functorch (vmap) per-sample gradients for: {', '.join(ft)}" if ft else ""
+
+        return Runner(step, describe)
 
     return setup
+
+
+def opacus_functorch_modules(dp_model) -> List[str]:
+    """Modules whose per-sample gradients Opacus computes with functorch (vmap of the module over the batch)
+    because it has no grad sampler for their type; a trainable parameter owned by the root module (a timm
+    ViT's ``cls_token``) puts the whole model there, and Opacus then hooks none of its layers."""
+    inner = dp_model._module
+    handled = {id(m) for m in dp_model.iterate_submodules(inner)}
+    names = [name or f"{type(inner).__name__} (the whole model)" for name, m in inner.named_modules()
+             if id(m) in handled and type(m) not in dp_model.GRAD_SAMPLERS]
+    return names[:4] + ([f"… ({len(names)} modules)"] if len(names) > 4 else [])
 
 
 SETUPS: Dict[str, Callable] = {
@@ -265,6 +324,7 @@ SETUPS: Dict[str, Callable] = {
     "opacus_hooks": setup_opacus("hooks"),
     "opacus_ghost": setup_opacus("ghost"),
 }
+SETUPS.update({m: SETUPS[m[:-len(FROZEN)]] for m in METHODS if m.endswith(FROZEN)})  # same setup, fewer params
 
 
 # ---------------------------------------------------------------------------------------------
@@ -336,8 +396,9 @@ def emit(payload: dict) -> None:
 
 
 def error_text(e: BaseException) -> str:
-    first = str(e).strip().splitlines()[0].split(". ")[0] if str(e).strip() else ""
-    return f"{type(e).__name__}: {first}"[:300]
+    """``Type: first sentence`` of the message, its lines joined (so a list of names on the next lines shows)."""
+    text = " ".join(line.strip() for line in str(e).strip().splitlines() if line.strip())
+    return f"{SKIPPED if isinstance(e, Skip) else type(e).__name__ + ':'} {text.split('. ')[0]}"[:300]
 
 
 def run_child(args) -> None:
@@ -351,16 +412,17 @@ def run_child(args) -> None:
     import torch
 
     warnings.filterwarnings("ignore")
+    notes = {}
     try:
-        model, notes = build_model(args)
+        model, notes = build_model(args, args.only)
         x, y = make_batch(args)
         runner = SETUPS[args.only](model, x, y, args)
     except Exception as e:
-        return emit({"error": error_text(e)})
+        return emit({"error": error_text(e), **notes})
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     meter = MemoryMeter(args.device)
     meter.start()
-    emit({"ready": True})
+    emit({"ready": True, **notes})
     first_peak = None
     for line in sys.stdin:
         if line.strip() == "step":
@@ -413,7 +475,8 @@ class Worker:
                                      stderr=self.stderr, text=True, bufsize=1, env=child_env(args))
         self.replies: "queue.Queue[Optional[str]]" = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
-        self._request(None)  # wait for "ready" (or the setup error)
+        ready = self._request(None)  # wait for "ready" with the model notes (or the setup error)
+        self.result.update({k: v for k, v in ready.items() if k != "ready"})
 
     def _read(self) -> None:
         for line in self.proc.stdout:
@@ -446,7 +509,7 @@ class Worker:
             return {}
         reply = json.loads(line)
         if "error" in reply:
-            self.result["error"] = reply["error"]
+            self.result.update(reply)  # the error, and the model notes when it was built
             self.close()
         return reply
 
@@ -538,13 +601,14 @@ def results_table(results: Dict[str, dict], cuda: bool = False) -> List[List[str
     the absolute RSS would mostly be the Python runtime and libraries, so only increases are shown.
     """
     ref = results.get("nondp", {})
-    rows = [["method", "s/step (median)", "min–max", "time × non-DP", "peak mem Δ (MiB)", "mem × non-DP",
+    rows = [["method", "trainable", "s/step (median)", "min–max", "time × non-DP", "peak mem Δ (MiB)", "mem × non-DP",
              "1st-step peak Δ", "held after"] + (["peak total (MiB)"] if cuda else []) + ["notes"]]
     for m, r in results.items():
+        trainable = f"{r['trainable']:,}" if "trainable" in r else "—"
         if "error" in r:
-            rows.append([m] + ["—"] * (len(rows[0]) - 2) + [r["error"]])
+            rows.append([m, trainable] + ["—"] * (len(rows[0]) - 3) + [r["error"]])
             continue
-        rows.append([m, f"{r['median_s']:.3f}", f"{min(r['times']):.3f}–{max(r['times']):.3f}",
+        rows.append([m, trainable, f"{r['median_s']:.3f}", f"{min(r['times']):.3f}–{max(r['times']):.3f}",
                      f"{r['time_ratio']:.2f}×" if "time_ratio" in r else ratio(r["median_s"], ref.get("median_s")),
                      f"{r['peak_delta_mib']:.0f}",
                      ratio(r["peak_delta_mib"], ref.get("peak_delta_mib")), f"{r['first_step_peak_delta_mib']:.0f}",
@@ -552,18 +616,39 @@ def results_table(results: Dict[str, dict], cuda: bool = False) -> List[List[str
     return rows
 
 
+def counterpart(ours: str, opacus: str) -> str:
+    """The Opacus method training the same parameters as ``ours``: ``opacus_hooks_frozen`` for ``mixed_frozen``."""
+    return opacus + FROZEN if ours.endswith(FROZEN) else opacus
+
+
 def versus_opacus_table(results: Dict[str, dict]) -> List[List[str]]:
-    """Rows comparing each of our modes with each Opacus mode (ratios < 1 favour private_engine)."""
+    """Rows comparing each of our modes with each Opacus mode on the same trainable parameters
+    (``*_frozen`` with ``*_frozen``); ratios < 1 favour private_engine, "—" where either failed."""
     ours = [m for m in OURS if "median_s" in results.get(m, {})]
-    theirs = [m for m in OPACUS if "median_s" in results.get(m, {})]
-    if not ours or not theirs:
+    if not ours or not any("median_s" in results.get(counterpart(m, o), {}) for m in ours for o in OPACUS):
         return []
-    rows = [["ours"] + [f"time / {o}" for o in theirs] + [f"mem / {o}" for o in theirs]]
+    rows = [["ours"] + [f"time / {o}" for o in OPACUS] + [f"mem / {o}" for o in OPACUS]]
     for m in ours:
-        r = results[m]
-        rows.append([m] + [ratio(r["median_s"], results[o]["median_s"]) for o in theirs]
-                    + [ratio(r["peak_delta_mib"], results[o]["peak_delta_mib"]) for o in theirs])
+        r, theirs = results[m], [results.get(counterpart(m, o), {}) for o in OPACUS]
+        rows.append([m] + [ratio(r["median_s"], t.get("median_s")) for t in theirs]
+                    + [ratio(r["peak_delta_mib"], t.get("peak_delta_mib")) for t in theirs])
     return rows
+
+
+def target_lines(args, results: Dict[str, dict]) -> List[str]:
+    """Issue 4's CPU target, ours ≤ 1.2× non-DP seconds per step, for each of our methods that ran."""
+    if args.device != "cpu" or "median_s" not in results.get("nondp", {}):
+        return []
+    lines = []
+    for m in OURS:
+        r = results.get(m, {})
+        if "error" in r and not r["error"].startswith(SKIPPED):
+            lines.append(f"{m}: failed ({r['error'][:120]})")
+        elif "median_s" in r:
+            x = r.get("time_ratio", r["median_s"] / results["nondp"]["median_s"])
+            lines.append(f"{m}: {x:.2f}× ({'met' if x <= CPU_TARGET_RATIO else 'not met'})")
+    return [f"Target on CPU: private_engine ≤ {CPU_TARGET_RATIO}× non-DP time per step — " + "; ".join(lines) + "."] \
+        if lines else []
 
 
 def format_text(rows: List[List[str]]) -> str:
@@ -623,8 +708,8 @@ def command_line() -> str:
 
 
 def setup_lines(args, results: Dict[str, dict]) -> List[str]:
-    """What every method trained, read back from a successful run."""
-    ok = next((r for r in results.values() if "error" not in r), None)
+    """What the methods trained, read back from the subprocesses (those that got as far as building the model)."""
+    ok = next((r for r in results.values() if "trainable" in r), None)
     lines = [f"SGD (lr {args.lr}), cross-entropy on a fixed random batch, {args.num_classes} classes, "
              f"σ = {args.noise_multiplier}, R = {args.max_grad_norm}, {args.dtype}; "
              f"{args.steps} timed steps after {args.warmup} warm-up, median; one subprocess per method, "
@@ -632,10 +717,12 @@ def setup_lines(args, results: Dict[str, dict]) -> List[str]:
                                    "per-round ratios)." if args.schedule == "interleaved" else ".")]
     if ok is None:
         return lines
-    lines.append(f"Trainable parameters (same for every method): {ok['trainable']:,}.")
-    if ok.get("frozen_no_rule"):
-        lines.append(f"Frozen for every method (no per-sample rule in private_engine yet): "
-                     f"{', '.join(ok['frozen_no_rule'])}.")
+    frozen_set = next((r["frozen_set"] for r in results.values() if r.get("frozen_set")), [])
+    lines.append("All parameters trainable" + (f" except, in the *{FROZEN} methods, {', '.join(frozen_set)}"
+                                               if frozen_set else "") + " ('trainable' column).")
+    if ok.get("no_rule"):
+        lines.append(f"No per-sample rule in private_engine at this commit: {', '.join(ok['no_rule'])} "
+                     f"(private_engine then refuses the model unless they are frozen).")
     if ok.get("frozen_glob"):
         lines.append(f"Frozen by --freeze: {len(ok['frozen_glob'])} parameters.")
     for key in ("batchnorm", "inplace"):
@@ -646,7 +733,7 @@ def setup_lines(args, results: Dict[str, dict]) -> List[str]:
     lines.append(f"Peak memory: increase over model + batch + optimizer during all steps, by {mem}; "
                  "'1st-step peak Δ': the same over the first step only; 'held after': still allocated after the "
                  "last step (MiB). The three agree unless memory grows from step to step.")
-    return lines
+    return lines + target_lines(args, results)
 
 
 def section_key(args) -> str:
@@ -690,6 +777,13 @@ def main(argv: Optional[List[str]] = None) -> None:
     if args.only:
         run_child(args)
         return
+    for model in args.models:
+        args.model = model
+        run_model(args)
+
+
+def run_model(args) -> None:
+    """Every method on ``args.model``: run, print the tables, write the markdown section."""
     methods = [m for m in METHODS if m in args.methods]
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     results = run_all(args, methods)

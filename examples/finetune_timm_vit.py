@@ -1,111 +1,219 @@
 #!/usr/bin/env python
-"""Private training of a timm Vision Transformer — the project's main job (`make demo`).
+"""Private training or fine-tuning of a timm model (`make demo`): Poisson sampling, DP-Adam, mixed ghost clipping.
 
-Default: ``vit_tiny_patch16_224`` (width 192, 3 heads) built for the 8×8 digits with 2×2 patches
-(16 tokens), 4 blocks and average pooling, trained from scratch with DP-Adam on scikit-learn's
-embedded digits (no download), Poisson sampling, mixed ghost clipping, automatic clipping.
-Prints ε spent, the noise multiplier and test accuracy. ``--pretrained`` loads real hub weights
-(off by default; needs network access).
+Default (`make demo`): ``vit_tiny_patch16_224`` (width 192, 3 heads) built for the 8×8 digits
+with 2×2 patches (16 tokens), 4 blocks and average pooling, trained from scratch on
+scikit-learn's embedded digits (no download), automatic clipping, ε = 8.
+
+Any timm model name works (torchvision names too); BatchNorm models (ResNets, EfficientNets, …)
+get BatchNorm → GroupNorm by ``private_engine.fix_batchnorm``. Data: ``--data digits`` (embedded),
+``--data folder --data-dir DIR`` (an ImageFolder), ``--data cifar10|cifar100 --data-dir DIR``
+(torchvision's files already on disk; never downloaded). Images are resized to the model's input
+size and normalised with its mean/std (``--img-size`` overrides the size). The small-ViT preset
+(8×8, 2×2 patches, 4 blocks, average pooling) applies to ``--data digits`` without
+``--pretrained``; otherwise the model keeps its own architecture. ``--pretrained`` loads the hub
+weights (network needed; off by default). Trainable parameters the engine has no per-sample rule
+for are frozen and listed. ``--amp``: bfloat16 autocast. The last line reads
+``ε=… δ=… σ=… accuracy=… seconds=…``.
+
+Examples::
+
+    python examples/finetune_timm_vit.py                                     # the demo, ~100 s on 2 cores
+    python examples/finetune_timm_vit.py --model resnet18 --epochs 5         # BatchNorm → GroupNorm
+    python examples/finetune_timm_vit.py --data folder --data-dir ~/flowers --pretrained --epsilon 3
+    python examples/finetune_timm_vit.py --data cifar10 --data-dir ~/data --pretrained --amp --device cuda
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import sys
 import time
 
-import timm
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Subset
 from tqdm import tqdm
 
 import private_engine as pe
-from private_engine.data import load_digits_images, poisson_loader
+from private_engine.data import poisson_loader
+from private_engine.image_data import SOURCES, load_image_data, model_data_config, num_classes
+from private_engine.models import create_model
 from private_engine.training import accuracy, private_logical_step
+from private_engine.validation import batchnorm_modules, unsupported_parameters
+
+VIT_PREFIXES = ("vit_", "deit_", "deit3_")
+#: the demo's small ViT for the 8×8 digits (``--data digits`` without ``--pretrained``)
+DIGITS_PRESET = dict(img_size=8, patch_size=2, depth=4, global_pool="avg")
+#: CNNs on the digits: upsampled to 32×32 so that a few stride-2 stages fit
+DIGITS_CNN_SIZE = 32
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="vit_tiny_patch16_224", help="timm model name")
-    p.add_argument("--pretrained", action="store_true", help="load pretrained weights from the hub (network)")
-    p.add_argument("--img-size", type=int, default=8, help="images are resized to this size")
-    p.add_argument("--patch-size", type=int, default=2, help="ViT patch size (ViT-family models only)")
-    p.add_argument("--depth", type=int, default=4, help="ViT blocks (ViT-family models only; 0 keeps the model's)")
-    p.add_argument("--global-pool", default="avg", choices=["avg", "token"],
-                   help="ViT head input: mean of patch tokens (no cls_token) or the cls token")
-    p.add_argument("--epsilon", type=float, default=8.0)
+    p.add_argument("--model", default="vit_tiny_patch16_224", help="timm (or torchvision) model name")
+    p.add_argument("--pretrained", action="store_true",
+                   help="load pretrained weights from the hub (network needed); the classifier is new")
+    p.add_argument("--data", default="digits", choices=SOURCES,
+                   help="digits: embedded; folder: an ImageFolder at --data-dir; cifar10/cifar100: torchvision's "
+                        "files under --data-dir (never downloaded)")
+    p.add_argument("--data-dir", help="folder of --data folder / cifar10 / cifar100")
+    p.add_argument("--subset", type=int, help="train on the first N training examples only (smoke runs; n = N)")
+    p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
+    p.add_argument("--img-size", type=int, help="input height = width (default: the model's; 8 in the digits preset)")
+    p.add_argument("--patch-size", type=int, help="ViT patch size (default: the model's; 2 in the digits preset)")
+    p.add_argument("--depth", type=int, help="ViT blocks (default: the model's; 4 in the digits preset)")
+    p.add_argument("--global-pool", choices=["avg", "token"],
+                   help="ViT head input: mean of patch tokens (built without cls_token unless --pretrained) or "
+                        "the cls token (default: the model's; avg in the digits preset)")
+    p.add_argument("--epsilon", type=float, default=8.0, help="target ε (σ is calibrated to spend it)")
     p.add_argument("--delta", type=float, default=None, help="default 1/(2n)")
     p.add_argument("--epochs", type=int, default=30)
-    p.add_argument("--batch-size", type=int, default=256, help="logical (expected) batch size")
-    p.add_argument("--physical-batch-size", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=256, help="logical (expected) batch size of Poisson sampling")
+    p.add_argument("--physical-batch-size", type=int, default=128, help="samples per forward/backward (memory)")
     p.add_argument("--lr", type=float, default=4e-3)
     p.add_argument("--max-grad-norm", type=float, default=1.0)
     p.add_argument("--clipping-mode", default="mixed", choices=["mixed", "ghost", "per_sample"])
     p.add_argument("--clipping-fn", default="automatic", choices=["abadi", "automatic", "global"])
     p.add_argument("--accountant", default="rdp", choices=["rdp", "prv", "gdp"])
+    p.add_argument("--amp", action="store_true",
+                   help="bfloat16 autocast (CPU, or CUDA GPUs with bfloat16); float16 is refused (it needs loss "
+                        "scaling, which per-sample clipping does not support yet)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.data != "digits" and not args.data_dir:
+        p.error(f"--data {args.data} needs --data-dir DIR")
+    return resolve_defaults(args)
 
 
-def build_model(args) -> torch.nn.Module:
-    kwargs = dict(pretrained=args.pretrained, num_classes=10)
-    if args.model.startswith(("vit_", "deit_")):
-        kwargs.update(img_size=args.img_size, patch_size=args.patch_size)
-        if args.depth:
-            kwargs["depth"] = args.depth
+def is_vit(name: str) -> bool:
+    return name.startswith(VIT_PREFIXES)
+
+
+def resolve_defaults(args):
+    """Fill unset architecture options: the digits preset (ViT: 8×8, patch 2, depth 4, avg pool;
+    CNN: 32×32) for ``--data digits`` without ``--pretrained``, otherwise the model's own."""
+    args.preset = args.data == "digits" and not args.pretrained
+    if args.preset:
+        if is_vit(args.model):
+            for key, value in DIGITS_PRESET.items():
+                if getattr(args, key) is None:
+                    setattr(args, key, value)
+        elif args.img_size is None:
+            args.img_size = DIGITS_CNN_SIZE
+    return args
+
+
+def autocast(args):
+    """The ``--amp`` context: bfloat16 autocast on CPU or CUDA; a no-op without ``--amp``.
+
+    bfloat16 keeps float32's exponent range, so no loss scaling is needed: the per-sample norms
+    and the clipped sum are computed from bfloat16 activations (about 3 significant digits;
+    tests/test_example_finetune.py checks this against the float64 reference). float16 would need
+    a loss scaler, whose scale the clipping threshold would have to know: not supported yet.
+    """
+    if not args.amp:
+        return contextlib.nullcontext()
+    device_type = torch.device(args.device).type
+    if device_type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise SystemExit("--amp uses bfloat16 autocast, which this GPU does not support; float16 AMP needs loss "
+                         "scaling, which private_engine's per-sample clipping does not support yet. Run without --amp.")
+    if device_type not in ("cpu", "cuda"):
+        raise SystemExit(f"--amp supports cpu and cuda, not {device_type}")
+    return torch.autocast(device_type, dtype=torch.bfloat16)
+
+
+def build_model(args, num_classes: int) -> torch.nn.Module:
+    """The model to train: timm/torchvision by name, BatchNorm → GroupNorm, rule-less parameters frozen."""
+    kwargs = dict(pretrained=args.pretrained, num_classes=num_classes)
+    if is_vit(args.model):
+        for key in ("img_size", "patch_size", "depth"):
+            if getattr(args, key) is not None:
+                kwargs[key] = getattr(args, key)
         if args.global_pool == "avg":
-            kwargs.update(class_token=False, global_pool="avg")
-    model = timm.create_model(args.model, **kwargs)
-    if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+            kwargs["global_pool"] = "avg"
+            if not args.pretrained:  # no cls_token at all (a pretrained checkpoint has one: it stays, unpooled)
+                kwargs["class_token"] = False
+        elif args.global_pool == "token":
+            kwargs.update(class_token=True, global_pool="token")
+    model = create_model(args.model, **kwargs)
+    bns = batchnorm_modules(model)
+    if bns:
+        # BatchNorm mixes the samples of a batch: no per-sample gradient exists. The one-call fix:
         model = pe.fix_batchnorm(model)
-    # cls_token / pos_embed have no per-sample rule in this release: freeze them explicitly.
-    frozen = [n for n, prm in model.named_parameters(recurse=False) if n in ("cls_token", "pos_embed", "dist_token", "reg_token")]
-    for n in frozen:
-        getattr(model, n).requires_grad_(False)
+        print(f"BatchNorm → GroupNorm (private_engine.fix_batchnorm): {len(bns)} layers")
+    # Parameters without a per-sample rule in this release (e.g. a ViT's pos_embed) are frozen, by name.
+    frozen = unsupported_parameters(model)
+    params = dict(model.named_parameters())
+    for name in frozen:
+        params[name].requires_grad_(False)
     if frozen:
-        print(f"frozen (no per-sample rule yet): {', '.join(frozen)}")
+        print(f"frozen (no per-sample rule in this release): {', '.join(frozen)}")
     return model
 
 
 def main(argv=None):
     args = parse_args(argv)
     torch.manual_seed(args.seed)
-    torch.set_num_threads(max(torch.get_num_threads(), 1))
     device = torch.device(args.device)
-    train, test = load_digits_images(image_size=args.img_size, channels=3, seed=args.seed)
-    model = build_model(args).to(device)
+    amp = autocast(args)  # refuses unsupported settings before anything is built
+
+    model = build_model(args, num_classes(args.data, args.data_dir))
+    config = model_data_config(model, args.img_size)  # input size, mean, std of the model
+    train, test, classes = load_image_data(args.data, config, args.data_dir, args.seed)
+    if args.subset is not None:
+        train = Subset(train, range(min(args.subset, len(train))))
+    model = model.to(device)
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
 
-    loader = poisson_loader(train, args.batch_size, generator=torch.Generator().manual_seed(args.seed))
+    loader = poisson_loader(train, args.batch_size, generator=torch.Generator().manual_seed(args.seed),
+                            num_workers=args.workers)
     engine = pe.PrivacyEngine(
         model, batch_size=args.batch_size, sample_size=len(train), steps=args.epochs * len(loader),
         max_grad_norm=args.max_grad_norm, target_epsilon=args.epsilon, target_delta=args.delta,
         clipping_mode=args.clipping_mode, clipping_fn=args.clipping_fn, accountant=args.accountant,
     )
     optimizer = pe.optim.DPAdam(model.parameters(), lr=args.lr, privacy_engine=engine)
-    test_loader = DataLoader(test, batch_size=256)
-    print(f"{args.model} at {args.img_size}px: {n_trainable:,} trainable parameters; n={len(train)}, "
+    test_loader = DataLoader(test, batch_size=args.physical_batch_size, num_workers=args.workers)
+    _, h, w = config["input_size"]
+    print(f"{args.model}{' (pretrained)' if args.pretrained else ''} at {h}×{w}: {n_trainable:,} trainable "
+          f"parameters; data {args.data} ({len(classes)} classes), n={len(train)}, test {len(test)}; "
           f"B={args.batch_size} (physical {args.physical_batch_size}), σ={engine.noise_multiplier:.4f}, "
-          f"R={args.max_grad_norm}, mode={args.clipping_mode}, clipping={args.clipping_fn}")
+          f"R={args.max_grad_norm}, mode={args.clipping_mode}, clipping={args.clipping_fn}"
+          f"{', bfloat16 autocast' if args.amp else ''}")
 
     def per_sample_loss(xb, yb):
-        return F.cross_entropy(model(xb), yb, reduction="none")
+        with amp:
+            return F.cross_entropy(model(xb), yb, reduction="none")
 
     start = time.perf_counter()
+    acc = None
     model.train()
     for epoch in range(1, args.epochs + 1):
         bar = tqdm(loader, desc=f"epoch {epoch}/{args.epochs}", leave=False)
         for x, y in bar:
             loss = private_logical_step(optimizer, (x, y), per_sample_loss, args.physical_batch_size, device=device)
             bar.set_postfix(loss=f"{loss:.3f}", eps=f"{engine.get_epsilon():.2f}")
-        acc = accuracy(model, test_loader, device)
+        with amp:
+            acc = accuracy(model, test_loader, device)
         print(f"epoch {epoch}: test accuracy {acc:.3f}, ε = {engine.get_epsilon():.3f}")
+    if acc is None:  # --epochs 0
+        with amp:
+            acc = accuracy(model, test_loader, device)
     seconds = time.perf_counter() - start
-    acc = accuracy(model, test_loader, device)
-    print(f"done: ε = {engine.get_epsilon():.3f}, δ = {engine.target_delta:.2e}, noise multiplier σ = "
-          f"{engine.noise_multiplier:.4f}, test accuracy = {acc:.3f}, {seconds:.0f} s")
+    print(f"ε={engine.get_epsilon():.3f} δ={engine.target_delta:.2e} σ={engine.noise_multiplier:.4f} "
+          f"accuracy={acc:.3f} seconds={seconds:.1f}")
     return acc
 
 
+def cli(argv=None):
+    """``main`` for the command line: missing data ends with its message (exit status 1), no traceback."""
+    try:
+        main(argv)
+    except FileNotFoundError as e:
+        sys.exit(f"error: {e}")
+
+
 if __name__ == "__main__":
-    main()
+    cli()

@@ -41,13 +41,14 @@ def load_digits_images(image_size: int = 32, channels: int = 3, test_fraction: f
     return TensorDataset(x[train_idx], y[train_idx]), TensorDataset(x[test_idx], y[test_idx])
 
 
-def poisson_loader(dataset, batch_size: int, generator: torch.Generator = None) -> DataLoader:
+def poisson_loader(dataset, batch_size: int, generator: torch.Generator = None, **loader_kwargs) -> DataLoader:
     """Opacus' Poisson-sampling loader: each example joins each batch independently with
     probability exactly ``q = batch_size / len(dataset)`` (the rate the engine accounts for);
-    ``len(loader) = int(1/q)`` batches per epoch, empty batches possible."""
+    ``len(loader) = int(1/q)`` batches per epoch, empty batches possible. ``loader_kwargs``
+    (e.g. ``num_workers``) go to the ``DataLoader``."""
     from opacus.data_loader import DPDataLoader
 
-    return DPDataLoader(dataset, sample_rate=batch_size / len(dataset), generator=generator)
+    return DPDataLoader(dataset, sample_rate=batch_size / len(dataset), generator=generator, **loader_kwargs)
 
 
 def physical_chunks(tensors: Sequence[torch.Tensor], max_physical: int) -> Iterator[Tuple[torch.Tensor, ...]]:

@@ -1,4 +1,5 @@
 """The command line (plan, epsilon, noise) and the demo example run and print what they promise."""
+import os
 import re
 import subprocess
 import sys
@@ -48,10 +49,13 @@ def test_epsilon_matches_opacus_and_noise_inverts_it(capsys):
 def test_demo_example_trains_and_reports_privacy():
     cmd = [sys.executable, str(ROOT / "examples" / "finetune_timm_vit.py"), "--epochs", "1", "--depth", "1",
            "--batch-size", "128", "--physical-batch-size", "48"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # this checkout's private_engine, not an installed one
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
+    assert "vit_tiny_patch16_224 at 8×8" in out.stdout and "n=1438, test 359" in out.stdout
     last = out.stdout.strip().splitlines()[-1]
-    m = re.search(r"ε = ([0-9.]+), δ = ([0-9.e+-]+), noise multiplier σ = ([0-9.]+), test accuracy = ([0-9.]+)", last)
+    m = re.fullmatch(r"ε=([0-9.]+) δ=([0-9.e+-]+) σ=([0-9.]+) accuracy=([0-9.]+) seconds=([0-9.]+)", last)
     assert m, last
-    eps, sigma, acc = float(m.group(1)), float(m.group(3)), float(m.group(4))
-    assert 0 < eps <= 8.0 + 1e-6 and sigma > 0 and 0.0 <= acc <= 1.0
+    eps, delta, sigma, acc = float(m.group(1)), float(m.group(2)), float(m.group(3)), float(m.group(4))
+    assert 0 < eps <= 8.0 + 1e-6 and delta == pytest.approx(1 / (2 * 1438), rel=1e-2) and sigma > 0
+    assert 0.0 <= acc <= 1.0
