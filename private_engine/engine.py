@@ -89,7 +89,7 @@ class PrivacyEngine:
         if not self.params:
             raise ValueError("the model has no trainable parameters (requires_grad=True).")
         self.clipper = PerSampleClipper(layers, self.params, mode=clipping_mode, clipping_fn=clipping_fn,
-                                        max_grad_norm=max_grad_norm)
+                                        max_grad_norm=max_grad_norm, model=model)
         self._attached: List[_optim.PrivateStep] = []
         #: per-sample gradient norms ‖g_i‖ of the last clipped physical batch (None before the first)
         self.last_norms: Optional[torch.Tensor] = None

@@ -68,6 +68,9 @@ class LayerRecorder:
         self.on_layer_ready = on_layer_ready
         self.capturing = False
         self._handles = []
+        #: other recorders (parameter-entry tracer, fallback modules): objects with install/remove/reset
+        #: and jumps() -> {output node: [input nodes]}; installed, reset and removed with this one
+        self.extras: list = []
         self.install()
 
     def install(self) -> None:
@@ -75,6 +78,8 @@ class LayerRecorder:
         if not self._handles:
             self._handles = [layer.module.register_forward_hook(self._make_forward_hook(layer))
                              for layer in self.layers]
+        for extra in self.extras:
+            extra.install()
 
     # -- forward ---------------------------------------------------------------------------
     def _make_forward_hook(self, layer: RecordedLayer):
@@ -86,6 +91,10 @@ class LayerRecorder:
                     f"{layer.name} ({type(module).__name__}) was called without a positional tensor input; "
                     "call clipped layers as module(x)."
                 )
+            for extra in self.extras:  # a call on a batch-free constant: the tracer follows its parameters
+                if getattr(extra, "handover", None) is not None and extra.handover(layer.name, module, layer.rule,
+                                                                                    inputs, output):
+                    return None
             activation = inputs[0].detach()
             root = output
             base = output._base
@@ -144,6 +153,9 @@ class LayerRecorder:
         for layer in self.layers:
             for c in layer.calls:
                 calls.setdefault(c.edge.node, []).append(c.input_node)
+        for extra in self.extras:  # parameter entries and fallback calls: output node -> batched inputs
+            for node, inputs in extra.jumps().items():
+                calls.setdefault(node, []).extend(inputs)
         found, seen, stack = {}, set(), [loss.grad_fn]
         while stack:
             node = stack.pop()
@@ -176,10 +188,14 @@ class LayerRecorder:
         """Drop every record (activations, gradients, graph edges)."""
         for layer in self.layers:
             layer.release()
+        for extra in self.extras:
+            extra.reset()
 
     def remove(self) -> None:
         """Remove all hooks and records."""
         for h in self._handles:
             h.remove()
         self._handles = []
+        for extra in self.extras:
+            extra.remove()
         self.reset()

@@ -1,0 +1,475 @@
+"""Parameter entries: exact per-sample gradients of parameters used outside Linear/Conv/norm layers.
+
+timm ViTs own parameters that enter the computation by a few elementwise ops: ``cls_token``
+(``cat(cls.expand(B, -1, -1), x)``), ``pos_embed`` (``x + pos_embed``), LayerScale gammas
+(``x * gamma``), XCiT's ``temperature``, ConViT's ``sigmoid(gating_param)``, relative position
+bias tables (``table[index].view(N, N, H).permute(2, 0, 1)`` added to the attention logits or
+passed as ``attn_mask`` to ``F.scaled_dot_product_attention``).
+
+While the model runs its forward, a ``TorchFunctionMode`` follows two kinds of tensors:
+
+* *derived* tensors ``D``: computed from the tracked parameters and constants only (a batch-free
+  chain: index, view, permute, expand, sigmoid, …);
+* *batched* tensors: computed from the model's inputs.
+
+At the op where a derived ``D`` meets batched data (an *entry*: add/sub/mul/div/where with
+broadcasting, cat/stack of a batch-expanded token, the ``attn_mask`` of SDPA), ``D`` is replaced
+by the batch-expanded view ``D_b = D.expand(n, …)`` (n = leading size of the batched operand, a
+multiple k·B of the batch size, sample-major). Forward values are unchanged. The gradient of the
+loss w.r.t. ``D_b`` holds one cotangent per row; summing the k rows of each sample gives the
+per-sample cotangent ``c_i``, and the per-sample gradient of each parameter P follows by a
+batched vjp through the small batch-free chain::
+
+    ∂L_i/∂P = (∂D/∂P)ᵀ c_i      (torch.autograd.grad(D, P, c, is_grads_batched=True))
+
+(direct reshape when D is P itself). Such gradients are at most one activation in size, so they
+are always instantiated (``ghost_capable=False``); their squared norms add into the same
+``‖g_i‖²`` as the layer rules, and the weighted second backward ``∇ Σ_i C_i L_i`` gives their
+clipped sum unchanged. A tracked parameter reaching batched data through any other op raises an
+error naming it (never silently unclipped), and each entry is registered as a call for the
+engine's graph walk (``params_reached_outside_calls``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd.graph import get_gradient_edge
+from torch.overrides import TorchFunctionMode
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .layers.base import accumulation_dtype
+
+#: elementwise ops with broadcasting at which a derived tensor may meet batched data
+_ELEMENTWISE_NAMES = ("add", "sub", "mul", "div", "true_divide", "rsub", "where", "addcmul")
+ELEMENTWISE = set()
+for _n in _ELEMENTWISE_NAMES:
+    for _owner in (torch, torch.Tensor):
+        for _v in (_n, _n + "_", f"__{_n}__", f"__r{_n}__", f"__i{_n}__"):
+            _f = getattr(_owner, _v, None)
+            if _f is not None:
+                ELEMENTWISE.add(_f)
+ELEMENTWISE |= {torch.Tensor.__truediv__, torch.Tensor.__rtruediv__, torch.Tensor.__itruediv__}
+CONCAT = {torch.cat, torch.concat, torch.concatenate, torch.stack}
+EXPANDS = {torch.Tensor.expand, torch.Tensor.expand_as}
+#: shape ops through which a row-expanded tensor stays row-expanded (each use is verified)
+ROWWISE = {torch.Tensor.reshape, torch.Tensor.view, torch.Tensor.permute, torch.Tensor.transpose, torch.transpose,
+           torch.Tensor.flatten, torch.flatten, torch.Tensor.contiguous, torch.Tensor.unsqueeze, torch.Tensor.to,
+           torch.Tensor.clone, torch.Tensor.float, torch.Tensor.double, torch.Tensor.type_as, torch.Tensor.repeat,
+           torch.reshape, torch.permute}
+#: attribute reads and metadata queries: never an entry
+_PASSIVE = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.__len__}
+
+
+@dataclass
+class Derived:
+    """What the tracer knows about a batch-free tensor computed from tracked parameters."""
+
+    params: Tuple[int, ...]  # ids of the tracked parameters it depends on
+    row_base: Optional[torch.Tensor] = None  # T when this tensor is T.expand(n, …) with T.shape[0] == 1
+    #: entries already substituted row by row inside this tensor (a one-row tensor combined elementwise
+    #: with an n-row constant, e.g. Swin's bias + shifted-window mask); it must meet n batched rows
+    pending: Tuple["Entry", ...] = ()
+
+
+@dataclass
+class Entry:
+    """One op where derived data met batched data."""
+
+    name: str  # names of the parameters, for messages and the plan
+    base: torch.Tensor  # the batch-free tensor D (leading dim 1) that D_b expands
+    params: List[nn.Parameter]
+    edge: object  # gradient edge of D_b (asked for in the norm pass)
+    out_node: object  # autograd node of the op's output
+    batched_nodes: List[object]  # autograd nodes of its batched operands
+    fired: bool = False
+
+
+def _tensors(args, kwargs):
+    out = []
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out.extend(t for t in a if isinstance(t, torch.Tensor))
+    return out
+
+
+def _outputs(out):
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (list, tuple)):
+        return [t for t in out if isinstance(t, torch.Tensor)]
+    return []
+
+
+class UnsupportedEntryError(ValueError):
+    pass
+
+
+class ParamTracer(TorchFunctionMode):
+    """Tracks ``params = [(name, P)]`` through the forward of ``model`` and clips them per sample."""
+
+    def __init__(self, model: nn.Module, params: Sequence[Tuple[str, nn.Parameter]]):
+        super().__init__()
+        self.model = model
+        self.tracked: Dict[int, Tuple[str, nn.Parameter]] = {id(p): (n, p) for n, p in params}
+        self.names = {id(p): n for n, p in params}
+        self.derived = WeakIdKeyDictionary()
+        self.batched = WeakIdKeyDictionary()
+        self.entries: List[Entry] = []
+        self.batch_size: Optional[int] = None
+        self.capturing = False
+        self.active = False
+        #: per-sample gradients ``{id(P): (B, *P.shape)}`` accumulated in the norm pass
+        self.grads: Dict[int, torch.Tensor] = {}
+        self._handles = []
+        self.install()
+
+    # -- installation ----------------------------------------------------------------------
+    def install(self) -> None:
+        if not self._handles:
+            self._handles = [
+                self.model.register_forward_pre_hook(self._pre, with_kwargs=True),
+                self.model.register_forward_hook(self._post, always_call=True),
+            ]
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self.reset()
+
+    def _pre(self, module, args, kwargs):
+        from .fallback import replaying
+
+        if self.active or replaying() or not torch.is_grad_enabled():
+            return None
+        first = next((t for t in _tensors(args, kwargs) if t.dim() > 0), None)
+        if first is None:
+            return None
+        self.batch_size = first.shape[0]
+        for t in _tensors(args, kwargs):
+            if t.dim() > 0 and t.shape[0] == self.batch_size:
+                self.batched[t] = True
+        self.active = True
+        self.__enter__()
+        return None
+
+    def _post(self, module, args, output):
+        if self.active:
+            self.active = False
+            self.__exit__(None, None, None)
+        return None
+
+    # -- the mode -------------------------------------------------------------------------
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _PASSIVE or not torch.is_grad_enabled():
+            return func(*args, **kwargs)
+        tensors = _tensors(args, kwargs)
+        tracked = [t for t in tensors if self.is_tracked(t)]
+        batched = any(t in self.batched for t in tensors)
+        # data: batched, or computed from parameters the tracer does not follow (e.g. a layer's output)
+        data = batched or any(t.requires_grad and not self.is_tracked(t) for t in tensors)
+        if tracked and data:
+            return self._entry(func, args, kwargs, tracked)
+        if tracked and not batched:
+            pending = self._pending_rows(func, args, kwargs, tracked, tensors)
+            if pending is not None:
+                return pending
+        out = func(*args, **kwargs)
+        outs = _outputs(out)
+        if batched:
+            for t in outs:
+                self.batched[t] = True
+        elif tracked:
+            ids = tuple(sorted({i for t in tracked for i in self._param_ids(t)}))
+            row_base = self._row_base(func, args, kwargs, tracked, outs[0]) if outs else None
+            for t in outs:
+                if t.requires_grad and t.is_floating_point():
+                    self.derived[t] = Derived(ids, row_base if t is outs[0] else None)
+        return out
+
+    def _pending_rows(self, func, args, kwargs, tracked, tensors):
+        """An elementwise op that spreads a one-row derived tensor over the n rows of a constant: substitute
+        the row-expanded ``D_b`` now (rows stay aligned through elementwise ops) and finish the entry when
+        the result meets n batched rows. Returns the op's output, or None when the op is not such a case."""
+        has_pending = any(self._info(t).pending for t in tracked)
+        if func not in ELEMENTWISE:
+            if has_pending:
+                self._fail(func, tracked, "a tensor whose rows are already aligned with the batch went through "
+                                          "an op other than an elementwise one")
+            return None
+        shape = torch.broadcast_shapes(*(t.shape for t in tensors))
+        if not shape or shape[0] <= 1:
+            return None
+        aligned = lambda t: (1,) * (len(shape) - t.dim()) + tuple(t.shape)
+        if not has_pending and not any(aligned(t)[0] == 1 for t in tracked):
+            return None  # nothing is spread over rows
+        n = shape[0]
+        entries = []
+
+        def sub(t):
+            if not (isinstance(t, torch.Tensor) and self.is_tracked(t)):
+                return t
+            info = self._info(t)
+            if info.pending and aligned(t)[0] == n:
+                entries.extend(info.pending)
+                return t
+            d_b, e = self._substitute(t, shape, func, check_batch=False)
+            entries.append(e)
+            return d_b
+
+        args = tuple(sub(a) for a in args)
+        kwargs = {k: sub(v) for k, v in kwargs.items()}
+        out = func(*args, **kwargs)
+        ids = tuple(sorted({i for t in tracked for i in self._param_ids(t)}))
+        for t in _outputs(out):
+            if t.requires_grad and t.is_floating_point():
+                self.derived[t] = Derived(ids, None, tuple(entries))
+        return out
+
+    def _info(self, t) -> Derived:
+        if id(t) in self.tracked:
+            return Derived((id(t),))
+        return self.derived[t]
+
+    def is_tracked(self, t) -> bool:
+        return id(t) in self.tracked or t in self.derived
+
+    def _row_base(self, func, args, kwargs, tracked, out):
+        """``T`` (one row) when ``out`` is ``n`` identical rows ``T.expand(n, …)``, else None.
+
+        Recognised: ``expand``/``repeat`` of a one-row tensor, and shape ops (reshape, permute, …) of
+        such a tensor that keep the rows, verified by recomputing the op on the row and comparing.
+        """
+        if len(tracked) != 1 or out.dim() == 0 or out.shape[0] <= 1:
+            return None
+        src = tracked[0]
+        n = out.shape[0]
+        if func in EXPANDS:
+            return src if src.dim() == out.dim() and src.shape[0] == 1 else None
+        info = self.derived.get(src) if id(src) not in self.tracked else None
+        if func is torch.Tensor.repeat and src.dim() == out.dim() and src.shape[0] == 1:
+            row_src = src
+        elif func in ROWWISE and info is not None and info.row_base is not None and src.shape[0] == n:
+            row_src = info.row_base
+        else:
+            return None
+
+        def one(a):
+            if a is src:
+                return row_src
+            if isinstance(a, (tuple, list, torch.Size)) and a and a[0] == n:
+                return (1,) + tuple(a[1:])
+            return a
+
+        new_args = [one(a) for a in args]
+        if len(new_args) > 1 and isinstance(new_args[1], int) and new_args[1] == n and \
+                func in (torch.Tensor.reshape, torch.Tensor.view, torch.Tensor.repeat):
+            new_args[1] = 1
+        try:
+            cand = func(*new_args, **kwargs)
+        except Exception:
+            return None
+        if not isinstance(cand, torch.Tensor) or tuple(cand.shape) != (1, *out.shape[1:]):
+            return None
+        with torch.no_grad():
+            if not torch.equal(cand.expand_as(out), out):
+                return None
+        return cand
+
+    def _param_ids(self, t):
+        if id(t) in self.tracked:
+            return (id(t),)
+        return self.derived[t].params
+
+    def _fail(self, func, tracked, why):
+        names = sorted({self.names[i] for t in tracked for i in self._param_ids(t)})
+        raise UnsupportedEntryError(
+            f"parameter(s) {names} meet the batch in {getattr(func, '__name__', func)!r}: {why}. The parameter-entry "
+            "tracer clips parameters that reach the batch by elementwise ops (add/sub/mul/div/where), cat/stack of "
+            "a batch-expanded token, or F.scaled_dot_product_attention(attn_mask=...). Clip the module that owns "
+            "them with the torch.func fallback instead: private_engine.layers.register_fallback(ModuleClass) before "
+            "building the engine, or freeze them (requires_grad_(False))."
+        )
+
+    def _substitute(self, t, shape, func, check_batch=True):
+        """``D_b``: ``t`` (aligned to the broadcast ``shape``) expanded to ``shape[0]`` rows, and its entry."""
+        B = self.batch_size
+        n = shape[0]
+        if check_batch and n % B:
+            self._fail(func, [t], f"the batched operand has {n} rows, not a multiple of the batch size {B} "
+                                  "(inputs must be batch-first)")
+        if t.dim() < len(shape):
+            base = t.reshape((1,) * (len(shape) - t.dim()) + tuple(t.shape))
+        elif t.shape[0] == 1:
+            base = t
+        else:
+            info = self.derived.get(t)
+            if info is None or info.row_base is None or t.shape[0] != n:
+                self._fail(func, [t], f"a batch-free tensor of shape {tuple(t.shape)} is aligned with the batch "
+                                      "dimension but is not an expand of a one-row tensor")
+            base = info.row_base
+        if base.shape[0] != 1:
+            self._fail(func, [t], f"cannot align shape {tuple(t.shape)} with the batch dimension")
+        d_b = base.expand(n, *base.shape[1:])
+        ids = self._param_ids(t)
+        entry = Entry(name=", ".join(self.names[i] for i in ids), base=base,
+                      params=[self.tracked[i][1] for i in ids], edge=get_gradient_edge(d_b),
+                      out_node=None, batched_nodes=[])
+        d_b.register_hook(self._make_hook(entry, n))
+        return d_b, entry
+
+    def _entry(self, func, args, kwargs, tracked):
+        tensors = _tensors(args, kwargs)
+        batched_nodes = [get_gradient_edge(t).node for t in tensors if not self.is_tracked(t) and t.requires_grad]
+        new_entries = []
+
+        def sub(t, shape):
+            if self.is_tracked(t) and self._info(t).pending:
+                if t.dim() != len(shape) or t.shape[0] != shape[0] or shape[0] % self.batch_size:
+                    self._fail(func, [t], f"its {t.shape[0]} rows do not line up with the {shape[0]} batched rows")
+                new_entries.extend(self._info(t).pending)
+                return t
+            if self.is_tracked(t):
+                d_b, e = self._substitute(t, shape, func)
+                new_entries.append(e)
+                return d_b
+            return t
+
+        if func in ELEMENTWISE:
+            shape = torch.broadcast_shapes(*(t.shape for t in tensors))
+            args = tuple(sub(a, shape) if isinstance(a, torch.Tensor) else a for a in args)
+            kwargs = {k: sub(v, shape) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        elif func in CONCAT:
+            seq = args[0] if args else kwargs.get("tensors")
+            dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+            ref = next(t for t in seq if not self.is_tracked(t))
+            if func is not torch.stack and dim % ref.dim() == 0:
+                self._fail(func, tracked, "concatenation along the batch dimension")
+            shape = ref.shape
+            seq = [sub(t, (shape[0],) + tuple(t.shape[1:])) if t.dim() == ref.dim() else t for t in seq]
+            if any(self.is_tracked(t) for t in seq):
+                self._fail(func, tracked, "a tracked tensor with another rank than the batched ones")
+            args = (seq,) + tuple(args[1:]) if args else args
+            if not args:
+                kwargs = dict(kwargs, tensors=seq)
+        elif func is F.scaled_dot_product_attention:
+            q = args[0]
+            k = args[1]
+            mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+            if not (isinstance(mask, torch.Tensor) and self.is_tracked(mask)) or \
+                    any(self.is_tracked(t) for t in args[:3]):
+                self._fail(func, tracked, "only attn_mask may be a tracked tensor")
+            shape = tuple(q.shape[:-1]) + (k.shape[-2],)
+            d_b = sub(mask, shape)
+            if len(args) > 3:
+                args = tuple(args[:3]) + (d_b,) + tuple(args[4:])
+            else:
+                kwargs = dict(kwargs, attn_mask=d_b)
+        else:
+            self._fail(func, tracked, "this op is not a supported entry")
+        out = func(*args, **kwargs)
+        for t in _outputs(out):
+            self.batched[t] = True
+        first = _outputs(out)[0]
+        node = first.grad_fn
+        for e in new_entries:
+            e.out_node = node
+            e.batched_nodes = batched_nodes
+        self.entries.extend(new_entries)
+        return out
+
+    def handover(self, name: str, module: nn.Module, rule, inputs, output) -> bool:
+        """Take over a layer call whose input is a batch-free constant (XCiT's Fourier position encoding
+        projects a fixed grid): its trainable parameters are followed like tracked ones from its output.
+        Returns True when the recorder must not record the call."""
+        if not self.active or not inputs or not isinstance(inputs[0], torch.Tensor):
+            return False
+        a = inputs[0]
+        if a in self.batched or a.requires_grad or (a.dim() > 0 and a.shape[0] == self.batch_size):
+            return False
+        params = [(f"{name}.{pn}" if name else pn, getattr(module, pn)) for pn in rule.param_names
+                  if isinstance(getattr(module, pn, None), nn.Parameter) and getattr(module, pn).requires_grad]
+        for qn, p in params:
+            self.tracked[id(p)] = (qn, p)
+            self.names[id(p)] = qn
+        self.derived[output] = Derived(tuple(sorted(id(p) for _, p in params)))
+        return True
+
+    # -- norm pass ------------------------------------------------------------------------
+    def _make_hook(self, entry: Entry, n: int):
+        def hook(grad):
+            if not self.capturing or entry.fired:
+                return None
+            entry.fired = True
+            self._accumulate(entry, grad.detach(), n)
+            return None
+
+        return hook
+
+    def _accumulate(self, entry: Entry, cot: torch.Tensor, n: int) -> None:
+        B = self.batch_size
+        cot = cot.reshape(B, n // B, *cot.shape[1:]).sum(1)  # (B, *base.shape[1:]): per-sample cotangent
+        base = entry.base
+        if len(entry.params) == 1 and _is_reshape_of(base, entry.params[0]):
+            P = entry.params[0]
+            grads = [cot.reshape(B, *P.shape)]
+        else:
+            with torch.enable_grad():
+                grads = torch.autograd.grad(base, entry.params, grad_outputs=cot.reshape(B, *base.shape),
+                                            is_grads_batched=True, retain_graph=True, allow_unused=True)
+        for P, g in zip(entry.params, grads):
+            if g is None:
+                continue
+            g = g.to(accumulation_dtype(g))
+            prev = self.grads.get(id(P))
+            self.grads[id(P)] = g if prev is None else prev + g
+
+    def entry_edges(self) -> list:
+        return [e.edge for e in self.entries]
+
+    def jumps(self) -> Dict[object, list]:
+        """``{output node: [batched input nodes]}`` of every entry, for the graph walk."""
+        out: Dict[object, list] = {}
+        for e in self.entries:
+            if e.out_node is not None:
+                out.setdefault(e.out_node, []).extend(e.batched_nodes)
+        return out
+
+    def norm_sq(self) -> Optional[torch.Tensor]:
+        """``Σ_P ‖∂L_i/∂P‖²`` over the tracked parameters, per sample (None when none was reached)."""
+        total = None
+        for g in self.grads.values():
+            sq = g.reshape(g.shape[0], -1).pow(2).sum(1)
+            total = sq if total is None else total + sq
+        return total
+
+    def per_sample_grads(self) -> Dict[str, torch.Tensor]:
+        """``{param name: (B, *P.shape)}`` accumulated in the last norm pass."""
+        return {self.names[i]: g for i, g in self.grads.items()}
+
+    def weighted_grads(self, factors: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """``{param name: Σ_i C_i ∂L_i/∂P}`` from the per-sample gradients of the last norm pass."""
+        return {self.names[i]: torch.tensordot(factors.to(g.dtype), g, dims=1) for i, g in self.grads.items()}
+
+    def reset(self) -> None:
+        for e in self.entries:
+            e.base = e.edge = e.out_node = None
+            e.batched_nodes = []
+        self.entries = []
+        self.grads = {}
+
+
+def _is_reshape_of(t: torch.Tensor, p: torch.Tensor) -> bool:
+    """True when ``t`` holds ``p``'s elements in ``p``'s order (p itself or a contiguous view of it)."""
+    if t is p:
+        return True
+    return (t._base is p and t.numel() == p.numel() and t.is_contiguous() and p.is_contiguous()
+            and t.storage_offset() == p.storage_offset())
