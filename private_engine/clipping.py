@@ -98,6 +98,10 @@ class PerSampleClipper:
         self.max_grad_norm = float(max_grad_norm)
         self.params = list(params)
         self.recorder = LayerRecorder(layers, on_layer_ready=self._on_layer_ready)
+        #: when True, the per-sample gradients of traced parameters and fallback modules of the last norm
+        #: pass are kept in ``last_extra_grads = {param name: (B, *shape)}`` (tests, book-keeping)
+        self.keep_extra_grads = False
+        self.last_extra_grads: Dict[str, torch.Tensor] = {}
         self.tracer: Optional[ParamTracer] = None
         self.fallbacks: List[FallbackModule] = []
         if model is not None:
@@ -204,14 +208,21 @@ class PerSampleClipper:
 
     def _extra_norms(self) -> None:
         """Add the per-sample norms of traced parameters and fallback modules (always instantiated)."""
+        self.last_extra_grads = {}
         if self.tracer is None:
             return
+        self.tracer.keep = self.keep_extra_grads
+        if self.keep_extra_grads:
+            self.last_extra_grads.update(self.tracer.per_sample_grads())
         for pid, g in self.tracer.grads.items():
             self._add(self.tracer.names[pid], "param-entry", g[0].numel(), g.reshape(g.shape[0], -1).pow(2).sum(1))
         for fb in self.fallbacks:
             if not fb.calls:
                 continue
             grads = fb.per_sample_grads(self._batch_size)
+            if self.keep_extra_grads:
+                prefix = f"{fb.name}." if fb.name else ""
+                self.last_extra_grads.update({prefix + n: g for n, g in grads.items()})
             if grads:
                 sq = sum(g.reshape(g.shape[0], -1).pow(2).sum(1) for g in grads.values())
                 self._add(fb.name, f"fallback:{type(fb.module).__name__}", sum(g[0].numel() for g in grads.values()),

@@ -127,6 +127,8 @@ class ParamTracer(TorchFunctionMode):
         self.active = False
         #: per-sample gradients ``{id(P): (B, *P.shape)}`` accumulated in the norm pass
         self.grads: Dict[int, torch.Tensor] = {}
+        #: keep ``grads`` after the norm pass (until the next forward) for ``weighted_grads``
+        self.keep = False
         self._handles = []
         self.install()
 
@@ -153,6 +155,7 @@ class ParamTracer(TorchFunctionMode):
         if first is None:
             return None
         self.batch_size = first.shape[0]
+        self.grads = {}
         for t in _tensors(args, kwargs):
             if t.dim() > 0 and t.shape[0] == self.batch_size:
                 self.batched[t] = True
@@ -464,7 +467,8 @@ class ParamTracer(TorchFunctionMode):
             e.base = e.edge = e.out_node = None
             e.batched_nodes = []
         self.entries = []
-        self.grads = {}
+        if not self.keep:
+            self.grads = {}
 
 
 def _is_reshape_of(t: torch.Tensor, p: torch.Tensor) -> bool:

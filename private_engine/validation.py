@@ -86,7 +86,7 @@ def _scan(model: nn.Module):
     inside = []  # prefixes of fallback subtrees
     for name, module in model.named_modules():
         prefix = f"{name}." if name else ""
-        if any(name == f or name.startswith(f + ".") for f in inside):
+        if any(f == "" or name == f or name.startswith(f + ".") for f in inside):
             continue
         if uses_fallback(module) and any(p.requires_grad for p in module.parameters()):
             fallbacks.append((name, module))

@@ -1,0 +1,333 @@
+"""Every trainable parameter of the common timm vision families, clipped exactly (issue 4, engine side).
+
+Each family is built tiny (pretrained=False), every parameter trainable, BatchNorm replaced by
+``fix_batchnorm``, in float64. The parameters without a layer rule (tokens, pos_embed, gammas,
+temperature, gating, bias tables) get random values of order one (timm initialises some to zero
+or 1e-5, which would hide a wrong per-sample attribution). For every clipping mode:
+
+(a) every trainable parameter receives a non-zero clipped gradient;
+(b) the clipped sum (noise 0, abadi, a threshold between the per-sample norms) and the norms equal
+    the float64 one-sample-at-a-time reference (tests/reference.py) to 1e-6 relative, as does an
+    SGD step through the attached optimizer (mixed mode).
+"""
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import private_engine as pe
+from engine_checks import MODES, check_against_reference, gen_for, make_engine, one_thread  # noqa: F401
+from reference import assert_close_rel, reference_clipped_sum
+
+timm = pytest.importorskip("timm")
+
+RTOL = 1e-6
+S = dict(img_size=32, num_classes=3, drop_path_rate=0.0)
+FAMILIES = {
+    # family: (timm name, kwargs, image size, mechanism we expect for the non-layer parameters)
+    "vit_reg": ("vit_tiny_patch16_224", dict(S, patch_size=8, embed_dim=16, depth=1, num_heads=2, reg_tokens=2,
+                                             init_values=0.1), 32),
+    "deit_distilled": ("deit_tiny_distilled_patch16_224", dict(S, patch_size=8, embed_dim=16, depth=1, num_heads=2), 32),
+    "beit": ("beit_base_patch16_224", dict(S, patch_size=8, embed_dim=16, depth=1, num_heads=2), 32),
+    "convit": ("convit_tiny", dict(S, patch_size=8, embed_dim=16, depth=2, num_heads=2, local_up_to_layer=1), 32),
+    "crossvit": ("crossvit_tiny_240", dict(img_size=(32, 48), patch_size=(8, 16), embed_dim=(16, 16),
+                                           depth=((1, 1, 0),), num_heads=(2, 2), mlp_ratio=(2, 2, 1), num_classes=3),
+                 48),
+    "cait": ("cait_xxs24_224", dict(S, patch_size=8, embed_dim=16, depth=1, depth_token_only=1, num_heads=2), 32),
+    "xcit": ("xcit_nano_12_p16_224", dict(S, patch_size=16, embed_dim=16, depth=1, cls_attn_layers=1, num_heads=2), 32),
+    "pit": ("pit_ti_224", dict(img_size=32, num_classes=3, patch_size=8, stride=4, base_dims=[8, 8], depth=[1, 1],
+                               heads=[2, 2]), 32),
+    # depths (2, 1): the second block of stage 0 uses shifted windows (bias table + window mask)
+    "swin": ("swin_tiny_patch4_window7_224", dict(S, patch_size=4, window_size=4, embed_dim=16, depths=(2, 1),
+                                                  num_heads=(2, 2)), 32),
+    "visformer": ("visformer_tiny", dict(img_size=32, num_classes=3, init_channels=8, embed_dim=32, depth=(1, 1, 1),
+                                         num_heads=2), 32),
+    # 64 px: 4×4 tokens in stage 0, 2×2 in stage 1 (at 32 px stage 1 has one token: its bias gets no gradient)
+    "levit": ("levit_128s", dict(img_size=64, num_classes=3, embed_dim=(16, 24), key_dim=8, depth=(1, 1),
+                                 num_heads=(2, 2)), 64),
+}
+
+
+def ce_loss(model, x, y):
+    return F.cross_entropy(model(x), y, reduction="none")
+
+
+def _randomize_non_layer_params(model):
+    """Order-one values for parameters that no layer rule covers (zeros/1e-5 at init would test little)."""
+    gen = gen_for(1)
+    with torch.no_grad():
+        for name in pe.validation.traced_parameters(model):
+            p = model.get_parameter(name)
+            p.copy_(0.5 * torch.randn(p.shape, generator=gen, dtype=p.dtype) + (0.5 if "gamma" in name else 0.0))
+
+
+def build(family):
+    name, kwargs, size = FAMILIES[family]
+    torch.manual_seed(0)
+    model = pe.fix_batchnorm(timm.create_model(name, pretrained=False, **kwargs), num_groups=4).double()
+    model.requires_grad_(True)
+    _randomize_non_layer_params(model)
+    gen = gen_for(2)
+    x = torch.randn(3, 3, size, size, generator=gen, dtype=torch.float64)
+    y = torch.tensor([0, 1, 2])
+    return model, [x, y]
+
+
+def _check(model, inputs, mode):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fallback warning is tested on its own
+        engine = check_against_reference(model, inputs, ce_loss, mode=mode, clip="abadi", rtol=RTOL,
+                                         check_step=mode == "mixed")
+    return engine
+
+
+def _every_param_gets_a_gradient(model, inputs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = make_engine(model, inputs[0].shape[0], R=1e6)  # no clipping: the plain gradient
+    grads, _ = engine.clipped_grad_sum(ce_loss(model, *inputs))
+    engine.detach()
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    zero = [n for n, g in zip(names, grads) if not bool(g.abs().sum() > 0)]
+    assert not zero, f"trainable parameters without a gradient: {zero}"
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_family_clipped_exactly_in_every_mode(family):
+    model, inputs = build(family)
+    _every_param_gets_a_gradient(model, inputs)
+    for mode in MODES:
+        engine = _check(model, inputs, mode)
+    # the non-layer parameters have their own rows in the plan (always instantiated)
+    traced = set(pe.validation.traced_parameters(model))
+    rows = {d.name for d in engine.layer_plan if d.layer_type == "param-entry"}
+    assert traced <= rows | {n for n in traced if n.startswith(tuple(pe.validation.fallback_modules(model)))}, \
+        (traced, rows)
+
+
+def test_resnet_with_groupnorm():
+    from timm.models.resnet import BasicBlock, ResNet
+
+    torch.manual_seed(0)
+    model = pe.fix_batchnorm(ResNet(BasicBlock, [1, 1, 1, 1], channels=(8, 8, 16, 16), stem_width=8,
+                                    num_classes=3), num_groups=4).double()
+    gen = gen_for(3)
+    inputs = [torch.randn(3, 3, 16, 16, generator=gen, dtype=torch.float64), torch.tensor([0, 1, 2])]
+    _every_param_gets_a_gradient(model, inputs)
+    for mode in MODES:
+        _check(model, inputs, mode)
+    assert not pe.validation.traced_parameters(model) and not pe.validation.fallback_modules(model)
+
+
+def test_vit_fused_attention_stays_fused():
+    """timm's fused attention (F.scaled_dot_product_attention) keeps running under the tracer."""
+    model, inputs = build("vit_reg")
+    assert model.blocks[0].attn.fused_attn
+    seen = []
+    orig = F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append(1)
+        return orig(*args, **kwargs)
+
+    F.scaled_dot_product_attention = spy
+    try:
+        engine = make_engine(model, 3, R=1.0)
+        engine.clipped_grad_sum(ce_loss(model, *inputs))
+        engine.detach()
+    finally:
+        F.scaled_dot_product_attention = orig
+    assert seen
+
+
+# -- nn.MultiheadAttention (torch.func fallback) ----------------------------------------------------
+class MHAModel(nn.Module):
+    def __init__(self, d=8, heads=2, need_weights=False):
+        super().__init__()
+        self.inp = nn.Linear(4, d)
+        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
+        self.head = nn.Linear(d, 3)
+        self.need_weights = need_weights
+
+    def forward(self, x):
+        h = self.inp(x)
+        out, w = self.attn(h, h, h, need_weights=self.need_weights)
+        y = self.head(out).mean(1)
+        return y + w.sum((1, 2))[:, None] if self.need_weights else y
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_multihead_attention(need_weights):
+    torch.manual_seed(0)
+    model = MHAModel(need_weights=need_weights).double()
+    gen = gen_for(4)
+    inputs = [torch.randn(4, 5, 4, generator=gen, dtype=torch.float64), torch.tensor([0, 1, 2, 0])]
+    with pytest.warns(UserWarning, match="fallback") as rec:
+        make_engine(model, 4).detach()
+    assert sum("fallback" in str(w.message) for w in rec) == 1 and "attn" in str(rec[0].message)
+    assert pe.validation.fallback_modules(model) == ["attn"]
+    _every_param_gets_a_gradient(model, inputs)
+    for mode in MODES:
+        engine = _check(model, inputs, mode)
+    assert any(d.layer_type == "fallback:MultiheadAttention" for d in engine.layer_plan)
+
+
+def test_multihead_attention_as_the_whole_model():
+    torch.manual_seed(0)
+    model = nn.MultiheadAttention(6, 2, batch_first=True).double()
+    gen = gen_for(5)
+    x = torch.randn(3, 4, 6, generator=gen, dtype=torch.float64)
+
+    def loss_fn(m, x):
+        return m(x, x, x, need_weights=False)[0].pow(2).flatten(1).sum(1)
+
+    for mode in MODES:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            check_against_reference(model, [x], loss_fn, mode=mode, clip="abadi", rtol=RTOL,
+                                    check_step=mode == "mixed")
+
+
+# -- the tracer refuses what it cannot clip; the fallback takes it -----------------------------------
+class MatmulParam(nn.Module):
+    """A parameter used by a matmul with the batch: not an entry op of the tracer."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 3))
+
+    def forward(self, x):
+        return x @ self.w
+
+
+class WithMatmul(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 4)
+        self.mm = MatmulParam()
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.mm(torch.tanh(self.fc(x)))))
+
+
+def test_unsupported_entry_is_refused_then_fallback_registered():
+    torch.manual_seed(0)
+    model = WithMatmul().double()
+    gen = gen_for(6)
+    inputs = [torch.randn(5, 3, generator=gen, dtype=torch.float64), torch.tensor([0, 1, 0, 1, 1])]
+    engine = make_engine(model, 5)
+    with pytest.raises(ValueError) as err:
+        engine.clipped_grad_sum(ce_loss(model, *inputs))
+    msg = str(err.value)
+    assert "mm.w" in msg and "register_fallback" in msg, msg
+    engine.detach()
+    pe.layers.register_fallback(MatmulParam)
+    try:
+        with pytest.warns(UserWarning, match=r"fallback.*: mm$"):
+            make_engine(model, 5).detach()
+        for mode in MODES:
+            _check(model, inputs, mode)
+    finally:
+        pe.fallback.FALLBACK_CLASSES.discard(f"{MatmulParam.__module__}.{MatmulParam.__qualname__}")
+
+
+class Windows(nn.Module):
+    """A fallback module that sees k·B rows (two windows per sample), with a constant kwarg."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, 3))
+        self.b = nn.Parameter(torch.randn(3))
+
+    def forward(self, x, scale=None):
+        return torch.tanh(x @ self.w + self.b) * scale
+
+
+class WindowModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+        self.win = Windows()
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 3))
+
+    def forward(self, x):  # x: (B, 2, 3)
+        h = self.win(self.fc(x).reshape(-1, 3), scale=self.scale)
+        return h.reshape(x.shape[0], -1).sum(1, keepdim=True)
+
+
+def test_fallback_unit_against_reference_with_rows_per_sample():
+    pe.layers.register_fallback(Windows)
+    try:
+        torch.manual_seed(0)
+        model = WindowModel().double()
+        gen = gen_for(7)
+        x = torch.randn(4, 2, 3, generator=gen, dtype=torch.float64)
+
+        def loss_fn(m, x):
+            return m(x).pow(2).sum(1)
+
+        for mode in MODES:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                check_against_reference(model, [x], loss_fn, mode=mode, clip="abadi", rtol=RTOL)
+    finally:
+        pe.fallback.FALLBACK_CLASSES.discard(f"{Windows.__module__}.{Windows.__qualname__}")
+
+
+def test_traced_parameter_used_outside_the_forward_is_refused():
+    model, inputs = build("vit_reg")
+    engine = make_engine(model, 3)
+    loss = ce_loss(model, *inputs) + model.cls_token.sum()  # a use the tracer never saw
+    with pytest.raises(ValueError, match="cls_token"):
+        engine.clipped_grad_sum(loss)
+    engine.detach()
+
+
+def _reference_per_sample(model, inputs, loss_fn):
+    """``{name: (B, *shape)}``: one backward per sample, float64."""
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    params = [p for p in model.parameters() if p.requires_grad]
+    out = {n: [] for n in names}
+    for i in range(inputs[0].shape[0]):
+        grads = torch.autograd.grad(loss_fn(model, *[t[i:i + 1] for t in inputs]).sum(), params, allow_unused=True)
+        for n, p, g in zip(names, params, grads):
+            out[n].append(torch.zeros_like(p) if g is None else g)
+    return {n: torch.stack(v) for n, v in out.items()}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES) + ["mha"])
+def test_per_sample_grads_of_traced_and_fallback_params(family):
+    """Per parameter, not only through the total norm: a small parameter (a bias table) attributed to the
+    wrong sample would move the total norm below the tolerance."""
+    if family == "mha":
+        torch.manual_seed(0)
+        model = MHAModel().double()
+        inputs = [torch.randn(4, 5, 4, generator=gen_for(4), dtype=torch.float64), torch.tensor([0, 1, 2, 0])]
+    else:
+        model, inputs = build(family)
+    B = inputs[0].shape[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = make_engine(model, B, R=1.0)
+    engine.clipper.keep_extra_grads = True
+    grads, _ = engine.clipped_grad_sum(ce_loss(model, *inputs))
+    got = engine.clipper.last_extra_grads
+    tracer = engine.clipper.tracer
+    factors = torch.linspace(0.2, 1.0, B, dtype=torch.float64)
+    weighted = tracer.weighted_grads(factors) if tracer is not None else {}
+    engine.detach()
+    expected = set(pe.validation.traced_parameters(model))
+    for f in pe.validation.fallback_modules(model):
+        expected |= {f"{f}.{n}" for n, p in model.get_submodule(f).named_parameters() if p.requires_grad}
+    assert expected <= set(got), expected - set(got)
+    ref = _reference_per_sample(model, inputs, ce_loss)
+    names = sorted(got)
+    assert_close_rel([got[n] for n in names], [ref[n] for n in names], 1e-9, names)
+    # book-keeping: Σ_i C_i ∂L_i/∂P from the per-sample gradients of the last norm pass
+    assert set(weighted) >= set(pe.validation.traced_parameters(model))
+    if weighted:
+        assert_close_rel([weighted[n] for n in weighted],
+                         [torch.tensordot(factors, ref[n], dims=1) for n in weighted], 1e-9, list(weighted))
