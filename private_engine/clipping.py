@@ -110,7 +110,7 @@ class PerSampleClipper:
                 self.tracer = ParamTracer(model, traced)
                 self.fallbacks = [FallbackModule(n, m, self.tracer) for n, m in fallbacks]
                 self.recorder.extras = [self.tracer, *self.fallbacks]
-                warn_fallback([n or type(model).__name__ for n, _ in fallbacks])
+                warn_fallback([f"{n or '(the model)'} ({type(m).__name__})" for n, m in fallbacks])
         self.last_plan: List[LayerDecision] = []
         self._norm_sq: Optional[torch.Tensor] = None
         self._batch_size = 0

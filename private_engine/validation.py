@@ -7,6 +7,7 @@ from typing import List, Tuple
 from torch import nn
 
 from .layers import LayerRule, find_rule
+from .layers.base import overrides_ruled_class
 
 
 def batchnorm_modules(model: nn.Module) -> List[str]:
@@ -78,7 +79,8 @@ def _scan(model: nn.Module):
     * ``traced = [(qualified name, param)]``: other direct parameters (tokens, pos_embed, gammas, bias
       tables, …), clipped by the parameter-entry tracer (private_engine.tracer);
     * ``fallbacks = [(name, module)]``: modules of a class registered for the torch.func fallback
-      (private_engine.fallback); they clip every trainable parameter of their subtree.
+      (private_engine.fallback), and subclasses of a ruled layer that override its forward (timm's
+      LayerNorm2d, StdConv2d, …); they clip every trainable parameter of their subtree.
     """
     from .fallback import uses_fallback
 
@@ -88,7 +90,8 @@ def _scan(model: nn.Module):
         prefix = f"{name}." if name else ""
         if any(f == "" or name == f or name.startswith(f + ".") for f in inside):
             continue
-        if uses_fallback(module) and any(p.requires_grad for p in module.parameters()):
+        if (uses_fallback(module) or overrides_ruled_class(module)) and \
+                any(p.requires_grad for p in module.parameters()):
             fallbacks.append((name, module))
             inside.append(name)
             for pname, p in module.named_parameters():

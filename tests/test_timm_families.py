@@ -226,7 +226,7 @@ def test_unsupported_entry_is_refused_then_fallback_registered():
     engine.detach()
     pe.layers.register_fallback(MatmulParam)
     try:
-        with pytest.warns(UserWarning, match=r"fallback.*: mm$"):
+        with pytest.warns(UserWarning, match=r"fallback.*: mm \(MatmulParam\)$"):
             make_engine(model, 5).detach()
         for mode in MODES:
             _check(model, inputs, mode)
