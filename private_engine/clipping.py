@@ -22,6 +22,8 @@ from torch import nn
 from .fallback import FallbackModule, warn_fallback
 from .hooks import LayerRecorder, RecordedLayer
 from .plan import LayerDecision, check_mode, decide
+from .layers.base import trainable
+from .layers.linear import LinearRule
 from .tracer import ParamTracer
 from .validation import _scan
 
@@ -108,6 +110,9 @@ class PerSampleClipper:
             _, traced, fallbacks, _ = _scan(model)
             if traced or fallbacks:  # the tracer also tells the fallbacks the batch size and batched inputs
                 self.tracer = ParamTracer(model, traced)
+                self.tracer.recorder = self.recorder
+                self.tracer.linear_layers = {id(l.module.weight): l for l in self.recorder.layers
+                                             if isinstance(l.rule, LinearRule) and trainable(l.module, "weight")}
                 self.fallbacks = [FallbackModule(n, m, self.tracer) for n, m in fallbacks]
                 self.recorder.extras = [self.tracer, *self.fallbacks]
                 warn_fallback([f"{n or '(the model)'} ({type(m).__name__})" for n, m in fallbacks])

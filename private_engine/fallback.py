@@ -29,7 +29,6 @@ from .layers.base import accumulation_dtype
 #: module classes clipped by the fallback (qualified names, so that timm need not be imported)
 FALLBACK_CLASSES = {
     "torch.nn.modules.activation.MultiheadAttention",  # weights used inside F.multi_head_attention_forward
-    "timm.models.beit.Attention",  # F.linear(x, self.qkv.weight, cat(q_bias, 0, v_bias)): the child is never called
 }
 
 _REPLAYING = [False]

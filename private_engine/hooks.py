@@ -95,24 +95,36 @@ class LayerRecorder:
                 if getattr(extra, "handover", None) is not None and extra.handover(layer.name, module, layer.rule,
                                                                                     inputs, output):
                     return None
-            activation = inputs[0].detach()
-            root = output
-            base = output._base
-            if base is not None and base.numel() == output.numel() and output.is_contiguous() and base.is_contiguous():
-                root = base
-            call = RecordedCall(
-                activation=activation,
-                output_shape=output.shape,
-                dims=layer.rule.dims(module, activation, output),
-                edge=get_gradient_edge(root),
-                input_requires_grad=inputs[0].requires_grad,
-                input_node=get_gradient_edge(inputs[0]).node if inputs[0].requires_grad else None,
-            )
-            layer.calls.append(call)
-            root.register_hook(self._make_grad_hook(layer, call))
+            self.record(layer, module, inputs[0], output)
             return None
 
         return hook
+
+    def record(self, layer: RecordedLayer, module: nn.Module, x: torch.Tensor, output: torch.Tensor,
+               covered: bool = False) -> None:
+        """Record one call of ``layer`` with input ``x`` and output ``output`` (also used by the tracer for a
+        Linear whose weight its parent passes to ``F.linear`` directly, as timm BEiT's attention does).
+        ``covered``: the input's path is a tracer entry, so the graph walk stops at this call."""
+        activation = x.detach()
+        root = output
+        base = output._base
+        if base is not None and base.numel() == output.numel() and output.is_contiguous() and base.is_contiguous():
+            root = base
+        call = RecordedCall(
+            activation=activation,
+            output_shape=output.shape,
+            dims=layer.rule.dims(module, activation, output),
+            edge=get_gradient_edge(root),
+            input_requires_grad=x.requires_grad,
+            # an input the tracer follows (a batch-expanded token) is covered by its entry, not by this call
+            input_node=(get_gradient_edge(x).node if x.requires_grad and not covered and not self._tracked(x)
+                        else None),
+        )
+        layer.calls.append(call)
+        root.register_hook(self._make_grad_hook(layer, call))
+
+    def _tracked(self, x: torch.Tensor) -> bool:
+        return any(getattr(extra, "is_tracked", None) is not None and extra.is_tracked(x) for extra in self.extras)
 
     # -- backward --------------------------------------------------------------------------
     def _make_grad_hook(self, layer: RecordedLayer, call: RecordedCall):

@@ -122,6 +122,11 @@ class ParamTracer(TorchFunctionMode):
         self.derived = WeakIdKeyDictionary()
         self.batched = WeakIdKeyDictionary()
         self.entries: List[Entry] = []
+        #: ``{id(weight): RecordedLayer}`` of recorded Linears and their recorder (set by the clipper)
+        self.linear_layers: Dict[int, object] = {}
+        self.recorder = None
+        self.recorded = WeakIdKeyDictionary()  # outputs of Linear calls recorded by the tracer itself
+        self._chain_output = None
         self.batch_size: Optional[int] = None
         self.capturing = False
         self.active = False
@@ -376,18 +381,94 @@ class ParamTracer(TorchFunctionMode):
                 args = tuple(args[:3]) + (d_b,) + tuple(args[4:])
             else:
                 kwargs = dict(kwargs, attn_mask=d_b)
+        elif func is F.linear:
+            out = self._linear_entry(args, kwargs, tracked, new_entries)
+            if new_entries:  # bias entry: its data is F.linear(x, W); input entry: the recorded call covers W, b
+                batched_nodes = new_entries[-1].batched_nodes
         else:
             self._fail(func, tracked, "this op is not a supported entry")
-        out = func(*args, **kwargs)
+        if func is not F.linear:
+            out = func(*args, **kwargs)
+        if self._chain_output is not None:  # F.linear on a batch-free input: not an entry after all
+            self._chain_output = None
+            return out
         for t in _outputs(out):
             self.batched[t] = True
         first = _outputs(out)[0]
         node = first.grad_fn
         for e in new_entries:
             e.out_node = node
-            e.batched_nodes = batched_nodes
+            e.batched_nodes = list(batched_nodes)
         self.entries.extend(new_entries)
         return out
+
+    def _linear_entry(self, args, kwargs, tracked, new_entries):
+        """``F.linear(x, W, b)`` with a tracked ``x`` or ``b``.
+
+        * ``b`` derived from tracked parameters (timm BEiT/EVA/SwinV2 attention:
+          ``F.linear(x, self.qkv.weight, cat(q_bias, zeros, v_bias))``): computed as
+          ``F.linear(x, W) + b_b``, an entry for ``b``; when ``W`` is the weight of a recorded Linear whose
+          forward is never called, the call ``(x, F.linear(x, W))`` is recorded for that Linear, so its
+          weight is clipped by the Linear rule (ghost or instantiated) at rule speed.
+        * ``x`` a row-expanded tracked tensor with B rows (timm's attention-pool ``latent.expand(B, …)``
+          fed to a Linear): its rows are the samples; ``x`` becomes an entry and the output is batched.
+        """
+        names = ("input", "weight", "bias")
+        vals = list(args) + [None] * (3 - len(args))
+        for k, n in enumerate(names):
+            if n in kwargs:
+                vals[k] = kwargs[n]
+        x, W, b = vals
+        tr = [isinstance(t, torch.Tensor) and self.is_tracked(t) for t in (x, W, b)]
+        if tr[1]:
+            self._fail(F.linear, tracked, "a tracked tensor used as the weight")
+        if tr[0]:
+            info = self._info(x)
+            layer = self.linear_layers.get(id(W))
+            if x.dim() >= 2 and x.shape[0] == self.batch_size and info.row_base is not None and not tr[2]:
+                # rows are the samples: an entry for x; the Linear's own call is recorded here
+                x, e = self._substitute(x, tuple(x.shape), F.linear)
+                new_entries.append(e)
+                y = F.linear(x, W, b)
+                if layer is not None:
+                    self.recorder.record(layer, layer.module, x, y, covered=True)
+                    self.recorded[y] = True
+                elif any(isinstance(t, nn.Parameter) and t.requires_grad for t in (W, b)):
+                    self._fail(F.linear, tracked, "the weight is a trainable parameter of no recorded Linear")
+                return y
+            # a batch-free input (SwinV2's continuous position bias MLP on a fixed grid): a chain op; the
+            # Linear's parameters are followed by the tracer (the recorder hands the call over)
+            y = F.linear(x, W, b)
+            ids = set(self._param_ids(x)) | (set(self._param_ids(b)) if tr[2] else set())
+            for t in (W, b):
+                if isinstance(t, nn.Parameter) and t.requires_grad and id(t) not in self.tracked:
+                    if layer is None:
+                        self._fail(F.linear, tracked, "the weight is a trainable parameter of no recorded Linear")
+                    n = f"{layer.name}.{'weight' if t is W else 'bias'}"
+                    self.tracked[id(t)] = (n, t)
+                    self.names[id(t)] = n
+                if isinstance(t, nn.Parameter) and t.requires_grad:
+                    ids.add(id(t))
+            self.derived[y] = Derived(tuple(sorted(ids)))
+            self._chain_output = y
+            return y
+        if not tr[2]:
+            return F.linear(x, W, b)
+        y = F.linear(x, W, None)
+        layer = self.linear_layers.get(id(W))
+        if layer is not None:
+            from .layers.base import trainable
+
+            if trainable(layer.module, "bias"):
+                self._fail(F.linear, tracked, f"the Linear {layer.name} owning the weight has a trainable bias that "
+                                              "this call does not use")
+            self.recorder.record(layer, layer.module, x, y)
+        elif isinstance(W, nn.Parameter) and W.requires_grad:
+            self._fail(F.linear, tracked, "the weight is a trainable parameter of no recorded Linear")
+        b_b, e = self._substitute(b, tuple(y.shape), F.linear)
+        e.batched_nodes = [get_gradient_edge(y).node] if y.requires_grad else []
+        new_entries.append(e)
+        return y + b_b
 
     def handover(self, name: str, module: nn.Module, rule, inputs, output) -> bool:
         """Take over a layer call whose input is a batch-free constant (XCiT's Fourier position encoding
@@ -396,6 +477,10 @@ class ParamTracer(TorchFunctionMode):
         if not self.active or not inputs or not isinstance(inputs[0], torch.Tensor):
             return False
         a = inputs[0]
+        if output in self.recorded:  # recorded by the tracer's F.linear entry already
+            return True
+        if self.is_tracked(a):  # a layer on a batch-free tracked input: already followed by the tracer
+            return output in self.derived
         if a in self.batched or a.requires_grad or (a.dim() > 0 and a.shape[0] == self.batch_size):
             return False
         params = [(f"{name}.{pn}" if name else pn, getattr(module, pn)) for pn in rule.param_names
@@ -403,7 +488,8 @@ class ParamTracer(TorchFunctionMode):
         for qn, p in params:
             self.tracked[id(p)] = (qn, p)
             self.names[id(p)] = qn
-        self.derived[output] = Derived(tuple(sorted(id(p) for _, p in params)))
+        prev = self.derived[output].params if output in self.derived else ()
+        self.derived[output] = Derived(tuple(sorted(set(prev) | {id(p) for _, p in params})))
         return True
 
     # -- norm pass ------------------------------------------------------------------------

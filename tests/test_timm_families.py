@@ -45,6 +45,14 @@ FAMILIES = {
     "visformer": ("visformer_tiny", dict(img_size=32, num_classes=3, init_channels=8, embed_dim=32, depth=(1, 1, 1),
                                          num_heads=2), 32),
     # 64 px: 4×4 tokens in stage 0, 2×2 in stage 1 (at 32 px stage 1 has one token: its bias gets no gradient)
+    # BEiT-style q_bias/v_bias with F.linear(x, qkv.weight, …) + RoPE; the bias/qkv paths of BEiT, at rule speed
+    "eva": ("eva02_tiny_patch14_224", dict(S, img_size=28, patch_size=14, embed_dim=16, depth=1, num_heads=2), 28),
+    # continuous position bias MLP on a fixed grid (handed over to the tracer), logit_scale, q/v bias
+    "swinv2": ("swinv2_tiny_window8_256", dict(S, patch_size=4, window_size=4, embed_dim=16, depths=(2, 1),
+                                               num_heads=(2, 2)), 32),
+    # attention pooling: latent.expand(B, …) fed to a Linear; no_embed_class and dynamic image size
+    "vit_map": ("vit_tiny_patch16_224", dict(S, patch_size=8, embed_dim=16, depth=1, num_heads=2, global_pool="map",
+                                             no_embed_class=True, dynamic_img_size=True), 32),
     "levit": ("levit_128s", dict(img_size=64, num_classes=3, embed_dim=(16, 24), key_dim=8, depth=(1, 1),
                                  num_heads=(2, 2)), 64),
 }
@@ -61,6 +69,9 @@ def _randomize_non_layer_params(model):
         for name in pe.validation.traced_parameters(model):
             p = model.get_parameter(name)
             p.copy_(0.5 * torch.randn(p.shape, generator=gen, dtype=p.dtype) + (0.5 if "gamma" in name else 0.0))
+        for m in model.modules():  # SwinV2 zero-initialises its post-norms (the blocks would add nothing)
+            if isinstance(m, nn.LayerNorm) and m.weight is not None and not bool(m.weight.abs().sum() > 0):
+                m.weight.copy_(1 + 0.1 * torch.randn(m.weight.shape, generator=gen, dtype=m.weight.dtype))
 
 
 def build(family):
@@ -105,6 +116,20 @@ def test_family_clipped_exactly_in_every_mode(family):
     rows = {d.name for d in engine.layer_plan if d.layer_type == "param-entry"}
     assert traced <= rows | {n for n in traced if n.startswith(tuple(pe.validation.fallback_modules(model)))}, \
         (traced, rows)
+
+
+@pytest.mark.parametrize("family", ["beit", "eva", "swinv2"])
+def test_qkv_weight_passed_to_f_linear_is_clipped_by_the_linear_rule(family):
+    """``F.linear(x, self.qkv.weight, cat(q_bias, 0, v_bias))``: the qkv Linear never runs its forward; the
+    tracer records the call for it (Linear rule, ghost or instantiated) and clips q_bias/v_bias as entries."""
+    model, inputs = build(family)
+    assert pe.validation.fallback_modules(model) == []
+    engine = make_engine(model, 3, mode="ghost")
+    engine.clipped_grad_sum(ce_loss(model, *inputs))
+    engine.detach()
+    qkv = [d for d in engine.layer_plan if d.name.endswith("attn.qkv")]
+    assert qkv and all(d.layer_type == "Linear" and d.use_ghost for d in qkv), qkv
+    assert any(d.name.endswith("attn.q_bias") and d.layer_type == "param-entry" for d in engine.layer_plan)
 
 
 def test_resnet_with_groupnorm():
