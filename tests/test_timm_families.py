@@ -356,3 +356,91 @@ def test_per_sample_grads_of_traced_and_fallback_params(family):
     if weighted:
         assert_close_rel([weighted[n] for n in weighted],
                          [torch.tensordot(factors, ref[n], dims=1) for n in weighted], 1e-9, list(weighted))
+
+
+# -- tracer special paths, unit-sized ------------------------------------------------------------------
+class PendingBias(nn.Module):
+    """A bias table plus an n-row constant (like Swin's bias + shifted-window mask summed before SDPA):
+    the one-row table is spread over rows before it meets the k·B batched rows."""
+
+    def __init__(self, via_sdpa=True):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.table = nn.Parameter(torch.randn(3, 3))
+        self.register_buffer("mask", torch.randn(2, 3, 3))
+        self.via_sdpa = via_sdpa
+
+    def forward(self, x):  # x: (B, 2, 3, 4), two windows per sample
+        h = self.fc(x).reshape(-1, 3, 4)
+        spread = self.table.unsqueeze(0) + self.mask.repeat(h.shape[0] // 2, 1, 1)  # (2B, 3, 3), batch-free
+        if self.via_sdpa:
+            out = F.scaled_dot_product_attention(h, h, h, attn_mask=spread)
+        else:
+            out = torch.softmax(h @ h.transpose(1, 2) * 0.5 + spread, -1) @ h
+        return out.reshape(x.shape[0], -1)
+
+
+@pytest.mark.parametrize("via_sdpa", [True, False])
+def test_pending_rows_entry_against_reference(via_sdpa):
+    torch.manual_seed(0)
+    model = PendingBias(via_sdpa).double()
+    x = torch.randn(3, 2, 3, 4, generator=gen_for(8), dtype=torch.float64)
+
+    def loss_fn(m, x):
+        return m(x).pow(2).sum(1)
+
+    for mode in MODES:
+        check_against_reference(model, [x], loss_fn, mode=mode, clip="abadi", rtol=RTOL)
+    engine = make_engine(model, 3)
+    engine.clipper.keep_extra_grads = True
+    engine.clipped_grad_sum(loss_fn(model, x))
+    got = engine.clipper.last_extra_grads["table"]
+    engine.detach()
+    ref = _reference_per_sample(model, [x], loss_fn)["table"]
+    assert_close_rel([got], [ref], 1e-9, ["table"])
+
+
+class RowMixing(nn.Module):
+    """The spread table goes through a matmul (not elementwise) before meeting the batch: refused."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+        self.table = nn.Parameter(torch.randn(3, 3))
+        self.register_buffer("mask", torch.randn(4, 3, 3))
+
+    def forward(self, x):  # x: (B, 3, 3)
+        spread = (self.table.unsqueeze(0) + self.mask) @ self.mask  # rows spread, then a matmul
+        return (self.fc(x) + spread[: x.shape[0]]).flatten(1).sum(1, keepdim=True)
+
+
+def test_spread_rows_through_a_non_elementwise_op_are_refused():
+    model = RowMixing().double()
+    engine = make_engine(model, 4)
+    with pytest.raises(ValueError, match="table"):
+        engine.clipped_grad_sum(model(torch.randn(4, 3, 3, dtype=torch.float64)).sum(1))
+    engine.detach()
+
+
+class UnusedBias(nn.Module):
+    """Passes its child's weight to F.linear with its own bias while the child's bias is trainable."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(3, 3)  # bias trainable but never used
+        self.q_bias = nn.Parameter(torch.randn(3))
+
+    def forward(self, x):
+        return F.linear(x, self.qkv.weight, self.q_bias * 2)
+
+
+def test_child_weight_with_unused_trainable_bias_is_refused():
+    model = UnusedBias().double()
+    engine = make_engine(model, 4)
+    with pytest.raises(ValueError, match="qkv"):
+        engine.clipped_grad_sum(model(torch.randn(4, 3, dtype=torch.float64)).sum(1))
+    engine.detach()
+    model.qkv.bias.requires_grad_(False)
+    x = torch.randn(4, 3, generator=gen_for(9), dtype=torch.float64)
+    for mode in MODES:
+        check_against_reference(model, [x], lambda m, x: m(x).pow(2).sum(1), mode=mode, clip="abadi", rtol=RTOL)
