@@ -233,6 +233,13 @@ class PerSampleClipper:
                 self._add(fb.name, f"fallback:{type(fb.module).__name__}", sum(g[0].numel() for g in grads.values()),
                           sq)
 
+    def extra_weighted_grads(self, factors: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """``{name: Σ_i C_i ∂L_i/∂θ}`` for traced parameters and fallback modules, from the per-sample
+        gradients of the last norm pass (book-keeping; needs ``keep_extra_grads = True``)."""
+        if not self.keep_extra_grads:
+            raise RuntimeError("set clipper.keep_extra_grads = True before the norm pass to keep per-sample gradients.")
+        return {n: torch.tensordot(factors.to(g.dtype), g, dims=1) for n, g in self.last_extra_grads.items()}
+
     def clip_factors(self, norms: torch.Tensor) -> torch.Tensor:
         """``C_i = C(‖g_i‖, R)``; a user clip function is checked to keep ``‖C_i g_i‖ ≤ R``."""
         factors = self.clip_fn(norms, self.max_grad_norm)

@@ -31,8 +31,7 @@ engine's graph walk (``params_reached_outside_calls``).
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -108,7 +107,7 @@ def _outputs(out):
 
 
 class UnsupportedEntryError(ValueError):
-    pass
+    """A tracked parameter reaches the batch through an op the tracer cannot clip per sample."""
 
 
 class ParamTracer(TorchFunctionMode):
@@ -126,7 +125,6 @@ class ParamTracer(TorchFunctionMode):
         self.linear_layers: Dict[int, object] = {}
         self.recorder = None
         self.recorded = WeakIdKeyDictionary()  # outputs of Linear calls recorded by the tracer itself
-        self._chain_output = None
         self.batch_size: Optional[int] = None
         self.capturing = False
         self.active = False
@@ -382,16 +380,15 @@ class ParamTracer(TorchFunctionMode):
             else:
                 kwargs = dict(kwargs, attn_mask=d_b)
         elif func is F.linear:
-            out = self._linear_entry(args, kwargs, tracked, new_entries)
+            out, is_entry = self._linear_entry(args, kwargs, tracked, new_entries)
+            if not is_entry:  # F.linear on a batch-free input: a chain op after all
+                return out
             if new_entries:  # bias entry: its data is F.linear(x, W); input entry: the recorded call covers W, b
                 batched_nodes = new_entries[-1].batched_nodes
         else:
             self._fail(func, tracked, "this op is not a supported entry")
         if func is not F.linear:
             out = func(*args, **kwargs)
-        if self._chain_output is not None:  # F.linear on a batch-free input: not an entry after all
-            self._chain_output = None
-            return out
         for t in _outputs(out):
             self.batched[t] = True
         first = _outputs(out)[0]
@@ -403,7 +400,7 @@ class ParamTracer(TorchFunctionMode):
         return out
 
     def _linear_entry(self, args, kwargs, tracked, new_entries):
-        """``F.linear(x, W, b)`` with a tracked ``x`` or ``b``.
+        """``F.linear(x, W, b)`` with a tracked ``x`` or ``b``; returns ``(output, is_entry)``.
 
         * ``b`` derived from tracked parameters (timm BEiT/EVA/SwinV2 attention:
           ``F.linear(x, self.qkv.weight, cat(q_bias, zeros, v_bias))``): computed as
@@ -435,7 +432,7 @@ class ParamTracer(TorchFunctionMode):
                     self.recorded[y] = True
                 elif any(isinstance(t, nn.Parameter) and t.requires_grad for t in (W, b)):
                     self._fail(F.linear, tracked, "the weight is a trainable parameter of no recorded Linear")
-                return y
+                return y, True
             # a batch-free input (SwinV2's continuous position bias MLP on a fixed grid): a chain op; the
             # Linear's parameters are followed by the tracer (the recorder hands the call over)
             y = F.linear(x, W, b)
@@ -450,10 +447,9 @@ class ParamTracer(TorchFunctionMode):
                 if isinstance(t, nn.Parameter) and t.requires_grad:
                     ids.add(id(t))
             self.derived[y] = Derived(tuple(sorted(ids)))
-            self._chain_output = y
-            return y
+            return y, False
         if not tr[2]:
-            return F.linear(x, W, b)
+            return F.linear(x, W, b), True
         y = F.linear(x, W, None)
         layer = self.linear_layers.get(id(W))
         if layer is not None:
@@ -468,7 +464,7 @@ class ParamTracer(TorchFunctionMode):
         b_b, e = self._substitute(b, tuple(y.shape), F.linear)
         e.batched_nodes = [get_gradient_edge(y).node] if y.requires_grad else []
         new_entries.append(e)
-        return y + b_b
+        return y + b_b, True
 
     def handover(self, name: str, module: nn.Module, rule, inputs, output) -> bool:
         """Take over a layer call whose input is a batch-free constant (XCiT's Fourier position encoding
