@@ -127,12 +127,14 @@ class PerSampleClipper:
         B = self._batch_size
         try:
             for a, g in pairs:
-                if a.shape[0] != g.shape[0] or a.shape[0] % max(B, 1) or B == 0:
+                if a.shape[0] != g.shape[0] or a.shape[0] % max(B, 1) or B == 0 or \
+                        (a.shape[0] != B and not layer.rows_ok()):
                     raise ValueError(
                         f"layer {layer.name} saw a batch of {a.shape[0]} but the loss has {B} values; "
                         'the loss must have one value per sample: compute it with reduction="none" and sum '
                         "per-token or per-element losses per sample (e.g. loss.view(B, -1).sum(1)). Inputs must be "
-                        "batch-first (batch dimension 0)."
+                        "batch-first (batch dimension 0); a layer may see k·B rows (Swin windows) only when they "
+                        "come from batch-first tensors without moving dim 0."
                     )
             dims = [c.dims for c in layer.calls if c.fired and c.grad is not None]
             rule = layer.rule

@@ -97,9 +97,15 @@ class FallbackModule:
 
     def _is_batched(self, t: torch.Tensor) -> bool:
         B = self.tracer.batch_size
-        if self.tracer.active:
-            return t in self.tracer.batched and t.dim() > 0 and t.shape[0] % B == 0
-        return t.dim() > 0 and t.shape[0] == B
+        major = self.tracer.sample_major(t)
+        if major is None:  # not computed from the inputs (a buffer, a constant) or called outside the model
+            return not self.tracer.active and t.dim() > 0 and t.shape[0] == B
+        if not major or t.dim() == 0 or t.shape[0] % B:
+            raise ValueError(
+                f"{self.name} ({type(self.module).__name__}) is called with a batched input of shape "
+                f"{tuple(t.shape)} whose batch is not in dim 0 (sample-major); the torch.func fallback slices "
+                "samples along dim 0. Use a batch-first layout (e.g. nn.MultiheadAttention(batch_first=True)).")
+        return True
 
     def _hook(self, module, args, kwargs, output):
         if replaying() or not torch.is_grad_enabled() or self.tracer.batch_size is None:

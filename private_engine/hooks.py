@@ -34,6 +34,8 @@ class RecordedCall:
     input_node: object = None  # autograd node of the input (None when it needs no gradient)
     grad: Optional[torch.Tensor] = None
     fired: bool = False
+    #: the tracer's view of the input: True when its rows are sample-major in dim 0 (needed for k·B rows)
+    rows_ok: Optional[bool] = None
 
 
 @dataclass
@@ -44,6 +46,10 @@ class RecordedLayer:
     module: nn.Module
     rule: LayerRule
     calls: List[RecordedCall] = field(default_factory=list)
+
+    def rows_ok(self) -> bool:
+        """True when every fired call's input is known to be sample-major (k·B rows may be grouped)."""
+        return all(c.rows_ok is True for c in self.calls if c.fired and c.grad is not None)
 
     def pairs(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
         """``[(activation, output_grad)]`` of the calls whose gradient reached the layer."""
@@ -120,6 +126,10 @@ class LayerRecorder:
             input_node=(get_gradient_edge(x).node if x.requires_grad and not covered and not self._tracked(x)
                         else None),
         )
+        for extra in self.extras:
+            major = getattr(extra, "sample_major", None)
+            if major is not None:
+                call.rows_ok = major(x) if not covered else True
         layer.calls.append(call)
         root.register_hook(self._make_grad_hook(layer, call))
 

@@ -153,7 +153,7 @@ class ParamTracer(TorchFunctionMode):
         from .fallback import replaying
 
         if self.active or replaying() or not torch.is_grad_enabled():
-            return None
+            return None  # (inputs are batch-first by contract: marked sample-major below)
         first = next((t for t in _tensors(args, kwargs) if t.dim() > 0), None)
         if first is None:
             return None
@@ -161,7 +161,7 @@ class ParamTracer(TorchFunctionMode):
         self.grads = {}
         for t in _tensors(args, kwargs):
             if t.dim() > 0 and t.shape[0] == self.batch_size:
-                self.batched[t] = True
+                self.batched[t] = 0  # the batch dimension (inputs are batch-first)
         self.active = True
         self.__enter__()
         return None
@@ -191,8 +191,11 @@ class ParamTracer(TorchFunctionMode):
         out = func(*args, **kwargs)
         outs = _outputs(out)
         if batched:
+            bdims = {self.batched[t] for t in tensors if t in self.batched}
+            src = next(t for t in tensors if t in self.batched)
+            bdim = bdims.pop() if len(bdims) == 1 else -1
             for t in outs:
-                self.batched[t] = True
+                self.batched[t] = _out_bdim(func, args, kwargs, src, bdim, t, self.batch_size)
         elif tracked:
             ids = tuple(sorted({i for t in tracked for i in self._param_ids(t)}))
             row_base = self._row_base(func, args, kwargs, tracked, outs[0]) if outs else None
@@ -244,6 +247,16 @@ class ParamTracer(TorchFunctionMode):
         if id(t) in self.tracked:
             return Derived((id(t),))
         return self.derived[t]
+
+    def _rows_ok(self, tensors) -> bool:
+        """True when every batched tensor among ``tensors`` has its batch in dim 0, sample-major."""
+        return all(self.batched[t] == 0 for t in tensors if t in self.batched)
+
+    def sample_major(self, t) -> Optional[bool]:
+        """Whether batched ``t`` has its rows sample-major in dim 0 (None: not a batched tensor seen here)."""
+        if not self.active or t not in self.batched:
+            return None
+        return self.batched[t] == 0
 
     def is_tracked(self, t) -> bool:
         return id(t) in self.tracked or t in self.derived
@@ -305,10 +318,13 @@ class ParamTracer(TorchFunctionMode):
             "building the engine, or freeze them (requires_grad_(False))."
         )
 
-    def _substitute(self, t, shape, func, check_batch=True):
+    def _substitute(self, t, shape, func, check_batch=True, rows_ok=True):
         """``D_b``: ``t`` (aligned to the broadcast ``shape``) expanded to ``shape[0]`` rows, and its entry."""
         B = self.batch_size
         n = shape[0]
+        if check_batch and n != B and not rows_ok:
+            self._fail(func, [t], f"the batched operand has {n} rows but its batch dimension was moved from dim 0 "
+                                  "(e.g. a sequence-first layout), so rows cannot be assigned to samples")
         if check_batch and n % B:
             self._fail(func, [t], f"the batched operand has {n} rows, not a multiple of the batch size {B} "
                                   "(inputs must be batch-first)")
@@ -336,15 +352,17 @@ class ParamTracer(TorchFunctionMode):
         tensors = _tensors(args, kwargs)
         batched_nodes = [get_gradient_edge(t).node for t in tensors if not self.is_tracked(t) and t.requires_grad]
         new_entries = []
+        rows_ok = self._rows_ok(tensors)
 
         def sub(t, shape):
             if self.is_tracked(t) and self._info(t).pending:
-                if t.dim() != len(shape) or t.shape[0] != shape[0] or shape[0] % self.batch_size:
+                if t.dim() != len(shape) or t.shape[0] != shape[0] or shape[0] % self.batch_size or \
+                        (shape[0] != self.batch_size and not rows_ok):
                     self._fail(func, [t], f"its {t.shape[0]} rows do not line up with the {shape[0]} batched rows")
                 new_entries.extend(self._info(t).pending)
                 return t
             if self.is_tracked(t):
-                d_b, e = self._substitute(t, shape, func)
+                d_b, e = self._substitute(t, shape, func, rows_ok=rows_ok)
                 new_entries.append(e)
                 return d_b
             return t
@@ -390,7 +408,7 @@ class ParamTracer(TorchFunctionMode):
         if func is not F.linear:
             out = func(*args, **kwargs)
         for t in _outputs(out):
-            self.batched[t] = True
+            self.batched[t] = 0 if rows_ok else -1
         first = _outputs(out)[0]
         node = first.grad_fn
         for e in new_entries:
@@ -551,6 +569,57 @@ class ParamTracer(TorchFunctionMode):
         self.entries = []
         if not self.keep:
             self.grads = {}
+
+
+_TRANSPOSES = {torch.Tensor.transpose, torch.transpose, torch.Tensor.swapaxes, torch.swapaxes, torch.Tensor.swapdims,
+               torch.swapdims}
+_PERMUTES = {torch.Tensor.permute, torch.permute}
+_MOVEDIMS = {torch.Tensor.movedim, torch.movedim, torch.Tensor.moveaxis, torch.moveaxis}
+
+
+def _out_bdim(func, args, kwargs, src, bdim, out, B) -> int:
+    """Position of the batch dimension in ``out`` (-1: unknown), given it is ``bdim`` in the batched input ``src``.
+
+    Followed through permute/transpose/movedim, unbind/select, and reshapes that merge or split dim 0
+    sample-major (Swin's window partition and reverse, ``flatten(0, 1)``); any other op keeps it when the
+    rank is unchanged. Only a known dim 0 lets a layer or an entry group k·B rows by sample.
+    """
+    if bdim < 0 or not isinstance(src, torch.Tensor):
+        return -1
+    try:
+        nd = src.dim()
+        if func in _TRANSPOSES:
+            d0 = (args[1] if len(args) > 1 else kwargs.get("dim0")) % nd
+            d1 = (args[2] if len(args) > 2 else kwargs.get("dim1")) % nd
+            return d1 if bdim == d0 else d0 if bdim == d1 else bdim
+        if func in _PERMUTES:
+            dims = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list)) else args[1:]
+            dims = [d % nd for d in (dims or kwargs.get("dims"))]
+            return dims.index(bdim)
+        if func in _MOVEDIMS:
+            perm = torch.movedim(torch.arange(nd), args[1] if len(args) > 1 else kwargs.get("source"),
+                                 args[2] if len(args) > 2 else kwargs.get("destination"))
+            return perm.tolist().index(bdim)
+        if func in _UNBINDS:
+            d = (args[1] if len(args) > 1 else kwargs.get("dim", 0)) % nd
+            return -1 if d == bdim else bdim - (d < bdim)
+        if func in _RESHAPES:
+            if bdim != 0 or out.dim() == 0:
+                return -1
+            n_in, n_out = src.shape[0], out.shape[0]
+            if n_out % B == 0 and (n_out % n_in == 0 or n_in % n_out == 0):
+                return 0  # dim 0 merged with following dims, or split: rows stay sample-major
+            return -1
+        if func in (torch.Tensor.t, torch.t) or getattr(func, "__name__", "") in ("T", "mT", "H", "mH"):
+            return -1
+    except Exception:  # an unexpected signature: unknown
+        return -1
+    return bdim if out.dim() == nd else -1
+
+
+_UNBINDS = {torch.Tensor.unbind, torch.unbind, torch.Tensor.select, torch.select}
+_RESHAPES = {torch.Tensor.reshape, torch.reshape, torch.Tensor.view, torch.Tensor.flatten, torch.flatten,
+             torch.Tensor.view_as, torch.Tensor.reshape_as, torch.Tensor.unflatten}
 
 
 def _is_reshape_of(t: torch.Tensor, p: torch.Tensor) -> bool:

@@ -448,3 +448,44 @@ def test_child_weight_with_unused_trainable_bias_is_refused():
     x = torch.randn(4, 3, generator=gen_for(9), dtype=torch.float64)
     for mode in MODES:
         check_against_reference(model, [x], lambda m, x: m(x).pow(2).sum(1), mode=mode, clip="abadi", rtol=RTOL)
+
+
+class SeqFirst(nn.Module):
+    """A Linear on a sequence-first view (L, B, d) with L = 2B: its rows are not sample-major."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+        self.scale = nn.Parameter(torch.ones(3))  # a traced parameter: the tracer follows the layout
+
+    def forward(self, x):  # x: (B, 2B, 3)
+        h = self.fc(x.transpose(0, 1))
+        return (h.transpose(0, 1) * self.scale).flatten(1).sum(1, keepdim=True)
+
+
+def test_k_rows_per_sample_only_when_dim0_is_sample_major():
+    model = SeqFirst().double()
+    x = torch.randn(3, 6, 3, dtype=torch.float64)
+    engine = make_engine(model, 3)
+    with pytest.raises(ValueError, match="saw a batch of 6"):
+        engine.clipped_grad_sum(model(x).pow(2).sum(1))
+    engine.detach()
+
+
+def test_fallback_refuses_a_sequence_first_input():
+    class Wrap(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp, self.attn = nn.Linear(4, 6), nn.MultiheadAttention(6, 2)  # batch_first=False: (L, B, E)
+
+        def forward(self, x):  # x: (B, L, 4)
+            h = self.inp(x).transpose(0, 1)
+            return self.attn(h, h, h, need_weights=False)[0].transpose(0, 1).flatten(1).sum(1, keepdim=True)
+
+    wrapped = Wrap().double()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = make_engine(wrapped, 3)
+    with pytest.raises(ValueError, match="batch_first=True"):
+        wrapped(torch.randn(3, 6, 4, dtype=torch.float64))
+    engine.detach()
