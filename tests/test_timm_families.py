@@ -489,3 +489,26 @@ def test_fallback_refuses_a_sequence_first_input():
     with pytest.raises(ValueError, match="batch_first=True"):
         wrapped(torch.randn(3, 6, 4, dtype=torch.float64))
     engine.detach()
+
+
+@pytest.mark.parametrize("family", ["vit_reg", "beit", "swin", "eva"])
+def test_other_attention_path(family):
+    """timm's other attention branch: fused (SDPA, bias + window mask as attn_mask — Swin's is off by
+    default) or explicit logits (bias tables and masks added to them)."""
+    model, inputs = build(family)
+    n = 0
+    for m in model.modules():
+        if hasattr(m, "fused_attn"):
+            m.fused_attn = not m.fused_attn
+            n += 1
+    assert n
+    for mode in ("mixed", "per_sample"):
+        _check(model, inputs, mode)
+
+
+def test_frozen_patch_embedding():
+    """The tokens still meet the batch when the patch embedding is frozen (its output needs no gradient)."""
+    model, inputs = build("vit_reg")
+    model.patch_embed.requires_grad_(False)
+    for mode in MODES:
+        _check(model, inputs, mode)
