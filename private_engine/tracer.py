@@ -482,7 +482,7 @@ class ParamTracer(TorchFunctionMode):
         b_b, e = self._substitute(b, tuple(y.shape), F.linear)
         e.batched_nodes = [get_gradient_edge(y).node] if y.requires_grad else []
         new_entries.append(e)
-        return y + b_b, True
+        return y + b_b.to(y.dtype), True  # F.linear's dtype under autocast (its bias is cast too)
 
     def handover(self, name: str, module: nn.Module, rule, inputs, output) -> bool:
         """Take over a layer call whose input is a batch-free constant (XCiT's Fourier position encoding

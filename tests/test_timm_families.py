@@ -512,3 +512,21 @@ def test_frozen_patch_embedding():
     model.patch_embed.requires_grad_(False)
     for mode in MODES:
         _check(model, inputs, mode)
+
+
+@pytest.mark.parametrize("family", ["vit_reg", "beit"])
+def test_bfloat16_autocast_forward_is_unchanged(family):
+    """Under CPU bfloat16 autocast the tracer's substitutions keep the forward (and F.linear's output dtype):
+    without clipping, the engine's gradient equals the plain autocast gradient."""
+    model, inputs = build(family)
+    model = model.float()
+    x, y = inputs[0].float(), inputs[1]
+    params = list(model.parameters())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain = torch.autograd.grad(ce_loss(model, x, y).sum(), params)
+    engine = make_engine(model, 3, R=1e9)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = ce_loss(model, x, y)
+    grads, _ = engine.clipped_grad_sum(loss)
+    engine.detach()
+    assert_close_rel(grads, plain, 1e-5, [n for n, _ in model.named_parameters()])
