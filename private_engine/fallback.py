@@ -129,6 +129,11 @@ class FallbackModule:
     def _wrap(self, a):
         if isinstance(a, torch.Tensor):
             return ("batched" if self._is_batched(a) else "const", a.detach())
+        if isinstance(a, (list, tuple, dict)) and any(isinstance(t, torch.Tensor)
+                                                       for t in (a.values() if isinstance(a, dict) else a)):
+            raise TypeError(
+                f"{self.name} ({type(self.module).__name__}) is called with tensors inside a list/tuple/dict; the "
+                "torch.func fallback slices only tensor arguments per sample. Pass tensors as separate arguments.")
         return ("value", a)
 
     def _make_grad_hook(self, call: FallbackCall, k: int):

@@ -532,3 +532,34 @@ def test_bfloat16_autocast_forward_is_unchanged(family):
     # one relative error over all parameters (float32: a near-zero gradient, e.g. BEiT's cls_token under mean
     # pooling, differs by rounding only)
     assert_close_rel([torch.cat([g.flatten() for g in grads])], [torch.cat([g.flatten() for g in plain])], 1e-5)
+
+
+class ListArg(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3))
+
+    def forward(self, xs):
+        return xs[0] * self.w
+
+
+def test_fallback_refuses_tensors_inside_a_list():
+    pe.layers.register_fallback(ListArg)
+    try:
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc, self.la = nn.Linear(3, 3), ListArg()
+
+            def forward(self, x):
+                return self.la([self.fc(x)]).sum(1, keepdim=True)
+
+        m = M().double()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            engine = make_engine(m, 4)
+        with pytest.raises(TypeError, match="list/tuple/dict"):
+            m(torch.randn(4, 3, dtype=torch.float64))
+        engine.detach()
+    finally:
+        pe.fallback.FALLBACK_CLASSES.discard(f"{ListArg.__module__}.{ListArg.__qualname__}")
