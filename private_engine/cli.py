@@ -19,7 +19,7 @@ def cmd_plan(args) -> int:
 
     from .models import create_model
     from .plan import format_plan, layer_plan
-    from .validation import batchnorm_modules, fix_batchnorm, unsupported_parameters
+    from .validation import batchnorm_modules, fallback_modules, fix_batchnorm, traced_parameters
 
     model = create_model(args.model, pretrained=False)
     if batchnorm_modules(model):
@@ -29,9 +29,12 @@ def cmd_plan(args) -> int:
     x = torch.randn(args.batch_size, *args.input_size)
     plan = layer_plan(model, x, mode=args.mode)
     print(format_plan(plan, title=f"{args.model} at input {tuple(args.input_size)}, mode={args.mode}"))
-    missing = unsupported_parameters(model)
-    if missing:
-        print(f"\nno rule yet (freeze them or see docs): {', '.join(missing)}")
+    traced = traced_parameters(model)
+    if traced:
+        print(f"\nclipped by the parameter-entry tracer (instantiated, see docs/engine.md): {', '.join(traced)}")
+    slow = fallback_modules(model)
+    if slow:
+        print(f"clipped by the torch.func fallback (exact, slower): {', '.join(slow)}")
     return 0
 
 

@@ -33,8 +33,9 @@ class PrivacyEngine:
     comes from a second backward of ``Σ_i C_i·L_i``.
 
     Args:
-        model: the ``nn.Module`` to train; every trainable parameter must be covered by a layer
-            rule (otherwise a ValueError names them). BatchNorm is rejected (see ``fix_batchnorm``).
+        model: the ``nn.Module`` to train; every trainable parameter is clipped by a layer rule, the
+            parameter-entry tracer or the torch.func fallback (docs/engine.md; a use none of them can
+            clip raises a ValueError naming it). BatchNorm is rejected (see ``fix_batchnorm``).
         batch_size: expected logical batch size B (the divisor of the noisy sum).
         sample_size: number of training examples n; the sampling rate is ``q = B / n``.
         epochs / steps: training length, needed when calibrating σ from ``target_epsilon``.
@@ -89,7 +90,7 @@ class PrivacyEngine:
         if not self.params:
             raise ValueError("the model has no trainable parameters (requires_grad=True).")
         self.clipper = PerSampleClipper(layers, self.params, mode=clipping_mode, clipping_fn=clipping_fn,
-                                        max_grad_norm=max_grad_norm)
+                                        max_grad_norm=max_grad_norm, model=model)
         self._attached: List[_optim.PrivateStep] = []
         #: per-sample gradient norms ‖g_i‖ of the last clipped physical batch (None before the first)
         self.last_norms: Optional[torch.Tensor] = None

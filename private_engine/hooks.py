@@ -34,6 +34,8 @@ class RecordedCall:
     input_node: object = None  # autograd node of the input (None when it needs no gradient)
     grad: Optional[torch.Tensor] = None
     fired: bool = False
+    #: the tracer's view of the input: True when its rows are sample-major in dim 0 (needed for k·B rows)
+    rows_ok: Optional[bool] = None
 
 
 @dataclass
@@ -44,6 +46,10 @@ class RecordedLayer:
     module: nn.Module
     rule: LayerRule
     calls: List[RecordedCall] = field(default_factory=list)
+
+    def rows_ok(self) -> bool:
+        """True when every fired call's input is known to be sample-major (k·B rows may be grouped)."""
+        return all(c.rows_ok is True for c in self.calls if c.fired and c.grad is not None)
 
     def pairs(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
         """``[(activation, output_grad)]`` of the calls whose gradient reached the layer."""
@@ -68,6 +74,9 @@ class LayerRecorder:
         self.on_layer_ready = on_layer_ready
         self.capturing = False
         self._handles = []
+        #: other recorders (parameter-entry tracer, fallback modules): objects with install/remove/reset
+        #: and jumps() -> {output node: [input nodes]}; installed, reset and removed with this one
+        self.extras: list = []
         self.install()
 
     def install(self) -> None:
@@ -75,6 +84,8 @@ class LayerRecorder:
         if not self._handles:
             self._handles = [layer.module.register_forward_hook(self._make_forward_hook(layer))
                              for layer in self.layers]
+        for extra in self.extras:
+            extra.install()
 
     # -- forward ---------------------------------------------------------------------------
     def _make_forward_hook(self, layer: RecordedLayer):
@@ -86,24 +97,44 @@ class LayerRecorder:
                     f"{layer.name} ({type(module).__name__}) was called without a positional tensor input; "
                     "call clipped layers as module(x)."
                 )
-            activation = inputs[0].detach()
-            root = output
-            base = output._base
-            if base is not None and base.numel() == output.numel() and output.is_contiguous() and base.is_contiguous():
-                root = base
-            call = RecordedCall(
-                activation=activation,
-                output_shape=output.shape,
-                dims=layer.rule.dims(module, activation, output),
-                edge=get_gradient_edge(root),
-                input_requires_grad=inputs[0].requires_grad,
-                input_node=get_gradient_edge(inputs[0]).node if inputs[0].requires_grad else None,
-            )
-            layer.calls.append(call)
-            root.register_hook(self._make_grad_hook(layer, call))
+            for extra in self.extras:  # a call on a batch-free constant: the tracer follows its parameters
+                if getattr(extra, "handover", None) is not None and extra.handover(layer.name, module, layer.rule,
+                                                                                    inputs, output):
+                    return None
+            self.record(layer, module, inputs[0], output)
             return None
 
         return hook
+
+    def record(self, layer: RecordedLayer, module: nn.Module, x: torch.Tensor, output: torch.Tensor,
+               covered: bool = False) -> None:
+        """Record one call of ``layer`` with input ``x`` and output ``output`` (also used by the tracer for a
+        Linear whose weight its parent passes to ``F.linear`` directly, as timm BEiT's attention does).
+        ``covered``: the input's path is a tracer entry, so the graph walk stops at this call."""
+        activation = x.detach()
+        root = output
+        base = output._base
+        if base is not None and base.numel() == output.numel() and output.is_contiguous() and base.is_contiguous():
+            root = base
+        call = RecordedCall(
+            activation=activation,
+            output_shape=output.shape,
+            dims=layer.rule.dims(module, activation, output),
+            edge=get_gradient_edge(root),
+            input_requires_grad=x.requires_grad,
+            # an input the tracer follows (a batch-expanded token) is covered by its entry, not by this call
+            input_node=(get_gradient_edge(x).node if x.requires_grad and not covered and not self._tracked(x)
+                        else None),
+        )
+        for extra in self.extras:
+            major = getattr(extra, "sample_major", None)
+            if major is not None:
+                call.rows_ok = major(x) if not covered else True
+        layer.calls.append(call)
+        root.register_hook(self._make_grad_hook(layer, call))
+
+    def _tracked(self, x: torch.Tensor) -> bool:
+        return any(getattr(extra, "is_tracked", None) is not None and extra.is_tracked(x) for extra in self.extras)
 
     # -- backward --------------------------------------------------------------------------
     def _make_grad_hook(self, layer: RecordedLayer, call: RecordedCall):
@@ -144,6 +175,9 @@ class LayerRecorder:
         for layer in self.layers:
             for c in layer.calls:
                 calls.setdefault(c.edge.node, []).append(c.input_node)
+        for extra in self.extras:  # parameter entries and fallback calls: output node -> batched inputs
+            for node, inputs in extra.jumps().items():
+                calls.setdefault(node, []).extend(inputs)
         found, seen, stack = {}, set(), [loss.grad_fn]
         while stack:
             node = stack.pop()
@@ -176,10 +210,14 @@ class LayerRecorder:
         """Drop every record (activations, gradients, graph edges)."""
         for layer in self.layers:
             layer.release()
+        for extra in self.extras:
+            extra.reset()
 
     def remove(self) -> None:
         """Remove all hooks and records."""
         for h in self._handles:
             h.remove()
         self._handles = []
+        for extra in self.extras:
+            extra.remove()
         self.reset()

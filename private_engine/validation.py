@@ -7,6 +7,7 @@ from typing import List, Tuple
 from torch import nn
 
 from .layers import LayerRule, find_rule
+from .layers.base import overrides_ruled_class
 
 
 def batchnorm_modules(model: nn.Module) -> List[str]:
@@ -72,37 +73,69 @@ def _replace_batchnorm(model: nn.Module, num_groups: int) -> nn.Module:
 
 
 def _scan(model: nn.Module):
-    """Modules owning trainable parameters: ``(layers, unsupported, owners)``."""
-    layers, unsupported, owners = [], [], {}
+    """Who clips each trainable parameter: ``(layers, traced, fallbacks, owners)``.
+
+    * ``layers = [(name, module, rule)]``: modules whose direct trainable parameters a layer rule covers;
+    * ``traced = [(qualified name, param)]``: other direct parameters (tokens, pos_embed, gammas, bias
+      tables, …), clipped by the parameter-entry tracer (private_engine.tracer);
+    * ``fallbacks = [(name, module)]``: modules of a class registered for the torch.func fallback
+      (private_engine.fallback), and subclasses of a ruled layer that override its forward (timm's
+      LayerNorm2d, StdConv2d, …); they clip every trainable parameter of their subtree.
+    """
+    from .fallback import uses_fallback
+
+    layers, traced, fallbacks, owners = [], [], [], {}
+    inside = []  # prefixes of fallback subtrees
     for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        if any(f == "" or name == f or name.startswith(f + ".") for f in inside):
+            continue
+        if (uses_fallback(module) or overrides_ruled_class(module)) and \
+                any(p.requires_grad for p in module.parameters()):
+            fallbacks.append((name, module))
+            inside.append(name)
+            for pname, p in module.named_parameters():
+                if p.requires_grad:
+                    owners.setdefault(id(p), []).append(prefix + pname)
+            continue
         own = [(pname, p) for pname, p in module.named_parameters(recurse=False) if p.requires_grad]
         if not own:
             continue
         rule = find_rule(module)
         covered = set(rule.param_names) if rule is not None else set()
-        prefix = f"{name}." if name else ""
         for pname, p in own:
             owners.setdefault(id(p), []).append(prefix + pname)
-        missing = [prefix + pname for pname, _ in own if pname not in covered]
-        if missing:
-            unsupported.append((type(module).__name__, missing))
-        else:
+        missing = [(prefix + pname, p) for pname, p in own if pname not in covered]
+        traced.extend(missing)
+        if len(missing) < len(own):
             layers.append((name, module, rule))
-    return layers, unsupported, owners
+    return layers, traced, fallbacks, owners
+
+
+def traced_parameters(model: nn.Module) -> List[str]:
+    """Names of trainable parameters clipped by the parameter-entry tracer (no layer rule covers them)."""
+    return [n for n, _ in _scan(model)[1]]
+
+
+def fallback_modules(model: nn.Module) -> List[str]:
+    """Names of modules clipped by the torch.func fallback."""
+    return [n or type(model).__name__ for n, _ in _scan(model)[2]]
 
 
 def unsupported_parameters(model: nn.Module) -> List[str]:
-    """Names of trainable parameters that no layer rule covers."""
-    return [n for _, names in _scan(model)[1] for n in names]
+    """Names of trainable parameters that no mechanism covers statically (always empty now: parameters
+    without a layer rule go to the tracer, which refuses an unsupported use at the first forward)."""
+    return []
 
 
 def clipped_layers(model: nn.Module, strict: bool = True) -> List[Tuple[str, nn.Module, LayerRule]]:
-    """``[(name, module, rule)]`` for every module owning trainable parameters, checked.
+    """``[(name, module, rule)]`` for every module whose direct trainable parameters a rule covers.
 
-    With ``strict``, a trainable parameter that no rule covers raises one error naming all of
-    them (never silently frozen or left unclipped), as does a parameter shared between modules.
+    With ``strict``, rules check their module and a parameter shared between modules raises
+    (never silently clipped twice or left unclipped). Parameters without a rule are not listed
+    here: see ``_scan`` (tracer and fallback).
     """
-    layers, unsupported, owners = _scan(model)
+    layers, _, _, owners = _scan(model)
     if not strict:
         return layers
     for _, module, rule in layers:
@@ -112,14 +145,5 @@ def clipped_layers(model: nn.Module, strict: bool = True) -> List[Tuple[str, nn.
         raise ValueError(
             "parameters shared between modules are not supported yet (their per-sample gradients add up "
             f"across modules): {shared}. Untie them or freeze them (requires_grad_(False))."
-        )
-    if unsupported:
-        lines = "\n".join(f"  {t}: {', '.join(ps)}" for t, ps in unsupported)
-        raise ValueError(
-            "these trainable parameters have no per-sample clipping rule yet:\n" + lines + "\n"
-            "Freeze them with p.requires_grad_(False) (e.g. timm ViT cls_token/pos_embed), replace the module "
-            "with a supported one (Linear, Conv1d/2d/3d, Embedding, LayerNorm, GroupNorm), or register a rule "
-            "with private_engine.layers.register_rule (a subclass that overrides forward needs its own rule: "
-            "its parent's rule could give wrong per-sample norms)."
         )
     return layers

@@ -141,6 +141,13 @@ def find_rule(module: nn.Module) -> Optional[LayerRule]:
     return None
 
 
+def overrides_ruled_class(module: nn.Module) -> bool:
+    """True for a module without a rule whose class derives from a class that has one (a subclass that
+    overrides ``forward``: timm's LayerNorm2d, GroupNormAct, StdConv2d). Its weights are used by a layer
+    op inside its own forward, so the engine clips it by the torch.func fallback."""
+    return find_rule(module) is None and any(cls in _RULES for cls in type(module).__mro__)
+
+
 def trainable(module: nn.Module, name: str) -> bool:
     """True when ``module.<name>`` is a parameter that requires a gradient."""
     param = getattr(module, name, None)
