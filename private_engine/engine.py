@@ -47,6 +47,16 @@ class PrivacyEngine:
         noise_generator: optional ``torch.Generator`` for the noise (on the parameters' device).
     """
 
+    def __new__(cls, *args, **kwargs):
+        """``PrivacyEngine(accountant=..., secure_mode=...)`` without a model is the Opacus form: it
+        returns a :class:`private_engine.opacus_compat.OpacusPrivacyEngine` (an ``opacus.PrivacyEngine``
+        subclass with ``make_private``); with a model it is the native engine."""
+        if cls is PrivacyEngine and not args and "model" not in kwargs \
+                and set(kwargs) <= {"accountant", "secure_mode"}:
+            from .opacus_compat import OpacusPrivacyEngine
+            return OpacusPrivacyEngine(**kwargs)
+        return super().__new__(cls)
+
     def __init__(self, model: nn.Module, *, batch_size: int, sample_size: int, max_grad_norm: float,
                  epochs: Optional[float] = None, steps: Optional[int] = None,
                  noise_multiplier: Optional[float] = None, target_epsilon: Optional[float] = None,
