@@ -153,6 +153,10 @@ def _check_arguments(*, module, optimizer, noise_multiplier, max_grad_norm, batc
         raise TypeError(f"module must be an nn.Module, got {type(module).__name__}.")
     if not isinstance(optimizer, optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}.")
+    mine = {id(p) for p in module.parameters()}
+    if any(id(p) not in mine for g in optimizer.param_groups for p in g["params"]):
+        raise ValueError("Module parameters are different than optimizer Parameters: the optimizer updates tensors "
+                         "that are not the module's. Build the optimizer from module.parameters().")
     if grad_sample_mode not in GRAD_SAMPLE_MODES:
         raise ValueError(f"Unexpected grad_sample_mode: {grad_sample_mode}. Allowed values: "
                          f"{', '.join(GRAD_SAMPLE_MODES)}.")

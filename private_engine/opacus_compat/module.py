@@ -168,10 +168,11 @@ class PrivateModule(nn.Module):
 
     def _on_layer_ready_plain(self, layer: RecordedLayer) -> None:
         pairs = layer.pairs()
-        if not pairs:
+        if pairs:
+            self._queue_finish()
+        if not pairs or pairs[0][1].shape[0] == 0:  # nothing reached, or an empty Poisson batch
             layer.release()
             return
-        self._queue_finish()
         stored = RecordedLayer(layer.name, layer.module, layer.rule)
         self._stored.append((stored, pairs))
         dims = [c.dims for c in layer.calls if c.fired and c.grad is not None]
