@@ -11,6 +11,8 @@ optimizer step (forward + backward + step for non-private training)::
     per_sample    private_engine, clipping_mode="per_sample"
     opacus_hooks  Opacus make_private(grad_sample_mode="hooks")  (per-sample gradients)
     opacus_ghost  Opacus make_private(grad_sample_mode="ghost")  (ghost clipping)
+    dropin_hooks  the Opacus loop of opacus_hooks with ``from private_engine import PrivacyEngine``
+    dropin_ghost  the Opacus loop of opacus_ghost with ``from private_engine import PrivacyEngine``
 
 Each method runs in its own subprocess (``--only METHOD``, driven step by step over a pipe), so
 peak memory is not polluted by the other methods and every method starts from the same state. On
@@ -48,8 +50,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
-METHODS = ("nondp", "mixed", "ghost", "per_sample", "opacus_hooks", "opacus_ghost")
-OURS = ("mixed", "ghost", "per_sample")
+METHODS = ("nondp", "mixed", "ghost", "per_sample", "opacus_hooks", "opacus_ghost", "dropin_hooks", "dropin_ghost")
+OURS = ("mixed", "ghost", "per_sample", "dropin_hooks", "dropin_ghost")
 OPACUS = ("opacus_hooks", "opacus_ghost")
 SAMPLE_SIZE = 50_000  # only enters the accountant's sampling rate; irrelevant to speed and memory
 RESULT_TAG = "@@bench-result@@ "
@@ -228,10 +230,14 @@ def setup_ours(mode: str):
     return setup
 
 
-def setup_opacus(grad_sample_mode: str):
+def setup_opacus(grad_sample_mode: str, dropin: bool = False):
+    """Opacus' loop; with ``dropin`` the engine is ``private_engine.PrivacyEngine`` (Opacus-compatible form)."""
     def setup(model, x, y, args) -> Runner:
         import torch
-        from opacus import PrivacyEngine as OpacusEngine
+        if dropin:
+            from private_engine import PrivacyEngine as OpacusEngine
+        else:
+            from opacus import PrivacyEngine as OpacusEngine
         from torch.utils.data import DataLoader, TensorDataset
 
         opt = sgd(model, args)
@@ -264,6 +270,8 @@ SETUPS: Dict[str, Callable] = {
     "per_sample": setup_ours("per_sample"),
     "opacus_hooks": setup_opacus("hooks"),
     "opacus_ghost": setup_opacus("ghost"),
+    "dropin_hooks": setup_opacus("hooks", dropin=True),
+    "dropin_ghost": setup_opacus("ghost", dropin=True),
 }
 
 
