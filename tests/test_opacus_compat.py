@@ -15,7 +15,7 @@ import warnings
 import opacus
 import pytest
 import torch
-from opacus.layers import DPLSTM, DPMultiheadAttention
+from opacus.layers import DPGRU, DPLSTM, DPRNN, DPMultiheadAttention
 from opacus.utils.batch_memory_manager import BatchMemoryManager
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -30,10 +30,10 @@ TOL = 1e-5
 
 # -- models (float64, tiny) ------------------------------------------------------------------------
 class TextLSTM(nn.Module):
-    def __init__(self, vocab=20, emb=6, hidden=5, classes=3):
+    def __init__(self, vocab=20, emb=6, hidden=5, classes=3, rnn=DPLSTM):
         super().__init__()
         self.emb = nn.Embedding(vocab, emb)
-        self.lstm = DPLSTM(emb, hidden, batch_first=True)
+        self.lstm = rnn(emb, hidden, batch_first=True)
         self.fc = nn.Linear(hidden, classes)
 
     def forward(self, x):
@@ -79,7 +79,7 @@ def data_for(name, n=24):
         x = torch.randn(n, 6, generator=g, dtype=torch.float64)
     elif name == "cnn_gn":
         x = torch.randn(n, 2, 6, 6, generator=g, dtype=torch.float64)
-    elif name == "lstm":
+    elif name in ("lstm", "gru", "rnn"):
         x = torch.randint(0, 20, (n, 5), generator=g)
     elif name == "vit":
         x = torch.randn(n, 3, 8, 8, generator=g, dtype=torch.float64)
@@ -89,15 +89,15 @@ def data_for(name, n=24):
 
 
 MODELS = {"mlp": mlp, "cnn_gn": cnn_gn, "lstm": TextLSTM, "vit": vit, "mha": TinyMHA,
-          "mha_bias_kv": lambda: TinyMHA(add_bias_kv=True)}
+          "gru": lambda: TextLSTM(rnn=DPGRU), "rnn": lambda: TextLSTM(rnn=DPRNN)}
 
 
 def train(engine_cls, name, *, mode="hooks", reduction="mean", noise=1.0, clipping="flat", steps=3, batch_size=8,
-          poisson=False, momentum=0.0, physical=None, R=None):
+          poisson=False, momentum=0.0, physical=None, R=None, own_criterion=False):
     """Run the Opacus loop; return (flat parameters, ε at δ=1e-5, engine)."""
     torch.manual_seed(0)
-    model = MODELS[name.split(":")[0]]().double()
-    x, y = data_for(name.split(":")[-1] if ":" in name else name.replace("_bias_kv", ""))
+    model = MODELS[name]().double()
+    x, y = data_for(name)
     loader = DataLoader(TensorDataset(x, y), batch_size=batch_size)
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=momentum)
     n_params = sum(1 for p in model.parameters() if p.requires_grad)
@@ -110,7 +110,8 @@ def train(engine_cls, name, *, mode="hooks", reduction="mean", noise=1.0, clippi
                               grad_sample_mode=mode, criterion=criterion, clipping=clipping,
                               noise_generator=torch.Generator().manual_seed(7))
     if len(out) == 4:
-        module, optimizer, criterion, loader = out
+        module, optimizer, wrapped, loader = out
+        criterion = criterion if own_criterion else wrapped
     else:
         module, optimizer, loader = out
     torch.manual_seed(3)  # Poisson sampling draws from the global generator
@@ -167,7 +168,7 @@ def test_reductions_and_noise(mode, reduction, noise):
     assert_same_run("cnn_gn", mode=mode, reduction=reduction, noise=noise)
 
 
-@pytest.mark.parametrize("name", ["lstm", "mha"])
+@pytest.mark.parametrize("name", ["lstm", "gru", "rnn", "mha"])
 def test_opacus_dp_layers_sum_reduction(name):
     assert_same_run(name, mode="hooks", reduction="sum", noise=0.5)
 
@@ -189,6 +190,13 @@ def test_batch_memory_manager(mode):
     assert max(sizes) <= 3
 
 
+def test_ghost_mode_plain_backward_without_the_wrapped_criterion():
+    """A plain loss.backward() is clipped in ghost mode too (book-keeping), never left unclipped."""
+    ref = train(opacus.PrivacyEngine, "cnn_gn", mode="hooks", momentum=0.5)[0]
+    got = train(pe.PrivacyEngine, "cnn_gn", mode="ghost", momentum=0.5, own_criterion=True)[0]
+    assert (ref - got).abs().max().item() < TOL
+
+
 @pytest.mark.parametrize("mode", sorted(pe.opacus_compat.GRAD_SAMPLE_MODES.keys() - {"ghost_fsdp", "hooks", "ghost"}))
 def test_every_opacus_grad_sample_mode_gives_the_same_result(mode):
     ref = train(pe.PrivacyEngine, "mlp", mode="hooks")[0]
@@ -201,14 +209,14 @@ def ref_abadi(norms, R):
     return torch.clamp(R / (norms + 1e-6), max=1.0)
 
 
-@pytest.mark.parametrize("name", ["lstm", "mha", "cnn_gn"])
+@pytest.mark.parametrize("name", ["lstm", "gru", "mha", "cnn_gn"])
 @pytest.mark.parametrize("mode", ["hooks", "ghost"])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_clipped_sum_matches_reference(name, mode, reduction):
     """One step, noise 0, SGD lr=1: θ_before − θ_after = (Σ_i C_i g_i) / B (mean) or Σ_i C_i g_i (sum)."""
     torch.manual_seed(0)
     model = MODELS[name]().double()
-    x, y = data_for(name.replace("_bias_kv", ""), n=6)
+    x, y = data_for(name, n=6)
     def loss_fn(m, xi, yi):
         return nn.functional.cross_entropy(m(xi), yi, reduction="none")
     _, norms = reference_clipped_sum(model, [x, y], loss_fn, 1.0, ref_abadi)
