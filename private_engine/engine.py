@@ -57,6 +57,10 @@ class PrivacyEngine:
             return OpacusPrivacyEngine(**kwargs)
         return super().__new__(cls)
 
+    def __getnewargs_ex__(self):
+        # copy/pickle call cls.__new__ with these arguments: keep the native form
+        return (), {"model": None}
+
     def __init__(self, model: nn.Module, *, batch_size: int, sample_size: int, max_grad_norm: float,
                  epochs: Optional[float] = None, steps: Optional[int] = None,
                  noise_multiplier: Optional[float] = None, target_epsilon: Optional[float] = None,

@@ -346,7 +346,7 @@ def test_unsupported_trainable_layer_fails_at_make_private():
         def forward(self, x):
             return x * self.s
 
-    with pytest.raises(ValueError, match="s"):
+    with pytest.raises(ValueError, match=r"Scale: 1\.s"):
         _make(nn.Sequential(nn.Linear(6, 3), Scale()).double())
     with pytest.raises(ValueError, match="LSTM"):  # Opacus' own validator: use DPLSTM
         _make(nn.Sequential(nn.LSTM(6, 3)).double())
@@ -378,3 +378,18 @@ def test_dropin_example_gives_opacus_results(monkeypatch):
     theirs = example.main(["--epochs", "1", "--samples", "192", "--accountant", "rdp"])
     assert ours[1] == theirs[1] > 0
     assert abs(ours[0] - theirs[0]) < 1e-6
+
+
+def test_packed_sequence_is_rejected_clearly():
+    model = TextLSTM().double()
+    module, _, _ = _make(model)
+    packed = nn.utils.rnn.pack_padded_sequence(torch.randn(3, 4, 6, dtype=torch.float64), [4, 2, 1],
+                                               batch_first=True)
+    with pytest.raises(TypeError, match="pad_packed_sequence"):
+        model.lstm(packed)
+
+
+def test_native_engine_survives_copy():
+    import copy
+    native = pe.PrivacyEngine(mlp(), batch_size=4, sample_size=8, max_grad_norm=1.0, noise_multiplier=1.0)
+    assert type(copy.copy(native)) is pe.PrivacyEngine

@@ -76,6 +76,8 @@ class PrivateModule(nn.Module):
         self.last_norms: Optional[torch.Tensor] = None
         self._reset_plain()
         self._param_handles = [p.register_hook(self._discard_raw_grad) for p in self._params]
+        self._param_handles += [m.register_forward_pre_hook(_reject_packed_sequence) for m in module.modules()
+                                if _is_dp_rnn(m)]
         self._hooks_enabled = True
 
     # -- opacus GradSampleModule face ---------------------------------------------------------
@@ -90,6 +92,11 @@ class PrivateModule(nn.Module):
             if "_module" in submodules and hasattr(submodules["_module"], item):
                 return getattr(submodules["_module"], item)
             raise e
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear ``p.grad`` of the wrapped model and the count of accumulated backward passes."""
+        super().zero_grad(set_to_none)
+        self.optimizer_zero_grad()
 
     def forbid_grad_accumulation(self) -> None:
         """Poisson sampling: every backward must be followed by ``optimizer.step()`` (as in Opacus)."""
@@ -269,3 +276,19 @@ def _add_grad(p: torch.Tensor, g: torch.Tensor) -> None:
         p.grad = g
     else:
         p.grad.add_(g)
+
+
+def _is_dp_rnn(module: nn.Module) -> bool:
+    from opacus.layers.dp_rnn import DPRNNBase
+    return isinstance(module, DPRNNBase)
+
+
+def _reject_packed_sequence(module, inputs):
+    """DPLSTM/DPGRU/DPRNN on a PackedSequence call their linear maps with a batch that shrinks
+    over time; per-sample bookkeeping across those calls is not implemented."""
+    if inputs and isinstance(inputs[0], nn.utils.rnn.PackedSequence):
+        raise TypeError(
+            f"{type(module).__name__} was given a PackedSequence, which private_engine does not support yet. "
+            "Pad the batch instead (torch.nn.utils.rnn.pad_packed_sequence / pad_sequence, batch_first=True) and "
+            "pick each sequence's last valid output, or mask the padded positions in the loss."
+        )
