@@ -393,3 +393,19 @@ def test_native_engine_survives_copy():
     import copy
     native = pe.PrivacyEngine(mlp(), batch_size=4, sample_size=8, max_grad_norm=1.0, noise_multiplier=1.0)
     assert type(copy.copy(native)) is pe.PrivacyEngine
+
+
+def test_tied_weight_fails_at_the_first_forward():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 4)
+            self.proj = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return nn.functional.linear(self.proj(self.emb(x)).mean(1), self.emb.weight)
+
+    model = Tied().double()
+    module, _, _ = _make(model)
+    with pytest.raises(ValueError, match=r"emb\.weight"):
+        module(torch.randint(0, 10, (3, 5)))

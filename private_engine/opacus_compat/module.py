@@ -75,6 +75,7 @@ class PrivateModule(nn.Module):
         #: per-sample gradient norms ‖g_i‖ of the last backward (flat clipping)
         self.last_norms: Optional[torch.Tensor] = None
         self._reset_plain()
+        self._graph_checked = False
         self._param_handles = [p.register_hook(self._discard_raw_grad) for p in self._params]
         self._param_handles += [m.register_forward_pre_hook(_reject_packed_sequence) for m in module.modules()
                                 if _is_dp_rnn(m)]
@@ -82,7 +83,28 @@ class PrivateModule(nn.Module):
 
     # -- opacus GradSampleModule face ---------------------------------------------------------
     def forward(self, *args, **kwargs):
-        return self._module(*args, **kwargs)
+        out = self._module(*args, **kwargs)
+        if not self._graph_checked and torch.is_grad_enabled():
+            self._check_graph(out)
+        return out
+
+    def _check_graph(self, out) -> None:
+        """Once, on the first forward with grad: every trainable parameter must reach the output only
+        through a recorded call of its layer (a tied weight in ``F.linear(h, emb.weight)`` would
+        otherwise be missing from the per-sample norms of a plain backward)."""
+        tensors = [t for t in _flatten(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        outside = {}
+        for t in tensors:
+            for p in self.recorder.params_reached_outside_calls(t, self._params):
+                outside[id(p)] = self._names.get(id(p))
+        if outside:
+            self.recorder.reset()
+            raise ValueError(
+                f"trainable parameters {sorted(outside.values())} are used outside the forward of their own module "
+                "(e.g. a tied weight in F.linear(h, emb.weight)); their per-sample gradients would be missing from "
+                "the clipping norms. Untie them or freeze them (requires_grad_(False))."
+            )
+        self._graph_checked = bool(tensors)
 
     def __getattr__(self, item):
         try:
@@ -292,3 +314,13 @@ def _reject_packed_sequence(module, inputs):
             "Pad the batch instead (torch.nn.utils.rnn.pad_packed_sequence / pad_sequence, batch_first=True) and "
             "pick each sequence's last valid output, or mask the padded positions in the loss."
         )
+
+
+def _flatten(out):
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (list, tuple)):
+        return [t for o in out for t in _flatten(o)]
+    if isinstance(out, dict):
+        return [t for o in out.values() for t in _flatten(o)]
+    return []
