@@ -93,11 +93,12 @@ MODELS = {"mlp": mlp, "cnn_gn": cnn_gn, "lstm": TextLSTM, "vit": vit, "mha": Tin
 
 
 def train(engine_cls, name, *, mode="hooks", reduction="mean", noise=1.0, clipping="flat", steps=3, batch_size=8,
-          poisson=False, momentum=0.0, physical=None, R=None, own_criterion=False):
+          poisson=False, momentum=0.0, physical=None, R=None, own_criterion=False, dtype=torch.float64):
     """Run the Opacus loop; return (flat parameters, ε at δ=1e-5, engine)."""
     torch.manual_seed(0)
-    model = MODELS[name]().double()
+    model = MODELS[name]().to(dtype)
     x, y = data_for(name)
+    x = x.to(dtype) if x.is_floating_point() else x
     loader = DataLoader(TensorDataset(x, y), batch_size=batch_size)
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=momentum)
     n_params = sum(1 for p in model.parameters() if p.requires_grad)
@@ -159,6 +160,11 @@ def assert_same_run(name, **kw):
 @pytest.mark.parametrize("mode", ["hooks", "ghost"])
 def test_same_parameters_and_epsilon_as_opacus(name, mode):
     assert_same_run(name, mode=mode, reduction="mean", noise=1.0)
+
+
+@pytest.mark.parametrize("name", ["lstm", "vit"])
+def test_float32_models(name):
+    assert_same_run(name, mode="hooks", noise=1.0, dtype=torch.float32)
 
 
 @pytest.mark.parametrize("mode", ["hooks", "ghost"])
