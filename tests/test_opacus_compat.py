@@ -93,7 +93,8 @@ MODELS = {"mlp": mlp, "cnn_gn": cnn_gn, "lstm": TextLSTM, "vit": vit, "mha": Tin
 
 
 def train(engine_cls, name, *, mode="hooks", reduction="mean", noise=1.0, clipping="flat", steps=3, batch_size=8,
-          poisson=False, momentum=0.0, physical=None, R=None, own_criterion=False, dtype=torch.float64):
+          poisson=False, momentum=0.0, physical=None, R=None, own_criterion=False, dtype=torch.float64,
+          wrap_model=True):
     """Run the Opacus loop; return (flat parameters, ε at δ=1e-5, engine)."""
     torch.manual_seed(0)
     model = MODELS[name]().to(dtype)
@@ -109,12 +110,14 @@ def train(engine_cls, name, *, mode="hooks", reduction="mean", noise=1.0, clippi
     out = engine.make_private(module=model, optimizer=opt, data_loader=loader, noise_multiplier=noise,
                               max_grad_norm=R, loss_reduction=reduction, poisson_sampling=poisson,
                               grad_sample_mode=mode, criterion=criterion, clipping=clipping,
-                              noise_generator=torch.Generator().manual_seed(7))
+                              noise_generator=torch.Generator().manual_seed(7), wrap_model=wrap_model)
     if len(out) == 4:
         module, optimizer, wrapped, loader = out
         criterion = criterion if own_criterion else wrapped
     else:
         module, optimizer, loader = out
+    if not wrap_model:
+        module = model  # the returned object only holds the hooks
     torch.manual_seed(3)  # Poisson sampling draws from the global generator
     done, sizes = 0, []
     while done < steps:
@@ -194,6 +197,11 @@ def test_poisson_sampling_with_an_empty_batch(mode):
 def test_batch_memory_manager(mode):
     sizes = assert_same_run("mlp", mode=mode, poisson=True, batch_size=8, physical=3, noise=1.0)
     assert max(sizes) <= 3
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_wrap_model_false(mode):
+    assert_same_run("cnn_gn", mode=mode, wrap_model=False)
 
 
 def test_ghost_mode_plain_backward_without_the_wrapped_criterion():
@@ -411,7 +419,8 @@ def test_tied_weight_fails_at_the_first_forward():
         def forward(self, x):
             return nn.functional.linear(self.proj(self.emb(x)).mean(1), self.emb.weight)
 
-    model = Tied().double()
-    module, _, _ = _make(model)
-    with pytest.raises(ValueError, match=r"emb\.weight"):
-        module(torch.randint(0, 10, (3, 5)))
+    for wrap in (True, False):
+        model = Tied().double()
+        module, _, _ = _make(model, wrap_model=wrap)
+        with pytest.raises(ValueError, match=r"emb\.weight"):
+            (module if wrap else model)(torch.randint(0, 10, (3, 5)))

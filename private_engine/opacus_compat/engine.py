@@ -44,7 +44,8 @@ class OpacusPrivacyEngine(opacus.PrivacyEngine):
     """Drop-in for ``opacus.PrivacyEngine``: same constructor, ``make_private``,
     ``make_private_with_epsilon``, ``get_epsilon(delta)``, ``accountant``, checkpoints.
 
-    Returned objects: a :class:`PrivateModule` (use it as the model), Opacus' DP optimizer
+    Returned objects: a :class:`PrivateModule` (use it as the model; with ``wrap_model=False``
+    keep using your own model and call ``cleanup()`` on the returned object), Opacus' DP optimizer
     holding our clipped sums, Opacus' ``DPDataLoader`` (Poisson) or the original loader, and
     for ``grad_sample_mode="ghost"`` a :class:`PrivateLoss` criterion.
     """
@@ -183,8 +184,6 @@ def _check_arguments(*, module, optimizer, noise_multiplier, max_grad_norm, batc
     if not batch_first:
         raise ValueError("batch_first=False is not supported: give inputs with the batch dimension first "
                          "(e.g. x.transpose(0, 1)) and construct recurrent/attention layers with batch_first=True.")
-    if not wrap_model:
-        raise ValueError("wrap_model=False is not supported: use the returned module as your model.")
     if rand_on_empty:
         raise ValueError("rand_on_empty=True is not needed: empty Poisson batches work as they are.")
 

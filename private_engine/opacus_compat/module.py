@@ -1,5 +1,9 @@
 """The module returned by ``make_private``: the user's model plus our per-sample clipping.
 
+With ``wrap_model=False`` the same object is returned as the "hooks" handle (Opacus returns a
+``GradSampleHooks``): the hooks sit on the user's model, which is then used directly, and
+``cleanup()`` removes them.
+
 Opacus returns a ``GradSampleModule`` that fills ``p.grad_sample`` (one gradient per sample)
 and lets its optimizer clip. We return :class:`PrivateModule` instead: a thin wrapper with the
 same face (``_module``, ``state_dict`` keys prefixed ``_module.``, ``forbid_grad_accumulation``,
@@ -77,16 +81,19 @@ class PrivateModule(nn.Module):
         self._reset_plain()
         self._graph_checked = False
         self._param_handles = [p.register_hook(self._discard_raw_grad) for p in self._params]
+        # on the wrapped model itself, so that it also runs when make_private(wrap_model=False) is used
+        self._param_handles.append(module.register_forward_hook(self._check_graph_hook))
         self._param_handles += [m.register_forward_pre_hook(_reject_packed_sequence) for m in module.modules()
                                 if _is_dp_rnn(m)]
         self._hooks_enabled = True
 
     # -- opacus GradSampleModule face ---------------------------------------------------------
     def forward(self, *args, **kwargs):
-        out = self._module(*args, **kwargs)
+        return self._module(*args, **kwargs)
+
+    def _check_graph_hook(self, module, inputs, out) -> None:
         if not self._graph_checked and torch.is_grad_enabled():
             self._check_graph(out)
-        return out
 
     def _check_graph(self, out) -> None:
         """Once, on the first forward with grad: every trainable parameter must reach the output only
