@@ -67,7 +67,7 @@ class OpacusPrivacyEngine(opacus.PrivacyEngine):
         self.validate(module=module, optimizer=None, data_loader=None)  # Opacus' own checks first
         check_no_batchnorm(module)
         layers = clipped_layers(module, strict=True)  # names unsupported trainable parameters
-        _check_seq_first_layers(module)
+        _check_attention_layout(module, batch_first)
         self._module = PrivateModule(module, layers, max_grad_norm=max_grad_norm, loss_reduction=loss_reduction,
                                      mode=self.clipping_mode, grad_sample_mode=grad_sample_mode,
                                      batch_first=batch_first)
@@ -181,9 +181,6 @@ def _check_arguments(*, module, optimizer, noise_multiplier, max_grad_norm, batc
                          "(a list is for clipping='per_layer').")
     if isinstance(noise_multiplier, bool) or not isinstance(noise_multiplier, (int, float)) or noise_multiplier < 0:
         raise ValueError(f"noise_multiplier must be a number ≥ 0, got {noise_multiplier!r}.")
-    if not batch_first:
-        raise ValueError("batch_first=False is not supported: give inputs with the batch dimension first "
-                         "(e.g. x.transpose(0, 1)) and construct recurrent/attention layers with batch_first=True.")
     if rand_on_empty:
         raise ValueError("rand_on_empty=True is not needed: empty Poisson batches work as they are.")
 
@@ -192,10 +189,12 @@ def _positive(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
 
 
-def _check_seq_first_layers(module: nn.Module) -> None:
-    """Layers whose internal linear maps would see the batch on dimension 1 are rejected."""
+def _check_attention_layout(module: nn.Module, batch_first: bool) -> None:
+    """A DPMultiheadAttention's linear maps see its own layout: it must match ``batch_first``."""
     from opacus.layers import DPMultiheadAttention
     for name, m in module.named_modules():
-        if isinstance(m, DPMultiheadAttention) and not m.batch_first:
-            raise ValueError(f"{name} is a DPMultiheadAttention with batch_first=False; construct it with "
-                             "batch_first=True and give batch-first inputs.")
+        if isinstance(m, DPMultiheadAttention) and m.batch_first != batch_first:
+            raise ValueError(
+                f"{name} is a DPMultiheadAttention with batch_first={m.batch_first} but make_private got "
+                f"batch_first={batch_first}; its linear maps would see the batch in the wrong dimension. Construct "
+                f"it with batch_first={batch_first} (and give inputs in that layout).")

@@ -36,6 +36,7 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
+from opacus.layers.dp_rnn import RNNLinear
 from torch import nn
 
 from ..clipping import ABADI_EPS, PerSampleClipper, abadi_clip, check_per_sample_loss
@@ -202,7 +203,24 @@ class PrivateModule(nn.Module):
         self._queue_finish()
         return torch.zeros_like(grad)
 
+    def _to_batch_first(self, layer: RecordedLayer) -> None:
+        """``batch_first=False``: move the batch dimension (1) of every recorded input and output
+        gradient to the front, except for Opacus' ``RNNLinear`` (called per time step on (B, H)) —
+        Opacus' own convention."""
+        if self.batch_first or type(layer.module) is RNNLinear:
+            return
+        for c in layer.calls:
+            if c.activation is not None and c.activation.dim() > 1:
+                c.activation = c.activation.movedim(1, 0)
+            if c.grad is not None and c.grad.dim() > 1:
+                c.grad = c.grad.movedim(1, 0)
+
+    def _on_layer_ready_criterion(self, layer: RecordedLayer) -> None:
+        self._to_batch_first(layer)
+        self.clipper._on_layer_ready(layer)
+
     def _on_layer_ready_plain(self, layer: RecordedLayer) -> None:
+        self._to_batch_first(layer)
         pairs = layer.pairs()
         if pairs:
             self._queue_finish()
@@ -283,7 +301,7 @@ class PrivateModule(nn.Module):
                 "through a recorded call of their layer (e.g. a tied weight used in F.linear outside its module, or a "
                 "forward pass run before make_private); their per-sample gradients would be missing from the norms."
             )
-        self.recorder.on_layer_ready = self.clipper._on_layer_ready
+        self.recorder.on_layer_ready = self._on_layer_ready_criterion
         self._hooks_enabled = False
         try:
             norms = self.clipper.per_sample_norms(loss_per_sample)
