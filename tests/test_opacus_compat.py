@@ -57,11 +57,11 @@ class TinyMHA(nn.Module):
 class SeqFirstText(nn.Module):
     """Every layer but the LSTM's per-step linear maps sees (T, B, ·): for make_private(batch_first=False)."""
 
-    def __init__(self, vocab=20, emb=6, hidden=5, classes=3):
+    def __init__(self, vocab=20, emb=6, hidden=5, classes=3, add_bias_kv=False):
         super().__init__()
         self.emb = nn.Embedding(vocab, emb)
         self.lstm = DPLSTM(emb, hidden, batch_first=False)
-        self.attn = DPMultiheadAttention(hidden, 1, batch_first=False)
+        self.attn = DPMultiheadAttention(hidden, 1, batch_first=False, add_bias_kv=add_bias_kv)
         self.fc = nn.Linear(hidden, classes)
 
     def forward(self, x):  # x: (B, T) from the loader
@@ -95,17 +95,18 @@ def data_for(name, n=24):
         x = torch.randn(n, 6, generator=g, dtype=torch.float64)
     elif name == "cnn_gn":
         x = torch.randn(n, 2, 6, 6, generator=g, dtype=torch.float64)
-    elif name in ("lstm", "gru", "rnn", "seq_first"):
+    elif name in ("lstm", "gru", "rnn", "seq_first", "seq_first_bias_kv"):
         x = torch.randint(0, 20, (n, 5), generator=g)
     elif name == "vit":
         x = torch.randn(n, 3, 8, 8, generator=g, dtype=torch.float64)
-    else:  # mha
+    else:  # mha, mha_bias_kv
         x = torch.randn(n, 4, 4, generator=g, dtype=torch.float64)
     return x, y
 
 
 MODELS = {"mlp": mlp, "cnn_gn": cnn_gn, "lstm": TextLSTM, "vit": vit, "mha": TinyMHA,
-          "gru": lambda: TextLSTM(rnn=DPGRU), "rnn": lambda: TextLSTM(rnn=DPRNN), "seq_first": SeqFirstText}
+          "gru": lambda: TextLSTM(rnn=DPGRU), "rnn": lambda: TextLSTM(rnn=DPRNN), "seq_first": SeqFirstText,
+          "seq_first_bias_kv": lambda: SeqFirstText(add_bias_kv=True), "mha_bias_kv": lambda: TinyMHA(add_bias_kv=True)}
 
 
 def train(engine_cls, name, *, mode="hooks", reduction="mean", noise=1.0, clipping="flat", steps=3, batch_size=8,
@@ -223,6 +224,11 @@ def test_batch_first_false(mode, reduction):
 
 
 @pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_sequence_bias_add_bias_kv(mode):
+    assert_same_run("seq_first_bias_kv", mode=mode, batch_first=False)
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
 def test_wrap_model_false(mode):
     assert_same_run("cnn_gn", mode=mode, wrap_model=False)
 
@@ -246,7 +252,7 @@ def ref_abadi(norms, R):
     return torch.clamp(R / (norms + 1e-6), max=1.0)
 
 
-@pytest.mark.parametrize("name", ["lstm", "gru", "mha", "cnn_gn", "seq_first"])
+@pytest.mark.parametrize("name", ["lstm", "gru", "mha", "cnn_gn", "seq_first", "seq_first_bias_kv", "mha_bias_kv"])
 @pytest.mark.parametrize("mode", ["hooks", "ghost"])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_clipped_sum_matches_reference(name, mode, reduction):
@@ -265,7 +271,7 @@ def test_clipped_sum_matches_reference(name, mode, reduction):
                               data_loader=DataLoader(TensorDataset(x, y), batch_size=6), noise_multiplier=0.0,
                               max_grad_norm=R, loss_reduction=reduction, poisson_sampling=False,
                               grad_sample_mode=mode, criterion=nn.CrossEntropyLoss(reduction=reduction),
-                              batch_first=name != "seq_first")
+                              batch_first=not name.startswith("seq_first"))
     module, optimizer, criterion = out[0], out[1], (out[2] if len(out) == 4 else nn.CrossEntropyLoss(reduction=reduction))
     criterion(module(x), y).backward()
     torch.testing.assert_close(module.last_norms, norms, rtol=1e-9, atol=0)
@@ -389,8 +395,9 @@ def test_unsupported_trainable_layer_fails_at_make_private():
         _make(nn.Sequential(nn.LSTM(6, 3)).double())
     with pytest.raises(ValueError, match="batch_first=True"):
         _make(nn.Sequential(DPMultiheadAttention(6, 2)).double())  # seq-first attention, batch-first engine
-    with pytest.raises(ValueError, match="seq_bias_k.bias"):  # SequenceBias: no rule yet (Opacus fails on it too)
-        _make(TinyMHA(add_bias_kv=True).double())
+    with pytest.raises(ValueError, match="Opacus-compatible API only"):  # native engine: SequenceBias layout unknown
+        pe.PrivacyEngine(TinyMHA(add_bias_kv=True), batch_size=2, sample_size=4, max_grad_norm=1.0,
+                         noise_multiplier=1.0)
 
 
 def test_plain_backward_rejects_accumulation_under_poisson():

@@ -34,6 +34,7 @@ from ..validation import check_no_batchnorm, clipped_layers
 from .loss import PrivateLoss
 from .module import PrivateModule
 from .optimizer import ClippedSumOptimizer, PerLayerClippedSumOptimizer
+from .rules import PREPARED, SequenceBias
 
 #: grad_sample_mode strings accepted by opacus 1.6 and what they run here
 GRAD_SAMPLE_MODES = {"hooks": "plain", "functorch": "plain", "ew": "plain", "no_op": "plain",
@@ -66,6 +67,9 @@ class OpacusPrivacyEngine(opacus.PrivacyEngine):
             raise TypeError(f"module must be an nn.Module, got {type(module).__name__}.")
         self.validate(module=module, optimizer=None, data_loader=None)  # Opacus' own checks first
         check_no_batchnorm(module)
+        for m in module.modules():  # their recorded tensors are moved to batch-first by PrivateModule
+            if isinstance(m, SequenceBias):
+                setattr(m, PREPARED, True)
         layers = clipped_layers(module, strict=True)  # names unsupported trainable parameters
         _check_attention_layout(module, batch_first)
         self._module = PrivateModule(module, layers, max_grad_norm=max_grad_norm, loss_reduction=loss_reduction,

@@ -36,6 +36,7 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
+from opacus.layers.dp_multihead_attention import SequenceBias
 from opacus.layers.dp_rnn import RNNLinear
 from torch import nn
 
@@ -206,8 +207,11 @@ class PrivateModule(nn.Module):
     def _to_batch_first(self, layer: RecordedLayer) -> None:
         """``batch_first=False``: move the batch dimension (1) of every recorded input and output
         gradient to the front, except for Opacus' ``RNNLinear`` (called per time step on (B, H)) —
-        Opacus' own convention."""
-        if self.batch_first or type(layer.module) is RNNLinear:
+        Opacus' own convention. ``SequenceBias`` follows its own ``batch_first`` attribute."""
+        if isinstance(layer.module, SequenceBias):
+            if layer.module.batch_first:
+                return
+        elif self.batch_first or type(layer.module) is RNNLinear:
             return
         for c in layer.calls:
             if c.activation is not None and c.activation.dim() > 1:
