@@ -158,6 +158,12 @@ def _check_arguments(*, module, optimizer, noise_multiplier, max_grad_norm, batc
         raise TypeError(f"module must be an nn.Module, got {type(module).__name__}.")
     if not isinstance(optimizer, optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}.")
+    from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.distributed._composable.fsdp import FSDPModule  # the classes opacus checks
+    if isinstance(module, (DPDDP, DDP, FSDPModule)):
+        raise ValueError("distributed training (DDP/FSDP) is not supported by private_engine's make_private yet; "
+                         "use opacus.PrivacyEngine for it, or train in one process.")
     mine = {id(p) for p in module.parameters()}
     if any(id(p) not in mine for g in optimizer.param_groups for p in g["params"]):
         raise ValueError("Module parameters are different than optimizer Parameters: the optimizer updates tensors "
