@@ -454,3 +454,40 @@ def test_tied_weight_fails_at_the_first_forward():
         module, _, _ = _make(model, wrap_model=wrap)
         with pytest.raises(ValueError, match=r"emb\.weight"):
             (module if wrap else model)(torch.randint(0, 10, (3, 5)))
+
+
+class TokenModel(nn.Module):
+    """Per-token logits (B, T, V) for the criterion's ``shape=`` argument (generative models)."""
+
+    def __init__(self, vocab=12, dim=6):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.out = nn.Linear(dim, vocab)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.emb(x)))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_ghost_criterion_shape_argument_and_loss_arithmetic(reduction):
+    """``criterion(logits.view(-1, V), y.view(-1), shape=logits.shape)`` and ``2 * loss + 1`` as in Opacus."""
+    results = []
+    for cls in (opacus.PrivacyEngine, pe.PrivacyEngine):
+        torch.manual_seed(0)
+        model = TokenModel().double()
+        g = torch.Generator().manual_seed(2)
+        x = torch.randint(0, 12, (12, 5), generator=g)
+        y = torch.randint(0, 12, (12, 5), generator=g)
+        module, optimizer, criterion, loader = cls(accountant="rdp").make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+            data_loader=DataLoader(TensorDataset(x, y), batch_size=4), noise_multiplier=0.5, max_grad_norm=0.1,
+            criterion=nn.CrossEntropyLoss(reduction=reduction), loss_reduction=reduction, poisson_sampling=False,
+            grad_sample_mode="ghost", noise_generator=torch.Generator().manual_seed(5))
+        for xb, yb in loader:
+            logits = module(xb)
+            loss = criterion(logits.reshape(-1, 12), yb.reshape(-1), shape=logits.shape)
+            (2 * loss + 1).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        results.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    assert (results[0] - results[1]).abs().max().item() < TOL
