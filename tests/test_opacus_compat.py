@@ -363,6 +363,10 @@ def test_make_private_with_epsilon_same_noise_as_opacus():
     assert sigmas[0] == sigmas[1] > 0
 
 
+MODULE_FOR_PARTIAL_OPT = mlp()
+PARTIAL_OPT = torch.optim.SGD(MODULE_FOR_PARTIAL_OPT[0].parameters(), lr=0.1)
+
+
 @pytest.mark.parametrize("kw, exc, words", [
     (dict(grad_sample_mode="bogus"), ValueError, "grad_sample_mode"),
     (dict(clipping="per_layer"), ValueError, "one per"),
@@ -372,6 +376,7 @@ def test_make_private_with_epsilon_same_noise_as_opacus():
     (dict(max_grad_norm=-1.0), ValueError, "positive"),
     (dict(loss_reduction="avg"), ValueError, "mean"),
     (dict(optimizer="sgd"), TypeError, "Optimizer"),
+    (dict(module=MODULE_FOR_PARTIAL_OPT, optimizer=PARTIAL_OPT), ValueError, "not updated by the optimizer"),
     (dict(optimizer=torch.optim.SGD(mlp().parameters(), lr=0.1)), ValueError, "module.parameters"),
     (dict(noise_generator=torch.Generator(), grad_sample_mode="ghost_fsdp"), ValueError, "ghost"),
 ])

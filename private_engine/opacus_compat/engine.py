@@ -82,6 +82,13 @@ class OpacusPrivacyEngine(opacus.PrivacyEngine):
                            clipping: str = "flat", noise_generator=None, grad_sample_mode="hooks", **kwargs):
         if isinstance(optimizer, DPOptimizer):
             optimizer = optimizer.original_optimizer
+        updated = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        left_out = [n for n, p in self._module._module.named_parameters() if p.requires_grad and id(p) not in updated]
+        if left_out:
+            raise ValueError(
+                f"trainable parameters {left_out} are not updated by the optimizer. Opacus would clip by the norm over "
+                "the optimizer's parameters only, private_engine over all trainable ones; freeze them "
+                "(requires_grad_(False)) or add them to the optimizer.")
         generator = self.secure_rng if self.secure_mode else noise_generator
         common = dict(noise_multiplier=noise_multiplier, expected_batch_size=expected_batch_size,
                       loss_reduction=loss_reduction, generator=generator, secure_mode=self.secure_mode,
