@@ -385,6 +385,14 @@ def test_bad_arguments(kw, exc, words):
         _make(**kw)
 
 
+def test_failed_make_private_leaves_no_hooks():
+    model = mlp().double()
+    with pytest.raises(ValueError, match="one max_grad_norm per"):  # raised once the optimizer is known
+        _make(model, clipping="per_layer", max_grad_norm=[1.0])
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    assert not any(p._backward_hooks for p in model.parameters())
+
+
 def test_unsupported_trainable_layer_fails_at_make_private():
     class Scale(nn.Module):
         def __init__(self):

@@ -82,13 +82,6 @@ class OpacusPrivacyEngine(opacus.PrivacyEngine):
                            clipping: str = "flat", noise_generator=None, grad_sample_mode="hooks", **kwargs):
         if isinstance(optimizer, DPOptimizer):
             optimizer = optimizer.original_optimizer
-        updated = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        left_out = [n for n, p in self._module._module.named_parameters() if p.requires_grad and id(p) not in updated]
-        if left_out:
-            raise ValueError(
-                f"trainable parameters {left_out} are not updated by the optimizer. Opacus would clip by the norm over "
-                "the optimizer's parameters only, private_engine over all trainable ones; freeze them "
-                "(requires_grad_(False)) or add them to the optimizer.")
         generator = self.secure_rng if self.secure_mode else noise_generator
         common = dict(noise_multiplier=noise_multiplier, expected_batch_size=expected_batch_size,
                       loss_reduction=loss_reduction, generator=generator, secure_mode=self.secure_mode,
@@ -118,12 +111,19 @@ class OpacusPrivacyEngine(opacus.PrivacyEngine):
                          max_grad_norm=max_grad_norm, batch_first=batch_first, loss_reduction=loss_reduction,
                          clipping=clipping, grad_sample_mode=grad_sample_mode, wrap_model=wrap_model,
                          rand_on_empty=rand_on_empty)
-        return super().make_private(
-            module=module, optimizer=optimizer, criterion=criterion, data_loader=data_loader,
-            noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, batch_first=batch_first,
-            loss_reduction=loss_reduction, poisson_sampling=poisson_sampling, clipping=clipping,
-            noise_generator=noise_generator, grad_sample_mode=grad_sample_mode, wrap_model=wrap_model,
-            rand_on_empty=rand_on_empty, **kwargs)
+        self._module = None
+        try:
+            return super().make_private(
+                module=module, optimizer=optimizer, criterion=criterion, data_loader=data_loader,
+                noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, batch_first=batch_first,
+                loss_reduction=loss_reduction, poisson_sampling=poisson_sampling, clipping=clipping,
+                noise_generator=noise_generator, grad_sample_mode=grad_sample_mode, wrap_model=wrap_model,
+                rand_on_empty=rand_on_empty, **kwargs)
+        except BaseException:
+            if self._module is not None:  # leave the user's model without our hooks
+                self._module.remove_hooks()
+                self._module = None
+            raise
 
     # -- checkpoints: Opacus' format plus the noise generator state ---------------------------
     def save_checkpoint(self, *, path, module, optimizer=None, noise_scheduler=None, grad_clip_scheduler=None,
@@ -175,6 +175,13 @@ def _check_arguments(*, module, optimizer, noise_multiplier, max_grad_norm, batc
     if any(id(p) not in mine for g in optimizer.param_groups for p in g["params"]):
         raise ValueError("Module parameters are different than optimizer Parameters: the optimizer updates tensors "
                          "that are not the module's. Build the optimizer from module.parameters().")
+    updated = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    left_out = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in updated]
+    if left_out:
+        raise ValueError(
+            f"trainable parameters {left_out} are not updated by the optimizer. Opacus would clip by the norm over "
+            "the optimizer's parameters only, private_engine over all trainable ones; freeze them "
+            "(requires_grad_(False)) or add them to the optimizer.")
     if grad_sample_mode not in GRAD_SAMPLE_MODES:
         raise ValueError(f"Unexpected grad_sample_mode: {grad_sample_mode}. Allowed values: "
                          f"{', '.join(GRAD_SAMPLE_MODES)}.")
