@@ -7,6 +7,10 @@ Entry point 1 of the design notes::
     engine.attach(optimizer)
     optimizer.step(loss=per_sample_losses)       # or virtual_step(loss=...) to accumulate
     engine.get_epsilon()
+
+Entry point 2, the Opacus form (no model): ``PrivacyEngine(accountant="prv", secure_mode=False)``
+returns a :class:`private_engine.opacus_compat.OpacusPrivacyEngine` with Opacus'
+``make_private`` / ``make_private_with_epsilon`` (docs/migrating-from-opacus.md).
 """
 from __future__ import annotations
 

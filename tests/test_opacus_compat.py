@@ -518,3 +518,17 @@ def test_native_engine_with_opacus_dp_layers(name, mode):
     x, y = data_for(name, n=5)
     check_against_reference(model, [x, y], lambda m, xi, yi: nn.functional.cross_entropy(m(xi), yi, reduction="none"),
                             mode=mode, clip="abadi")
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_no_records_kept_between_steps(mode):
+    """After each backward every recorded activation/gradient is dropped (no growth step after step)."""
+    out = _make(grad_sample_mode=mode, poisson_sampling=False)
+    module, optimizer, criterion = out[0], out[1], (out[2] if len(out) == 4 else nn.CrossEntropyLoss())
+    x, y = data_for("mlp", n=8)
+    for _ in range(3):
+        criterion(module(x), y).backward()
+        assert all(not layer.calls for layer in module.recorder.layers)
+        assert module._stored == [] and module._norm_sq is None
+        optimizer.step()
+        optimizer.zero_grad()
