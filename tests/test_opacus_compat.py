@@ -111,7 +111,7 @@ MODELS = {"mlp": mlp, "cnn_gn": cnn_gn, "lstm": TextLSTM, "vit": vit, "mha": Tin
 
 def train(engine_cls, name, *, mode="hooks", reduction="mean", noise=1.0, clipping="flat", steps=3, batch_size=8,
           poisson=False, momentum=0.0, physical=None, R=None, own_criterion=False, dtype=torch.float64,
-          wrap_model=True, batch_first=True):
+          wrap_model=True, batch_first=True, clip_gamma=None):
     """Run the Opacus loop; return (flat parameters, ε at δ=1e-5, engine)."""
     torch.manual_seed(0)
     model = MODELS[name]().to(dtype)
@@ -136,6 +136,10 @@ def train(engine_cls, name, *, mode="hooks", reduction="mean", noise=1.0, clippi
         module, optimizer, loader = out
     if not wrap_model:
         module = model  # the returned object only holds the hooks
+    scheduler = None
+    if clip_gamma is not None:  # Opacus' grad-clip scheduler changes optimizer.max_grad_norm every step
+        from opacus.schedulers import ExponentialGradClip
+        scheduler = ExponentialGradClip(optimizer, gamma=clip_gamma)
     torch.manual_seed(3)  # Poisson sampling draws from the global generator
     done, sizes = 0, []
     while done < steps:
@@ -158,6 +162,8 @@ def train(engine_cls, name, *, mode="hooks", reduction="mean", noise=1.0, clippi
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
+            if scheduler is not None:
+                scheduler.step()
             done += 1
     flat = torch.cat([p.detach().flatten() for p in model.parameters()])
     eps = engine.get_epsilon(1e-5) if noise > 0 else 0.0
@@ -198,6 +204,18 @@ def test_reductions_and_noise(mode, reduction, noise):
 @pytest.mark.parametrize("name", ["lstm", "gru", "rnn", "mha"])
 def test_opacus_dp_layers_sum_reduction(name):
     assert_same_run(name, mode="hooks", reduction="sum", noise=0.5)
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_grad_clip_scheduler(mode):
+    """Opacus' ExponentialGradClip changes optimizer.max_grad_norm: our clipping follows it in both
+    flows, as Opacus "hooks" does (Opacus "ghost" keeps clipping at the initial R while the noise
+    follows the schedule, so both are compared with Opacus "hooks")."""
+    theirs = train(opacus.PrivacyEngine, "mlp", mode="hooks", clip_gamma=0.5)
+    ours = train(pe.PrivacyEngine, "mlp", mode=mode, clip_gamma=0.5)
+    fixed = train(pe.PrivacyEngine, "mlp", mode=mode)
+    assert (theirs[0] - ours[0]).abs().max().item() < TOL
+    assert (fixed[0] - ours[0]).abs().max().item() > 100 * TOL  # the schedule mattered
 
 
 def test_per_layer_clipping():

@@ -90,7 +90,9 @@ class OpacusPrivacyEngine(opacus.PrivacyEngine):
             dp_optimizer = PerLayerClippedSumOptimizer(optimizer, max_grad_norm=max_grad_norm, **common)
             self._module.bind_per_layer_norms(dp_optimizer.params, max_grad_norm)
             return dp_optimizer
-        return ClippedSumOptimizer(optimizer, max_grad_norm=max_grad_norm, **common)
+        dp_optimizer = ClippedSumOptimizer(optimizer, max_grad_norm=max_grad_norm, **common)
+        self._module.bind_optimizer(dp_optimizer)
+        return dp_optimizer
 
     def _prepare_criterion(self, *, module, optimizer, criterion, loss_reduction: str = "mean", **kwargs):
         return PrivateLoss(module, optimizer, criterion, loss_reduction)

@@ -155,6 +155,16 @@ class PrivateModule(nn.Module):
     cleanup = remove_hooks
     _close = remove_hooks
 
+    def bind_optimizer(self, optimizer) -> None:
+        """The DP optimizer whose ``max_grad_norm`` is the clipping threshold (Opacus' grad-clip
+        schedulers change it there; clipping and noise must use the same R)."""
+        self._dp_optimizer = optimizer
+
+    def current_max_grad_norm(self) -> float:
+        """R for flat clipping: the bound optimizer's ``max_grad_norm`` (else the make_private value)."""
+        opt = getattr(self, "_dp_optimizer", None)
+        return float(opt.max_grad_norm) if opt is not None else self.max_grad_norm
+
     def bind_per_layer_norms(self, params: Sequence[nn.Parameter], max_grad_norms: Sequence[float]) -> None:
         """Per-layer clipping: ``R_k`` for each parameter, in the optimizer's parameter order."""
         if len(params) != len(max_grad_norms):
@@ -265,7 +275,7 @@ class PrivateModule(nn.Module):
                 self._write_per_layer(scale)
             else:
                 norms = self._norm_sq.sqrt() * scale
-                factors = abadi_clip(norms, self.max_grad_norm)
+                factors = abadi_clip(norms, self.current_max_grad_norm())
                 self.last_norms = norms.detach()
                 for layer, pairs in self._stored:
                     grads = layer.rule.weighted_grads(layer.module, pairs, factors * scale)
@@ -306,6 +316,7 @@ class PrivateModule(nn.Module):
                 "forward pass run before make_private); their per-sample gradients would be missing from the norms."
             )
         self.recorder.on_layer_ready = self._on_layer_ready_criterion
+        self.clipper.max_grad_norm = self.current_max_grad_norm()
         self._hooks_enabled = False
         try:
             norms = self.clipper.per_sample_norms(loss_per_sample)
