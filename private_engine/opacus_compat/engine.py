@@ -207,8 +207,6 @@ def _check_arguments(*, module, optimizer, noise_multiplier, max_grad_norm, batc
                          "(a list is for clipping='per_layer').")
     if isinstance(noise_multiplier, bool) or not isinstance(noise_multiplier, (int, float)) or noise_multiplier < 0:
         raise ValueError(f"noise_multiplier must be a number ≥ 0, got {noise_multiplier!r}.")
-    if rand_on_empty:
-        raise ValueError("rand_on_empty=True is not needed: empty Poisson batches work as they are.")
 
 
 def _positive(x) -> bool:
