@@ -555,3 +555,17 @@ def test_no_records_kept_between_steps(mode):
         assert module._stored == [] and module._norm_sq is None
         optimizer.step()
         optimizer.zero_grad()
+
+
+def test_eval_forward_with_grad_is_not_recorded():
+    """Evaluation in eval mode without torch.no_grad() keeps nothing (Opacus records train mode only),
+    and a training step after it is still exact."""
+    module, optimizer, _ = _make(poisson_sampling=False)
+    x, y = data_for("mlp", n=8)
+    module.eval()
+    for _ in range(3):
+        module(x)
+    assert all(not layer.calls for layer in module.recorder.layers)
+    module.train()
+    nn.functional.cross_entropy(module(x), y).backward()
+    assert module.last_norms is not None and module.last_norms.shape == (8,)

@@ -83,7 +83,8 @@ class PrivateModule(nn.Module):
         self._reset_plain()
         self._graph_checked = False
         self._param_handles = [p.register_hook(self._discard_raw_grad) for p in self._params]
-        # on the wrapped model itself, so that it also runs when make_private(wrap_model=False) is used
+        # on the wrapped model itself, so that they also run when make_private(wrap_model=False) is used
+        self._param_handles.append(module.register_forward_pre_hook(self._eval_snapshot))
         self._param_handles.append(module.register_forward_hook(self._check_graph_hook))
         self._param_handles += [m.register_forward_pre_hook(_reject_packed_sequence) for m in module.modules()
                                 if _is_dp_rnn(m)]
@@ -93,7 +94,22 @@ class PrivateModule(nn.Module):
     def forward(self, *args, **kwargs):
         return self._module(*args, **kwargs)
 
+    def _eval_snapshot(self, module, inputs) -> None:
+        self._eval_marks = None if module.training else [len(layer.calls) for layer in self.recorder.layers]
+
+    def _drop_eval_records(self) -> None:
+        """A forward in eval mode is not recorded (as in Opacus): its calls are dropped right away,
+        so evaluating without ``torch.no_grad()`` does not pile up activations."""
+        for layer, mark in zip(self.recorder.layers, self._eval_marks):
+            for c in layer.calls[mark:]:
+                c.activation = c.grad = c.edge = c.input_node = None
+            del layer.calls[mark:]
+        self._eval_marks = None
+
     def _check_graph_hook(self, module, inputs, out) -> None:
+        if getattr(self, "_eval_marks", None) is not None:
+            self._drop_eval_records()
+            return
         if not self._graph_checked and torch.is_grad_enabled():
             self._check_graph(out)
 
