@@ -14,6 +14,8 @@ per-sample clipping + noise + optimizer step (forward + backward + step for non-
     mixed_frozen         mixed, with the --frozen-set parameters (ViT cls_token, pos_embed, …) frozen
     opacus_hooks_frozen  opacus_hooks, likewise
     opacus_ghost_frozen  opacus_ghost, likewise
+    dropin_hooks         the Opacus loop of opacus_hooks with ``from private_engine import PrivacyEngine``
+    dropin_ghost         the Opacus loop of opacus_ghost with ``from private_engine import PrivacyEngine``
 
 A method that cannot run the model (e.g. private_engine before it has a rule for ``cls_token``,
 or Opacus on parameters owned by the model's root module) shows its error text in the table.
@@ -56,9 +58,9 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
 FROZEN = "_frozen"  # suffix: the method with the --frozen-set parameters frozen
-METHODS = ("nondp", "mixed", "ghost", "per_sample", "opacus_hooks", "opacus_ghost",
+METHODS = ("nondp", "mixed", "ghost", "per_sample", "opacus_hooks", "opacus_ghost", "dropin_hooks", "dropin_ghost",
            "mixed" + FROZEN, "opacus_hooks" + FROZEN, "opacus_ghost" + FROZEN)
-OURS = ("mixed", "ghost", "per_sample", "mixed" + FROZEN)
+OURS = ("mixed", "ghost", "per_sample", "dropin_hooks", "dropin_ghost", "mixed" + FROZEN)
 OPACUS = ("opacus_hooks", "opacus_ghost")
 #: parameters timm ViTs own directly (no layer around them): frozen in the ``*_frozen`` methods
 TOKEN_PARAMS = ("cls_token", "pos_embed", "reg_token", "dist_token")
@@ -272,10 +274,14 @@ def setup_ours(mode: str):
     return setup
 
 
-def setup_opacus(grad_sample_mode: str):
+def setup_opacus(grad_sample_mode: str, dropin: bool = False):
+    """Opacus' loop; with ``dropin`` the engine is ``private_engine.PrivacyEngine`` (Opacus-compatible form)."""
     def setup(model, x, y, args) -> Runner:
         import torch
-        from opacus import PrivacyEngine as OpacusEngine
+        if dropin:
+            from private_engine import PrivacyEngine as OpacusEngine
+        else:
+            from opacus import PrivacyEngine as OpacusEngine
         from torch.utils.data import DataLoader, TensorDataset
 
         opt = sgd(model, args)
@@ -323,6 +329,8 @@ SETUPS: Dict[str, Callable] = {
     "per_sample": setup_ours("per_sample"),
     "opacus_hooks": setup_opacus("hooks"),
     "opacus_ghost": setup_opacus("ghost"),
+    "dropin_hooks": setup_opacus("hooks", dropin=True),
+    "dropin_ghost": setup_opacus("ghost", dropin=True),
 }
 SETUPS.update({m: SETUPS[m[:-len(FROZEN)]] for m in METHODS if m.endswith(FROZEN)})  # same setup, fewer params
 

@@ -7,6 +7,10 @@ Entry point 1 of the design notes::
     engine.attach(optimizer)
     optimizer.step(loss=per_sample_losses)       # or virtual_step(loss=...) to accumulate
     engine.get_epsilon()
+
+Entry point 2, the Opacus form (no model): ``PrivacyEngine(accountant="prv", secure_mode=False)``
+returns a :class:`private_engine.opacus_compat.OpacusPrivacyEngine` with Opacus'
+``make_private`` / ``make_private_with_epsilon`` (docs/migrating-from-opacus.md).
 """
 from __future__ import annotations
 
@@ -47,6 +51,20 @@ class PrivacyEngine:
         accountant: "rdp", "prv" or "gdp" (Opacus' accountants).
         noise_generator: optional ``torch.Generator`` for the noise (on the parameters' device).
     """
+
+    def __new__(cls, *args, **kwargs):
+        """``PrivacyEngine(accountant=..., secure_mode=...)`` without a model is the Opacus form: it
+        returns a :class:`private_engine.opacus_compat.OpacusPrivacyEngine` (an ``opacus.PrivacyEngine``
+        subclass with ``make_private``); with a model it is the native engine."""
+        if cls is PrivacyEngine and not args and "model" not in kwargs \
+                and set(kwargs) <= {"accountant", "secure_mode"}:
+            from .opacus_compat import OpacusPrivacyEngine
+            return OpacusPrivacyEngine(**kwargs)
+        return super().__new__(cls)
+
+    def __getnewargs_ex__(self):
+        # copy/pickle call cls.__new__ with these arguments: keep the native form
+        return (), {"model": None}
 
     def __init__(self, model: nn.Module, *, batch_size: int, sample_size: int, max_grad_norm: float,
                  epochs: Optional[float] = None, steps: Optional[int] = None,

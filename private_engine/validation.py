@@ -72,6 +72,19 @@ def _replace_batchnorm(model: nn.Module, num_groups: int) -> nn.Module:
     return model
 
 
+def _renamed_aliases(module: nn.Module) -> frozenset:
+    """Names under which an Opacus ``RenameParamsMixin`` (DPLSTM, DPGRU, DPRNN) re-registers its
+    submodules' parameters for nn.LSTM-compatible state dicts: the same tensors, used only by the
+    submodules (``RNNLinear``), so they are clipped there and skipped here."""
+    try:
+        from opacus.layers.param_rename import RenameParamsMixin
+    except ImportError:  # pragma: no cover - opacus is a dependency
+        return frozenset()
+    if isinstance(module, RenameParamsMixin):
+        return frozenset(getattr(module, "new_to_old", {}))
+    return frozenset()
+
+
 def _scan(model: nn.Module):
     """Who clips each trainable parameter: ``(layers, traced, fallbacks, owners)``.
 
@@ -98,7 +111,8 @@ def _scan(model: nn.Module):
                 if p.requires_grad:
                     owners.setdefault(id(p), []).append(prefix + pname)
             continue
-        own = [(pname, p) for pname, p in module.named_parameters(recurse=False) if p.requires_grad]
+        own = [(pname, p) for pname, p in module.named_parameters(recurse=False)
+               if p.requires_grad and pname not in _renamed_aliases(module)]
         if not own:
             continue
         rule = find_rule(module)

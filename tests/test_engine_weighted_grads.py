@@ -10,6 +10,8 @@ CASES = [
     ("linear-2d-nobias", lambda: nn.Linear(5, 3, bias=False), lambda g: torch.randn(4, 5, generator=g, dtype=torch.float64)),
     ("conv2d-grouped", lambda: nn.Conv2d(4, 6, 3, padding=1, groups=2), lambda g: torch.randn(4, 4, 6, 6, generator=g, dtype=torch.float64)),
     ("conv1d-strided", lambda: nn.Conv1d(3, 2, 3, stride=2), lambda g: torch.randn(4, 3, 9, generator=g, dtype=torch.float64)),
+    ("conv2d-dilated-reflect", lambda: nn.Conv2d(2, 3, 3, padding=2, dilation=2, padding_mode="reflect"), lambda g: torch.randn(3, 2, 7, 7, generator=g, dtype=torch.float64)),
+    ("conv3d-depthwise", lambda: nn.Conv3d(2, 2, 2, groups=2), lambda g: torch.randn(3, 2, 3, 3, 3, generator=g, dtype=torch.float64)),
     ("embedding", lambda: nn.Embedding(10, 3, padding_idx=0), lambda g: torch.randint(0, 10, (4, 6), generator=g)),
     ("layernorm", lambda: nn.LayerNorm(5), lambda g: torch.randn(4, 7, 5, generator=g, dtype=torch.float64)),
     ("groupnorm", lambda: nn.GroupNorm(2, 4), lambda g: torch.randn(4, 4, 5, 5, generator=g, dtype=torch.float64)),

@@ -100,5 +100,21 @@ class ConvRule(LayerRule):
             out["bias"] = self._bias_grad(calls)
         return out
 
+    def weighted_grads(self, module, calls, factors) -> Dict[str, torch.Tensor]:
+        """``Σ_i C_i G_i^γ = Σ_{i,t} C_i g_{i,t}^γ ⊗ U(a_i)_t^γ`` per group (one batched matmul over
+        the unfolded input, no per-sample weight gradient), bias ``Σ_i C_i Σ_t g_{i,t}``."""
+        out = {}
+        B = calls[0][1].shape[0]
+        if trainable(module, "weight"):
+            U, G = self._views(module, calls)  # (B·groups, T, D), (B·groups, T, p_g)
+            groups = module.groups
+            GC = G.reshape(B, groups, *G.shape[1:]) * factors.to(G.dtype)[:, None, None, None]
+            W = torch.einsum("bgtp,bgtd->gpd", GC, U.reshape(B, groups, *U.shape[1:]))
+            out["weight"] = W.reshape(module.weight.shape)
+        if trainable(module, "bias"):
+            bias = self._bias_grad(calls)
+            out["bias"] = (bias * factors.to(bias.dtype)[:, None]).sum(0)
+        return out
+
 
 register_rule(ConvRule())

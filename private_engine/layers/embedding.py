@@ -66,5 +66,16 @@ class EmbeddingRule(LayerRule):
         out.scatter_add_(1, ids.unsqueeze(-1).expand(B, T, module.embedding_dim), G)
         return {"weight": out}
 
+    def weighted_grads(self, module, calls, factors) -> Dict[str, torch.Tensor]:
+        """``Σ_i C_i G_i``: rows ``C_i g_{i,t}`` added at token ids ``x_{i,t}`` (one index_add, no
+        per-sample V×p gradient)."""
+        if not trainable(module, "weight"):
+            return {}
+        ids, G = self._views(module, calls)
+        GC = G * factors.to(G.dtype)[:, None, None]
+        out = torch.zeros(module.num_embeddings, module.embedding_dim, dtype=G.dtype, device=G.device)
+        out.index_add_(0, ids.reshape(-1), GC.reshape(-1, module.embedding_dim))
+        return {"weight": out}
+
 
 register_rule(EmbeddingRule())

@@ -1,0 +1,246 @@
+"""``PrivacyEngine(accountant="prv", secure_mode=False)``: the Opacus 1.6 API on our clipping.
+
+:class:`OpacusPrivacyEngine` subclasses ``opacus.PrivacyEngine`` and replaces only what touches
+per-sample gradients: ``_prepare_model`` returns a :class:`~.module.PrivateModule` (our hooks,
+mixed ghost clipping) instead of a ``GradSampleModule``; ``_prepare_optimizer`` returns Opacus'
+fast-gradient-clipping optimizer fed with our clipped sums; ``_prepare_criterion`` returns our
+loss wrapper. Everything else — argument handling of ``make_private`` /
+``make_private_with_epsilon``, ``DPDataLoader`` (Poisson sampling), ``get_noise_multiplier``,
+the accountants and their optimizer hook, ``get_epsilon``, checkpoints — is Opacus' own code, so
+results and ε match Opacus for the same seed.
+
+grad_sample_mode mapping (the per-sample math is the same, so every mode uses the engine's
+layerwise-optimal "mixed" strategy, seed 002 eq. 4.1):
+
+=================  ===========================================================================
+"hooks"            plain ``loss.backward()`` → book-keeping clipping (no second backward)
+"functorch", "ew"  same as "hooks"
+"no_op"            same as "hooks"
+"ghost"            wrapped criterion returned; ``loss.backward()`` = norm pass + weighted backward
+"ghost_fsdp"       ValueError without distributed training, as in Opacus
+=================  ===========================================================================
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Dict, List, Optional, Union
+
+import opacus
+import torch
+from opacus.optimizers import DPOptimizer
+from torch import nn, optim
+
+from ..validation import check_no_batchnorm, clipped_layers
+from .loss import PrivateLoss
+from .module import PrivateModule
+from .optimizer import ClippedSumOptimizer, PerLayerClippedSumOptimizer
+from .rules import PREPARED, SequenceBias
+
+#: grad_sample_mode strings accepted by opacus 1.6 and what they run here
+GRAD_SAMPLE_MODES = {"hooks": "plain", "functorch": "plain", "ew": "plain", "no_op": "plain",
+                     "ghost": "criterion", "ghost_fsdp": "criterion"}
+
+
+class OpacusPrivacyEngine(opacus.PrivacyEngine):
+    """Drop-in for ``opacus.PrivacyEngine``: same constructor, ``make_private``,
+    ``make_private_with_epsilon``, ``get_epsilon(delta)``, ``accountant``, checkpoints.
+
+    Returned objects: a :class:`PrivateModule` (use it as the model; with ``wrap_model=False``
+    keep using your own model and call ``cleanup()`` on the returned object), Opacus' DP optimizer
+    holding our clipped sums, Opacus' ``DPDataLoader`` (Poisson) or the original loader, and
+    for ``grad_sample_mode="ghost"`` a :class:`PrivateLoss` criterion.
+    """
+
+    #: the engine's clipping mode used for every grad_sample_mode
+    clipping_mode = "mixed"
+
+    def __init__(self, *, accountant: str = "prv", secure_mode: bool = False):
+        super().__init__(accountant=accountant, secure_mode=secure_mode)
+        self._module: Optional[PrivateModule] = None
+
+    # -- the parts that touch per-sample gradients -------------------------------------------
+    def _prepare_model(self, module: nn.Module, *, batch_first: bool = True, max_grad_norm=1.0,
+                       loss_reduction: str = "mean", grad_sample_mode: str = "hooks", wrap_model: bool = True):
+        if isinstance(module, PrivateModule):
+            raise ValueError("this module was already returned by make_private; pass the original nn.Module.")
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be an nn.Module, got {type(module).__name__}.")
+        self.validate(module=module, optimizer=None, data_loader=None)  # Opacus' own checks first
+        check_no_batchnorm(module)
+        for m in module.modules():  # their recorded tensors are moved to batch-first by PrivateModule
+            if isinstance(m, SequenceBias):
+                setattr(m, PREPARED, True)
+        layers = clipped_layers(module, strict=True)  # rules check their modules; shared parameters refused
+        _refuse_traced_and_fallback(module)
+        _check_attention_layout(module, batch_first)
+        self._module = PrivateModule(module, layers, max_grad_norm=max_grad_norm, loss_reduction=loss_reduction,
+                                     mode=self.clipping_mode, grad_sample_mode=grad_sample_mode,
+                                     batch_first=batch_first)
+        return self._module
+
+    def _prepare_optimizer(self, *, optimizer: optim.Optimizer, noise_multiplier: float, max_grad_norm,
+                           expected_batch_size: int, loss_reduction: str = "mean", distributed: bool = False,
+                           clipping: str = "flat", noise_generator=None, grad_sample_mode="hooks", **kwargs):
+        if isinstance(optimizer, DPOptimizer):
+            optimizer = optimizer.original_optimizer
+        generator = self.secure_rng if self.secure_mode else noise_generator
+        common = dict(noise_multiplier=noise_multiplier, expected_batch_size=expected_batch_size,
+                      loss_reduction=loss_reduction, generator=generator, secure_mode=self.secure_mode,
+                      module=self._module, **kwargs)
+        if clipping == "per_layer":
+            dp_optimizer = PerLayerClippedSumOptimizer(optimizer, max_grad_norm=max_grad_norm, **common)
+            self._module.bind_per_layer_norms(dp_optimizer.params, max_grad_norm)
+            return dp_optimizer
+        dp_optimizer = ClippedSumOptimizer(optimizer, max_grad_norm=max_grad_norm, **common)
+        self._module.bind_optimizer(dp_optimizer)
+        return dp_optimizer
+
+    def _prepare_criterion(self, *, module, optimizer, criterion, loss_reduction: str = "mean", **kwargs):
+        return PrivateLoss(module, optimizer, criterion, loss_reduction)
+
+    # -- argument checks Opacus does deeper inside (here before anything is built) -------------
+    def make_private(self, *, module: nn.Module, optimizer: optim.Optimizer, criterion=nn.CrossEntropyLoss(),
+                     data_loader, noise_multiplier: float, max_grad_norm: Union[float, List[float]],
+                     batch_first: bool = True, loss_reduction: str = "mean", poisson_sampling: bool = True,
+                     clipping: str = "flat", noise_generator=None, grad_sample_mode: str = "hooks",
+                     wrap_model: bool = True, rand_on_empty: bool = False, **kwargs):
+        """Same arguments and return values as ``opacus.PrivacyEngine.make_private`` (opacus 1.6).
+
+        Returns ``(module, optimizer, data_loader)``, or ``(module, optimizer, criterion,
+        data_loader)`` for ``grad_sample_mode`` "ghost"/"ghost_fsdp". The optimizer step releases
+        ``(Σ_i C_i g_i + N(0, σ²R²I)) / B_exp`` with ``C_i = min(1, R/(‖g_i‖+1e-6))``.
+        """
+        _check_arguments(module=module, optimizer=optimizer, noise_multiplier=noise_multiplier,
+                         max_grad_norm=max_grad_norm, batch_first=batch_first, loss_reduction=loss_reduction,
+                         clipping=clipping, grad_sample_mode=grad_sample_mode, wrap_model=wrap_model,
+                         rand_on_empty=rand_on_empty)
+        self._module = None
+        try:
+            return super().make_private(
+                module=module, optimizer=optimizer, criterion=criterion, data_loader=data_loader,
+                noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, batch_first=batch_first,
+                loss_reduction=loss_reduction, poisson_sampling=poisson_sampling, clipping=clipping,
+                noise_generator=noise_generator, grad_sample_mode=grad_sample_mode, wrap_model=wrap_model,
+                rand_on_empty=rand_on_empty, **kwargs)
+        except BaseException:
+            if self._module is not None:  # leave the user's model without our hooks
+                self._module.remove_hooks()
+                self._module = None
+            raise
+
+    # -- checkpoints: Opacus' format plus the noise generator state ---------------------------
+    def save_checkpoint(self, *, path, module, optimizer=None, noise_scheduler=None, grad_clip_scheduler=None,
+                        checkpoint_dict: Optional[Dict[str, Any]] = None, module_state_dict_kwargs=None,
+                        torch_save_kwargs=None):
+        """Opacus' checkpoint (module, optimizer, accountant history, schedulers) plus the state of
+        the optimizer's noise generator, so a resumed run draws the same noise."""
+        checkpoint_dict = dict(checkpoint_dict or {})
+        generator = getattr(optimizer, "generator", None)
+        if isinstance(generator, torch.Generator):
+            checkpoint_dict["noise_generator_state"] = generator.get_state()
+        return super().save_checkpoint(path=path, module=module, optimizer=optimizer, noise_scheduler=noise_scheduler,
+                                       grad_clip_scheduler=grad_clip_scheduler, checkpoint_dict=checkpoint_dict,
+                                       module_state_dict_kwargs=module_state_dict_kwargs,
+                                       torch_save_kwargs=torch_save_kwargs)
+
+    def load_checkpoint(self, *, path, module, optimizer=None, noise_scheduler=None, grad_clip_scheduler=None,
+                        module_load_dict_kwargs=None, torch_load_kwargs=None) -> Dict:
+        """Inverse of :meth:`save_checkpoint`; restores the noise generator state when both the
+        checkpoint and the optimizer have one."""
+        checkpoint = super().load_checkpoint(path=path, module=module, optimizer=optimizer,
+                                             noise_scheduler=noise_scheduler, grad_clip_scheduler=grad_clip_scheduler,
+                                             module_load_dict_kwargs=module_load_dict_kwargs,
+                                             torch_load_kwargs=torch_load_kwargs)
+        state = checkpoint.pop("noise_generator_state", None)
+        generator = getattr(optimizer, "generator", None)
+        if state is not None and isinstance(generator, torch.Generator):
+            generator.set_state(state)
+        elif state is not None and optimizer is not None:
+            warnings.warn("the checkpoint holds a noise generator state but the optimizer has no torch.Generator; "
+                          "the resumed noise will differ from an uninterrupted run.")
+        return checkpoint
+
+
+def _check_arguments(*, module, optimizer, noise_multiplier, max_grad_norm, batch_first, loss_reduction, clipping,
+                     grad_sample_mode, wrap_model, rand_on_empty) -> None:
+    """Reject, before anything is built, what Opacus rejects (same exception class) or what we do not run."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be an nn.Module, got {type(module).__name__}.")
+    if not isinstance(optimizer, optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}.")
+    from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.distributed._composable.fsdp import FSDPModule  # the classes opacus checks
+    if isinstance(module, (DPDDP, DDP, FSDPModule)):
+        raise ValueError("distributed training (DDP/FSDP) is not supported by private_engine's make_private yet; "
+                         "use opacus.PrivacyEngine for it, or train in one process.")
+    mine = {id(p) for p in module.parameters()}
+    if any(id(p) not in mine for g in optimizer.param_groups for p in g["params"]):
+        raise ValueError("Module parameters are different than optimizer Parameters: the optimizer updates tensors "
+                         "that are not the module's. Build the optimizer from module.parameters().")
+    updated = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    left_out = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in updated]
+    if left_out:
+        raise ValueError(
+            f"trainable parameters {left_out} are not updated by the optimizer. Opacus would clip by the norm over "
+            "the optimizer's parameters only, private_engine over all trainable ones; freeze them "
+            "(requires_grad_(False)) or add them to the optimizer.")
+    if grad_sample_mode not in GRAD_SAMPLE_MODES:
+        raise ValueError(f"Unexpected grad_sample_mode: {grad_sample_mode}. Allowed values: "
+                         f"{', '.join(GRAD_SAMPLE_MODES)}.")
+    if grad_sample_mode == "ghost_fsdp":
+        raise ValueError("grad_sample_mode='ghost_fsdp' needs FSDP distributed training (as in Opacus); use "
+                         "grad_sample_mode='ghost' for a single process.")
+    if loss_reduction not in ("mean", "sum"):
+        raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}.")
+    if clipping not in ("flat", "per_layer"):
+        raise ValueError(f"clipping={clipping!r} is not supported by private_engine; use 'flat' or 'per_layer' "
+                         "(adaptive clipping: use opacus directly).")
+    if clipping == "per_layer":
+        if "ghost" in grad_sample_mode:
+            raise ValueError(f"Unsupported combination of parameters. Clipping: {clipping} and grad_sample_mode: "
+                             f"{grad_sample_mode}; use grad_sample_mode='hooks' for per-layer clipping.")
+        if not isinstance(max_grad_norm, (list, tuple)) or not all(_positive(r) for r in max_grad_norm):
+            raise ValueError("clipping='per_layer' needs max_grad_norm as a list of positive numbers, one per "
+                             "optimizer parameter tensor.")
+    elif not _positive(max_grad_norm):
+        raise ValueError(f"max_grad_norm must be a positive number for clipping='flat', got {max_grad_norm!r} "
+                         "(a list is for clipping='per_layer').")
+    if isinstance(noise_multiplier, bool) or not isinstance(noise_multiplier, (int, float)) or noise_multiplier < 0:
+        raise ValueError(f"noise_multiplier must be a number ≥ 0, got {noise_multiplier!r}.")
+
+
+def _positive(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
+
+
+def _check_attention_layout(module: nn.Module, batch_first: bool) -> None:
+    """A DPMultiheadAttention's linear maps see its own layout: it must match ``batch_first``."""
+    from opacus.layers import DPMultiheadAttention
+    for name, m in module.named_modules():
+        if isinstance(m, DPMultiheadAttention) and m.batch_first != batch_first:
+            raise ValueError(
+                f"{name} is a DPMultiheadAttention with batch_first={m.batch_first} but make_private got "
+                f"batch_first={batch_first}; its linear maps would see the batch in the wrong dimension. Construct "
+                f"it with batch_first={batch_first} (and give inputs in that layout).")
+
+
+def _refuse_traced_and_fallback(module: nn.Module) -> None:
+    """The Opacus-compatible flows clip through layer rules only (Linear, Conv, Embedding, norms, Opacus'
+    DP layers). Parameters the native engine clips by its parameter-entry tracer or torch.func fallback
+    (timm ViT ``cls_token``/``pos_embed``, LayerScale gammas, ``nn.MultiheadAttention``, …) are refused
+    here, at ``make_private`` time, naming them — never left unclipped in the middle of training."""
+    from ..validation import _scan
+
+    _, traced, fallbacks, _ = _scan(module)
+    missing = [f"{type(module.get_submodule(n.rpartition('.')[0]) if '.' in n else module).__name__}: {n}"
+               for n, _ in traced]
+    missing += [f"{type(m).__name__}: {n or '(the model)'} (torch.func fallback)" for n, m in fallbacks]
+    if missing:
+        raise ValueError(
+            "the Opacus-compatible API (make_private) clips parameters of Linear, Conv, Embedding, LayerNorm, "
+            "GroupNorm and Opacus' DP layers only; these trainable parameters need the native engine's "
+            "parameter tracer or torch.func fallback:\n  " + "\n  ".join(missing) + "\n"
+            "Use the native API (private_engine.PrivacyEngine(model, batch_size=..., ...), which clips them "
+            "exactly), or freeze them with p.requires_grad_(False)."
+        )

@@ -1,0 +1,382 @@
+"""The module returned by ``make_private``: the user's model plus our per-sample clipping.
+
+With ``wrap_model=False`` the same object is returned as the "hooks" handle (Opacus returns a
+``GradSampleHooks``): the hooks sit on the user's model, which is then used directly, and
+``cleanup()`` removes them.
+
+Opacus returns a ``GradSampleModule`` that fills ``p.grad_sample`` (one gradient per sample)
+and lets its optimizer clip. We return :class:`PrivateModule` instead: a thin wrapper with the
+same face (``_module``, ``state_dict`` keys prefixed ``_module.``, ``forbid_grad_accumulation``,
+attribute fallback to the wrapped model) whose backward leaves in ``p.grad`` exactly what
+Opacus' optimizer would have summed::
+
+    p.grad += Σ_i C_i · ∂L_i/∂p,     C_i = min(1, R / (‖∂L_i/∂θ‖ + 1e-6))      (flat clipping)
+
+where ``L_i`` is sample i's loss (for ``loss_reduction="mean"`` the mean loss's output
+gradients are rescaled by the physical batch size B, as Opacus does). The optimizer
+(:mod:`.optimizer`) then only adds noise and divides by the expected batch size — Opacus' code.
+
+Two flows fill ``p.grad``:
+
+* **criterion flow** (``grad_sample_mode="ghost"``): the wrapped criterion's ``backward()`` runs
+  the engine's activation-only norm pass on the per-sample losses, then one backward of
+  ``Σ_i C_i L_i`` (seed 002, Algorithm 1; :class:`private_engine.clipping.PerSampleClipper`).
+* **plain backward** (every other mode, or any ``loss.backward()``): book-keeping (Bu et al. 2023).
+  During the ordinary backward the recorded (activation a, output gradient g) of every layer
+  call are kept, each layer's per-sample norm is computed as soon as its gradient arrives
+  (ghost norm or instantiation, per the mixed rule), the raw parameter gradients are discarded
+  (a tensor hook on each parameter), and at the end of the backward (an autograd callback)
+  ``Σ_i C_i g_iᵀ a_i`` is written by ``LayerRule.weighted_grads`` — no second backward.
+
+``clipping="per_layer"``: one threshold R_k per parameter tensor (Opacus' definition), clip
+factor ``C_{i,k} = min(1, R_k / (‖∂L_i/∂θ_k‖ + 1e-6))`` from instantiated per-sample gradients.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from opacus.layers.dp_multihead_attention import SequenceBias
+from opacus.layers.dp_rnn import RNNLinear
+from torch import nn
+
+from ..clipping import ABADI_EPS, PerSampleClipper, abadi_clip, check_per_sample_loss
+from ..hooks import RecordedLayer
+from ..plan import decide
+
+
+class PrivateModule(nn.Module):
+    """``nn.Module`` wrapper that leaves the clipped per-sample gradient sum in ``p.grad``.
+
+    Args:
+        module: the user's model (kept as ``self._module``).
+        layers: ``[(name, module, rule)]`` covering every trainable parameter (validated).
+        max_grad_norm: R (flat) or a list ``[R_k]``, one per optimizer parameter (per_layer;
+            bound by :meth:`bind_per_layer_norms` when the optimizer is known).
+        loss_reduction: "mean" or "sum": how the plain ``loss`` reduces per-sample losses.
+        mode: the engine's clipping mode ("mixed" by default, layerwise-optimal).
+    """
+
+    def __init__(self, module: nn.Module, layers, *, max_grad_norm, loss_reduction: str = "mean",
+                 mode: str = "mixed", grad_sample_mode: str = "hooks", batch_first: bool = True):
+        super().__init__()
+        self._module = module
+        self.loss_reduction = loss_reduction
+        self.batch_first = batch_first
+        self.grad_sample_mode = grad_sample_mode
+        self.per_layer = isinstance(max_grad_norm, (list, tuple))
+        self.max_grad_norm = None if self.per_layer else float(max_grad_norm)
+        self._params = [p for p in module.parameters() if p.requires_grad]
+        self._names = {id(p): n for n, p in module.named_parameters()}
+        self.clipper = PerSampleClipper(layers, self._params, mode=mode,
+                                        max_grad_norm=1.0 if self.per_layer else self.max_grad_norm)
+        self.recorder = self.clipper.recorder
+        self.recorder.on_layer_ready = self._on_layer_ready_plain
+        self.recorder.capturing = True
+        self._norms_by_param: Dict[int, float] = {}
+        self.grad_accumulation_allowed = True
+        #: backward passes whose clipped sums are in p.grad since the optimizer last consumed them
+        self.backward_passes = 0
+        self._consumed = False
+        #: per-sample gradient norms ‖g_i‖ of the last backward (flat clipping)
+        self.last_norms: Optional[torch.Tensor] = None
+        self._reset_plain()
+        self._graph_checked = False
+        self._param_handles = [p.register_hook(self._discard_raw_grad) for p in self._params]
+        # on the wrapped model itself, so that they also run when make_private(wrap_model=False) is used
+        self._param_handles.append(module.register_forward_pre_hook(self._eval_snapshot))
+        self._param_handles.append(module.register_forward_hook(self._check_graph_hook))
+        self._param_handles += [m.register_forward_pre_hook(_reject_packed_sequence) for m in module.modules()
+                                if _is_dp_rnn(m)]
+        self._hooks_enabled = True
+
+    # -- opacus GradSampleModule face ---------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        return self._module(*args, **kwargs)
+
+    def _eval_snapshot(self, module, inputs) -> None:
+        self._eval_marks = None if module.training else [len(layer.calls) for layer in self.recorder.layers]
+
+    def _drop_eval_records(self) -> None:
+        """A forward in eval mode is not recorded (as in Opacus): its calls are dropped right away,
+        so evaluating without ``torch.no_grad()`` does not pile up activations."""
+        for layer, mark in zip(self.recorder.layers, self._eval_marks):
+            for c in layer.calls[mark:]:
+                c.activation = c.grad = c.edge = c.input_node = None
+            del layer.calls[mark:]
+        self._eval_marks = None
+
+    def _check_graph_hook(self, module, inputs, out) -> None:
+        if getattr(self, "_eval_marks", None) is not None:
+            self._drop_eval_records()
+            return
+        if not self._graph_checked and torch.is_grad_enabled():
+            self._check_graph(out)
+
+    def _check_graph(self, out) -> None:
+        """Once, on the first forward with grad: every trainable parameter must reach the output only
+        through a recorded call of its layer (a tied weight in ``F.linear(h, emb.weight)`` would
+        otherwise be missing from the per-sample norms of a plain backward)."""
+        tensors = [t for t in _flatten(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        outside = {}
+        for t in tensors:
+            for p in self.recorder.params_reached_outside_calls(t, self._params):
+                outside[id(p)] = self._names.get(id(p))
+        if outside:
+            self.recorder.reset()
+            raise ValueError(
+                f"trainable parameters {sorted(outside.values())} are used outside the forward of their own module "
+                "(e.g. a tied weight in F.linear(h, emb.weight)); their per-sample gradients would be missing from "
+                "the clipping norms. Untie them or freeze them (requires_grad_(False))."
+            )
+        self._graph_checked = bool(tensors)
+
+    def __getattr__(self, item):
+        try:
+            return super().__getattr__(item)
+        except AttributeError as e:
+            submodules = dict(self.named_children())
+            if "_module" in submodules and hasattr(submodules["_module"], item):
+                return getattr(submodules["_module"], item)
+            raise e
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear ``p.grad`` of the wrapped model and the count of accumulated backward passes."""
+        super().zero_grad(set_to_none)
+        self.optimizer_zero_grad()
+
+    def forbid_grad_accumulation(self) -> None:
+        """Poisson sampling: every backward must be followed by ``optimizer.step()`` (as in Opacus)."""
+        self.grad_accumulation_allowed = False
+
+    def allow_grad_accumulation(self) -> None:
+        self.grad_accumulation_allowed = True
+
+    def disable_hooks(self) -> None:
+        """Backward passes compute ordinary (unclipped) gradients until :meth:`enable_hooks`."""
+        self._hooks_enabled = False
+        self.recorder.capturing = False
+
+    def enable_hooks(self) -> None:
+        self._hooks_enabled = True
+        self.recorder.capturing = True
+
+    def remove_hooks(self) -> None:
+        """Remove every hook; the wrapped module is back to a plain ``nn.Module``."""
+        for h in self._param_handles:
+            h.remove()
+        self._param_handles = []
+        self.clipper.remove()
+
+    cleanup = remove_hooks
+    _close = remove_hooks
+
+    def bind_optimizer(self, optimizer) -> None:
+        """The DP optimizer whose ``max_grad_norm`` is the clipping threshold (Opacus' grad-clip
+        schedulers change it there; clipping and noise must use the same R)."""
+        self._dp_optimizer = optimizer
+
+    def current_max_grad_norm(self) -> float:
+        """R for flat clipping: the bound optimizer's ``max_grad_norm`` (else the make_private value)."""
+        opt = getattr(self, "_dp_optimizer", None)
+        return float(opt.max_grad_norm) if opt is not None else self.max_grad_norm
+
+    def bind_per_layer_norms(self, params: Sequence[nn.Parameter], max_grad_norms: Sequence[float]) -> None:
+        """Per-layer clipping: ``R_k`` for each parameter, in the optimizer's parameter order."""
+        if len(params) != len(max_grad_norms):
+            raise ValueError(
+                f"clipping='per_layer' needs one max_grad_norm per optimizer parameter: the optimizer has "
+                f"{len(params)} parameter tensors but max_grad_norm has {len(max_grad_norms)} values."
+            )
+        self._norms_by_param = {id(p): float(r) for p, r in zip(params, max_grad_norms)}
+
+    def optimizer_consumed(self) -> None:
+        """Called by the optimizer after it read p.grad (``pre_step``)."""
+        self._consumed = True
+        self.backward_passes = 0
+
+    def optimizer_zero_grad(self) -> None:
+        self._consumed = False
+        self.backward_passes = 0
+
+    def _start_backward(self) -> None:
+        if self._consumed:
+            raise RuntimeError(
+                "backward after optimizer.step() without optimizer.zero_grad(): p.grad still holds the noised "
+                "gradient of the last step. Call optimizer.zero_grad() after every optimizer.step()."
+            )
+        if not self.grad_accumulation_allowed and self.backward_passes > 0:
+            raise ValueError(
+                "Poisson sampling is not compatible with grad accumulation. You need to call optimizer.step() "
+                "after every forward/backward pass or consider using BatchMemoryManager."
+            )
+
+    # -- plain loss.backward(): book-keeping ----------------------------------------------------
+    def _reset_plain(self) -> None:
+        self._stored: List[Tuple[RecordedLayer, list]] = []
+        self._norm_sq: Optional[torch.Tensor] = None
+        self._callback_queued = False
+
+    def _queue_finish(self) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_plain)
+
+    def _discard_raw_grad(self, grad: torch.Tensor):
+        """Tensor hook on each parameter: its unclipped gradient is replaced by zeros (the clipped
+        sum is added at the end of the backward)."""
+        if not (self._hooks_enabled and self.recorder.capturing):
+            return None
+        self._queue_finish()
+        return torch.zeros_like(grad)
+
+    def _to_batch_first(self, layer: RecordedLayer) -> None:
+        """``batch_first=False``: move the batch dimension (1) of every recorded input and output
+        gradient to the front, except for Opacus' ``RNNLinear`` (called per time step on (B, H)) —
+        Opacus' own convention. ``SequenceBias`` follows its own ``batch_first`` attribute."""
+        if isinstance(layer.module, SequenceBias):
+            if layer.module.batch_first:
+                return
+        elif self.batch_first or type(layer.module) is RNNLinear:
+            return
+        for c in layer.calls:
+            if c.activation is not None and c.activation.dim() > 1:
+                c.activation = c.activation.movedim(1, 0)
+            if c.grad is not None and c.grad.dim() > 1:
+                c.grad = c.grad.movedim(1, 0)
+
+    def _on_layer_ready_criterion(self, layer: RecordedLayer) -> None:
+        self._to_batch_first(layer)
+        self.clipper._on_layer_ready(layer)
+
+    def _on_layer_ready_plain(self, layer: RecordedLayer) -> None:
+        self._to_batch_first(layer)
+        pairs = layer.pairs()
+        if pairs:
+            self._queue_finish()
+        if not pairs or pairs[0][1].shape[0] == 0:  # nothing reached, or an empty Poisson batch
+            layer.release()
+            return
+        stored = RecordedLayer(layer.name, layer.module, layer.rule)
+        self._stored.append((stored, pairs))
+        dims = [c.dims for c in layer.calls if c.fired and c.grad is not None]
+        layer.release()
+        if self.per_layer:
+            return
+        decision = decide(stored.name, stored.module, dims, self.clipper.mode)
+        rule = stored.rule
+        contrib = (rule.ghost_norm_sq(stored.module, pairs) if decision.use_ghost
+                   else rule.instantiated_norm_sq(stored.module, pairs))
+        self._norm_sq = contrib if self._norm_sq is None else self._norm_sq + contrib.to(self._norm_sq.dtype)
+
+    def _finish_plain(self) -> None:
+        """End of a plain backward: clip factors from the summed norms, then ``Σ_i C_i g_iᵀ a_i``."""
+        try:
+            self._start_backward()
+            self.recorder.finish_unfired()  # layers the loss does not reach contribute nothing
+            self.recorder.reset()
+            if not self._stored:
+                self.backward_passes += 1
+                return
+            sizes = {a.shape[0] for _, pairs in self._stored for a, g in pairs} | \
+                    {g.shape[0] for _, pairs in self._stored for a, g in pairs}
+            if len(sizes) != 1:
+                raise ValueError(
+                    f"layers saw different batch sizes {sorted(sizes)} in one backward; inputs must be batch-first "
+                    "(batch dimension 0) and each backward must come from one forward pass."
+                )
+            batch = sizes.pop()
+            scale = float(batch) if self.loss_reduction == "mean" else 1.0
+            if self.per_layer:
+                self._write_per_layer(scale)
+            else:
+                norms = self._norm_sq.sqrt() * scale
+                factors = abadi_clip(norms, self.current_max_grad_norm())
+                self.last_norms = norms.detach()
+                for layer, pairs in self._stored:
+                    grads = layer.rule.weighted_grads(layer.module, pairs, factors * scale)
+                    for name, g in grads.items():
+                        _add_grad(getattr(layer.module, name), g)
+            self.backward_passes += 1
+        finally:
+            self._reset_plain()
+
+    def _write_per_layer(self, scale: float) -> None:
+        for layer, pairs in self._stored:
+            for name, grad in layer.rule.per_sample_grads(layer.module, pairs).items():
+                p = getattr(layer.module, name)
+                r = self._norms_by_param.get(id(p))
+                if r is None:
+                    raise RuntimeError(f"no per-layer max_grad_norm bound for parameter {self._names.get(id(p))}.")
+                norms = grad.reshape(grad.shape[0], -1).norm(2, dim=1) * scale
+                factors = (r / (norms + ABADI_EPS)).clamp(max=1.0)
+                _add_grad(p, torch.tensordot((factors * scale).to(grad.dtype), grad, dims=1))
+
+    # -- criterion flow ---------------------------------------------------------------------------
+    def criterion_backward(self, loss_per_sample: torch.Tensor) -> None:
+        """``p.grad += Σ_i C_i ∂L_i/∂p`` from per-sample losses: norm pass + weighted backward."""
+        check_per_sample_loss(loss_per_sample, name="the per-sample loss")
+        self._start_backward()
+        if self.per_layer:
+            raise ValueError("clipping='per_layer' is not supported with grad_sample_mode='ghost' (as in Opacus).")
+        if loss_per_sample.numel() == 0:  # an empty Poisson batch contributes nothing
+            self.recorder.reset()
+            self.backward_passes += 1
+            return
+        outside = self.recorder.params_reached_outside_calls(loss_per_sample, self._params)
+        if outside:
+            self.recorder.reset()
+            raise ValueError(
+                f"the loss depends on trainable parameters {[self._names.get(id(p)) for p in outside]} other than "
+                "through a recorded call of their layer (e.g. a tied weight used in F.linear outside its module, or a "
+                "forward pass run before make_private); their per-sample gradients would be missing from the norms."
+            )
+        self.recorder.on_layer_ready = self._on_layer_ready_criterion
+        self.clipper.max_grad_norm = self.current_max_grad_norm()
+        self._hooks_enabled = False
+        try:
+            norms = self.clipper.per_sample_norms(loss_per_sample)
+            factors = self.clipper.clip_factors(norms)
+            self.last_norms = norms.detach()
+            grads = self.clipper.clipped_grad_sum(loss_per_sample, factors)
+        finally:
+            self.recorder.on_layer_ready = self._on_layer_ready_plain
+            self.recorder.capturing = True
+            self._hooks_enabled = True
+        for p, g in zip(self._params, grads):
+            _add_grad(p, g)
+        self.backward_passes += 1
+
+
+def _add_grad(p: torch.Tensor, g: torch.Tensor) -> None:
+    g = g.to(p.dtype)
+    if p.grad is None:
+        p.grad = g
+    else:
+        p.grad.add_(g)
+
+
+def _is_dp_rnn(module: nn.Module) -> bool:
+    from opacus.layers.dp_rnn import DPRNNBase
+    return isinstance(module, DPRNNBase)
+
+
+def _reject_packed_sequence(module, inputs):
+    """DPLSTM/DPGRU/DPRNN on a PackedSequence call their linear maps with a batch that shrinks
+    over time; per-sample bookkeeping across those calls is not implemented."""
+    if inputs and isinstance(inputs[0], nn.utils.rnn.PackedSequence):
+        raise TypeError(
+            f"{type(module).__name__} was given a PackedSequence, which private_engine does not support yet. "
+            "Pad the batch instead (torch.nn.utils.rnn.pad_packed_sequence / pad_sequence, batch_first=True) and "
+            "pick each sequence's last valid output, or mask the padded positions in the loss."
+        )
+
+
+def _flatten(out):
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (list, tuple)):
+        return [t for o in out for t in _flatten(o)]
+    if isinstance(out, dict):
+        return [t for o in out.values() for t in _flatten(o)]
+    return []
