@@ -16,6 +16,7 @@ per-sample clipping + noise + optimizer step (forward + backward + step for non-
     opacus_ghost_frozen  opacus_ghost, likewise
     dropin_hooks         the Opacus loop of opacus_hooks with ``from private_engine import PrivacyEngine``
     dropin_ghost         the Opacus loop of opacus_ghost with ``from private_engine import PrivacyEngine``
+    dropin_*_frozen      dropin_*, likewise (the Opacus-compatible API refuses parameters that need the tracer)
 
 A method that cannot run the model (e.g. private_engine before it has a rule for ``cls_token``,
 or Opacus on parameters owned by the model's root module) shows its error text in the table.
@@ -59,8 +60,10 @@ from typing import Callable, Dict, List, Optional
 
 FROZEN = "_frozen"  # suffix: the method with the --frozen-set parameters frozen
 METHODS = ("nondp", "mixed", "ghost", "per_sample", "opacus_hooks", "opacus_ghost", "dropin_hooks", "dropin_ghost",
-           "mixed" + FROZEN, "opacus_hooks" + FROZEN, "opacus_ghost" + FROZEN)
-OURS = ("mixed", "ghost", "per_sample", "dropin_hooks", "dropin_ghost", "mixed" + FROZEN)
+           "mixed" + FROZEN, "opacus_hooks" + FROZEN, "opacus_ghost" + FROZEN, "dropin_hooks" + FROZEN,
+           "dropin_ghost" + FROZEN)
+OURS = ("mixed", "ghost", "per_sample", "dropin_hooks", "dropin_ghost", "mixed" + FROZEN, "dropin_hooks" + FROZEN,
+        "dropin_ghost" + FROZEN)
 OPACUS = ("opacus_hooks", "opacus_ghost")
 #: parameters timm ViTs own directly (no layer around them): frozen in the ``*_frozen`` methods
 TOKEN_PARAMS = ("cls_token", "pos_embed", "reg_token", "dist_token")
@@ -303,6 +306,9 @@ def setup_opacus(grad_sample_mode: str, dropin: bool = False):
             dp_opt.zero_grad(set_to_none=True)
 
         def describe():
+            if dropin:  # docs/migrating-from-opacus.md, "grad_sample_mode mapping"
+                return ("criterion flow: norm pass + weighted backward" if grad_sample_mode == "ghost"
+                        else "plain backward: book-keeping, one backward")
             ft = opacus_functorch_modules(dp_model)
             return f"functorch (vmap) per-sample gradients for: {', '.join(ft)}" if ft else ""
 
