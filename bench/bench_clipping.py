@@ -165,7 +165,7 @@ def build_model(args, method: str = "nondp"):
     import torch
     import private_engine
     from private_engine.models import create_model
-    from private_engine.validation import batchnorm_modules, unsupported_parameters
+    from private_engine.validation import batchnorm_modules, fallback_modules, traced_parameters
 
     torch.manual_seed(args.seed)
     model = _create(create_model, args)
@@ -178,7 +178,8 @@ def build_model(args, method: str = "nondp"):
             if getattr(m, "inplace", False) is True:
                 m.inplace = False
         notes["inplace"] = "in-place activations disabled (--no-inplace) for every method"
-    notes["no_rule"] = unsupported_parameters(model)  # reported, not frozen
+    notes["traced"] = traced_parameters(model)  # how private_engine clips parameters outside layers
+    notes["fallback"] = fallback_modules(model)
     by_glob = matching(model, args.freeze)
     by_set = matching(model, args.frozen_set) if method.endswith(FROZEN) else []
     if method.endswith(FROZEN) and not by_set:
@@ -734,9 +735,11 @@ def setup_lines(args, results: Dict[str, dict]) -> List[str]:
     frozen_set = next((r["frozen_set"] for r in results.values() if r.get("frozen_set")), [])
     lines.append("All parameters trainable" + (f" except, in the *{FROZEN} methods, {', '.join(frozen_set)}"
                                                if frozen_set else "") + " ('trainable' column).")
-    if ok.get("no_rule"):
-        lines.append(f"No per-sample rule in private_engine at this commit: {', '.join(ok['no_rule'])} "
-                     f"(private_engine then refuses the model unless they are frozen).")
+    if ok.get("traced"):
+        lines.append(f"private_engine clips by its parameter-entry tracer: {', '.join(ok['traced'][:6])}"
+                     + (f", … ({len(ok['traced'])} in all)" if len(ok["traced"]) > 6 else "") + ".")
+    if ok.get("fallback"):
+        lines.append(f"private_engine clips by its torch.func fallback: {', '.join(ok['fallback'])}.")
     if ok.get("frozen_glob"):
         lines.append(f"Frozen by --freeze: {len(ok['frozen_glob'])} parameters.")
     for key in ("batchnorm", "inplace"):

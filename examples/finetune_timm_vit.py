@@ -40,7 +40,7 @@ from private_engine.data import poisson_loader
 from private_engine.image_data import SOURCES, load_image_data, model_data_config, num_classes
 from private_engine.models import create_model
 from private_engine.training import accuracy, private_logical_step
-from private_engine.validation import batchnorm_modules, unsupported_parameters
+from private_engine.validation import batchnorm_modules, traced_parameters
 
 VIT_PREFIXES = ("vit_", "deit_", "deit3_")
 #: the demo's small ViT for the 8×8 digits (``--data digits`` without ``--pretrained``)
@@ -143,13 +143,11 @@ def build_model(args, num_classes: int) -> torch.nn.Module:
         # BatchNorm mixes the samples of a batch: no per-sample gradient exists. The one-call fix:
         model = pe.fix_batchnorm(model)
         print(f"BatchNorm → GroupNorm (private_engine.fix_batchnorm): {len(bns)} layers")
-    # Parameters without a per-sample rule in this release (e.g. a ViT's pos_embed) are frozen, by name.
-    frozen = unsupported_parameters(model)
-    params = dict(model.named_parameters())
-    for name in frozen:
-        params[name].requires_grad_(False)
-    if frozen:
-        print(f"frozen (no per-sample rule in this release): {', '.join(frozen)}")
+    # Every trainable parameter is clipped: layer rules, the parameter-entry tracer (tokens, pos_embed,
+    # LayerScale, bias tables) or the torch.func fallback (which warns, naming its modules).
+    traced = traced_parameters(model)
+    if traced:
+        print(f"clipped by the parameter-entry tracer: {', '.join(traced[:6])}" + (" …" if len(traced) > 6 else ""))
     return model
 
 

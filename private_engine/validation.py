@@ -136,12 +136,6 @@ def fallback_modules(model: nn.Module) -> List[str]:
     return [n or type(model).__name__ for n, _ in _scan(model)[2]]
 
 
-def unsupported_parameters(model: nn.Module) -> List[str]:
-    """Names of trainable parameters that no mechanism covers statically (always empty now: parameters
-    without a layer rule go to the tracer, which refuses an unsupported use at the first forward)."""
-    return []
-
-
 def clipped_layers(model: nn.Module, strict: bool = True) -> List[Tuple[str, nn.Module, LayerRule]]:
     """``[(name, module, rule)]`` for every module whose direct trainable parameters a rule covers.
 
