@@ -128,7 +128,7 @@ class PerSampleClipper:
         try:
             for a, g in pairs:
                 if a.shape[0] != g.shape[0] or a.shape[0] % max(B, 1) or B == 0 or \
-                        (a.shape[0] != B and not layer.rows_ok()):
+                        (a.shape[0] != B and not layer.rows_ok()) or layer.batch_moved():
                     raise ValueError(
                         f"layer {layer.name} saw a batch of {a.shape[0]} but the loss has {B} values; "
                         'the loss must have one value per sample: compute it with reduction="none" and sum '

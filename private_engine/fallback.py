@@ -99,13 +99,29 @@ class FallbackModule:
         B = self.tracer.batch_size
         major = self.tracer.sample_major(t)
         if major is None:  # not computed from the inputs (a buffer, a constant) or called outside the model
-            return not self.tracer.active and t.dim() > 0 and t.shape[0] == B
+            if not self.tracer.active:
+                return t.dim() > 0 and t.shape[0] == B
+            if t.dim() > 0 and B > 1 and t.shape[0] == B and not self._is_state(t):
+                raise ValueError(
+                    f"{self.name} ({type(self.module).__name__}) is called with a tensor of shape {tuple(t.shape)} "
+                    f"(leading size = the batch size {B}) that the tracer did not see computed from the model's "
+                    "inputs; the torch.func fallback would hand the whole tensor to every sample. Compute per-sample "
+                    "inputs of this module with torch ops inside the model's forward (not through numpy/.tolist()), "
+                    "or make a constant's leading dimension differ from the batch size.")
+            return False
         if not major or t.dim() == 0 or t.shape[0] % B:
             raise ValueError(
                 f"{self.name} ({type(self.module).__name__}) is called with a batched input of shape "
                 f"{tuple(t.shape)} whose batch is not in dim 0 (sample-major); the torch.func fallback slices "
                 "samples along dim 0. Use a batch-first layout (e.g. nn.MultiheadAttention(batch_first=True)).")
         return True
+
+    def _is_state(self, t: torch.Tensor) -> bool:
+        """True when ``t`` is a parameter or buffer of the model (a constant, whatever its shape)."""
+        model = getattr(self.tracer, "model", None)
+        if model is None:
+            return False
+        return any(t is s for s in model.buffers()) or any(t is p for p in model.parameters())
 
     def _hook(self, module, args, kwargs, output):
         if replaying() or not torch.is_grad_enabled() or self.tracer.batch_size is None:

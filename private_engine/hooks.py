@@ -36,6 +36,8 @@ class RecordedCall:
     fired: bool = False
     #: the tracer's view of the input: True when its rows are sample-major in dim 0 (needed for k·B rows)
     rows_ok: Optional[bool] = None
+    #: the tracer's batch dimension of the input (-1: unknown; None: not known to the tracer)
+    batch_dim: Optional[int] = None
 
 
 @dataclass
@@ -50,6 +52,10 @@ class RecordedLayer:
     def rows_ok(self) -> bool:
         """True when every fired call's input is known to be sample-major (k·B rows may be grouped)."""
         return all(c.rows_ok is True for c in self.calls if c.fired and c.grad is not None)
+
+    def batch_moved(self) -> bool:
+        """True when a fired call's input is known to have its batch dimension elsewhere than dim 0."""
+        return any(c.batch_dim is not None and c.batch_dim > 0 for c in self.calls if c.fired and c.grad is not None)
 
     def pairs(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
         """``[(activation, output_grad)]`` of the calls whose gradient reached the layer."""
@@ -130,6 +136,9 @@ class LayerRecorder:
             major = getattr(extra, "sample_major", None)
             if major is not None:
                 call.rows_ok = major(x) if not covered else True
+            bdim = getattr(extra, "batch_dim", None)
+            if bdim is not None and not covered:
+                call.batch_dim = bdim(x)
         layer.calls.append(call)
         root.register_hook(self._make_grad_hook(layer, call))
 

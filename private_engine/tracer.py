@@ -175,9 +175,18 @@ class ParamTracer(TorchFunctionMode):
     # -- the mode -------------------------------------------------------------------------
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _PASSIVE or not torch.is_grad_enabled():
+        if func in _PASSIVE:
             return func(*args, **kwargs)
         tensors = _tensors(args, kwargs)
+        if not torch.is_grad_enabled():  # no entries, no derived tensors; but per-sample data stays batched
+            out = func(*args, **kwargs)
+            src = next((t for t in tensors if t in self.batched), None)
+            if src is not None:
+                bdims = {self.batched[t] for t in tensors if t in self.batched}
+                bdim = bdims.pop() if len(bdims) == 1 else -1
+                for t in _outputs(out):
+                    self.batched[t] = _out_bdim(func, args, kwargs, src, bdim, t, self.batch_size)
+            return out
         tracked = [t for t in tensors if self.is_tracked(t)]
         batched = any(t in self.batched for t in tensors)
         # data: batched, or computed from parameters the tracer does not follow (e.g. a layer's output)
@@ -248,6 +257,10 @@ class ParamTracer(TorchFunctionMode):
             return Derived((id(t),))
         return self.derived[t]
 
+    def _moved(self, tensors) -> bool:
+        """True when a batched tensor among ``tensors`` is known to have its batch elsewhere than dim 0."""
+        return any(self.batched[t] > 0 for t in tensors if t in self.batched)
+
     def _rows_ok(self, tensors) -> bool:
         """True when every batched tensor among ``tensors`` has its batch in dim 0, sample-major."""
         return all(self.batched[t] == 0 for t in tensors if t in self.batched)
@@ -257,6 +270,12 @@ class ParamTracer(TorchFunctionMode):
         if not self.active or t not in self.batched:
             return None
         return self.batched[t] == 0
+
+    def batch_dim(self, t) -> Optional[int]:
+        """Where batched ``t`` has its batch dimension (-1: unknown; None: not a batched tensor seen here)."""
+        if not self.active or t not in self.batched:
+            return None
+        return self.batched[t]
 
     def is_tracked(self, t) -> bool:
         return id(t) in self.tracked or t in self.derived
@@ -318,13 +337,15 @@ class ParamTracer(TorchFunctionMode):
             "building the engine, or freeze them (requires_grad_(False))."
         )
 
-    def _substitute(self, t, shape, func, check_batch=True, rows_ok=True):
-        """``D_b``: ``t`` (aligned to the broadcast ``shape``) expanded to ``shape[0]`` rows, and its entry."""
+    def _substitute(self, t, shape, func, check_batch=True, rows_ok=True, moved=False):
+        """``D_b``: ``t`` (aligned to the broadcast ``shape``) expanded to ``shape[0]`` rows, and its entry.
+        ``rows_ok``: the batched operands are known sample-major in dim 0 (needed for k·B rows); ``moved``: one
+        is known to have its batch in another dimension (refused even with B rows: a sequence-first layout)."""
         B = self.batch_size
         n = shape[0]
-        if check_batch and n != B and not rows_ok:
+        if check_batch and (moved or (n != B and not rows_ok)):
             self._fail(func, [t], f"the batched operand has {n} rows but its batch dimension was moved from dim 0 "
-                                  "(e.g. a sequence-first layout), so rows cannot be assigned to samples")
+                                  "(e.g. a sequence-first layout) or is unknown, so rows cannot be assigned to samples")
         if check_batch and n % B:
             self._fail(func, [t], f"the batched operand has {n} rows, not a multiple of the batch size {B} "
                                   "(inputs must be batch-first)")
@@ -353,16 +374,17 @@ class ParamTracer(TorchFunctionMode):
         batched_nodes = [get_gradient_edge(t).node for t in tensors if not self.is_tracked(t) and t.requires_grad]
         new_entries = []
         rows_ok = self._rows_ok(tensors)
+        moved = self._moved(tensors)
 
         def sub(t, shape):
             if self.is_tracked(t) and self._info(t).pending:
-                if t.dim() != len(shape) or t.shape[0] != shape[0] or shape[0] % self.batch_size or \
+                if t.dim() != len(shape) or t.shape[0] != shape[0] or shape[0] % self.batch_size or moved or \
                         (shape[0] != self.batch_size and not rows_ok):
                     self._fail(func, [t], f"its {t.shape[0]} rows do not line up with the {shape[0]} batched rows")
                 new_entries.extend(self._info(t).pending)
                 return t
             if self.is_tracked(t):
-                d_b, e = self._substitute(t, shape, func, rows_ok=rows_ok)
+                d_b, e = self._substitute(t, shape, func, rows_ok=rows_ok, moved=moved)
                 new_entries.append(e)
                 return d_b
             return t
@@ -442,7 +464,14 @@ class ParamTracer(TorchFunctionMode):
             layer = self.linear_layers.get(id(W))
             if x.dim() >= 2 and x.shape[0] == self.batch_size and info.row_base is not None and not tr[2]:
                 # rows are the samples: an entry for x; the Linear's own call is recorded here
+                if layer is not None and not (b is None or b is layer.module.bias):
+                    self._fail(F.linear, tracked, f"the bias is not the own bias of the Linear {layer.name} owning "
+                                                  "the weight (the recorded call would clip the wrong bias)")
+                own = (layer.module.weight, layer.module.bias) if layer is not None else ()
                 x, e = self._substitute(x, tuple(x.shape), F.linear)
+                # W/b that are not the Linear's own parameters: the graph walk must look behind them
+                e.batched_nodes = [get_gradient_edge(t).node for t in (W, b) if isinstance(t, torch.Tensor)
+                                   and t.requires_grad and not any(t is o for o in own)]
                 new_entries.append(e)
                 y = F.linear(x, W, b)
                 if layer is not None:
@@ -495,6 +524,8 @@ class ParamTracer(TorchFunctionMode):
             return True
         if self.is_tracked(a):  # a layer on a batch-free tracked input: already followed by the tracer
             return output in self.derived
+        if output in self.derived:  # its parameters were handed over in an earlier step: a chain op already
+            return True
         if a in self.batched or a.requires_grad or (a.dim() > 0 and a.shape[0] == self.batch_size):
             return False
         params = [(f"{name}.{pn}" if name else pn, getattr(module, pn)) for pn in rule.param_names
@@ -603,20 +634,52 @@ def _out_bdim(func, args, kwargs, src, bdim, out, B) -> int:
         if func in _UNBINDS:
             d = (args[1] if len(args) > 1 else kwargs.get("dim", 0)) % nd
             return -1 if d == bdim else bdim - (d < bdim)
+        if func in _UNSQUEEZES:
+            d = (args[1] if len(args) > 1 else kwargs.get("dim")) % (nd + 1)
+            r = bdim + (d <= bdim)
+            return r if out.dim() == nd + 1 and out.shape[r] == src.shape[bdim] else -1
         if func in _RESHAPES:
+            if bdim > 0 and out.dim() > bdim and tuple(out.shape[:bdim + 1]) == tuple(src.shape[:bdim + 1]):
+                return bdim  # the dims up to the batch are kept (e.g. (T, B, H·D) -> (T, B, H, D))
             if bdim != 0 or out.dim() == 0:
                 return -1
             n_in, n_out = src.shape[0], out.shape[0]
             if n_out % B == 0 and (n_out % n_in == 0 or n_in % n_out == 0):
                 return 0  # dim 0 merged with following dims, or split: rows stay sample-major
             return -1
-        if func in (torch.Tensor.t, torch.t) or getattr(func, "__name__", "") in ("T", "mT", "H", "mH"):
-            return -1
+        if func in (torch.Tensor.t, torch.t) or func in _T_GETTERS:  # .t(), .T, .H reverse dims; .mT, .mH swap
+            if func not in _MT_GETTERS:
+                r = nd - 1 - bdim
+            else:
+                r = {nd - 2: nd - 1, nd - 1: nd - 2}.get(bdim, bdim)
+            return r if out.dim() == nd and out.shape[r] == src.shape[bdim] else -1
+        if out.dim() == nd:  # same rank: the batch stays in place only when its size is unchanged (cat/repeat
+            return bdim if out.shape[bdim] == src.shape[bdim] else -1  # along it stack rows, not samples)
+        if out.dim() == nd - 1 and getattr(func, "__name__", "") in _REDUCTIONS:  # x.mean(1), x.amax(dim=-1), …
+            d = args[1] if len(args) > 1 else kwargs.get("dim")
+            if isinstance(d, (tuple, list)) and len(d) == 1:
+                d = d[0]
+            if isinstance(d, int) and d % nd != bdim:
+                r = bdim - (d % nd < bdim)
+                return r if out.shape[r] == src.shape[bdim] else -1
     except Exception:  # an unexpected signature: unknown
         return -1
-    return bdim if out.dim() == nd else -1
+    return -1
 
 
+_REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "prod", "std", "var", "logsumexp", "squeeze",
+               "argmax", "argmin", "all", "any", "nansum", "nanmean", "median", "count_nonzero"}
+#: ``x.T`` etc. arrive in ``__torch_function__`` as the property getters
+_T_GETTERS, _MT_GETTERS = set(), set()
+for _attr in ("T", "mT", "H", "mH"):
+    _getter = getattr(getattr(torch.Tensor, _attr, None), "__get__", None)
+    if _getter is not None:
+        _T_GETTERS.add(_getter)
+        if _attr.startswith("m"):
+            _MT_GETTERS.add(_getter)
+
+
+_UNSQUEEZES = {torch.Tensor.unsqueeze, torch.unsqueeze}
 _UNBINDS = {torch.Tensor.unbind, torch.unbind, torch.Tensor.select, torch.select}
 _RESHAPES = {torch.Tensor.reshape, torch.reshape, torch.Tensor.view, torch.Tensor.flatten, torch.flatten,
              torch.Tensor.view_as, torch.Tensor.reshape_as, torch.Tensor.unflatten}
