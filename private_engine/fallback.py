@@ -132,13 +132,14 @@ class FallbackModule:
         if not outs:
             return None
         ins = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
-        call = FallbackCall(
-            args=tuple(self._wrap(a) for a in args), kwargs={k: self._wrap(v) for k, v in kwargs.items()},
-            out_edges=[get_gradient_edge(o) for o in outs], out_nodes=[get_gradient_edge(o).node for o in outs],
-            in_nodes=[get_gradient_edge(t).node for t in ins if t.requires_grad],
-            out_shapes=[o.shape for o in outs], out_index=index, grads=[None] * len(outs))
-        for k, o in enumerate(outs):
-            o.register_hook(self._make_grad_hook(call, k))
+        with torch._C.DisableTorchFunction():  # book-keeping: not through the tracer's mode (speed only)
+            call = FallbackCall(
+                args=tuple(self._wrap(a) for a in args), kwargs={k: self._wrap(v) for k, v in kwargs.items()},
+                out_edges=[get_gradient_edge(o) for o in outs], out_nodes=[get_gradient_edge(o).node for o in outs],
+                in_nodes=[get_gradient_edge(t).node for t in ins if t.requires_grad],
+                out_shapes=[o.shape for o in outs], out_index=index, grads=[None] * len(outs))
+            for k, o in enumerate(outs):
+                o.register_hook(self._make_grad_hook(call, k))
         self.calls.append(call)
         return None
 

@@ -103,11 +103,17 @@ class LayerRecorder:
                     f"{layer.name} ({type(module).__name__}) was called without a positional tensor input; "
                     "call clipped layers as module(x)."
                 )
-            for extra in self.extras:  # a call on a batch-free constant: the tracer follows its parameters
-                if getattr(extra, "handover", None) is not None and extra.handover(layer.name, module, layer.rule,
-                                                                                    inputs, output):
-                    return None
-            self.record(layer, module, inputs[0], output)
+            if not self.extras:
+                self.record(layer, module, inputs[0], output)
+                return None
+            # the engine's own book-keeping does not go through the tracer's TorchFunctionMode (speed only: the
+            # tracer ignores it anyway; it reads its own maps, never the mode)
+            with torch._C.DisableTorchFunction():
+                for extra in self.extras:  # a call on a batch-free constant: the tracer follows its parameters
+                    if getattr(extra, "handover", None) is not None and extra.handover(layer.name, module,
+                                                                                        layer.rule, inputs, output):
+                        return None
+                self.record(layer, module, inputs[0], output)
             return None
 
         return hook

@@ -60,8 +60,14 @@ ROWWISE = {torch.Tensor.reshape, torch.Tensor.view, torch.Tensor.permute, torch.
            torch.Tensor.flatten, torch.flatten, torch.Tensor.contiguous, torch.Tensor.unsqueeze, torch.Tensor.to,
            torch.Tensor.clone, torch.Tensor.float, torch.Tensor.double, torch.Tensor.type_as, torch.Tensor.repeat,
            torch.reshape, torch.permute}
-#: attribute reads and metadata queries: never an entry
-_PASSIVE = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.__len__}
+#: attribute reads and metadata queries: never an entry (property reads arrive as their getters)
+_PASSIVE = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.__len__, torch.Tensor.is_contiguous,
+            torch.Tensor.is_floating_point, torch.Tensor.data_ptr, torch.Tensor.storage_offset, torch.Tensor.stride}
+for _attr in ("shape", "grad_fn", "requires_grad", "dtype", "device", "is_leaf", "_base", "ndim", "is_cuda",
+              "layout"):
+    _getter = getattr(getattr(torch.Tensor, _attr, None), "__get__", None)
+    if _getter is not None:
+        _PASSIVE.add(_getter)
 
 
 @dataclass
