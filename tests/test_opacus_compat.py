@@ -263,7 +263,7 @@ def test_ghost_mode_plain_backward_without_the_wrapped_criterion():
     assert (ref - got).abs().max().item() < TOL
 
 
-@pytest.mark.parametrize("mode", sorted(pe.opacus_compat.GRAD_SAMPLE_MODES.keys() - {"ghost_fsdp", "hooks", "ghost"}))
+@pytest.mark.parametrize("mode", sorted(set(pe.opacus_compat.GRAD_SAMPLE_MODES) - {"ghost_fsdp", "hooks", "ghost"}))
 def test_every_opacus_grad_sample_mode_gives_the_same_result(mode):
     ref = train(pe.PrivacyEngine, "mlp", mode="hooks")[0]
     got = train(pe.PrivacyEngine, "mlp", mode=mode)[0]
@@ -583,3 +583,132 @@ def test_make_private_refuses_parameters_that_need_the_tracer_naming_them():
     cnn(torch.zeros(1, 1, 6, 6))
     with pytest.raises(ValueError, match=r"LayerNorm2d: 1 \(torch.func fallback\)(.|\n)*native API"):
         _make(cnn)
+
+
+# -- gradients the module did not clip are never released (Opacus raises in each case too) ----------------------
+def _mlp_private(cls, *, freeze_first=False, optimize_last_only=False, mode="hooks", poisson=False):
+    """MLP through ``cls(...).make_private``: (model, module, optimizer, criterion, x, y) for one batch of 4."""
+    torch.manual_seed(0)
+    model = mlp().double()
+    if freeze_first:
+        model[0].requires_grad_(False)
+    opt = torch.optim.SGD(model[2].parameters() if optimize_last_only else model.parameters(), lr=0.1)
+    x, y = data_for("mlp", n=8)
+    out = cls(accountant="rdp").make_private(
+        module=model, optimizer=opt, data_loader=DataLoader(TensorDataset(x, y), batch_size=4),
+        noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=poisson, grad_sample_mode=mode)
+    criterion = out[2] if len(out) == 4 else nn.CrossEntropyLoss()
+    return model, out[0], out[1], criterion, x[:4], y[:4]
+
+
+@pytest.mark.parametrize("when", ["before_backward", "after_backward", "add_param_group"])
+@pytest.mark.parametrize("cls, mode", [(opacus.PrivacyEngine, "hooks"), (pe.PrivacyEngine, "hooks"),
+                                       (pe.PrivacyEngine, "ghost")])
+def test_parameter_made_trainable_after_make_private_is_refused(cls, mode, when):
+    """Opacus' optimizer recomputes its trainable parameters each step (and finds no grad_sample for a new one);
+    ours must not release the raw gradient of a parameter it does not clip."""
+    model, module, optimizer, criterion, x, y = _mlp_private(cls, freeze_first=True, mode=mode,
+                                                             optimize_last_only=when == "add_param_group")
+    before = model[0].weight.detach().clone()
+
+    def unfreeze():
+        model[0].requires_grad_(True)
+        if when == "add_param_group":
+            optimizer.add_param_group({"params": list(model[0].parameters())})
+
+    ours = cls is pe.PrivacyEngine
+    match = "became trainable after make_private" if ours else None
+    if when != "after_backward":
+        unfreeze()
+        if ours:  # our backward already refuses (the new parameter has no hook discarding its raw gradient)
+            with pytest.raises(ValueError, match=match):
+                criterion(module(x), y).backward()
+    else:
+        criterion(module(x), y).backward()
+        unfreeze()
+    with pytest.raises(ValueError, match=match):  # Opacus: no grad_sample for it; ours: not clipped
+        if not ours and when != "after_backward":
+            criterion(module(x), y).backward()
+        optimizer.step()
+    assert torch.equal(model[0].weight, before)
+
+
+@pytest.mark.parametrize("cls", [opacus.PrivacyEngine, pe.PrivacyEngine])
+def test_step_after_a_backward_with_hooks_disabled_is_refused(cls):
+    model, module, optimizer, criterion, x, y = _mlp_private(cls)
+    before = torch.cat([p.detach().flatten() for p in model.parameters()])
+    module.disable_hooks()
+    criterion(module(x), y).backward()
+    with pytest.raises(ValueError, match="unclipped" if cls is pe.PrivacyEngine else None):
+        optimizer.step()
+    assert torch.equal(torch.cat([p.detach().flatten() for p in model.parameters()]), before)
+    optimizer.zero_grad()  # the unclipped gradients are gone: private steps work again
+    module.enable_hooks()
+    criterion(module(x), y).backward()
+    optimizer.step()
+
+
+def test_ghost_criterion_backward_keeps_hooks_the_user_disabled():
+    model, module, optimizer, criterion, x, y = _mlp_private(pe.PrivacyEngine, mode="ghost")
+    module.disable_hooks()
+    criterion(module(x), y).backward()  # the wrapped criterion clips regardless
+    optimizer.step()
+    optimizer.zero_grad()
+    assert not module._hooks_enabled and not module.recorder.capturing
+    nn.functional.cross_entropy(module(x), y).backward()  # a plain backward: still unclipped
+    with pytest.raises(ValueError, match="unclipped"):
+        optimizer.step()
+
+
+@pytest.mark.parametrize("how", ["backward_twice", "grad_then_backward", "eval_mode"])
+@pytest.mark.parametrize("cls", [opacus.PrivacyEngine, pe.PrivacyEngine])
+def test_backward_without_fresh_records_is_refused(cls, how):
+    """A backward through records already used (retained graph, autograd.grad first) or never made (eval mode)
+    is not a new batch: it must not count as an accumulated pass (mean over 2B, doubled sampling rate)."""
+    model, module, optimizer, criterion, x, y = _mlp_private(cls)
+    x = x.clone().requires_grad_(True)
+    if how == "eval_mode":
+        module.eval()
+    loss = nn.functional.cross_entropy(module(x), y)
+    if how == "backward_twice":
+        loss.backward(retain_graph=True)
+    elif how == "grad_then_backward":
+        torch.autograd.grad(loss, x, retain_graph=True)
+    ours = cls is pe.PrivacyEngine
+    with pytest.raises(ValueError if ours else (ValueError, IndexError), match="no recorded layer call" if ours else None):
+        loss.backward()
+        optimizer.step()
+    if ours:
+        assert module.backward_passes == (0 if how == "eval_mode" else 1)
+        assert all(not layer.calls for layer in module.recorder.layers)
+
+
+def test_make_private_leaves_no_mark_on_sequence_bias():
+    """The mark that lets SequenceBiasRule accept a module exists during make_private's check only: the native
+    engine (which does not move SequenceBias' tensors to batch-first) still refuses the model afterwards."""
+    from opacus.layers.dp_multihead_attention import SequenceBias
+    from private_engine.opacus_compat.rules import PREPARED
+
+    model = TinyMHA(add_bias_kv=True).double()
+    biases = [m for m in model.modules() if isinstance(m, SequenceBias)]
+    with pytest.raises(ValueError, match="batch_first"):  # fails after the layer validation
+        _make(model, batch_first=False)
+    assert biases and not any(hasattr(m, PREPARED) for m in biases)
+    module, _, _ = _make(model)
+    assert not any(hasattr(m, PREPARED) for m in biases)
+    module.remove_hooks()
+    with pytest.raises(ValueError, match="Opacus-compatible API only"):
+        pe.PrivacyEngine(model, batch_size=2, sample_size=4, max_grad_norm=1.0, noise_multiplier=1.0)
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_refused_backward_releases_its_records(mode):
+    """A backward refused at its start (here: accumulation under Poisson sampling) drops every record, also
+    those of calls it did not reach."""
+    model, module, optimizer, criterion, x, y = _mlp_private(pe.PrivacyEngine, mode=mode, poisson=True)
+    criterion(module(x), y).backward()
+    out = module(x)
+    module(x)  # a second forward, not used by the next loss
+    with pytest.raises(ValueError, match="Poisson"):
+        criterion(out, y).backward()
+    assert all(not layer.calls for layer in module.recorder.layers)

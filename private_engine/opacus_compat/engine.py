@@ -36,9 +36,8 @@ from .module import PrivateModule
 from .optimizer import ClippedSumOptimizer, PerLayerClippedSumOptimizer
 from .rules import PREPARED, SequenceBias
 
-#: grad_sample_mode strings accepted by opacus 1.6 and what they run here
-GRAD_SAMPLE_MODES = {"hooks": "plain", "functorch": "plain", "ew": "plain", "no_op": "plain",
-                     "ghost": "criterion", "ghost_fsdp": "criterion"}
+#: grad_sample_mode strings accepted by opacus 1.6 (what each runs: the table above)
+GRAD_SAMPLE_MODES = frozenset({"hooks", "functorch", "ew", "no_op", "ghost", "ghost_fsdp"})
 
 
 class OpacusPrivacyEngine(opacus.PrivacyEngine):
@@ -67,15 +66,11 @@ class OpacusPrivacyEngine(opacus.PrivacyEngine):
             raise TypeError(f"module must be an nn.Module, got {type(module).__name__}.")
         self.validate(module=module, optimizer=None, data_loader=None)  # Opacus' own checks first
         check_no_batchnorm(module)
-        for m in module.modules():  # their recorded tensors are moved to batch-first by PrivateModule
-            if isinstance(m, SequenceBias):
-                setattr(m, PREPARED, True)
-        layers = clipped_layers(module, strict=True)  # rules check their modules; shared parameters refused
+        layers = _clipped_layers(module)
         _refuse_traced_and_fallback(module)
         _check_attention_layout(module, batch_first)
         self._module = PrivateModule(module, layers, max_grad_norm=max_grad_norm, loss_reduction=loss_reduction,
-                                     mode=self.clipping_mode, grad_sample_mode=grad_sample_mode,
-                                     batch_first=batch_first)
+                                     mode=self.clipping_mode, batch_first=batch_first)
         return self._module
 
     def _prepare_optimizer(self, *, optimizer: optim.Optimizer, noise_multiplier: float, max_grad_norm,
@@ -187,7 +182,7 @@ def _check_arguments(*, module, optimizer, noise_multiplier, max_grad_norm, batc
             "(requires_grad_(False)) or add them to the optimizer.")
     if grad_sample_mode not in GRAD_SAMPLE_MODES:
         raise ValueError(f"Unexpected grad_sample_mode: {grad_sample_mode}. Allowed values: "
-                         f"{', '.join(GRAD_SAMPLE_MODES)}.")
+                         f"{', '.join(sorted(GRAD_SAMPLE_MODES))}.")
     if grad_sample_mode == "ghost_fsdp":
         raise ValueError("grad_sample_mode='ghost_fsdp' needs FSDP distributed training (as in Opacus); use "
                          "grad_sample_mode='ghost' for a single process.")
@@ -212,6 +207,21 @@ def _check_arguments(*, module, optimizer, noise_multiplier, max_grad_norm, batc
 
 def _positive(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
+
+
+def _clipped_layers(module: nn.Module):
+    """``clipped_layers(module, strict=True)`` (rules check their modules; shared parameters refused), with
+    Opacus' ``SequenceBias`` accepted: ``PrivateModule`` moves its recorded tensors to batch-first. The mark
+    that :class:`~.rules.SequenceBiasRule` checks is set for this check only, so the native engine still
+    refuses these modules afterwards (it does not move them)."""
+    marked = [m for m in module.modules() if isinstance(m, SequenceBias) and PREPARED not in m.__dict__]
+    for m in marked:
+        setattr(m, PREPARED, True)
+    try:
+        return clipped_layers(module, strict=True)
+    finally:
+        for m in marked:
+            delattr(m, PREPARED)
 
 
 def _check_attention_layout(module: nn.Module, batch_first: bool) -> None:

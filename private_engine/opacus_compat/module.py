@@ -40,7 +40,7 @@ from opacus.layers.dp_multihead_attention import SequenceBias
 from opacus.layers.dp_rnn import RNNLinear
 from torch import nn
 
-from ..clipping import ABADI_EPS, PerSampleClipper, abadi_clip, check_per_sample_loss
+from ..clipping import PerSampleClipper, abadi_clip, check_per_sample_loss
 from ..hooks import RecordedLayer
 from ..plan import decide
 
@@ -58,15 +58,16 @@ class PrivateModule(nn.Module):
     """
 
     def __init__(self, module: nn.Module, layers, *, max_grad_norm, loss_reduction: str = "mean",
-                 mode: str = "mixed", grad_sample_mode: str = "hooks", batch_first: bool = True):
+                 mode: str = "mixed", batch_first: bool = True):
         super().__init__()
         self._module = module
         self.loss_reduction = loss_reduction
         self.batch_first = batch_first
-        self.grad_sample_mode = grad_sample_mode
         self.per_layer = isinstance(max_grad_norm, (list, tuple))
         self.max_grad_norm = None if self.per_layer else float(max_grad_norm)
+        #: the parameters clipped here (trainable at make_private); each has a _discard_raw_grad hook
         self._params = [p for p in module.parameters() if p.requires_grad]
+        self._param_ids = frozenset(id(p) for p in self._params)
         self._names = {id(p): n for n, p in module.named_parameters()}
         self.clipper = PerSampleClipper(layers, self._params, mode=mode,
                                         max_grad_norm=1.0 if self.per_layer else self.max_grad_norm)
@@ -74,7 +75,12 @@ class PrivateModule(nn.Module):
         self.recorder.on_layer_ready = self._on_layer_ready_plain
         self.recorder.capturing = True
         self._norms_by_param: Dict[int, float] = {}
+        self._dp_optimizer = None
+        #: layer call counts at the start of an eval-mode forward (its records are dropped at its end)
+        self._eval_marks: Optional[List[int]] = None
         self.grad_accumulation_allowed = True
+        #: set when a backward with hooks disabled left unclipped gradients in p.grad (cleared by zero_grad)
+        self._unclipped_grads = False
         #: backward passes whose clipped sums are in p.grad since the optimizer last consumed them
         self.backward_passes = 0
         self._consumed = False
@@ -89,6 +95,8 @@ class PrivateModule(nn.Module):
         self._param_handles += [m.register_forward_pre_hook(_reject_packed_sequence) for m in module.modules()
                                 if _is_dp_rnn(m)]
         self._hooks_enabled = True
+        #: inside criterion_backward: its own backward passes leave the parameter gradients alone
+        self._in_criterion = False
 
     # -- opacus GradSampleModule face ---------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -107,7 +115,7 @@ class PrivateModule(nn.Module):
         self._eval_marks = None
 
     def _check_graph_hook(self, module, inputs, out) -> None:
-        if getattr(self, "_eval_marks", None) is not None:
+        if self._eval_marks is not None:
             self._drop_eval_records()
             return
         if not self._graph_checked and torch.is_grad_enabled():
@@ -153,7 +161,8 @@ class PrivateModule(nn.Module):
         self.grad_accumulation_allowed = True
 
     def disable_hooks(self) -> None:
-        """Backward passes compute ordinary (unclipped) gradients until :meth:`enable_hooks`."""
+        """Backward passes compute ordinary (unclipped) gradients until :meth:`enable_hooks`; the optimizer
+        refuses to step on them (as Opacus' does) until ``zero_grad()``."""
         self._hooks_enabled = False
         self.recorder.capturing = False
 
@@ -169,7 +178,6 @@ class PrivateModule(nn.Module):
         self.clipper.remove()
 
     cleanup = remove_hooks
-    _close = remove_hooks
 
     def bind_optimizer(self, optimizer) -> None:
         """The DP optimizer whose ``max_grad_norm`` is the clipping threshold (Opacus' grad-clip
@@ -178,7 +186,7 @@ class PrivateModule(nn.Module):
 
     def current_max_grad_norm(self) -> float:
         """R for flat clipping: the bound optimizer's ``max_grad_norm`` (else the make_private value)."""
-        opt = getattr(self, "_dp_optimizer", None)
+        opt = self._dp_optimizer
         return float(opt.max_grad_norm) if opt is not None else self.max_grad_norm
 
     def bind_per_layer_norms(self, params: Sequence[nn.Parameter], max_grad_norms: Sequence[float]) -> None:
@@ -198,6 +206,27 @@ class PrivateModule(nn.Module):
     def optimizer_zero_grad(self) -> None:
         self._consumed = False
         self.backward_passes = 0
+        self._unclipped_grads = False
+
+    def check_releasable(self, params: Sequence[torch.Tensor]) -> None:
+        """Called by the optimizer before it reads ``p.grad`` (``pre_step``): refuse to release
+        gradients this module did not clip (Opacus raises in both cases too)."""
+        if self._unclipped_grads:
+            raise ValueError(
+                "p.grad holds unclipped gradients: a backward ran while the hooks were disabled (disable_hooks()). "
+                "Call optimizer.zero_grad() before the next private step, or enable_hooks() before the backward."
+            )
+        self._check_trainable(params)
+
+    def _check_trainable(self, params) -> None:
+        """Every trainable parameter in ``params`` must be one clipped here (trainable at make_private)."""
+        new = [p for p in params if p.requires_grad and id(p) not in self._param_ids]
+        if new:
+            raise ValueError(
+                f"parameter(s) {[self._names.get(id(p), tuple(p.shape)) for p in new]} became trainable after "
+                "make_private (requires_grad_(True) or optimizer.add_param_group): their gradients are not clipped. "
+                "Call make_private again with the new set of trainable parameters."
+            )
 
     def _start_backward(self) -> None:
         if self._consumed:
@@ -216,6 +245,8 @@ class PrivateModule(nn.Module):
         self._stored: List[Tuple[RecordedLayer, list]] = []
         self._norm_sq: Optional[torch.Tensor] = None
         self._callback_queued = False
+        #: a layer's recorded call received its output gradient in this backward (a batch, maybe empty)
+        self._saw_batch = False
 
     def _queue_finish(self) -> None:
         if not self._callback_queued:
@@ -225,7 +256,10 @@ class PrivateModule(nn.Module):
     def _discard_raw_grad(self, grad: torch.Tensor):
         """Tensor hook on each parameter: its unclipped gradient is replaced by zeros (the clipped
         sum is added at the end of the backward)."""
-        if not (self._hooks_enabled and self.recorder.capturing):
+        if self._in_criterion:  # the criterion flow's own backward passes
+            return None
+        if not self._hooks_enabled:  # disable_hooks(): an ordinary gradient, never released by the optimizer
+            self._unclipped_grads = True
             return None
         self._queue_finish()
         return torch.zeros_like(grad)
@@ -253,6 +287,7 @@ class PrivateModule(nn.Module):
         self._to_batch_first(layer)
         pairs = layer.pairs()
         if pairs:
+            self._saw_batch = True
             self._queue_finish()
         if not pairs or pairs[0][1].shape[0] == 0:  # nothing reached, or an empty Poisson batch
             layer.release()
@@ -272,10 +307,22 @@ class PrivateModule(nn.Module):
     def _finish_plain(self) -> None:
         """End of a plain backward: clip factors from the summed norms, then ``Σ_i C_i g_iᵀ a_i``."""
         try:
-            self._start_backward()
+            try:
+                self._start_backward()
+                self._check_trainable(self._module.parameters())
+            except BaseException:
+                self.recorder.reset()
+                raise
             self.recorder.finish_unfired()  # layers the loss does not reach contribute nothing
             self.recorder.reset()
             if not self._stored:
+                if not self._saw_batch:  # parameter gradients but no recorded call: not a new batch
+                    raise ValueError(
+                        "this backward reached no recorded layer call: it went through a graph whose records were "
+                        "already used (a second backward through a retained graph, or a backward after "
+                        "autograd.grad on the same output) or whose forward ran in eval mode. Run the forward "
+                        "again (in train mode) before each backward."
+                    )
                 self.backward_passes += 1
                 return
             sizes = {a.shape[0] for _, pairs in self._stored for a, g in pairs} | \
@@ -308,17 +355,21 @@ class PrivateModule(nn.Module):
                 r = self._norms_by_param.get(id(p))
                 if r is None:
                     raise RuntimeError(f"no per-layer max_grad_norm bound for parameter {self._names.get(id(p))}.")
-                norms = grad.reshape(grad.shape[0], -1).norm(2, dim=1) * scale
-                factors = (r / (norms + ABADI_EPS)).clamp(max=1.0)
+                factors = abadi_clip(grad.reshape(grad.shape[0], -1).norm(2, dim=1) * scale, r)
                 _add_grad(p, torch.tensordot((factors * scale).to(grad.dtype), grad, dims=1))
 
     # -- criterion flow ---------------------------------------------------------------------------
     def criterion_backward(self, loss_per_sample: torch.Tensor) -> None:
         """``p.grad += Σ_i C_i ∂L_i/∂p`` from per-sample losses: norm pass + weighted backward."""
-        check_per_sample_loss(loss_per_sample, name="the per-sample loss")
-        self._start_backward()
-        if self.per_layer:
-            raise ValueError("clipping='per_layer' is not supported with grad_sample_mode='ghost' (as in Opacus).")
+        try:
+            check_per_sample_loss(loss_per_sample, name="the per-sample loss")
+            self._start_backward()
+            self._check_trainable(self._module.parameters())
+            if self.per_layer:
+                raise ValueError("clipping='per_layer' is not supported with grad_sample_mode='ghost' (as in Opacus).")
+        except BaseException:
+            self.recorder.reset()
+            raise
         if loss_per_sample.numel() == 0:  # an empty Poisson batch contributes nothing
             self.recorder.reset()
             self.backward_passes += 1
@@ -333,7 +384,8 @@ class PrivateModule(nn.Module):
             )
         self.recorder.on_layer_ready = self._on_layer_ready_criterion
         self.clipper.max_grad_norm = self.current_max_grad_norm()
-        self._hooks_enabled = False
+        capturing = self.recorder.capturing  # False after disable_hooks(): restored as the user left it
+        self._in_criterion = True
         try:
             norms = self.clipper.per_sample_norms(loss_per_sample)
             factors = self.clipper.clip_factors(norms)
@@ -341,8 +393,8 @@ class PrivateModule(nn.Module):
             grads = self.clipper.clipped_grad_sum(loss_per_sample, factors)
         finally:
             self.recorder.on_layer_ready = self._on_layer_ready_plain
-            self.recorder.capturing = True
-            self._hooks_enabled = True
+            self.recorder.capturing = capturing
+            self._in_criterion = False
         for p, g in zip(self._params, grads):
             _add_grad(p, g)
         self.backward_passes += 1

@@ -9,7 +9,11 @@ accountant hook and the wrapped optimizer. We subclass it only to
 
 * count accumulated backward passes as Opacus' ``DPOptimizer`` does (``len(p.grad_sample)``),
 * treat a parameter that received no gradient (empty Poisson batch) as a zero sum,
-* tell the :class:`~.module.PrivateModule` when ``p.grad`` was consumed or zeroed.
+* tell the :class:`~.module.PrivateModule` when ``p.grad`` was consumed or zeroed,
+* refuse to step on gradients the module did not clip (Opacus raises there too, for want of
+  ``p.grad_sample``): a parameter that became trainable after ``make_private`` (``requires_grad_``
+  or ``add_param_group``; ``self.params`` is recomputed each step, as in Opacus), or a backward run
+  with the hooks disabled.
 
 :class:`PerLayerClippedSumOptimizer` uses the noise scale of Opacus' ``DPPerLayerOptimizer``:
 ``R = ‖(R_1, …, R_K)‖₂``.
@@ -52,6 +56,8 @@ class ClippedSumOptimizer(DPOptimizerFastGradientClipping):
                 p.summed_grad = copy.deepcopy(grad)
 
     def pre_step(self, closure=None):
+        if self.private_module is not None:  # raises on unclipped p.grad: nothing consumed, nothing released
+            self.private_module.check_releasable(self.params)
         try:
             return super().pre_step(closure)
         finally:

@@ -19,7 +19,8 @@ from opacus.layers.dp_multihead_attention import SequenceBias
 
 from ..layers.base import LayerDims, LayerRule, accumulation_dtype, register_rule, trainable
 
-#: attribute set by make_private on the SequenceBias modules it prepares
+#: attribute make_private sets on SequenceBias modules for the duration of its validation only (the
+#: native engine, which does not move their tensors to batch-first, keeps refusing them)
 PREPARED = "_private_engine_batch_dim_moved"
 
 
