@@ -349,9 +349,14 @@ class ParamTracer(TorchFunctionMode):
         is known to have its batch in another dimension (refused even with B rows: a sequence-first layout)."""
         B = self.batch_size
         n = shape[0]
-        if check_batch and (moved or (n != B and not rows_ok)):
+        if check_batch and moved:
             self._fail(func, [t], f"the batched operand has {n} rows but its batch dimension was moved from dim 0 "
-                                  "(e.g. a sequence-first layout) or is unknown, so rows cannot be assigned to samples")
+                                  "(e.g. a sequence-first layout), so rows cannot be assigned to samples")
+        if check_batch and not rows_ok:
+            self._fail(func, [t], "the tracer could not follow the batch dimension of the batched operand through "
+                                  "the ops before this one (it follows elementwise and shape ops, permute/transpose, "
+                                  "basic indexing, reductions over other dims, cat/stack along other dims, embedding), "
+                                  "so its rows cannot be assigned to samples")
         if check_batch and n % B:
             self._fail(func, [t], f"the batched operand has {n} rows, not a multiple of the batch size {B} "
                                   "(inputs must be batch-first)")
@@ -384,8 +389,7 @@ class ParamTracer(TorchFunctionMode):
 
         def sub(t, shape):
             if self.is_tracked(t) and self._info(t).pending:
-                if t.dim() != len(shape) or t.shape[0] != shape[0] or shape[0] % self.batch_size or moved or \
-                        (shape[0] != self.batch_size and not rows_ok):
+                if t.dim() != len(shape) or t.shape[0] != shape[0] or shape[0] % self.batch_size or not rows_ok:
                     self._fail(func, [t], f"its {t.shape[0]} rows do not line up with the {shape[0]} batched rows")
                 new_entries.extend(self._info(t).pending)
                 return t
@@ -617,9 +621,11 @@ _MOVEDIMS = {torch.Tensor.movedim, torch.movedim, torch.Tensor.moveaxis, torch.m
 def _out_bdim(func, args, kwargs, src, bdim, out, B) -> int:
     """Position of the batch dimension in ``out`` (-1: unknown), given it is ``bdim`` in the batched input ``src``.
 
-    Followed through permute/transpose/movedim, unbind/select, and reshapes that merge or split dim 0
-    sample-major (Swin's window partition and reverse, ``flatten(0, 1)``); any other op keeps it when the
-    rank is unchanged. Only a known dim 0 lets a layer or an entry group k·B rows by sample.
+    Followed through permute/transpose/movedim/.T/.mT, unbind/select, basic indexing, unsqueeze, stack, reductions
+    over other dims, embedding, reshapes that keep the dims up to it, and reshapes that merge or split dim 0
+    sample-major (Swin's window partition and reverse, ``flatten(0, 1)``); any other op keeps it when the rank and
+    the batch dimension's size are unchanged (cat/repeat along it stack rows, not samples). An entry needs the batch
+    known in dim 0; a layer may see k·B rows only then, and is refused when its batch is known elsewhere.
     """
     if bdim < 0 or not isinstance(src, torch.Tensor):
         return -1
@@ -640,6 +646,9 @@ def _out_bdim(func, args, kwargs, src, bdim, out, B) -> int:
         if func in _UNBINDS:
             d = (args[1] if len(args) > 1 else kwargs.get("dim", 0)) % nd
             return -1 if d == bdim else bdim - (d < bdim)
+        if func is torch.Tensor.__getitem__:
+            r = _getitem_bdim(args[1], nd, bdim)
+            return r if 0 <= r < out.dim() and out.shape[r] == src.shape[bdim] else -1
         if func in _UNSQUEEZES:
             d = (args[1] if len(args) > 1 else kwargs.get("dim")) % (nd + 1)
             r = bdim + (d <= bdim)
@@ -661,12 +670,18 @@ def _out_bdim(func, args, kwargs, src, bdim, out, B) -> int:
             return r if out.dim() == nd and out.shape[r] == src.shape[bdim] else -1
         if out.dim() == nd:  # same rank: the batch stays in place only when its size is unchanged (cat/repeat
             return bdim if out.shape[bdim] == src.shape[bdim] else -1  # along it stack rows, not samples)
-        if out.dim() == nd - 1 and getattr(func, "__name__", "") in _REDUCTIONS:  # x.mean(1), x.amax(dim=-1), …
+        if func in _EMBEDDINGS:  # (B, T) ids -> (B, T, d): the indices' dims come first
+            return bdim if out.dim() == nd + 1 and out.shape[bdim] == src.shape[bdim] else -1
+        if func is torch.stack:  # stacking batched tensors along another dim
+            d = (args[1] if len(args) > 1 else kwargs.get("dim", 0)) % (nd + 1)
+            r = bdim + (d <= bdim)
+            return r if out.dim() == nd + 1 and out.shape[r] == src.shape[bdim] else -1
+        if out.dim() < nd and getattr(func, "__name__", "") in _REDUCTIONS:  # x.mean(1), x.amax(dim=(-2, -1)), …
             d = args[1] if len(args) > 1 else kwargs.get("dim")
-            if isinstance(d, (tuple, list)) and len(d) == 1:
-                d = d[0]
-            if isinstance(d, int) and d % nd != bdim:
-                r = bdim - (d % nd < bdim)
+            ds = [d] if isinstance(d, int) else list(d) if isinstance(d, (tuple, list)) else []
+            ds = {k % nd for k in ds if isinstance(k, int) and not isinstance(k, bool)}
+            if ds and bdim not in ds and out.dim() == nd - len(ds):
+                r = bdim - sum(k < bdim for k in ds)
                 return r if out.shape[r] == src.shape[bdim] else -1
     except Exception:  # an unexpected signature: unknown
         return -1
@@ -685,6 +700,34 @@ for _attr in ("T", "mT", "H", "mH"):
             _MT_GETTERS.add(_getter)
 
 
+def _getitem_bdim(index, nd: int, bdim: int) -> int:
+    """Position of the batch dimension after basic indexing (ints, slices, None, ``...``); -1 when the batch is
+    indexed (anything but a full slice) or for advanced indexing."""
+    index = index if isinstance(index, tuple) else (index,)
+    if any(not (i is None or i is Ellipsis or isinstance(i, (int, slice))) or isinstance(i, bool) for i in index):
+        return -1
+    consumed = sum(1 for i in index if i is not None and i is not Ellipsis)
+    if consumed > nd or sum(1 for i in index if i is Ellipsis) > 1:
+        return -1
+    d = o = 0  # input and output positions
+    for i in index:
+        if i is None:
+            o += 1
+        elif i is Ellipsis:
+            k = nd - consumed
+            if d <= bdim < d + k:
+                return o + bdim - d
+            d += k
+            o += k
+        else:
+            if d == bdim:
+                return o if isinstance(i, slice) and i == slice(None) else -1
+            d += 1
+            o += isinstance(i, slice)
+    return o + bdim - d  # after the index: dims kept in order
+
+
+_EMBEDDINGS = {F.embedding, torch.embedding, F.one_hot}
 _UNSQUEEZES = {torch.Tensor.unsqueeze, torch.unsqueeze}
 _UNBINDS = {torch.Tensor.unbind, torch.unbind, torch.Tensor.select, torch.select}
 _RESHAPES = {torch.Tensor.reshape, torch.reshape, torch.Tensor.view, torch.Tensor.flatten, torch.flatten,

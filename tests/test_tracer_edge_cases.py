@@ -245,3 +245,25 @@ def test_unmarked_batch_sized_tensor_into_fallback_is_refused():
     torch.manual_seed(0)
     with pytest.raises(ValueError, match="did not see computed from the model's inputs"):
         check(NumpyGate(), torch.randn(4, 3, dtype=torch.float64))
+
+
+class TinyLM(nn.Module):
+    """Token embedding + a raw positional parameter (an entry after F.embedding, which adds a dim) + a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(7, 4)
+        self.pos = nn.Parameter(torch.randn(1, 5, 4))
+        self.gamma = nn.Parameter(torch.randn(4))
+        self.fc = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, ids):  # (B, 5)
+        h = self.fc(self.emb(ids) + self.pos)
+        h = h + self.gamma * torch.stack([h[:, 0], h[:, -1]], 1).mean(1, keepdim=True)
+        return self.head(h[..., 1:, :].mean((1,)) * self.gamma).flatten(1)
+
+
+def test_entries_after_embedding_stack_and_indexing_match_reference():
+    torch.manual_seed(0)
+    check(TinyLM(), torch.randint(0, 7, (4, 5)))
