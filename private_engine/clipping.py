@@ -73,6 +73,15 @@ def resolve_clipping_fn(clipping_fn: Union[str, ClipFn]) -> Tuple[ClipFn, bool]:
     return CLIPPING_FUNCTIONS[clipping_fn], False
 
 
+def decided_norm_sq(name: str, module: nn.Module, rule, dims, pairs, mode: str):
+    """``(decision, ‖∂L_i/∂θ‖² per sample)`` of one layer: the mixed-clipping decision of seed 002
+    (eq. 4.1, ghost iff ``2T² < pD`` in mode "mixed") on the dimensions of its calls, then the ghost norm
+    ``⟨a aᵀ, g gᵀ⟩`` or the instantiated ``‖gᵀ a‖²_F`` accordingly, from ``pairs = [(a, g)]``."""
+    decision = decide(name, module, dims, mode)
+    contrib = rule.ghost_norm_sq(module, pairs) if decision.use_ghost else rule.instantiated_norm_sq(module, pairs)
+    return decision, contrib
+
+
 def check_per_sample_loss(loss, *, name: str = "loss") -> torch.Tensor:
     """Validate a per-sample loss vector ``(B,)`` (reduction="none")."""
     if not isinstance(loss, torch.Tensor):
@@ -137,35 +146,26 @@ class PerSampleClipper:
                         "come from batch-first tensors without moving dim 0."
                     )
             dims = [c.dims for c in layer.calls if c.fired and c.grad is not None]
-            rule = layer.rule
+            if any(a.shape[0] != B for a, _ in pairs) and isinstance(layer.rule, LinearRule):
+                # k·B rows, k consecutive per sample (Swin windows): merged into positions, (k·B, T, d) ->
+                # (B, k·T, d), exact for ghost norm and instantiation
+                dims = [replace(d, T=d.T * (a.shape[0] // B)) for d, (a, _) in zip(dims, pairs)]
+                pairs = [(a.reshape(B, -1, a.shape[-1]), g.reshape(B, -1, g.shape[-1])) for a, g in pairs]
             if any(a.shape[0] != B for a, _ in pairs):
                 contrib, dims = self._rows_norm_sq(layer, pairs, dims)
                 decision = decide(layer.name, layer.module, dims, self.mode)
             else:
-                decision = decide(layer.name, layer.module, dims, self.mode)
-                contrib = (rule.ghost_norm_sq(layer.module, pairs) if decision.use_ghost
-                           else rule.instantiated_norm_sq(layer.module, pairs))
+                decision, contrib = decided_norm_sq(layer.name, layer.module, layer.rule, dims, pairs, self.mode)
             self._plan.append(decision)
             self._norm_sq = contrib if self._norm_sq is None else self._norm_sq + contrib.to(self._norm_sq.dtype)
         finally:
             layer.release()
 
     def _rows_norm_sq(self, layer: RecordedLayer, pairs, dims):
-        """Norms of a layer that sees ``k·B`` rows, k consecutive rows per sample (Swin's windows, LeViT's
-        ``flatten(0, 1)`` tokens). A Linear merges the k rows into positions — ``(k·B, T, d) -> (B, k·T, d)``,
-        exact for ghost norm and instantiation; other rules instantiate per row and sum the k rows of
-        each sample: ``∂L_i/∂θ = Σ_{r ∈ rows(i)} G_r``."""
-        from .layers.linear import LinearRule
-
+        """Norms of a (non-Linear) layer that sees ``k·B`` rows, k consecutive rows per sample (LeViT's
+        ``flatten(0, 1)`` tokens): per-sample gradients instantiated per row, the k rows of each sample
+        summed, ``∂L_i/∂θ = Σ_{r ∈ rows(i)} G_r``."""
         B = self._batch_size
-        if isinstance(layer.rule, LinearRule):
-            merged = [(a.reshape(B, -1, a.shape[-1]), g.reshape(B, -1, g.shape[-1])) for a, g in pairs]
-            dims = [replace(d, T=d.T * (a.shape[0] // B)) for d, (a, _) in zip(dims, pairs)]
-            decision = decide(layer.name, layer.module, dims, self.mode)
-            rule = layer.rule
-            contrib = (rule.ghost_norm_sq(layer.module, merged) if decision.use_ghost
-                       else rule.instantiated_norm_sq(layer.module, merged))
-            return contrib, dims
         total = {}
         for a, g in pairs:
             for name, grad in layer.rule.per_sample_grads(layer.module, [(a, g)]).items():
@@ -218,7 +218,6 @@ class PerSampleClipper:
         self.last_extra_grads = {}
         if self.tracer is None:
             return
-        self.tracer.keep = self.keep_extra_grads
         if self.keep_extra_grads:
             self.last_extra_grads.update(self.tracer.per_sample_grads())
         for pid, g in self.tracer.grads.items():

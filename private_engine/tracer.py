@@ -136,8 +136,6 @@ class ParamTracer(TorchFunctionMode):
         self.active = False
         #: per-sample gradients ``{id(P): (B, *P.shape)}`` accumulated in the norm pass
         self.grads: Dict[int, torch.Tensor] = {}
-        #: keep ``grads`` after the norm pass (until the next forward) for ``weighted_grads``
-        self.keep = False
         self._handles = []
         self.install()
 
@@ -587,29 +585,16 @@ class ParamTracer(TorchFunctionMode):
                 out.setdefault(e.out_node, []).extend(e.batched_nodes)
         return out
 
-    def norm_sq(self) -> Optional[torch.Tensor]:
-        """``Σ_P ‖∂L_i/∂P‖²`` over the tracked parameters, per sample (None when none was reached)."""
-        total = None
-        for g in self.grads.values():
-            sq = g.reshape(g.shape[0], -1).pow(2).sum(1)
-            total = sq if total is None else total + sq
-        return total
-
     def per_sample_grads(self) -> Dict[str, torch.Tensor]:
         """``{param name: (B, *P.shape)}`` accumulated in the last norm pass."""
         return {self.names[i]: g for i, g in self.grads.items()}
-
-    def weighted_grads(self, factors: torch.Tensor) -> Dict[str, torch.Tensor]:
-        """``{param name: Σ_i C_i ∂L_i/∂P}`` from the per-sample gradients of the last norm pass."""
-        return {self.names[i]: torch.tensordot(factors.to(g.dtype), g, dims=1) for i, g in self.grads.items()}
 
     def reset(self) -> None:
         for e in self.entries:
             e.base = e.edge = e.out_node = None
             e.batched_nodes = []
         self.entries = []
-        if not self.keep:
-            self.grads = {}
+        self.grads = {}
 
 
 _TRANSPOSES = {torch.Tensor.transpose, torch.transpose, torch.Tensor.swapaxes, torch.swapaxes, torch.Tensor.swapdims,

@@ -111,8 +111,9 @@ def _scan(model: nn.Module):
                 if p.requires_grad:
                     owners.setdefault(id(p), []).append(prefix + pname)
             continue
+        aliases = _renamed_aliases(module)
         own = [(pname, p) for pname, p in module.named_parameters(recurse=False)
-               if p.requires_grad and pname not in _renamed_aliases(module)]
+               if p.requires_grad and pname not in aliases]
         if not own:
             continue
         rule = find_rule(module)

@@ -340,9 +340,7 @@ def test_per_sample_grads_of_traced_and_fallback_params(family):
     engine.clipper.keep_extra_grads = True
     grads, _ = engine.clipped_grad_sum(ce_loss(model, *inputs))
     got = engine.clipper.last_extra_grads
-    tracer = engine.clipper.tracer
     factors = torch.linspace(0.2, 1.0, B, dtype=torch.float64)
-    weighted = tracer.weighted_grads(factors) if tracer is not None else {}
     all_weighted = engine.clipper.extra_weighted_grads(factors)
     engine.detach()
     expected = set(pe.validation.traced_parameters(model))
@@ -353,13 +351,9 @@ def test_per_sample_grads_of_traced_and_fallback_params(family):
     names = sorted(got)
     assert_close_rel([got[n] for n in names], [ref[n] for n in names], 1e-9, names)
     # book-keeping: Σ_i C_i ∂L_i/∂P from the per-sample gradients of the last norm pass
-    assert set(weighted) >= set(pe.validation.traced_parameters(model))
     assert set(all_weighted) == set(got)
     assert_close_rel([all_weighted[n] for n in names], [torch.tensordot(factors, ref[n], dims=1) for n in names],
                      1e-9, names)
-    if weighted:
-        assert_close_rel([weighted[n] for n in weighted],
-                         [torch.tensordot(factors, ref[n], dims=1) for n in weighted], 1e-9, list(weighted))
 
 
 # -- tracer special paths, unit-sized ------------------------------------------------------------------

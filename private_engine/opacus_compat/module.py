@@ -40,9 +40,8 @@ from opacus.layers.dp_multihead_attention import SequenceBias
 from opacus.layers.dp_rnn import RNNLinear
 from torch import nn
 
-from ..clipping import PerSampleClipper, abadi_clip, check_per_sample_loss
+from ..clipping import PerSampleClipper, abadi_clip, check_per_sample_loss, decided_norm_sq
 from ..hooks import RecordedLayer
-from ..plan import decide
 
 
 class PrivateModule(nn.Module):
@@ -298,10 +297,7 @@ class PrivateModule(nn.Module):
         layer.release()
         if self.per_layer:
             return
-        decision = decide(stored.name, stored.module, dims, self.clipper.mode)
-        rule = stored.rule
-        contrib = (rule.ghost_norm_sq(stored.module, pairs) if decision.use_ghost
-                   else rule.instantiated_norm_sq(stored.module, pairs))
+        _, contrib = decided_norm_sq(stored.name, stored.module, stored.rule, dims, pairs, self.clipper.mode)
         self._norm_sq = contrib if self._norm_sq is None else self._norm_sq + contrib.to(self._norm_sq.dtype)
 
     def _finish_plain(self) -> None:
