@@ -10,6 +10,13 @@ Algorithm (seed 002, Algorithm 1 and Fig. 1, "ghost clipping" / "mixed ghost cli
 2. **Clip factors** ``C_i = C(‖g_i‖, R)`` from a clipping function.
 3. **Weighted pass.** ``∇_θ Σ_i C_i·L_i = Σ_i C_i·g_i`` — the clipped gradient sum — by one
    ordinary backward of the re-weighted loss (``C_i`` treated as constants).
+
+Book-keeping modes ("bk", "bk_mixed", "bk_mixopt"; Bu et al. 2023, "Differentially Private
+Optimization on Large Model at Small Cost") replace step 3: the norm pass keeps, per layer, either
+the activations and output gradients ``(a, g)`` (ghost layers, and instantiated layers whose
+per-sample gradient is larger than ``(a, g)``) or the instantiated per-sample gradients ``G_i``, and
+the clipped sum is ``Σ_i C_i G_i = gᵀ·diag(C)·a`` (one matmul per layer, ``LayerRule.weighted_grads``)
+or ``Σ_i C_i G_i`` from the kept ``G_i``. One backward in all; the graph is freed as it goes.
 """
 from __future__ import annotations
 
@@ -20,9 +27,9 @@ import torch
 from torch import nn
 
 from .fallback import FallbackModule, warn_fallback
-from .hooks import LayerRecorder, RecordedLayer
-from .plan import LayerDecision, check_mode, decide
-from .layers.base import trainable
+from .hooks import GraphWalk, LayerRecorder, RecordedLayer
+from .plan import LayerDecision, check_mode, decide, is_book_keeping
+from .layers.base import accumulation_dtype, trainable
 from .layers.linear import LinearRule
 from .tracer import ParamTracer
 from .validation import _scan
@@ -82,6 +89,14 @@ def decided_norm_sq(name: str, module: nn.Module, rule, dims, pairs, mode: str):
     return decision, contrib
 
 
+def _norm_sq_of(grads: Dict[str, torch.Tensor], B: int, like: torch.Tensor) -> torch.Tensor:
+    """``Σ_θ ‖G_i^θ‖²_F`` per sample from instantiated per-sample gradients ``{name: (B, *shape)}``."""
+    total = torch.zeros(B, dtype=accumulation_dtype(like), device=like.device)
+    for g in grads.values():
+        total = total + g.reshape(B, -1).pow(2).sum(1).to(total.dtype)
+    return total
+
+
 def check_per_sample_loss(loss, *, name: str = "loss") -> torch.Tensor:
     """Validate a per-sample loss vector ``(B,)`` (reduction="none")."""
     if not isinstance(loss, torch.Tensor):
@@ -129,6 +144,11 @@ class PerSampleClipper:
         self._norm_sq: Optional[torch.Tensor] = None
         self._batch_size = 0
         self._plan: List[LayerDecision] = []
+        #: book-keeping: one backward, the clipped sum from what the norm pass kept
+        self.book_keeping = is_book_keeping(self.mode)
+        #: kept by the norm pass (book-keeping): [(module, rule, [(a, g)])] and [(parameter, G (B, *shape))]
+        self._kept_pairs: list = []
+        self._kept_grads: list = []
 
     # -- norm pass ---------------------------------------------------------------------------
     def _on_layer_ready(self, layer: RecordedLayer) -> None:
@@ -152,46 +172,89 @@ class PerSampleClipper:
                 dims = [replace(d, T=d.T * (a.shape[0] // B)) for d, (a, _) in zip(dims, pairs)]
                 pairs = [(a.reshape(B, -1, a.shape[-1]), g.reshape(B, -1, g.shape[-1])) for a, g in pairs]
             if any(a.shape[0] != B for a, _ in pairs):
-                contrib, dims = self._rows_norm_sq(layer, pairs, dims)
+                grads, dims = self._rows_grads(layer, pairs, dims)
                 decision = decide(layer.name, layer.module, dims, self.mode)
-            else:
+                contrib = _norm_sq_of(grads, B, pairs[0][1])
+                self._keep_grads(layer.module, grads)
+            elif not self.book_keeping:
                 decision, contrib = decided_norm_sq(layer.name, layer.module, layer.rule, dims, pairs, self.mode)
+            else:
+                decision, contrib = self._book_keep(layer, dims, pairs)
             self._plan.append(decision)
             self._norm_sq = contrib if self._norm_sq is None else self._norm_sq + contrib.to(self._norm_sq.dtype)
         finally:
             layer.release()
 
-    def _rows_norm_sq(self, layer: RecordedLayer, pairs, dims):
-        """Norms of a (non-Linear) layer that sees ``k·B`` rows, k consecutive rows per sample (LeViT's
-        ``flatten(0, 1)`` tokens): per-sample gradients instantiated per row, the k rows of each sample
-        summed, ``∂L_i/∂θ = Σ_{r ∈ rows(i)} G_r``."""
+    def _book_keep(self, layer: RecordedLayer, dims, pairs):
+        """Norm of one layer in a book-keeping mode, keeping what its clipped sum needs: ``(a, g)`` for a
+        ghost layer; for an instantiated one the per-sample gradients ``G_i`` when they are no larger than
+        ``(a, g)`` per sample (always in "bk_mixopt", which puts time first), else ``(a, g)`` again (the
+        clipped sum is then one matmul ``gᵀ·diag(C)·a`` at the end instead of a contraction of ``G``)."""
+        module, rule = layer.module, layer.rule
+        decision = decide(layer.name, module, dims, self.mode)
+        B = self._batch_size
+        if decision.use_ghost:
+            self._kept_pairs.append((module, rule, pairs))
+            return decision, rule.ghost_norm_sq(module, pairs)
+        grads = rule.per_sample_grads(module, pairs)
+        contrib = _norm_sq_of(grads, B, pairs[0][1])
+        grad_size = sum(g[0].numel() for g in grads.values())
+        pair_size = sum(a[0].numel() + g[0].numel() for a, g in pairs)
+        if self.mode == "bk_mixopt" or grad_size <= pair_size:
+            self._keep_grads(module, grads)
+        else:
+            del grads
+            self._kept_pairs.append((module, rule, pairs))
+        return decision, contrib
+
+    def _keep_grads(self, module: nn.Module, grads: Dict[str, torch.Tensor]) -> None:
+        if self.book_keeping:
+            self._kept_grads.extend((getattr(module, name), g) for name, g in grads.items())
+
+    def _rows_grads(self, layer: RecordedLayer, pairs, dims):
+        """Per-sample gradients of a (non-Linear) layer that sees ``k·B`` rows, k consecutive rows per sample
+        (LeViT's ``flatten(0, 1)`` tokens): instantiated per row, the k rows of each sample summed,
+        ``∂L_i/∂θ = Σ_{r ∈ rows(i)} G_r``."""
         B = self._batch_size
         total = {}
         for a, g in pairs:
             for name, grad in layer.rule.per_sample_grads(layer.module, [(a, g)]).items():
                 grad = grad.reshape(B, grad.shape[0] // B, *grad.shape[1:]).sum(1)
                 total[name] = grad if name not in total else total[name] + grad
-        contrib = sum(g.reshape(B, -1).pow(2).sum(1) for g in total.values())
-        return contrib, [replace(d, ghost_capable=False) for d in dims]
+        return total, [replace(d, ghost_capable=False) for d in dims]
 
-    def per_sample_norms(self, loss: torch.Tensor) -> torch.Tensor:
-        """``‖g_i‖ = (Σ_l ‖∂L_i/∂θ_l‖²)^{1/2}`` for every sample, from one activation-only backward."""
+    def per_sample_norms(self, loss: torch.Tensor, walk: Optional[GraphWalk] = None) -> torch.Tensor:
+        """``‖g_i‖ = (Σ_l ‖∂L_i/∂θ_l‖²)^{1/2}`` for every sample, from one activation-only backward.
+
+        Autograd is asked for the gradients at the outputs of the leading recorded calls (no recorded
+        call below them; :meth:`LayerRecorder.walk`) and at the tracer's entries and fallback outputs, so
+        the backward runs through every recorded call computing activation gradients only. In a
+        book-keeping mode the graph is freed as the backward goes (nothing needs it afterwards); otherwise
+        it is retained for the weighted backward of :meth:`clipped_grad_sum`.
+        """
         self._batch_size = loss.shape[0]
         self._norm_sq = None
         self._plan = []
+        self._kept_pairs, self._kept_grads = [], []
+        if walk is None:
+            walk = self.recorder.walk(loss, self.params)
         total = loss.sum()
         self._set_capturing(True)
         try:
-            sinks = self.recorder.sink_edges()
+            inputs = list(walk.leading_edges)
             if self.tracer is not None:  # off the data path: ask for them explicitly
-                sinks += self.tracer.entry_edges() + [e for fb in self.fallbacks for e in fb.out_edges()]
-            if sinks:
-                torch.autograd.grad(total, inputs=sinks, retain_graph=True, allow_unused=True)
-            unfired = self.recorder.unfired_edges()
-            if unfired:  # layers not reached from the first ones (e.g. inputs that require grad)
-                torch.autograd.grad(total, inputs=unfired, retain_graph=True, allow_unused=True)
-            self.recorder.finish_unfired()
+                inputs += self.tracer.entry_edges() + [e for fb in self.fallbacks for e in fb.out_edges()]
+            if inputs:
+                torch.autograd.grad(total, inputs=inputs, retain_graph=not self.book_keeping, allow_unused=True)
+            missed = [layer.name for layer in self.recorder.layers for c in layer.calls
+                      if not c.fired and c.edge.node in walk.reached]
+            if missed:  # would leave their gradients out of norms and sums: never silently
+                raise RuntimeError(f"internal error: the norm pass did not reach recorded calls of {missed}.")
+            self.recorder.finish_unfired()  # calls the loss does not depend on contribute nothing
             self._extra_norms()
+        except BaseException:
+            self._kept_pairs, self._kept_grads = [], []
+            raise
         finally:
             self._set_capturing(False)
             self.recorder.reset()
@@ -222,6 +285,8 @@ class PerSampleClipper:
             self.last_extra_grads.update(self.tracer.per_sample_grads())
         for pid, g in self.tracer.grads.items():
             self._add(self.tracer.names[pid], "param-entry", g[0].numel(), g.reshape(g.shape[0], -1).pow(2).sum(1))
+            if self.book_keeping:
+                self._kept_grads.append((self.tracer.tracked[pid][1], g))
         for fb in self.fallbacks:
             if not fb.calls:
                 continue
@@ -229,6 +294,9 @@ class PerSampleClipper:
             if self.keep_extra_grads:
                 prefix = f"{fb.name}." if fb.name else ""
                 self.last_extra_grads.update({prefix + n: g for n, g in grads.items()})
+            if self.book_keeping:
+                params = dict(fb.params)
+                self._kept_grads.extend((params[n], g) for n, g in grads.items())
             if grads:
                 sq = sum(g.reshape(g.shape[0], -1).pow(2).sum(1) for g in grads.values())
                 self._add(fb.name, f"fallback:{type(fb.module).__name__}", sum(g[0].numel() for g in grads.values()),
@@ -254,12 +322,43 @@ class PerSampleClipper:
                 )
         return factors
 
-    # -- weighted pass -----------------------------------------------------------------------
+    # -- weighted pass ---------------------------------------------------------------------------
     def clipped_grad_sum(self, loss: torch.Tensor, factors: torch.Tensor) -> List[torch.Tensor]:
-        """``Σ_i C_i·∂L_i/∂θ`` for every parameter by one backward of ``Σ_i C_i·L_i``."""
-        weighted = (loss * factors.detach().to(loss.dtype)).sum()
-        grads = torch.autograd.grad(weighted, self.params, allow_unused=True)
-        return [torch.zeros_like(p) if g is None else g for p, g in zip(self.params, grads)]
+        """``Σ_i C_i·∂L_i/∂θ`` for every parameter.
+
+        Two-pass modes: one backward of ``Σ_i C_i·L_i`` (``C_i`` constants). Book-keeping modes: from what
+        the norm pass kept, ``gᵀ·diag(C)·a`` per layer (``LayerRule.weighted_grads``) or ``Σ_i C_i G_i``
+        from kept per-sample gradients; each kept tensor is released as soon as its term is formed.
+        """
+        if not self.book_keeping:
+            weighted = (loss * factors.detach().to(loss.dtype)).sum()
+            grads = torch.autograd.grad(weighted, self.params, allow_unused=True)
+            return [torch.zeros_like(p) if g is None else g for p, g in zip(self.params, grads)]
+        out: Dict[int, torch.Tensor] = {}
+        factors = factors.detach()
+
+        def add(p, g):
+            prev = out.get(id(p))
+            out[id(p)] = g if prev is None else prev.add_(g)
+
+        try:
+            while self._kept_pairs:
+                module, rule, pairs = self._kept_pairs.pop()
+                for name, g in rule.weighted_grads(module, pairs, factors).items():
+                    add(getattr(module, name), g)
+                del pairs
+            while self._kept_grads:
+                p, G = self._kept_grads.pop()
+                add(p, torch.tensordot(factors.to(G.dtype), G, dims=1))
+                del G
+        finally:
+            self.release()
+        return [out[id(p)] if id(p) in out else torch.zeros_like(p) for p in self.params]
+
+    def release(self) -> None:
+        """Drop every record and everything a book-keeping norm pass kept (after an error, or when done)."""
+        self._kept_pairs, self._kept_grads = [], []
+        self.recorder.reset()
 
     def remove(self) -> None:
         self.recorder.remove()

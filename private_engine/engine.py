@@ -34,7 +34,8 @@ class PrivacyEngine:
     size), where ``g_i`` is sample i's gradient over every trainable parameter, ``C_i`` its clip
     factor and ``R = max_grad_norm``. Per-sample norms come from ghost norms or instantiated
     per-sample gradients, chosen per layer (seed 002, "mixed ghost clipping"); the clipped sum
-    comes from a second backward of ``Σ_i C_i·L_i``.
+    comes from a second backward of ``Σ_i C_i·L_i``, or, in the book-keeping modes, from the same
+    single backward (``gᵀ·diag(C)·a`` per layer, Bu et al. 2023).
 
     Args:
         model: the ``nn.Module`` to train; every trainable parameter is clipped by a layer rule, the
@@ -46,7 +47,10 @@ class PrivacyEngine:
         max_grad_norm: clipping threshold R.
         noise_multiplier: σ; or give ``target_epsilon`` (and epochs/steps) to calibrate it.
         target_delta: δ; default ``1 / (2·sample_size)``.
-        clipping_mode: "mixed" (default; seed 002 eq. 4.1 per layer), "ghost" or "per_sample".
+        clipping_mode: "mixed" (default; seed 002 eq. 4.1 per layer), "ghost" or "per_sample" (norm pass +
+            weighted second backward), or the single-backward book-keeping modes (Bu et al. 2023) "bk" (ghost
+            norms), "bk_mixed" (seed 002's memory rule) and "bk_mixopt" (time rule, ghost iff
+            ``T²(D+p) < pD``); every mode gives the same clipped gradient (docs/engine.md, "Clipping modes").
         clipping_fn: "abadi", "automatic", "global" or a callable ``(norms, R) -> factors``.
         accountant: "rdp", "prv" or "gdp" (Opacus' accountants).
         noise_generator: optional ``torch.Generator`` for the noise (on the parameters' device).
@@ -150,11 +154,12 @@ class PrivacyEngine:
         """
         check_per_sample_loss(loss)
         if loss.numel() == 0:  # an empty (Poisson) batch contributes nothing
-            self.clipper.recorder.reset()
+            self.clipper.release()
             return [torch.zeros_like(p) for p in self.params], 0
-        outside = self.clipper.recorder.params_reached_outside_calls(loss, self.params)
+        walk = self.clipper.recorder.walk(loss, self.params)
+        outside = walk.outside
         if outside:
-            self.clipper.recorder.reset()
+            self.clipper.release()
             names = {id(p): n for n, p in self.model.named_parameters()}
             raise ValueError(
                 f"the loss depends on trainable parameters {[names.get(id(p), tuple(p.shape)) for p in outside]} "
@@ -164,14 +169,18 @@ class PrivacyEngine:
                 "loss whose forward pass ran before the previous step/virtual_step (each clipping pass drops the "
                 "records of all earlier forward passes: run forward and step batch by batch). Nothing was updated."
             )
-        norms = self.clipper.per_sample_norms(loss)
-        if not bool(torch.isfinite(norms).all() & torch.isfinite(loss.detach()).all()):
-            self.clipper.recorder.reset()
+        norms = self.clipper.per_sample_norms(loss, walk)
+        if not bool(torch.isfinite(norms).all() & torch.isfinite(loss.detach()).all()):  # the step's one sync
+            self.clipper.release()
             raise ValueError(
                 "non-finite loss or per-sample gradient norm (NaN/inf); nothing was updated. Lower the learning "
                 "rate, check the data, or use a loss that stays finite."
             )
-        factors = self.clipper.clip_factors(norms)
+        try:
+            factors = self.clipper.clip_factors(norms)
+        except BaseException:
+            self.clipper.release()
+            raise
         self.last_norms = norms.detach()
         return self.clipper.clipped_grad_sum(loss, factors), loss.shape[0]
 

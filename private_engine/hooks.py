@@ -71,6 +71,18 @@ class RecordedLayer:
         self.calls = []
 
 
+@dataclass
+class GraphWalk:
+    """What :meth:`LayerRecorder.walk` found in the autograd graph of a loss."""
+
+    #: trainable parameters reached other than through a recorded call (missing from the norms)
+    outside: list
+    #: output edges of the leading recorded calls (no recorded call below them)
+    leading_edges: list
+    #: autograd nodes reached from the loss (recorded calls are stepped over)
+    reached: set
+
+
 class LayerRecorder:
     """Installs the hooks on ``layers = [(name, module, rule)]`` and holds their records."""
 
@@ -168,49 +180,60 @@ class LayerRecorder:
     def active_layers(self) -> List[RecordedLayer]:
         return [layer for layer in self.layers if layer.calls]
 
-    def sink_edges(self) -> list:
-        """Edges of calls whose input needs no gradient: the first trainable layers.
-
-        Asking autograd for the gradients at these edges makes it run backward through every
-        recorded layer while computing activation gradients only (no weight gradients).
-        """
-        return [c.edge for layer in self.layers for c in layer.calls if not c.input_requires_grad]
-
     def params_reached_outside_calls(self, loss: torch.Tensor, params: Sequence[torch.Tensor]) -> list:
         """Parameters of ``params`` that ``loss`` depends on other than through a recorded layer call.
 
-        Walks the autograd graph from the loss, stepping over each recorded call (from its output
-        node straight to its input node). A parameter still reached is used outside its layer's
-        forward (e.g. a tied weight in ``F.linear(h, emb.weight)``) or belongs to a call that was
-        not recorded (a forward run before the hooks were installed): its per-sample gradient
-        would be missing from the norms.
+        A parameter still reached when every recorded call is stepped over (from its output node
+        straight to its input node) is used outside its layer's forward (e.g. a tied weight in
+        ``F.linear(h, emb.weight)``) or belongs to a call that was not recorded (a forward run before
+        the hooks were installed): its per-sample gradient would be missing from the norms.
+        """
+        return self.walk(loss, params).outside
+
+    def walk(self, loss: torch.Tensor, params: Sequence[torch.Tensor]) -> "GraphWalk":
+        """One pass over the autograd graph of ``loss`` (iterative post-order, each node once).
+
+        Steps over each recorded call (and each tracer entry / fallback call) from its output node to its
+        input nodes and finds (i) the parameters of ``params`` reached outside such calls, (ii) the
+        *leading* calls: reached from the loss with no other recorded call below them. Asking autograd for
+        the gradients at the leading calls' outputs (and the extras' edges) makes one backward run through
+        every reached call, computing activation gradients only — no second walk, no weight gradient.
         """
         wanted = {id(p) for p in params}
-        calls = {}
+        jumps: dict = {}
         for layer in self.layers:
             for c in layer.calls:
-                calls.setdefault(c.edge.node, []).append(c.input_node)
+                jumps.setdefault(c.edge.node, []).append(c.input_node)
         for extra in self.extras:  # parameter entries and fallback calls: output node -> batched inputs
             for node, inputs in extra.jumps().items():
-                calls.setdefault(node, []).extend(inputs)
-        found, seen, stack = {}, set(), [loss.grad_fn]
+                jumps.setdefault(node, []).extend(inputs)
+        found: dict = {}
+        below: dict = {}  # node -> True when a jump node is this node or below it
+        kids: dict = {}
+        stack = [(loss.grad_fn, False)]
         while stack:
-            node = stack.pop()
-            if node is None or node in seen:
+            node, done = stack.pop()
+            if done:
+                below[node] = node in jumps or any(below.get(k, False) for k in kids[node])
                 continue
-            seen.add(node)
-            if node in calls:
-                stack.extend(calls[node])
+            if node is None or node in below or node in kids:
                 continue
-            var = getattr(node, "variable", None)  # AccumulateGrad of a leaf
-            if var is not None and id(var) in wanted:
-                found[id(var)] = var
-                continue
-            stack.extend(n for n, _ in node.next_functions)
-        return list(found.values())
-
-    def unfired_edges(self) -> list:
-        return [c.edge for layer in self.layers for c in layer.calls if not c.fired]
+            if node in jumps:
+                children = [n for n in jumps[node] if n is not None]
+            else:
+                var = getattr(node, "variable", None)  # AccumulateGrad of a leaf
+                if var is not None:
+                    if id(var) in wanted:
+                        found[id(var)] = var
+                    below[node] = False
+                    continue
+                children = [n for n, _ in node.next_functions if n is not None]
+            kids[node] = children
+            stack.append((node, True))
+            stack.extend((k, False) for k in children if k not in below)
+        leading = {n for n in jumps if n in below and not any(below.get(k, False) for k in kids[n])}
+        edges = [c.edge for layer in self.layers for c in layer.calls if c.edge.node in leading]
+        return GraphWalk(outside=list(found.values()), leading_edges=edges, reached=set(below))
 
     def finish_unfired(self) -> None:
         """Mark calls the loss does not depend on as done (they contribute nothing)."""

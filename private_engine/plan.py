@@ -1,8 +1,15 @@
 """The layerwise decision of mixed ghost clipping (seed 002, Algorithm 1, eq. 4.1) and its report.
 
-Per layer and per batch: use the ghost norm iff ``2·T² < p·D`` (mode "mixed"), always
-(mode "ghost"), or never (mode "per_sample"). Layers whose per-sample gradient is no larger
-than an activation row (affine parameters of LayerNorm/GroupNorm) are always instantiated.
+Per layer and per batch: use the ghost norm iff ``2·T² < p·D`` (modes "mixed" and "bk_mixed",
+the memory rule of seed 002), iff ``T²·(D + p) < p·D`` (mode "bk_mixopt", the time rule of
+book-keeping, see :func:`use_ghost`), always (modes "ghost" and "bk"), or never (mode
+"per_sample"). Layers whose per-sample gradient is no larger than an activation row (affine
+parameters of LayerNorm/GroupNorm) are always instantiated.
+
+Modes starting with ``bk`` are *book-keeping* (Bu et al. 2023, "Differentially Private Optimization
+on Large Model at Small Cost"): one backward pass; the clipped gradient is formed from the kept
+activations and output gradients (``aᵀ·diag(C)·g``) or from kept per-sample gradients, never by a
+second backward.
 """
 from __future__ import annotations
 
@@ -14,7 +21,9 @@ from torch import nn
 
 from .layers import LayerDims
 
-CLIPPING_MODES = ("mixed", "ghost", "per_sample")
+CLIPPING_MODES = ("mixed", "ghost", "per_sample", "bk", "bk_mixed", "bk_mixopt")
+#: the single-backward (book-keeping) modes
+BOOK_KEEPING_MODES = ("bk", "bk_mixed", "bk_mixopt")
 
 
 @dataclass(frozen=True)
@@ -41,25 +50,45 @@ class LayerDecision:
 
 def check_mode(mode: str) -> str:
     if mode not in CLIPPING_MODES:
-        raise ValueError(f"clipping_mode must be one of {CLIPPING_MODES}, got {mode!r}.")
+        raise ValueError(
+            f"clipping_mode must be one of {CLIPPING_MODES}, got {mode!r}: 'mixed'/'ghost'/'per_sample' run a "
+            "norm pass and a weighted second backward; 'bk'/'bk_mixed'/'bk_mixopt' one backward (book-keeping)."
+        )
     return mode
+
+
+def is_book_keeping(mode: str) -> bool:
+    """True for the single-backward book-keeping modes ("bk", "bk_mixed", "bk_mixopt")."""
+    return mode in BOOK_KEEPING_MODES
 
 
 def merge_dims(dims: Sequence[LayerDims]) -> LayerDims:
     """Dimensions of a layer called several times: positions of all calls concatenated."""
     first = dims[0]
     return LayerDims(T=sum(d.T for d in dims), D=first.D, p=first.p, groups=first.groups,
-                     ghost_capable=first.ghost_capable)
+                     ghost_capable=first.ghost_capable, gram_D=first.gram_D)
 
 
 def use_ghost(dims: LayerDims, mode: str) -> bool:
-    """Seed 002, eq. (4.1): ghost norm iff ``2·T² < p·D`` in mode "mixed"."""
+    """Ghost norm (True) or instantiation (False) for one layer.
+
+    * "mixed", "bk_mixed": seed 002, eq. (4.1), the memory rule: ghost iff ``2·T² < p·D`` (per-sample
+      memory of two T×T Gram matrices vs one p×D gradient).
+    * "bk_mixopt": the time rule of book-keeping. Per sample, the ghost path costs the two Gram
+      matrices ``2T²(D + p)`` flops plus, at the end, its share of the clipped-gradient matmul
+      ``aᵀ·diag(C)·g`` (``2TpD``); instantiation costs ``G_i = g_iᵀ a_i`` (``2TpD``), whose kept
+      per-sample gradients then give ``Σ_i C_i G_i`` for ``2pD``. Ghost iff ``T²(D + p) < p·D``
+      (``LayerDims.ghost_time < LayerDims.instantiate_time``): in practice only for short inputs (T = 1).
+    * "ghost", "bk": always ghost; "per_sample": never.
+    """
     if not dims.ghost_capable:
         return False
-    if mode == "ghost":
+    if mode in ("ghost", "bk"):
         return True
     if mode == "per_sample":
         return False
+    if mode == "bk_mixopt":
+        return dims.ghost_time < dims.instantiate_time
     return dims.ghost_cost < dims.instantiate_cost
 
 

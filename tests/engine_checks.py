@@ -22,7 +22,7 @@ from reference import assert_close_rel, reference_clipped_sum
 
 #: float64 models and data: anything computed in float32 inside the engine would miss this by far
 RTOL = 1e-9
-MODES = ("mixed", "ghost", "per_sample")
+MODES = ("mixed", "ghost", "per_sample", "bk", "bk_mixed", "bk_mixopt")
 CLIPS = ("abadi", "automatic", "global", "custom")
 
 

@@ -47,6 +47,8 @@ def test_linear_mixed_plan_uses_both_strategies(mode):
     model = nn.Sequential(nn.Linear(6, 24), nn.Tanh(), nn.Unflatten(1, (12, 2)), nn.Linear(2, 3)).double()
     engine = check_against_reference(model, [x, target_like(model, x, gen)], mode=mode, clip="abadi")
     choice = {d.name: d.use_ghost for d in engine.layer_plan}
+    # bk_mixopt's time rule T²(D+p) < pD: layer "0" 1·30 < 144 (ghost), layer "3" 144·5 > 6 (instantiate)
     expected = {"mixed": {"0": True, "3": False}, "ghost": {"0": True, "3": True},
-                "per_sample": {"0": False, "3": False}}[mode]
+                "per_sample": {"0": False, "3": False}, "bk": {"0": True, "3": True},
+                "bk_mixed": {"0": True, "3": False}, "bk_mixopt": {"0": True, "3": False}}[mode]
     assert choice == expected

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import private_engine as pe
+from engine_checks import MODES
 
 
 class _Net(nn.Module):
@@ -21,7 +22,7 @@ class _Net(nn.Module):
         return self.fc(torch.relu(self.norm(self.conv(x))).flatten(1))
 
 
-@pytest.mark.parametrize("mode", ["mixed", "ghost", "per_sample"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("how", ["step", "virtual_step"])
 def test_batch_tensors_are_freed_after_the_step(mode, how):
     torch.manual_seed(0)

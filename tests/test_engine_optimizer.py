@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import private_engine as pe
-from engine_checks import (RTOL, gen_for, make_engine, one_thread, pick_threshold, quadratic_loss,  # noqa: F401
+from engine_checks import (MODES, RTOL, gen_for, make_engine, one_thread, pick_threshold, quadratic_loss,  # noqa: F401
                            ref_abadi, target_like)
 from reference import assert_close_rel, reference_clipped_sum
 
@@ -32,7 +32,7 @@ def _params(model):
 CHUNKINGS = [[4, 3], [3, 1, 2, 1], [1, 1, 1, 1, 1, 1, 1], [7]]
 
 
-@pytest.mark.parametrize("mode", ["mixed", "ghost", "per_sample"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("chunks", CHUNKINGS, ids=lambda c: "+".join(map(str, c)))
 def test_accumulation_equals_one_big_batch(chunks, mode):
     """k virtual_step calls + one step on k+1 chunks == one step on the concatenated batch (noise 0)."""
@@ -262,3 +262,33 @@ def test_dp_optimizer_with_noise_trains_float32():
         opt.zero_grad()
     assert F.cross_entropy(model(x), y).item() < 0.7 * first
     assert engine.steps_taken == 30 and 0 < engine.get_epsilon() < math.inf
+
+
+# -- book-keeping: one backward, no autograd weight gradient -------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+def test_book_keeping_runs_one_backward_and_forms_no_weight_gradient(mode, monkeypatch):
+    """Book-keeping modes: a single autograd call per physical batch, during which autograd never computes
+    a parameter gradient (hooks on every parameter stay silent); the two-pass modes run two."""
+    model = _model()
+    x, t = _batch(model, 5)
+    engine = make_engine(model, 5, mode=mode, R=0.5)
+    fired = []
+    handles = [p.register_hook(lambda g, n=n: fired.append(n)) for n, p in model.named_parameters()]
+    calls = []
+    real_grad = torch.autograd.grad
+
+    def counting_grad(*args, **kwargs):
+        calls.append(kwargs.get("retain_graph"))
+        return real_grad(*args, **kwargs)
+
+    monkeypatch.setattr(torch.autograd, "grad", counting_grad)
+    grads, _ = engine.clipped_grad_sum(quadratic_loss(model, x, t))
+    for h in handles:
+        h.remove()
+    if mode.startswith("bk"):
+        assert calls == [False], calls  # one backward, graph freed as it goes
+        assert fired == [], f"autograd formed weight gradients for {fired}"
+    else:
+        assert len(calls) == 2 and calls[0] is True
+        assert set(fired) == {n for n, _ in model.named_parameters()}
+    assert all(g.abs().sum() > 0 for g in grads)

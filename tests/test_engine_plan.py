@@ -62,10 +62,13 @@ def test_layer_plan_rows(mode):
         assert d.layer_type == type(getattr(model, name)).__name__
         if not d.ghost_capable:
             assert not d.use_ghost
-        elif mode == "mixed":
+        elif mode in ("mixed", "bk_mixed"):  # seed 002's memory rule
             assert d.use_ghost == (d.ghost_cost < d.instantiate_cost)
+        elif mode == "bk_mixopt":  # book-keeping's time rule: T²·(groups·D' + p) < p·D (D' = 1 for Embedding)
+            gram_d = 1 if name == "emb" else D
+            assert d.use_ghost == (T * T * (groups * gram_d + p) < p * D), d
         else:
-            assert d.use_ghost == (mode == "ghost")
+            assert d.use_ghost == (mode in ("ghost", "bk"))
     assert not rows["gn"].ghost_capable and not rows["ln"].ghost_capable
     if mode == "mixed":  # eq. (4.1) on the convs
         assert not rows["big_image"].use_ghost and rows["small_image"].use_ghost and not rows["depthwise"].use_ghost

@@ -48,7 +48,7 @@ class EmbeddingRule(LayerRule):
     def dims(self, module, activation, output):
         B = activation.shape[0]
         T = activation.numel() // B if B else 1
-        return LayerDims(T=T, D=module.num_embeddings, p=module.embedding_dim)
+        return LayerDims(T=T, D=module.num_embeddings, p=module.embedding_dim, gram_D=1)
 
     def ghost_norm_sq(self, module, calls):
         if not trainable(module, "weight"):
