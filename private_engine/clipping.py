@@ -29,7 +29,7 @@ from torch import nn
 from .fallback import FallbackModule, warn_fallback
 from .hooks import GraphWalk, LayerRecorder, RecordedLayer
 from .plan import LayerDecision, check_mode, decide, is_book_keeping
-from .layers.base import accumulation_dtype, trainable
+from .layers.base import accumulation_dtype, row_norm_sq, trainable
 from .layers.linear import LinearRule
 from .tracer import ParamTracer
 from .validation import _scan
@@ -93,7 +93,7 @@ def _norm_sq_of(grads: Dict[str, torch.Tensor], B: int, like: torch.Tensor) -> t
     """``Σ_θ ‖G_i^θ‖²_F`` per sample from instantiated per-sample gradients ``{name: (B, *shape)}``."""
     total = torch.zeros(B, dtype=accumulation_dtype(like), device=like.device)
     for g in grads.values():
-        total = total + g.reshape(B, -1).pow(2).sum(1).to(total.dtype)
+        total = total + row_norm_sq(g).to(total.dtype)
     return total
 
 
@@ -284,7 +284,7 @@ class PerSampleClipper:
         if self.keep_extra_grads:
             self.last_extra_grads.update(self.tracer.per_sample_grads())
         for pid, g in self.tracer.grads.items():
-            self._add(self.tracer.names[pid], "param-entry", g[0].numel(), g.reshape(g.shape[0], -1).pow(2).sum(1))
+            self._add(self.tracer.names[pid], "param-entry", g[0].numel(), row_norm_sq(g))
             if self.book_keeping:
                 self._kept_grads.append((self.tracer.tracked[pid][1], g))
         for fb in self.fallbacks:
@@ -298,7 +298,7 @@ class PerSampleClipper:
                 params = dict(fb.params)
                 self._kept_grads.extend((params[n], g) for n, g in grads.items())
             if grads:
-                sq = sum(g.reshape(g.shape[0], -1).pow(2).sum(1) for g in grads.values())
+                sq = sum(row_norm_sq(g) for g in grads.values())
                 self._add(fb.name, f"fallback:{type(fb.module).__name__}", sum(g[0].numel() for g in grads.values()),
                           sq)
 

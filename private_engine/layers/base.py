@@ -113,7 +113,7 @@ class LayerRule:
         g = calls[0][1]
         total = torch.zeros(g.shape[0], dtype=accumulation_dtype(g), device=g.device)
         for grad in self.per_sample_grads(module, calls).values():
-            total = total + grad.reshape(grad.shape[0], -1).pow(2).sum(1)
+            total = total + row_norm_sq(grad).to(total.dtype)
         return total
 
 
@@ -186,10 +186,17 @@ def gram_inner(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     With T = 1 this is ``‖a‖²·‖g‖²`` (no Gram matrices needed).
     """
     if a.shape[1] == 1:
-        return a.pow(2).sum((1, 2)) * g.pow(2).sum((1, 2))
+        return row_norm_sq(a) * row_norm_sq(g)
     aat = torch.bmm(a, a.transpose(1, 2))
     ggt = torch.bmm(g, g.transpose(1, 2))
-    return (aat * ggt).sum((1, 2))
+    # ⟨aaᵀ, ggᵀ⟩_F as one batched dot product (no N×T×T temporary)
+    n = aat.shape[0]
+    return torch.bmm(aat.reshape(n, 1, -1), ggt.reshape(n, -1, 1)).reshape(n).to(accumulation_dtype(g))
+
+
+def row_norm_sq(t: torch.Tensor) -> torch.Tensor:
+    """``‖t_i‖²`` for every leading index i, accumulated in ≥ float32 without a full-size temporary."""
+    return torch.linalg.vector_norm(t.reshape(t.shape[0], -1), dim=1, dtype=accumulation_dtype(t)).square()
 
 
 def zeros_like_batch(g: torch.Tensor) -> torch.Tensor:

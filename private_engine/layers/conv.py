@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import LayerDims, LayerRule, accumulation_dtype, gram_inner, register_rule, trainable, zeros_like_batch
+from .base import (LayerDims, LayerRule, accumulation_dtype, gram_inner, register_rule, row_norm_sq, trainable,
+                   zeros_like_batch)
 
 
 def unfold_conv_input(module: nn.modules.conv._ConvNd, a: torch.Tensor) -> torch.Tensor:
@@ -87,7 +88,7 @@ class ConvRule(LayerRule):
             U, G = self._views(module, calls)
             total = total + gram_inner(U, G).reshape(g0.shape[0], module.groups).sum(1)
         if trainable(module, "bias"):
-            total = total + self._bias_grad(calls).pow(2).sum(1)
+            total = total + row_norm_sq(self._bias_grad(calls))
         return total
 
     def per_sample_grads(self, module, calls) -> Dict[str, torch.Tensor]:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from .base import (LayerDims, LayerRule, accumulation_dtype, flatten_positions, gram_inner, register_rule,
-                   trainable, zeros_like_batch)
+                   row_norm_sq, trainable, zeros_like_batch)
 
 
 class LinearRule(LayerRule):
@@ -44,7 +44,7 @@ class LinearRule(LayerRule):
         if trainable(module, "weight"):
             total = total + gram_inner(A, G)
         if trainable(module, "bias"):
-            total = total + G.sum(1).pow(2).sum(1)
+            total = total + row_norm_sq(G.sum(1))
         return total
 
     def per_sample_grads(self, module, calls) -> Dict[str, torch.Tensor]:
