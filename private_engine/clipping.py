@@ -97,6 +97,13 @@ def _norm_sq_of(grads: Dict[str, torch.Tensor], B: int, like: torch.Tensor) -> t
     return total
 
 
+def _rows_kept(t: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``t`` with the rows (dim 0, one per sample) of dropped samples set to zero (integer ids kept)."""
+    if not t.is_floating_point():
+        return t
+    return torch.where(keep.reshape(-1, *([1] * (t.dim() - 1))), t, torch.zeros((), dtype=t.dtype, device=t.device))
+
+
 def check_per_sample_loss(loss, *, name: str = "loss") -> torch.Tensor:
     """Validate a per-sample loss vector ``(B,)`` (reduction="none")."""
     if not isinstance(loss, torch.Tensor):
@@ -323,13 +330,18 @@ class PerSampleClipper:
         return factors
 
     # -- weighted pass ---------------------------------------------------------------------------
-    def clipped_grad_sum(self, loss: torch.Tensor, factors: torch.Tensor) -> List[torch.Tensor]:
+    def clipped_grad_sum(self, loss: torch.Tensor, factors: torch.Tensor,
+                         keep: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
         """``Σ_i C_i·∂L_i/∂θ`` for every parameter.
 
         Two-pass modes: one backward of ``Σ_i C_i·L_i`` (``C_i`` constants). Book-keeping modes: from what
         the norm pass kept, ``gᵀ·diag(C)·a`` per layer (``LayerRule.weighted_grads``) or ``Σ_i C_i G_i``
         from kept per-sample gradients; each kept tensor is released as soon as its term is formed.
+        ``keep`` (book-keeping, bool ``(B,)``): samples whose rows take part; the others (float16 overflow)
+        are zeroed first, so that an inf/NaN row cannot reach the sum through ``0·inf``.
         """
+        if keep is not None and not self.book_keeping:
+            raise ValueError("dropping samples (keep=) needs a book-keeping mode.")
         if not self.book_keeping:
             weighted = (loss * factors.detach().to(loss.dtype)).sum()
             grads = torch.autograd.grad(weighted, self.params, allow_unused=True)
@@ -338,17 +350,22 @@ class PerSampleClipper:
         factors = factors.detach()
 
         def add(p, g):
+            g = g.to(accumulation_dtype(g))  # bfloat16 terms (mixed precision) are summed in float32
             prev = out.get(id(p))
             out[id(p)] = g if prev is None else prev.add_(g)
 
         try:
             while self._kept_pairs:
                 module, rule, pairs = self._kept_pairs.pop()
+                if keep is not None:
+                    pairs = [(_rows_kept(a, keep), _rows_kept(g, keep)) for a, g in pairs]
                 for name, g in rule.weighted_grads(module, pairs, factors).items():
                     add(getattr(module, name), g)
                 del pairs
             while self._kept_grads:
                 p, G = self._kept_grads.pop()
+                if keep is not None:
+                    G = _rows_kept(G, keep)
                 add(p, torch.tensordot(factors.to(G.dtype), G, dims=1))
                 del G
         finally:

@@ -21,9 +21,10 @@ import torch
 from torch import nn
 
 from . import optim as _optim
+from .amp import LossScaling
 from .accounting import calibrate_noise_multiplier, make_accountant, steps_for
 from .clipping import ClipFn, PerSampleClipper, check_per_sample_loss
-from .plan import LayerDecision, check_mode
+from .plan import LayerDecision, check_mode, is_book_keeping
 from .validation import check_no_batchnorm, clipped_layers
 
 
@@ -54,6 +55,9 @@ class PrivacyEngine:
         clipping_fn: "abadi", "automatic", "global" or a callable ``(norms, R) -> factors``.
         accountant: "rdp", "prv" or "gdp" (Opacus' accountants).
         noise_generator: optional ``torch.Generator`` for the noise (on the parameters' device).
+        grad_scaler: a ``torch.amp.GradScaler`` for float16 autocast (book-keeping modes): the engine scales
+            the loss, unscales norms and sums in float32, drops samples that overflow (``C_i = 0``) and
+            updates the scale (private_engine/amp.py). bfloat16 autocast needs none.
     """
 
     def __new__(cls, *args, **kwargs):
@@ -75,7 +79,8 @@ class PrivacyEngine:
                  noise_multiplier: Optional[float] = None, target_epsilon: Optional[float] = None,
                  target_delta: Optional[float] = None, clipping_mode: str = "mixed",
                  clipping_fn: Union[str, ClipFn] = "abadi", accountant: str = "rdp",
-                 noise_generator: Optional[torch.Generator] = None):
+                 noise_generator: Optional[torch.Generator] = None,
+                 grad_scaler: Optional["torch.amp.GradScaler"] = None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}.")
         if not (isinstance(batch_size, int) and batch_size > 0):
@@ -85,6 +90,13 @@ class PrivacyEngine:
         if (noise_multiplier is None) == (target_epsilon is None):
             raise ValueError("give exactly one of noise_multiplier or target_epsilon.")
         check_mode(clipping_mode)
+        self.loss_scaling = LossScaling(grad_scaler)
+        if self.loss_scaling.enabled and not is_book_keeping(clipping_mode):
+            raise ValueError(
+                f"grad_scaler needs a book-keeping clipping_mode ('bk', 'bk_mixed' or 'bk_mixopt'), not "
+                f"{clipping_mode!r}: a second backward through a float16 graph in which one sample overflowed would "
+                "spread NaN into every sample's gradient, while book-keeping drops that sample alone."
+            )
         self.model = model
         self.batch_size = batch_size
         self.sample_size = sample_size
@@ -169,20 +181,33 @@ class PrivacyEngine:
                 "loss whose forward pass ran before the previous step/virtual_step (each clipping pass drops the "
                 "records of all earlier forward passes: run forward and step batch by batch). Nothing was updated."
             )
-        norms = self.clipper.per_sample_norms(loss, walk)
-        if not bool(torch.isfinite(norms).all() & torch.isfinite(loss.detach()).all()):  # the step's one sync
-            self.clipper.release()
-            raise ValueError(
-                "non-finite loss or per-sample gradient norm (NaN/inf); nothing was updated. Lower the learning "
-                "rate, check the data, or use a loss that stays finite."
-            )
+        scaling = self.loss_scaling
+        if scaling.enabled:  # float16: backward of S·Σ L_i, norms and sums unscaled in float32
+            scaled, scale = scaling.scale(loss)
+            norms = self.clipper.per_sample_norms(scaled, walk) / scale
+            ok = torch.isfinite(norms) & torch.isfinite(loss.detach())
+            dropped = int((~ok).sum())  # the step's one sync
+            norms = torch.where(ok, norms, torch.zeros_like(norms))
+        else:
+            norms = self.clipper.per_sample_norms(loss, walk)
+            if not bool(torch.isfinite(norms).all() & torch.isfinite(loss.detach()).all()):  # the step's one sync
+                self.clipper.release()
+                raise ValueError(
+                    "non-finite loss or per-sample gradient norm (NaN/inf); nothing was updated. Lower the learning "
+                    "rate, check the data, or use a loss that stays finite (float16: pass grad_scaler=)."
+                )
         try:
             factors = self.clipper.clip_factors(norms)
         except BaseException:
             self.clipper.release()
             raise
         self.last_norms = norms.detach()
-        return self.clipper.clipped_grad_sum(loss, factors), loss.shape[0]
+        if not scaling.enabled:
+            return self.clipper.clipped_grad_sum(loss, factors), loss.shape[0]
+        factors = torch.where(ok, factors, torch.zeros_like(factors))
+        grads = self.clipper.clipped_grad_sum(scaled, factors / scale, keep=ok if dropped else None)
+        scaling.update(dropped)
+        return grads, loss.shape[0]
 
     @property
     def layer_plan(self) -> List[LayerDecision]:

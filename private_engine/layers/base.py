@@ -175,6 +175,14 @@ def accumulation_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
+def compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """Operand dtype of a rule's matmuls for an output gradient ``t``: bfloat16 stays bfloat16 (mixed
+    precision: the matmuls run as autocast ran the layer, accumulating in float32 inside the kernel, and every
+    norm is then accumulated in float32); float16 is widened to float32 (a loss-scaled float16 gradient
+    would overflow in a Gram matrix); float64 stays float64; anything else is float32."""
+    return torch.bfloat16 if t.dtype == torch.bfloat16 else accumulation_dtype(t)
+
+
 def flatten_positions(t: torch.Tensor, features: int) -> torch.Tensor:
     """Reshape a batch-first tensor ``(B, *positions, features)`` to ``(B, T, features)``."""
     return t.reshape(t.shape[0], -1, features)
@@ -190,8 +198,8 @@ def gram_inner(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     aat = torch.bmm(a, a.transpose(1, 2))
     ggt = torch.bmm(g, g.transpose(1, 2))
     # ⟨aaᵀ, ggᵀ⟩_F as one batched dot product (no N×T×T temporary)
-    n = aat.shape[0]
-    return torch.bmm(aat.reshape(n, 1, -1), ggt.reshape(n, -1, 1)).reshape(n).to(accumulation_dtype(g))
+    n, acc = aat.shape[0], accumulation_dtype(g)
+    return torch.bmm(aat.reshape(n, 1, -1).to(acc), ggt.reshape(n, -1, 1).to(acc)).reshape(n)
 
 
 def row_norm_sq(t: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import (LayerDims, LayerRule, accumulation_dtype, gram_inner, register_rule, row_norm_sq, trainable,
+from .base import (LayerDims, LayerRule, accumulation_dtype, compute_dtype, gram_inner, register_rule, row_norm_sq, trainable,
                    zeros_like_batch)
 
 
@@ -53,7 +53,7 @@ class ConvRule(LayerRule):
         """Unfolded inputs ``(B·groups, T, D)`` and output grads ``(B·groups, T, p/groups)``."""
         Us, Gs = [], []
         for a, g in calls:
-            dt = accumulation_dtype(g)
+            dt = compute_dtype(g)
             if a.dim() != len(module.kernel_size) + 2:
                 raise ValueError(
                     f"{type(module).__name__} expects batched input (B, C, *spatial); got shape {tuple(a.shape)}. "
@@ -79,7 +79,7 @@ class ConvRule(LayerRule):
         return LayerDims(T=T, D=D, p=module.out_channels, groups=module.groups)
 
     def _bias_grad(self, calls):
-        return sum(g.to(accumulation_dtype(g)).flatten(2).sum(2) for _, g in calls)
+        return sum(g.flatten(2).sum(2, dtype=accumulation_dtype(g)) for _, g in calls)
 
     def ghost_norm_sq(self, module, calls):
         g0 = calls[0][1]
@@ -95,7 +95,7 @@ class ConvRule(LayerRule):
         out = {}
         if trainable(module, "weight"):
             U, G = self._views(module, calls)
-            W = torch.bmm(G.transpose(1, 2), U)  # (B*groups, p_g, D)
+            W = torch.bmm(G.transpose(1, 2), U)  # (B*groups, p_g, D) in the compute dtype
             out["weight"] = W.reshape(calls[0][1].shape[0], *module.weight.shape)
         if trainable(module, "bias"):
             out["bias"] = self._bias_grad(calls)
@@ -111,7 +111,7 @@ class ConvRule(LayerRule):
             groups = module.groups
             GC = G.reshape(B, groups, *G.shape[1:]) * factors.to(G.dtype)[:, None, None, None]
             W = torch.einsum("bgtp,bgtd->gpd", GC, U.reshape(B, groups, *U.shape[1:]))
-            out["weight"] = W.reshape(module.weight.shape)
+            out["weight"] = W.reshape(module.weight.shape).to(accumulation_dtype(W))
         if trainable(module, "bias"):
             bias = self._bias_grad(calls)
             out["bias"] = (bias * factors.to(bias.dtype)[:, None]).sum(0)

@@ -11,7 +11,7 @@ from typing import Dict
 import torch
 from torch import nn
 
-from .base import (LayerDims, LayerRule, accumulation_dtype, flatten_positions, gram_inner, register_rule,
+from .base import (LayerDims, LayerRule, accumulation_dtype, compute_dtype, flatten_positions, gram_inner, register_rule,
                    row_norm_sq, trainable, zeros_like_batch)
 
 
@@ -27,7 +27,7 @@ class LinearRule(LayerRule):
                     f"in_features={module.in_features}, out_features={module.out_features}; a subclass that "
                     "changes Linear's forward needs its own rule (private_engine.layers.register_rule)."
                 )
-            dt = accumulation_dtype(g)
+            dt = compute_dtype(g)
             A.append(flatten_positions(a, module.in_features).to(dt))
             G.append(flatten_positions(g, module.out_features).to(dt))
         if len(calls) == 1:
@@ -44,7 +44,7 @@ class LinearRule(LayerRule):
         if trainable(module, "weight"):
             total = total + gram_inner(A, G)
         if trainable(module, "bias"):
-            total = total + row_norm_sq(G.sum(1))
+            total = total + row_norm_sq(G.sum(1, dtype=total.dtype))
         return total
 
     def per_sample_grads(self, module, calls) -> Dict[str, torch.Tensor]:
@@ -53,18 +53,19 @@ class LinearRule(LayerRule):
         if trainable(module, "weight"):
             out["weight"] = torch.bmm(G.transpose(1, 2), A)
         if trainable(module, "bias"):
-            out["bias"] = G.sum(1)
+            out["bias"] = G.sum(1, dtype=accumulation_dtype(G))
         return out
 
     def weighted_grads(self, module, calls, factors) -> Dict[str, torch.Tensor]:
         """``Σ_i C_i G_i = Gᵀ·diag(C)·A`` over all positions (one matmul), bias ``Σ_{i,t} C_i g_{i,t}``."""
         A, G = self._views(module, calls)
+        acc = accumulation_dtype(G)
         GC = G * factors.to(G.dtype)[:, None, None]
         out = {}
         if trainable(module, "weight"):
-            out["weight"] = GC.reshape(-1, GC.shape[-1]).t().mm(A.reshape(-1, A.shape[-1]))
+            out["weight"] = GC.reshape(-1, GC.shape[-1]).t().mm(A.reshape(-1, A.shape[-1])).to(acc)
         if trainable(module, "bias"):
-            out["bias"] = GC.sum((0, 1))
+            out["bias"] = GC.sum((0, 1), dtype=acc)
         return out
 
 
