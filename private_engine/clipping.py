@@ -176,7 +176,8 @@ class PerSampleClipper:
             if any(a.shape[0] != B for a, _ in pairs) and isinstance(layer.rule, LinearRule):
                 # k·B rows, k consecutive per sample (Swin windows): merged into positions, (k·B, T, d) ->
                 # (B, k·T, d), exact for ghost norm and instantiation
-                dims = [replace(d, T=d.T * (a.shape[0] // B)) for d, (a, _) in zip(dims, pairs)]
+                dims = [replace(d, T=d.T * (a.shape[0] // B), io_size=d.io_size * (a.shape[0] // B))
+                        for d, (a, _) in zip(dims, pairs)]
                 pairs = [(a.reshape(B, -1, a.shape[-1]), g.reshape(B, -1, g.shape[-1])) for a, g in pairs]
             if any(a.shape[0] != B for a, _ in pairs):
                 grads, dims = self._rows_grads(layer, pairs, dims)

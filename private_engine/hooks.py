@@ -12,7 +12,7 @@ layer's recorded tensors are released right after.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -69,6 +69,12 @@ class RecordedLayer:
         for c in self.calls:
             c.activation = c.grad = c.edge = c.input_node = None
         self.calls = []
+
+
+def _with_io_size(dims: LayerDims, activation: torch.Tensor, output: torch.Tensor) -> LayerDims:
+    """``dims`` with the per-sample element count of the call's input and output."""
+    rows = max(activation.shape[0], 1) if activation.dim() else 1
+    return replace(dims, io_size=(activation.numel() + output.numel()) // rows)
 
 
 @dataclass
@@ -143,7 +149,7 @@ class LayerRecorder:
         call = RecordedCall(
             activation=activation,
             output_shape=output.shape,
-            dims=layer.rule.dims(module, activation, output),
+            dims=_with_io_size(layer.rule.dims(module, activation, output), activation, output),
             edge=get_gradient_edge(root),
             input_requires_grad=x.requires_grad,
             # an input the tracer follows (a batch-expanded token) is covered by its entry, not by this call

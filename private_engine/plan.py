@@ -1,9 +1,9 @@
 """The layerwise decision of mixed ghost clipping (seed 002, Algorithm 1, eq. 4.1) and its report.
 
-Per layer and per batch: use the ghost norm iff ``2·T² < p·D`` (modes "mixed" and "bk_mixed",
-the memory rule of seed 002), iff ``T²·(D + p) < p·D`` (mode "bk_mixopt", the time rule of
-book-keeping, see :func:`use_ghost`), always (modes "ghost" and "bk"), or never (mode
-"per_sample"). Layers whose per-sample gradient is no larger than an activation row (affine
+Per layer and per batch: use the ghost norm iff ``2·T² < p·D`` (mode "mixed", the memory rule of
+seed 002; mode "bk_mixed" applies it to what book-keeping keeps), iff ``T²·(D + p) < p·D`` (mode
+"bk_mixopt", the time rule of book-keeping; see :func:`use_ghost`), always (modes "ghost" and
+"bk"), or never (mode "per_sample"). Layers whose per-sample gradient is no larger than an activation row (affine
 parameters of LayerNorm/GroupNorm) are always instantiated.
 
 Modes starting with ``bk`` are *book-keeping* (Bu et al. 2023, "Differentially Private Optimization
@@ -46,6 +46,8 @@ class LayerDecision:
     groups: int = 1
     calls: int = 1
     ghost_capable: bool = True
+    #: elements per sample of the layer's inputs and outputs (all calls): what book-keeping keeps for it
+    io_size: int = 0
 
 
 def check_mode(mode: str) -> str:
@@ -66,19 +68,24 @@ def merge_dims(dims: Sequence[LayerDims]) -> LayerDims:
     """Dimensions of a layer called several times: positions of all calls concatenated."""
     first = dims[0]
     return LayerDims(T=sum(d.T for d in dims), D=first.D, p=first.p, groups=first.groups,
-                     ghost_capable=first.ghost_capable, gram_D=first.gram_D)
+                     ghost_capable=first.ghost_capable, gram_D=first.gram_D, io_size=sum(d.io_size for d in dims))
 
 
 def use_ghost(dims: LayerDims, mode: str) -> bool:
     """Ghost norm (True) or instantiation (False) for one layer.
 
-    * "mixed", "bk_mixed": seed 002, eq. (4.1), the memory rule: ghost iff ``2·T² < p·D`` (per-sample
-      memory of two T×T Gram matrices vs one p×D gradient).
-    * "bk_mixopt": the time rule of book-keeping. Per sample, the ghost path costs the two Gram
-      matrices ``2T²(D + p)`` flops plus, at the end, its share of the clipped-gradient matmul
-      ``aᵀ·diag(C)·g`` (``2TpD``); instantiation costs ``G_i = g_iᵀ a_i`` (``2TpD``), whose kept
-      per-sample gradients then give ``Σ_i C_i G_i`` for ``2pD``. Ghost iff ``T²(D + p) < p·D``
-      (``LayerDims.ghost_time < LayerDims.instantiate_time``): in practice only for short inputs (T = 1).
+    * "mixed": seed 002, eq. (4.1), the memory rule: ghost iff ``2·T² < p·D`` (per-sample memory of two
+      T×T Gram matrices vs one p×D gradient).
+    * "bk_mixed": the same memory rule for what book-keeping must *keep* until the clip factors are
+      known. A ghost layer keeps its input and output gradient (``io_size`` per sample, ``T·(D + p)`` for a
+      Linear); an instantiated one keeps the smaller of that and its per-sample gradient ``p·D``. So
+      instantiate when ``p·D ≤ io_size`` (it keeps less and is also faster: no Gram matrices, no matmul at
+      the end); otherwise both keep ``(a, g)`` and eq. (4.1), ``2·T² < p·D``, picks the cheaper transient.
+    * "bk_mixopt": the time rule of book-keeping. Per sample, the ghost path costs the two Gram matrices
+      ``T²(D + p)`` multiply-adds plus, at the end, its share of ``aᵀ·diag(C)·g`` (``TpD``); instantiation
+      costs ``G_i = g_iᵀ a_i`` (``TpD``) and, kept, gives ``Σ_i C_i G_i`` for ``pD``. Ghost iff
+      ``T²(D + p) < p·D`` (``LayerDims.ghost_time < LayerDims.instantiate_time``): in practice only for
+      short inputs (T = 1); instantiated gradients are always kept, whatever their size.
     * "ghost", "bk": always ghost; "per_sample": never.
     """
     if not dims.ghost_capable:
@@ -89,6 +96,8 @@ def use_ghost(dims: LayerDims, mode: str) -> bool:
         return False
     if mode == "bk_mixopt":
         return dims.ghost_time < dims.instantiate_time
+    if mode == "bk_mixed" and dims.io_size and dims.instantiate_cost <= dims.io_size:
+        return False
     return dims.ghost_cost < dims.instantiate_cost
 
 
@@ -99,7 +108,7 @@ def decide(name: str, module: nn.Module, dims: Sequence[LayerDims], mode: str) -
         name=name, layer_type=type(module).__name__, T=merged.T, D=merged.D, p=merged.p,
         ghost_cost=merged.ghost_cost, instantiate_cost=merged.instantiate_cost,
         use_ghost=use_ghost(merged, mode), groups=merged.groups, calls=len(dims),
-        ghost_capable=merged.ghost_capable,
+        ghost_capable=merged.ghost_capable, io_size=merged.io_size,
     )
 
 

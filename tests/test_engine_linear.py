@@ -52,3 +52,18 @@ def test_linear_mixed_plan_uses_both_strategies(mode):
                 "per_sample": {"0": False, "3": False}, "bk": {"0": True, "3": True},
                 "bk_mixed": {"0": True, "3": False}, "bk_mixopt": {"0": True, "3": False}}[mode]
     assert choice == expected
+
+
+@pytest.mark.parametrize("mode", ["mixed", "bk_mixed"])
+def test_bk_mixed_instantiates_when_the_gradient_is_smaller_than_what_ghost_keeps(mode):
+    """T = 20, D = p = 32: eq. (4.1) picks ghost (2T² = 800 < pD = 1024), but book-keeping would keep
+    (a, g) = T·(D + p) = 1280 elements per sample for a ghost layer and only pD = 1024 for an instantiated
+    one, so "bk_mixed" instantiates (and keeps G_i); both match the reference."""
+    gen = gen_for(3)
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Tanh()).double()
+    x = torch.randn(4, 20, 32, generator=gen, dtype=torch.float64)
+    engine = check_against_reference(model, [x, target_like(model, x, gen)], mode=mode, clip="abadi")
+    (d,) = engine.layer_plan
+    assert (d.T, d.D, d.p, d.io_size) == (20, 32, 32, 1280)
+    assert d.use_ghost == (mode == "mixed")

@@ -45,6 +45,18 @@ EXPECTED_DIMS = {  # name: (T, D, p, groups)
 }
 
 
+def _io_per_sample(module, model):
+    """Elements per sample of the module's input and output in one forward of ``_inputs()``, measured by a hook."""
+    seen = []
+    h = module.register_forward_hook(lambda m, i, o: seen.append((i[0][0].numel() + o[0].numel())))
+    try:
+        with torch.no_grad():
+            model(*_inputs())
+    finally:
+        h.remove()
+    return sum(seen)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_layer_plan_rows(mode):
     torch.manual_seed(0)
@@ -62,8 +74,13 @@ def test_layer_plan_rows(mode):
         assert d.layer_type == type(getattr(model, name)).__name__
         if not d.ghost_capable:
             assert not d.use_ghost
-        elif mode in ("mixed", "bk_mixed"):  # seed 002's memory rule
+        elif mode == "mixed":  # seed 002's memory rule
             assert d.use_ghost == (d.ghost_cost < d.instantiate_cost)
+        elif mode == "bk_mixed":  # instantiate when G_i (p·D) is no larger than what a ghost layer keeps, (a, g)
+            module = getattr(model, name)
+            io = _io_per_sample(module, model)
+            assert d.io_size == io, (name, d.io_size, io)
+            assert d.use_ghost == (p * D > io and d.ghost_cost < d.instantiate_cost), d
         elif mode == "bk_mixopt":  # book-keeping's time rule: T²·(groups·D' + p) < p·D (D' = 1 for Embedding)
             gram_d = 1 if name == "emb" else D
             assert d.use_ghost == (T * T * (groups * gram_d + p) < p * D), d

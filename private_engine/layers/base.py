@@ -40,6 +40,9 @@ class LayerDims:
     #: width of the activation side of the ghost Gram matrix when it is not D (Embedding: 1, the
     #: equality of token ids); enters only the time cost
     gram_D: Optional[int] = None
+    #: elements per sample of the call's input and output (what book-keeping keeps for a ghost layer:
+    #: the activation and the output gradient); set by the recorder, 0 when unknown
+    io_size: int = 0
 
     @property
     def ghost_cost(self) -> int:
