@@ -44,21 +44,22 @@ class LossScaling:
     def scale(self, loss: torch.Tensor):
         """``(S·loss, S)`` with S the scaler's current scale as a 0-dim float32 tensor (no host sync)."""
         one = torch.ones((), dtype=torch.float32, device=loss.device)
-        s = self.scaler.scale(one)
-        return loss * s.to(loss.dtype), s
+        self._scale = self.scaler.scale(one)
+        return loss * self._scale.to(loss.dtype), self._scale
 
     def update(self, dropped: int) -> None:
-        """GradScaler's schedule after one physical batch in which ``dropped`` samples overflowed."""
+        """GradScaler's schedule after one physical batch in which ``dropped`` samples overflowed (the new scale
+        is computed on the scale's device: no host sync)."""
         sc = self.scaler
-        scale = sc.get_scale()
+        factor = 1.0
         if dropped:
             self.overflow_batches += 1
             self.dropped_samples += dropped
             self._good_batches = 0
-            scale *= sc.get_backoff_factor()
+            factor = sc.get_backoff_factor()
         else:
             self._good_batches += 1
             if self._good_batches >= sc.get_growth_interval():
                 self._good_batches = 0
-                scale *= sc.get_growth_factor()
-        sc.update(float(scale))
+                factor = sc.get_growth_factor()
+        sc.update(self._scale * factor)

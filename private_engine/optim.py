@@ -32,25 +32,29 @@ class PrivateStep:
 
     def accumulate(self, loss) -> None:
         """Clip this physical batch and add ``Σ_i C_i g_i`` to the running sums (no parameter change)."""
-        self.grad_sums, self.samples = self.with_batch(loss)
-
-    def with_batch(self, loss):
-        """The running sums plus this batch's clipped sum, without modifying the state."""
         grads, n = self.engine.clipped_grad_sum(loss)
-        if self.grad_sums is not None:
-            grads = [s + g for s, g in zip(self.grad_sums, grads)]
-        return grads, self.samples + n
+        if self.grad_sums is None:
+            self.grad_sums = grads
+        else:
+            for s, g in zip(self.grad_sums, grads):
+                s.add_(g)
+        self.samples += n
 
-    def noisy_average(self, sums: list) -> list:
-        """``(Σ C_i g_i + σR·ξ) / B_expected`` per parameter, ξ ~ N(0, I) drawn once."""
+    def noisy_gradients(self, loss) -> list:
+        """``(Σ_{logical batch} C_i g_i + σR·ξ) / B_expected`` per parameter, ξ ~ N(0, I) drawn once, with this
+        physical batch's clipped sum included. Built in place in this batch's fresh sums (one parameter-sized
+        noise draw at a time), so the running sums and the state stay untouched until the step succeeds."""
+        grads, _ = self.engine.clipped_grad_sum(loss)  # validates and clips; raises before anything changes
         engine = self.engine
         std = engine.noise_multiplier * engine.max_grad_norm
         out = []
-        for p, s in zip(engine.params, sums):
+        for k, (p, g) in enumerate(zip(engine.params, grads)):
+            if self.grad_sums is not None:
+                g.add_(self.grad_sums[k])
             if std > 0:
-                s = s + torch.normal(0.0, std, size=p.shape, device=s.device, dtype=s.dtype,
-                                     generator=engine.noise_generator)
-            out.append((s / engine.batch_size).to(p.dtype))
+                g.add_(torch.normal(0.0, std, size=p.shape, device=g.device, dtype=g.dtype,
+                                    generator=engine.noise_generator))
+            out.append(g.div_(engine.batch_size).to(p.dtype))
         return out
 
     def reset(self) -> None:
@@ -83,8 +87,7 @@ def attach(engine: "PrivacyEngine", optimizer: torch.optim.Optimizer) -> Private
                 "optimizer.step() needs loss=<per-sample losses, shape (B,)> (reduction='none'): the engine clips "
                 "each sample's gradient from it. Use optimizer.virtual_step(loss=...) to accumulate."
             )
-        sums, _ = state.with_batch(loss)  # validates and clips; state untouched on error
-        noisy = state.noisy_average(sums)
+        noisy = state.noisy_gradients(loss)  # validates and clips; state untouched on error
         saved = [p.grad for p in engine.params]
         for p, g in zip(engine.params, noisy):
             p.grad = g

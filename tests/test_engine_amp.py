@@ -171,3 +171,38 @@ def test_grad_scaler_needs_a_book_keeping_mode_and_a_scaler():
         _engine(model, "bk", 1.0, object())
     disabled = _engine(model, "mixed", 1.0, torch.amp.GradScaler("cpu", enabled=False))  # a disabled scaler is none
     assert not disabled.loss_scaling.enabled
+
+
+@pytest.mark.parametrize("amp", ["bf16", "fp16"])
+def test_private_steps_under_autocast(amp):
+    """End to end: DP-Adam steps with virtual steps under autocast (float16 with a GradScaler) update every
+    parameter, stay finite, account every logical batch and lower the training loss on a learnable task."""
+    torch.manual_seed(0)
+    model = _cnn()
+    gen = gen_for(5)
+    x = torch.randn(16, 3, 32, 32, generator=gen)
+    y = (x[:, 0].mean((1, 2)) > 0).long()
+    dtype = torch.bfloat16 if amp == "bf16" else torch.float16
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if amp == "fp16" else None
+    engine = pe.PrivacyEngine(model, batch_size=16, sample_size=160, max_grad_norm=1.0, noise_multiplier=0.1,
+                              clipping_mode="bk_mixed", grad_scaler=scaler)
+    opt = pe.optim.DPAdam(model.parameters(), lr=3e-3, privacy_engine=engine)
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def losses():
+        with torch.autocast("cpu", dtype=dtype):
+            out = model(x)
+        return F.cross_entropy(out.float(), y, reduction="none")
+
+    first = float(losses().mean())
+    for _ in range(8):
+        with torch.autocast("cpu", dtype=dtype):
+            out_a = model(x[:8])
+        opt.virtual_step(loss=F.cross_entropy(out_a.float(), y[:8], reduction="none"))
+        with torch.autocast("cpu", dtype=dtype):
+            out_b = model(x[8:])
+        opt.step(loss=F.cross_entropy(out_b.float(), y[8:], reduction="none"))
+        opt.zero_grad()
+    assert engine.steps_taken == 8
+    assert all(torch.isfinite(p).all() and not torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert float(losses().mean()) < first
