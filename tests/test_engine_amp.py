@@ -14,6 +14,8 @@ from engine_checks import MODES, gen_for, one_thread, pick_threshold, quadratic_
 from reference import assert_close_rel, reference_clipped_sum
 
 BK_MODES = [m for m in MODES if m.startswith("bk")]
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, CUDA])]
 
 
 def _vit():
@@ -32,7 +34,7 @@ def _autocast_reference(model, x, y, dtype):
     params = [p for p in model.parameters() if p.requires_grad]
     per = []
     for i in range(x.shape[0]):
-        with torch.autocast("cpu", dtype=dtype):
+        with torch.autocast(x.device.type, dtype=dtype):
             out = model(x[i:i + 1])
         per.append([g.double() for g in torch.autograd.grad(F.cross_entropy(out.float(), y[i:i + 1]), params)])
     norms = torch.stack([torch.sqrt(sum(g.pow(2).sum() for g in gs)) for gs in per])
@@ -41,24 +43,25 @@ def _autocast_reference(model, x, y, dtype):
     return [sum(C[i] * per[i][k] for i in range(len(per))) for k in range(len(params))], norms, R
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("build", [_vit, _cnn], ids=["vit", "cnn"])
-def test_bfloat16_autocast_matches_the_per_sample_autocast_reference(build, mode):
+def test_bfloat16_autocast_matches_the_per_sample_autocast_reference(build, mode, device):
     """bf16 matmuls inside the rules, norms accumulated in float32: within bf16 precision (≈ 2⁻⁸) of the
     sample-by-sample gradients of the same autocast forward; norms are float32."""
-    model = build()
+    model = build().to(device)
     gen = gen_for(1)
-    x = torch.randn(6, 3, 32, 32, generator=gen)
-    y = torch.randint(0, 5, (6,), generator=gen)
+    x = torch.randn(6, 3, 32, 32, generator=gen).to(device)
+    y = torch.randint(0, 5, (6,), generator=gen).to(device)
     ref_sum, ref_norms, R = _autocast_reference(model, x, y, torch.bfloat16)
     engine = pe.PrivacyEngine(model, batch_size=6, sample_size=60, max_grad_norm=R, noise_multiplier=0.0,
                               clipping_mode=mode)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(device, dtype=torch.bfloat16):
         out = model(x)
     grads, _ = engine.clipped_grad_sum(F.cross_entropy(out.float(), y, reduction="none"))
     assert engine.last_norms.dtype == torch.float32 and all(g.dtype == torch.float32 for g in grads)
-    assert_close_rel([engine.last_norms], [ref_norms], 1e-2, ["norms"])
-    flat = lambda gs: [torch.cat([g.double().flatten() for g in gs])]  # noqa: E731
+    assert_close_rel([engine.last_norms.cpu()], [ref_norms.cpu()], 1e-2, ["norms"])
+    flat = lambda gs: [torch.cat([g.double().cpu().flatten() for g in gs])]  # noqa: E731
     assert_close_rel(flat(grads), flat(ref_sum), 2e-2, ["clipped sum"])
 
 
@@ -173,33 +176,34 @@ def test_grad_scaler_needs_a_book_keeping_mode_and_a_scaler():
     assert not disabled.loss_scaling.enabled
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("amp", ["bf16", "fp16"])
-def test_private_steps_under_autocast(amp):
+def test_private_steps_under_autocast(amp, device):
     """End to end: DP-Adam steps with virtual steps under autocast (float16 with a GradScaler) update every
     parameter, stay finite, account every logical batch and lower the training loss on a learnable task."""
     torch.manual_seed(0)
-    model = _cnn()
+    model = _cnn().to(device)
     gen = gen_for(5)
-    x = torch.randn(16, 3, 32, 32, generator=gen)
+    x = torch.randn(16, 3, 32, 32, generator=gen).to(device)
     y = (x[:, 0].mean((1, 2)) > 0).long()
     dtype = torch.bfloat16 if amp == "bf16" else torch.float16
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if amp == "fp16" else None
+    scaler = torch.amp.GradScaler(device, init_scale=2.0 ** 8) if amp == "fp16" else None
     engine = pe.PrivacyEngine(model, batch_size=16, sample_size=160, max_grad_norm=1.0, noise_multiplier=0.1,
                               clipping_mode="bk_mixed", grad_scaler=scaler)
     opt = pe.optim.DPAdam(model.parameters(), lr=3e-3, privacy_engine=engine)
     before = [p.detach().clone() for p in model.parameters()]
 
     def losses():
-        with torch.autocast("cpu", dtype=dtype):
+        with torch.autocast(device, dtype=dtype):
             out = model(x)
         return F.cross_entropy(out.float(), y, reduction="none")
 
     first = float(losses().mean())
     for _ in range(8):
-        with torch.autocast("cpu", dtype=dtype):
+        with torch.autocast(device, dtype=dtype):
             out_a = model(x[:8])
         opt.virtual_step(loss=F.cross_entropy(out_a.float(), y[:8], reduction="none"))
-        with torch.autocast("cpu", dtype=dtype):
+        with torch.autocast(device, dtype=dtype):
             out_b = model(x[8:])
         opt.step(loss=F.cross_entropy(out_b.float(), y[8:], reduction="none"))
         opt.zero_grad()
