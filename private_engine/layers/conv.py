@@ -92,30 +92,63 @@ class ConvRule(LayerRule):
         return total
 
     def per_sample_grads(self, module, calls) -> Dict[str, torch.Tensor]:
+        """Per-sample weight gradients by the grouped-convolution trick (Rochette et al. 2019, "Efficient
+        per-example gradient computations in convolutional neural networks"): the batch folded into the
+        channels, ``(B, C, *S) -> (1, B·C, *S)``, makes sample i group i of a convolution with ``B·groups``
+        groups, so one weight-gradient kernel (cuDNN / oneDNN) returns ``G_i = g_iᵀ U(a_i)`` for every i at
+        the cost of the ordinary weight gradient — no im2col copy (Π k times the input) and no bmm."""
         out = {}
+        B = calls[0][1].shape[0]
         if trainable(module, "weight"):
-            U, G = self._views(module, calls)
-            W = torch.bmm(G.transpose(1, 2), U)  # (B*groups, p_g, D) in the compute dtype
-            out["weight"] = W.reshape(calls[0][1].shape[0], *module.weight.shape)
+            W = None
+            for a, g in calls:
+                dt = compute_dtype(g)
+                x = _padded(module, a.to(dt))
+                w = _conv_weight_grad(module, x.reshape(1, -1, *x.shape[2:]), g.to(dt).reshape(1, -1, *g.shape[2:]),
+                                      B * module.groups, (B * module.out_channels, *module.weight.shape[1:]))
+                W = w if W is None else W + w
+            out["weight"] = W.reshape(B, *module.weight.shape)
         if trainable(module, "bias"):
             out["bias"] = self._bias_grad(calls)
         return out
 
     def weighted_grads(self, module, calls, factors) -> Dict[str, torch.Tensor]:
-        """``Σ_i C_i G_i^γ = Σ_{i,t} C_i g_{i,t}^γ ⊗ U(a_i)_t^γ`` per group (one batched matmul over
-        the unfolded input, no per-sample weight gradient), bias ``Σ_i C_i Σ_t g_{i,t}``."""
+        """``Σ_i C_i G_i`` as the ordinary weight gradient of the layer for the output gradient ``diag(C)·g``
+        (one cuDNN / oneDNN weight-gradient kernel per call, no per-sample gradient), bias
+        ``Σ_i C_i Σ_t g_{i,t}``."""
         out = {}
-        B = calls[0][1].shape[0]
         if trainable(module, "weight"):
-            U, G = self._views(module, calls)  # (B·groups, T, D), (B·groups, T, p_g)
-            groups = module.groups
-            GC = G.reshape(B, groups, *G.shape[1:]) * factors.to(G.dtype)[:, None, None, None]
-            W = torch.einsum("bgtp,bgtd->gpd", GC, U.reshape(B, groups, *U.shape[1:]))
-            out["weight"] = W.reshape(module.weight.shape).to(accumulation_dtype(W))
+            W = None
+            for a, g in calls:
+                dt = compute_dtype(g)
+                gc = g.to(dt) * factors.to(dt).reshape(-1, *([1] * (g.dim() - 1)))
+                w = _conv_weight_grad(module, _padded(module, a.to(dt)), gc, module.groups, module.weight.shape)
+                W = w if W is None else W + w
+            out["weight"] = W.to(accumulation_dtype(W))
         if trainable(module, "bias"):
             bias = self._bias_grad(calls)
             out["bias"] = (bias * factors.to(bias.dtype)[:, None]).sum(0)
         return out
+
+
+def _padded(module: nn.modules.conv._ConvNd, a: torch.Tensor) -> torch.Tensor:
+    """The input as the layer convolves it: padded by the module's own rule (ints, "same" with its asymmetric
+    split, every padding mode), so that the kernels below run with padding 0."""
+    pad = list(module._reversed_padding_repeated_twice)
+    if not any(pad):
+        return a
+    mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+    return F.pad(a, pad, mode=mode)
+
+
+def _conv_weight_grad(module, x: torch.Tensor, g: torch.Tensor, groups: int, weight_shape) -> torch.Tensor:
+    """``∂/∂W`` of ``⟨conv(x, W; stride, dilation, groups), g⟩`` for an already padded ``x`` (as
+    ``torch.nn.grad.conv*d_weight``: the weight enters only through its shape)."""
+    nd = x.dim() - 2
+    weight = x.new_empty(1).expand(weight_shape)
+    return torch.ops.aten.convolution_backward(
+        g, x, weight, None, module.stride, (0,) * nd, module.dilation, False, (0,) * nd, groups,
+        (False, True, False))[1]
 
 
 register_rule(ConvRule())
