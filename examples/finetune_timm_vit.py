@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Private training or fine-tuning of a timm model (`make demo`): Poisson sampling, DP-Adam, mixed ghost clipping.
+"""Private training or fine-tuning of a timm model (`make demo`): Poisson sampling, DP-Adam, book-keeping clipping.
 
 Default (`make demo`): ``vit_tiny_patch16_224`` (width 192, 3 heads) built for the 8×8 digits
 with 2×2 patches (16 tokens), 4 blocks and average pooling, trained from scratch on
@@ -13,7 +13,7 @@ size and normalised with its mean/std (``--img-size`` overrides the size). The s
 (8×8, 2×2 patches, 4 blocks, average pooling) applies to ``--data digits`` without
 ``--pretrained``; otherwise the model keeps its own architecture. ``--pretrained`` loads the hub
 weights (network needed; off by default). Trainable parameters the engine has no per-sample rule
-for are frozen and listed. ``--amp``: bfloat16 autocast. The last line reads
+for are frozen and listed. ``--amp``: bfloat16 autocast (``--amp fp16``: float16 with a GradScaler). The last line reads
 ``ε=… δ=… σ=… accuracy=… seconds=…``.
 
 Examples::
@@ -73,12 +73,13 @@ def parse_args(argv=None):
     p.add_argument("--physical-batch-size", type=int, default=128, help="samples per forward/backward (memory)")
     p.add_argument("--lr", type=float, default=4e-3)
     p.add_argument("--max-grad-norm", type=float, default=1.0)
-    p.add_argument("--clipping-mode", default="mixed", choices=["mixed", "ghost", "per_sample"])
+    p.add_argument("--clipping-mode", default="bk_mixed", choices=list(pe.CLIPPING_MODES),
+                   help="bk_mixed (default): one backward, book-keeping (docs/engine.md, 'Clipping modes')")
     p.add_argument("--clipping-fn", default="automatic", choices=["abadi", "automatic", "global"])
     p.add_argument("--accountant", default="rdp", choices=["rdp", "prv", "gdp"])
-    p.add_argument("--amp", action="store_true",
-                   help="bfloat16 autocast (CPU, or CUDA GPUs with bfloat16); float16 is refused (it needs loss "
-                        "scaling, which per-sample clipping does not support yet)")
+    p.add_argument("--amp", nargs="?", const="bf16", choices=("bf16", "fp16"),
+                   help="autocast: bf16 (the default of a bare --amp; CPU, or CUDA GPUs with bfloat16) or fp16 "
+                        "(float16 with a torch.amp.GradScaler; needs a book-keeping --clipping-mode)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
@@ -106,22 +107,31 @@ def resolve_defaults(args):
 
 
 def autocast(args):
-    """The ``--amp`` context: bfloat16 autocast on CPU or CUDA; a no-op without ``--amp``.
+    """The ``--amp`` context: bfloat16 (or float16) autocast on CPU or CUDA; a no-op without ``--amp``.
 
-    bfloat16 keeps float32's exponent range, so no loss scaling is needed: the per-sample norms
-    and the clipped sum are computed from bfloat16 activations (about 3 significant digits;
-    tests/test_example_finetune.py checks this against the float64 reference). float16 would need
-    a loss scaler, whose scale the clipping threshold would have to know: not supported yet.
+    bfloat16 keeps float32's exponent range, so no loss scaling is needed: the rules run their matmuls
+    in bfloat16 and accumulate every norm and the clipped sum in float32 (about 3 significant digits;
+    tests/test_example_finetune.py checks this against the float64 reference). float16 needs a loss
+    scaler: :func:`grad_scaler` gives the engine one (private_engine/amp.py).
     """
     if not args.amp:
         return contextlib.nullcontext()
     device_type = torch.device(args.device).type
-    if device_type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise SystemExit("--amp uses bfloat16 autocast, which this GPU does not support; float16 AMP needs loss "
-                         "scaling, which private_engine's per-sample clipping does not support yet. Run without --amp.")
     if device_type not in ("cpu", "cuda"):
         raise SystemExit(f"--amp supports cpu and cuda, not {device_type}")
-    return torch.autocast(device_type, dtype=torch.bfloat16)
+    if args.amp == "bf16" and device_type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise SystemExit("--amp bf16: this GPU does not support bfloat16; use --amp fp16 (float16 with loss scaling).")
+    if args.amp == "fp16" and not args.clipping_mode.startswith("bk"):
+        raise SystemExit(f"--amp fp16 needs a book-keeping --clipping-mode (bk, bk_mixed, bk_mixopt), not "
+                         f"{args.clipping_mode}: an overflowing sample is then dropped alone.")
+    return torch.autocast(device_type, dtype=torch.bfloat16 if args.amp == "bf16" else torch.float16)
+
+
+def grad_scaler(args):
+    """A ``torch.amp.GradScaler`` for ``--amp fp16`` (the engine scales, unscales and drops overflows), else None."""
+    if args.amp != "fp16":
+        return None
+    return torch.amp.GradScaler(torch.device(args.device).type)
 
 
 def build_model(args, num_classes: int) -> torch.nn.Module:
@@ -171,6 +181,7 @@ def main(argv=None):
         model, batch_size=args.batch_size, sample_size=len(train), steps=args.epochs * len(loader),
         max_grad_norm=args.max_grad_norm, target_epsilon=args.epsilon, target_delta=args.delta,
         clipping_mode=args.clipping_mode, clipping_fn=args.clipping_fn, accountant=args.accountant,
+        grad_scaler=grad_scaler(args),
     )
     optimizer = pe.optim.DPAdam(model.parameters(), lr=args.lr, privacy_engine=engine)
     test_loader = DataLoader(test, batch_size=args.physical_batch_size, num_workers=args.workers)
@@ -179,7 +190,7 @@ def main(argv=None):
           f"parameters; data {args.data} ({len(classes)} classes), n={len(train)}, test {len(test)}; "
           f"B={args.batch_size} (physical {args.physical_batch_size}), σ={engine.noise_multiplier:.4f}, "
           f"R={args.max_grad_norm}, mode={args.clipping_mode}, clipping={args.clipping_fn}"
-          f"{', bfloat16 autocast' if args.amp else ''}")
+          f"{({'bf16': ', bfloat16 autocast', 'fp16': ', float16 autocast + GradScaler'}).get(args.amp, '')}")
 
     def per_sample_loss(xb, yb):
         with amp:

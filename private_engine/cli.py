@@ -5,6 +5,8 @@ import argparse
 import sys
 from typing import List, Optional
 
+from .plan import CLIPPING_MODES, DEFAULT_CLIPPING_MODE
+
 
 def _ints(text: str) -> List[int]:
     try:
@@ -85,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="per-layer ghost/instantiate decision for a timm/torchvision model")
     p.add_argument("--model", required=True, help="timm or torchvision model name, e.g. vit_tiny_patch16_224")
     p.add_argument("--input-size", type=_ints, default=[3, 224, 224], help="C,H,W of one sample (default 3,224,224)")
-    p.add_argument("--mode", default="mixed", choices=["mixed", "ghost", "per_sample"])
+    p.add_argument("--mode", default=DEFAULT_CLIPPING_MODE, choices=list(CLIPPING_MODES))
     p.add_argument("--batch-size", type=int, default=1, help="batch used for the shape pass")
     p.set_defaults(func=cmd_plan)
 

@@ -28,7 +28,7 @@ from torch import nn
 
 from .fallback import FallbackModule, warn_fallback
 from .hooks import GraphWalk, LayerRecorder, RecordedLayer
-from .plan import LayerDecision, check_mode, decide, is_book_keeping
+from .plan import DEFAULT_CLIPPING_MODE, LayerDecision, check_mode, decide, is_book_keeping
 from .layers.base import accumulation_dtype, row_norm_sq, trainable
 from .layers.linear import LinearRule
 from .tracer import ParamTracer
@@ -122,7 +122,7 @@ class PerSampleClipper:
     """Computes per-sample gradient norms and the clipped gradient sum for one physical batch."""
 
     def __init__(self, layers: Sequence[Tuple[str, nn.Module, object]], params: Sequence[nn.Parameter],
-                 *, mode: str = "mixed", clipping_fn: Union[str, ClipFn] = "abadi", max_grad_norm: float = 1.0,
+                 *, mode: str = DEFAULT_CLIPPING_MODE, clipping_fn: Union[str, ClipFn] = "abadi", max_grad_norm: float = 1.0,
                  model: Optional[nn.Module] = None):
         self.mode = check_mode(mode)
         self.clip_fn, self.user_clip_fn = resolve_clipping_fn(clipping_fn)

@@ -24,7 +24,7 @@ from . import optim as _optim
 from .amp import LossScaling
 from .accounting import calibrate_noise_multiplier, make_accountant, steps_for
 from .clipping import ClipFn, PerSampleClipper, check_per_sample_loss
-from .plan import LayerDecision, check_mode, is_book_keeping
+from .plan import DEFAULT_CLIPPING_MODE, LayerDecision, check_mode, is_book_keeping
 from .validation import check_no_batchnorm, clipped_layers
 
 
@@ -34,9 +34,9 @@ class PrivacyEngine:
     Each logical batch releases ``Σ_i C_i·g_i + N(0, σ²R²I)`` (divided by the expected batch
     size), where ``g_i`` is sample i's gradient over every trainable parameter, ``C_i`` its clip
     factor and ``R = max_grad_norm``. Per-sample norms come from ghost norms or instantiated
-    per-sample gradients, chosen per layer (seed 002, "mixed ghost clipping"); the clipped sum
-    comes from a second backward of ``Σ_i C_i·L_i``, or, in the book-keeping modes, from the same
-    single backward (``gᵀ·diag(C)·a`` per layer, Bu et al. 2023).
+    per-sample gradients, chosen per layer (seed 002, "mixed ghost clipping"); the clipped sum comes,
+    in the book-keeping modes (default), from the same single backward (``gᵀ·diag(C)·a`` per layer or
+    kept per-sample gradients, Bu et al. 2023), or from a second backward of ``Σ_i C_i·L_i``.
 
     Args:
         model: the ``nn.Module`` to train; every trainable parameter is clipped by a layer rule, the
@@ -48,10 +48,11 @@ class PrivacyEngine:
         max_grad_norm: clipping threshold R.
         noise_multiplier: σ; or give ``target_epsilon`` (and epochs/steps) to calibrate it.
         target_delta: δ; default ``1 / (2·sample_size)``.
-        clipping_mode: "mixed" (default; seed 002 eq. 4.1 per layer), "ghost" or "per_sample" (norm pass +
-            weighted second backward), or the single-backward book-keeping modes (Bu et al. 2023) "bk" (ghost
-            norms), "bk_mixed" (seed 002's memory rule) and "bk_mixopt" (time rule, ghost iff
-            ``T²(D+p) < pD``); every mode gives the same clipped gradient (docs/engine.md, "Clipping modes").
+        clipping_mode: the single-backward book-keeping modes (Bu et al. 2023) "bk_mixed" (default; seed 002's
+            memory rule applied to what book-keeping keeps), "bk" (ghost norms) and "bk_mixopt" (time rule,
+            ghost iff ``T²(D+p) < pD``), or the two-pass modes "mixed" (seed 002 eq. 4.1 per layer), "ghost",
+            "per_sample" (norm pass + weighted second backward); every mode gives the same clipped gradient
+            (docs/engine.md, "Clipping modes").
         clipping_fn: "abadi", "automatic", "global" or a callable ``(norms, R) -> factors``.
         accountant: "rdp", "prv" or "gdp" (Opacus' accountants).
         noise_generator: optional ``torch.Generator`` for the noise (on the parameters' device).
@@ -77,7 +78,7 @@ class PrivacyEngine:
     def __init__(self, model: nn.Module, *, batch_size: int, sample_size: int, max_grad_norm: float,
                  epochs: Optional[float] = None, steps: Optional[int] = None,
                  noise_multiplier: Optional[float] = None, target_epsilon: Optional[float] = None,
-                 target_delta: Optional[float] = None, clipping_mode: str = "mixed",
+                 target_delta: Optional[float] = None, clipping_mode: str = DEFAULT_CLIPPING_MODE,
                  clipping_fn: Union[str, ClipFn] = "abadi", accountant: str = "rdp",
                  noise_generator: Optional[torch.Generator] = None,
                  grad_scaler: Optional["torch.amp.GradScaler"] = None):

@@ -24,6 +24,9 @@ from .layers import LayerDims
 CLIPPING_MODES = ("mixed", "ghost", "per_sample", "bk", "bk_mixed", "bk_mixopt")
 #: the single-backward (book-keeping) modes
 BOOK_KEEPING_MODES = ("bk", "bk_mixed", "bk_mixopt")
+#: the default of PrivacyEngine, layer_plan and the commands: chosen from the measurements in
+#: docs/benchmarks.md (fastest or tied for fastest on every model measured, ≈ non-DP peak memory; docs/engine.md)
+DEFAULT_CLIPPING_MODE = "bk_mixed"
 
 
 @dataclass(frozen=True)
@@ -112,7 +115,7 @@ def decide(name: str, module: nn.Module, dims: Sequence[LayerDims], mode: str) -
     )
 
 
-def layer_plan(model: nn.Module, example_input, mode: str = "mixed") -> List[LayerDecision]:
+def layer_plan(model: nn.Module, example_input, mode: str = DEFAULT_CLIPPING_MODE) -> List[LayerDecision]:
     """The per-layer ghost/instantiate decision for ``model`` on ``example_input``, without training.
 
     Runs one forward pass with recording hooks (no backward, no parameter change) and applies

@@ -103,7 +103,7 @@ def test_conv2d_decision_follows_two_T_squared_lt_pD(trial):
     cin, cout, k = rng.choice([1, 3, 8, 32]), rng.choice([2, 16, 64, 128]), rng.choice([1, 3, 5])
     stride, size = rng.choice([1, 2, 4]), rng.choice([6, 12, 24])
     conv = nn.Conv2d(cin, cout, k, stride=stride, padding=k // 2)
-    (d,) = pe.layer_plan(nn.Sequential(conv), torch.randn(1, cin, size, size))
+    (d,) = pe.layer_plan(nn.Sequential(conv), torch.randn(1, cin, size, size), mode="mixed")
     H = (size + 2 * (k // 2) - k) // stride + 1
     T, D = H * H, cin * k * k
     assert (d.T, d.D, d.p) == (T, D, cout)
@@ -176,6 +176,6 @@ def test_layer_plan_rejects_unknown_mode():
 @pytest.mark.parametrize("d_in,p,ghost", [(8, 4, False), (11, 3, True), (31, 1, False), (3, 11, True)])
 def test_decision_at_the_boundary(d_in, p, ghost):
     """T = 4: 2T² = 32 against pD = 32 (tie: instantiate), 33 (ghost), 31 (instantiate), 33 (ghost)."""
-    (d,) = pe.layer_plan(nn.Sequential(nn.Linear(d_in, p)), torch.randn(2, 4, d_in))
+    (d,) = pe.layer_plan(nn.Sequential(nn.Linear(d_in, p)), torch.randn(2, 4, d_in), mode="mixed")
     assert (d.ghost_cost, d.instantiate_cost) == (32, p * d_in)
     assert d.use_ghost is ghost

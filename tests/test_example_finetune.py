@@ -101,15 +101,23 @@ def test_flat_folder_is_split_80_20_and_resized(tmp_path):
     assert x.shape == (3, 9, 9) and 0 <= y < 3
 
 
-def test_example_trains_on_an_image_folder_with_amp(tmp_path, capsys):
+@pytest.mark.parametrize("amp", [[], ["fp16"]], ids=["bf16", "fp16"])
+def test_example_trains_on_an_image_folder_with_amp(tmp_path, capsys, amp):
     write_folder(tmp_path / "train", per_class=8)
     write_folder(tmp_path / "val", per_class=2, seed=1)
     acc, out = run_example(["--data", "folder", "--data-dir", str(tmp_path), *TINY_VIT, "--epochs", "1",
-                            "--batch-size", "8", "--physical-batch-size", "5", "--epsilon", "3", "--amp"], capsys)
-    assert "at 16×16" in out and "3 classes" in out and "n=24, test 6" in out and "bfloat16 autocast" in out
+                            "--batch-size", "8", "--physical-batch-size", "5", "--epsilon", "3", "--amp", *amp],
+                           capsys)
+    expected = "float16 autocast + GradScaler" if amp else "bfloat16 autocast"
+    assert "at 16×16" in out and "3 classes" in out and "n=24, test 6" in out and expected in out
     eps, delta, sigma, final_acc = final_line(out)
     assert 0 < eps <= 3 + 1e-6 and delta == pytest.approx(1 / 48, rel=1e-2) and sigma > 0
     assert final_acc == pytest.approx(acc, abs=5e-4) and acc in {k / 6 for k in range(7)}
+
+
+def test_example_refuses_float16_with_a_two_pass_mode():
+    with pytest.raises(SystemExit, match="book-keeping"):
+        load_example().main(["--amp", "fp16", "--clipping-mode", "mixed", "--epochs", "0"])
 
 
 def test_mismatched_class_folders_are_refused(tmp_path):

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..plan import DEFAULT_CLIPPING_MODE
 from .features import penultimate_features
 from .mean_estimator import DPMeanEstimator
 
@@ -117,7 +118,7 @@ def warmup_finetune(model: nn.Module, X: torch.Tensor, y: torch.Tensor, *, epsil
                     delta_centres: float, epsilon_train: float, delta_train: float, epochs: int = 2,
                     batch_size: int = 256, physical_batch_size: Optional[int] = None, lr: float = 1e-3,
                     max_grad_norm: float = 1.0, temperature: float = 1.0, optimizer: str = "adam",
-                    clipping_mode: str = "mixed", clipping_fn: str = "abadi", accountant: str = "rdp",
+                    clipping_mode: str = DEFAULT_CLIPPING_MODE, clipping_fn: str = "abadi", accountant: str = "rdp",
                     feature_extractor: Optional[nn.Module] = None, feature_fn: Optional[Callable] = None,
                     device: Any = None, seed: int = 0, progress: bool = True,
                     eval_data: Optional[tuple] = None) -> WarmupResult:

@@ -51,7 +51,7 @@ class OpacusPrivacyEngine(opacus.PrivacyEngine):
     """
 
     #: the engine's clipping mode used for every grad_sample_mode
-    clipping_mode = "mixed"
+    clipping_mode = "bk_mixed"
 
     def __init__(self, *, accountant: str = "prv", secure_mode: bool = False):
         super().__init__(accountant=accountant, secure_mode=secure_mode)
