@@ -16,7 +16,7 @@ layerwise-optimal "mixed" strategy, seed 002 eq. 4.1):
 "hooks"            plain ``loss.backward()`` → book-keeping clipping (no second backward)
 "functorch", "ew"  same as "hooks"
 "no_op"            same as "hooks"
-"ghost"            wrapped criterion returned; ``loss.backward()`` = norm pass + weighted backward
+"ghost"            wrapped criterion returned; ``loss.backward()`` = one backward, book-keeping (bk_mixed)
 "ghost_fsdp"       ValueError without distributed training, as in Opacus
 =================  ===========================================================================
 """

@@ -19,8 +19,9 @@ gradients are rescaled by the physical batch size B, as Opacus does). The optimi
 Two flows fill ``p.grad``:
 
 * **criterion flow** (``grad_sample_mode="ghost"``): the wrapped criterion's ``backward()`` runs
-  the engine's activation-only norm pass on the per-sample losses, then one backward of
-  ``Σ_i C_i L_i`` (seed 002, Algorithm 1; :class:`private_engine.clipping.PerSampleClipper`).
+  the engine's activation-only norm pass on the per-sample losses, then forms ``Σ_i C_i ∂L_i/∂θ``
+  by book-keeping from what that single backward kept (mode "bk_mixed";
+  :class:`private_engine.clipping.PerSampleClipper`).
 * **plain backward** (every other mode, or any ``loss.backward()``): book-keeping (Bu et al. 2023).
   During the ordinary backward the recorded (activation a, output gradient g) of every layer
   call are kept, each layer's per-sample norm is computed as soon as its gradient arrives
@@ -356,7 +357,8 @@ class PrivateModule(nn.Module):
 
     # -- criterion flow ---------------------------------------------------------------------------
     def criterion_backward(self, loss_per_sample: torch.Tensor) -> None:
-        """``p.grad += Σ_i C_i ∂L_i/∂p`` from per-sample losses: norm pass + weighted backward."""
+        """``p.grad += Σ_i C_i ∂L_i/∂p`` from per-sample losses: the clipper's norm pass, then its clipped sum
+        (book-keeping in the default mode; a weighted backward in a two-pass mode)."""
         try:
             check_per_sample_loss(loss_per_sample, name="the per-sample loss")
             self._start_backward()
