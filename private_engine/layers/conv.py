@@ -103,9 +103,10 @@ class ConvRule(LayerRule):
             W = None
             for a, g in calls:
                 dt = compute_dtype(g)
-                x = _padded(module, a.to(dt))
-                w = _conv_weight_grad(module, x.reshape(1, -1, *x.shape[2:]), g.to(dt).reshape(1, -1, *g.shape[2:]),
-                                      B * module.groups, (B * module.out_channels, *module.weight.shape[1:]))
+                x, padding = _padded(module, a.to(dt))
+                w = _conv_weight_grad(module, (x.reshape(1, -1, *x.shape[2:]), padding),
+                                      g.to(dt).reshape(1, -1, *g.shape[2:]), B * module.groups,
+                                      (B * module.out_channels, *module.weight.shape[1:]))
                 W = w if W is None else W + w
             out["weight"] = W.reshape(B, *module.weight.shape)
         if trainable(module, "bias"):
@@ -131,23 +132,28 @@ class ConvRule(LayerRule):
         return out
 
 
-def _padded(module: nn.modules.conv._ConvNd, a: torch.Tensor) -> torch.Tensor:
-    """The input as the layer convolves it: padded by the module's own rule (ints, "same" with its asymmetric
-    split, every padding mode), so that the kernels below run with padding 0."""
+def _padded(module: nn.modules.conv._ConvNd, a: torch.Tensor):
+    """``(input, padding)`` for the kernels below: the input as the layer convolves it, padded by the module's
+    own rule (ints, "same" with its asymmetric split, every padding mode) with padding 0 left to the kernel —
+    or, for symmetric zero padding, the input itself and the layer's padding (no copy)."""
+    nd = a.dim() - 2
     pad = list(module._reversed_padding_repeated_twice)
     if not any(pad):
-        return a
+        return a, (0,) * nd
+    if module.padding_mode == "zeros" and all(pad[2 * i] == pad[2 * i + 1] for i in range(nd)):
+        return a, tuple(pad[2 * (nd - 1 - i)] for i in range(nd))
     mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
-    return F.pad(a, pad, mode=mode)
+    return F.pad(a, pad, mode=mode), (0,) * nd
 
 
-def _conv_weight_grad(module, x: torch.Tensor, g: torch.Tensor, groups: int, weight_shape) -> torch.Tensor:
-    """``∂/∂W`` of ``⟨conv(x, W; stride, dilation, groups), g⟩`` for an already padded ``x`` (as
-    ``torch.nn.grad.conv*d_weight``: the weight enters only through its shape)."""
+def _conv_weight_grad(module, x, g: torch.Tensor, groups: int, weight_shape) -> torch.Tensor:
+    """``∂/∂W`` of ``⟨conv(x, W; stride, dilation, groups), g⟩`` for ``x = (input, padding)`` from
+    :func:`_padded` (as ``torch.nn.grad.conv*d_weight``: the weight enters only through its shape)."""
+    x, padding = x
     nd = x.dim() - 2
     weight = x.new_empty(1).expand(weight_shape)
     return torch.ops.aten.convolution_backward(
-        g, x, weight, None, module.stride, (0,) * nd, module.dilation, False, (0,) * nd, groups,
+        g, x, weight, None, module.stride, padding, module.dilation, False, (0,) * nd, groups,
         (False, True, False))[1]
 
 
