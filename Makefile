@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_PIN := torch==2.14.1 torchvision==0.29.1
 
-.PHONY: demo test bench venv clean
+.PHONY: demo test bench bench-gpu bench-all venv clean
 
 $(VENV)/.core: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,10 +27,20 @@ demo: $(VENV)/.core
 test: $(VENV)/.test
 	$(PY) -m pytest -q
 
-# `make bench` = ViT-Tiny on CPU (ViT-Tiny/-Small/-Base on a GPU); more: make bench BENCH_ARGS="--models resnet18 --img-size 64"
+# Benchmarks (docs/benchmarks.md). `make bench` = ViT-Tiny on the CPU, core methods; more:
+# make bench BENCH_ARGS="--models resnet18 --img-size 64 --methods all"
+# `make bench-gpu`: the seven models on CUDA, bf16 autocast, maximum batch sizes, written to docs/benchmarks.md;
+# `make bench-all`: the same models on the CPU (slow), written to docs/benchmarks.md.
 BENCH_ARGS ?=
+BENCH_MODELS := vit_tiny_patch16_224 vit_small_patch16_224 vit_base_patch16_224 resnet18 resnet50 vgg11 text_transformer
 bench: $(VENV)/.core
 	$(PY) bench/bench_clipping.py $(BENCH_ARGS)
+
+bench-gpu: $(VENV)/.core
+	$(PY) bench/bench_clipping.py --device cuda --models $(BENCH_MODELS) --amp bf16 --max-batch --markdown docs/benchmarks.md $(BENCH_ARGS)
+
+bench-all: $(VENV)/.core
+	$(PY) bench/bench_clipping.py --device cpu --models $(BENCH_MODELS) --markdown docs/benchmarks.md $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -21,7 +21,8 @@ def bench():
 def test_models_default_per_device_and_list(bench):
     assert bench.parse_args(["--device", "cpu"]).models == ["vit_tiny_patch16_224"]
     assert bench.parse_args(["--device", "cuda"]).models == [
-        "vit_tiny_patch16_224", "vit_small_patch16_224", "vit_base_patch16_224"]
+        "vit_tiny_patch16_224", "vit_small_patch16_224", "vit_base_patch16_224", "resnet18", "resnet50", "vgg11",
+        "text_transformer"]
     args = bench.parse_args(["--device", "cpu", "--models", "resnet18", "vit_tiny_patch16_224"])
     assert args.models == ["resnet18", "vit_tiny_patch16_224"] and args.model == "resnet18"
     assert bench.parse_args(["--device", "cpu", "--model", "resnet18"]).models == ["resnet18"]
@@ -87,8 +88,21 @@ def test_cpu_target_line(bench):
     results = {"nondp": _result(1.0, 10), "mixed": _result(1.1, 10, time_ratio=1.15),
                "ghost": _result(2.0, 10), "per_sample": {"error": "ValueError: no rule"}}
     (line,) = bench.target_lines(args, results)
+    assert "≤ 1.15× non-DP" in line and "vit_tiny_patch16_224 at batch 16" in line
     assert "mixed: 1.15× (met)" in line and "ghost: 2.00× (not met)" in line and "per_sample: failed" in line
-    assert bench.target_lines(bench.parse_args(["--device", "cuda"]), results) == []
+
+
+def test_cuda_target_lines(bench):
+    args = bench.parse_args(["--device", "cuda"])
+    results = {"nondp": _result(1.0, 100, max_batch=200), "bk": _result(1.1, 105, max_batch=190),
+               "bk_mixed": _result(1.3, 150, max_batch=100), "mixed": {"error": "ValueError: no rule"}}
+    time_line, mem_line, batch_line = bench.target_lines(args, results)
+    assert "bk: 1.10× (met)" in time_line and "bk_mixed: 1.30× (not met)" in time_line and "mixed: failed" in time_line
+    assert "≤ 1.1× non-DP" in mem_line and "bk: 1.05× (met)" in mem_line and "bk_mixed: 1.50× (not met)" in mem_line
+    assert "≥ 0.9× non-DP" in batch_line and "bk: 0.95× (met)" in batch_line and "bk_mixed: 0.50× (not met)" in batch_line
+    for r in results.values():
+        r.pop("max_batch", None)
+    assert "not measured" in bench.target_lines(args, results)[-1]
 
 
 def test_frozen_variant_is_skipped_when_nothing_matches(bench):
@@ -99,3 +113,142 @@ def test_frozen_variant_is_skipped_when_nothing_matches(bench):
     results = {"nondp": _result(1.0, 10), "mixed": _result(1.5, 10), "mixed_frozen": {"error": "skipped: same"}}
     (line,) = bench.target_lines(args, results)
     assert "mixed_frozen" not in line
+
+
+def test_book_keeping_methods_listed_ordered_and_paired_with_opacus(bench):
+    core = ["nondp", "mixed", "ghost", "per_sample", "bk", "bk_mixed", "bk_mixopt", "opacus_hooks", "opacus_ghost"]
+    assert list(bench.METHODS[:9]) == core and {"bk", "bk_mixed", "bk_mixopt"} <= set(bench.OURS)
+    assert bench.parse_args(["--device", "cpu"]).methods == core
+    assert bench.parse_args(["--device", "cpu", "--methods", "all"]).methods == list(bench.METHODS)
+    assert bench.parse_args(["--device", "cpu", "--methods", "opacus_ghost", "bk"]).methods == ["bk", "opacus_ghost"]
+    assert bench.SETUPS["bk_mixopt"] is not bench.SETUPS["bk"]
+    results = {"nondp": _result(1.0, 10), "bk": _result(2.0, 10), "bk_mixed": _result(1.0, 20),
+               "bk_mixopt": {"error": "ValueError: unknown clipping_mode"}, "opacus_hooks": _result(4.0, 40),
+               "opacus_ghost": _result(2.0, 20)}
+    rows = bench.versus_opacus_table(results)
+    assert rows[1:] == [["bk", "0.50×", "1.00×", "0.25×", "0.50×"], ["bk_mixed", "0.25×", "0.50×", "0.50×", "1.00×"]]
+    bk_mixopt = next(r for r in bench.results_table(results) if r[0] == "bk_mixopt")
+    assert bk_mixopt[-1] == "ValueError: unknown clipping_mode"
+
+
+def test_text_model_batch_is_token_ids_and_the_model_runs_on_it(bench):
+    import torch
+
+    args = bench.parse_args(["--device", "cpu", "--model", "text_transformer", "--seq-len", "12",
+                             "--batch-size", "3", "--img-size", "999"])
+    x, y = bench.make_batch(args)
+    assert x.dtype == torch.int64 and x.shape == (3, 12) and int(x.max()) < bench.TEXT_VOCAB and y.shape == (3,)
+    model, notes = bench.build_model(args, "nondp")
+    assert notes["traced"] == [] and notes["fallback"] == []  # only layers both libraries know
+    assert isinstance(model.positions, torch.nn.Embedding)
+    with torch.no_grad():
+        assert model(x).shape == (3, args.num_classes)
+    again, _ = bench.build_model(args, "mixed")  # same initialisation for every method
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
+    assert bench.section_key(args) == "text_transformer-t12-b3-cpu-float32"
+    image = bench.parse_args(["--device", "cpu", "--img-size", "32", "--batch-size", "2"])
+    assert bench.make_batch(image)[0].shape == (2, 3, 32, 32)
+
+
+def test_amp_is_forwarded_and_recorded_in_the_section_key(bench):
+    plain = bench.parse_args(["--device", "cpu"])
+    assert plain.amp == "none" and bench.section_key(plain) == "vit_tiny_patch16_224-224-b16-cpu-float32"
+    args = bench.parse_args(["--device", "cpu", "--amp", "bf16"])
+    assert bench.section_key(args) == "vit_tiny_patch16_224-224-b16-cpu-float32-ampbf16"
+    cmd = bench.child_command(args, "bk")
+    assert cmd[cmd.index("--amp") + 1] == "bf16"
+    assert "bfloat16 autocast" in bench.setup_lines(args, {})[0]
+    assert bench.grad_scaler(args) is None and bench.grad_scaler(bench.parse_args(["--device", "cpu", "--amp", "fp16"]))
+
+
+def test_max_batch_by_bisection(bench):
+    calls = []
+
+    def fits(n):
+        calls.append(n)
+        return n <= 37
+
+    assert bench.max_batch_by_bisection(fits, 16, 4096) == 37
+    assert calls[:3] == [16, 32, 64] and len(calls) <= 3 + 5
+    assert bench.max_batch_by_bisection(lambda n: False, 16, 4096) == 0
+    assert bench.max_batch_by_bisection(lambda n: True, 16, 4096) == 4096
+    assert bench.max_batch_by_bisection(lambda n: True, 16, 100) == 100  # the cap itself is tried
+    assert bench.max_batch_by_bisection(lambda n: n <= 5, 16, 4096) == 5  # below the start
+
+
+def test_max_batch_probe_counts_only_out_of_memory_as_not_fitting(bench, monkeypatch):
+    import argparse
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(bench, "build_model", lambda args, method: (torch.nn.Linear(1, 1), {}))
+    monkeypatch.setattr(bench, "make_batch", lambda args, n: (torch.zeros(n, 1), torch.zeros(n)))
+
+    probed = []
+
+    def setup(model, x, y, args):
+        probed.append(args.batch_size)
+
+        def step():
+            if args.batch_size >= 32:
+                raise RuntimeError("CUDA error: out of memory")
+            if args.batch_size > 21:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return bench.Runner(step)
+
+    monkeypatch.setitem(bench.SETUPS, "nondp", setup)
+    args = argparse.Namespace(only="nondp", batch_size=4, max_batch_cap=64)
+    assert bench.probe_max_batch(args) == 21
+    assert probed == [4, 8, 16, 32, 24, 20, 22, 21]  # both kinds of out-of-memory error mean "does not fit"
+
+    def broken(model, x, y, args):
+        raise ValueError("no rule")
+
+    monkeypatch.setitem(bench.SETUPS, "nondp", broken)
+    with pytest.raises(ValueError):
+        bench.probe_max_batch(args)
+
+
+def test_max_batch_is_refused_on_cpu(bench, capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--device", "cpu", "--max-batch"])
+    assert "--max-batch needs --device cuda" in capsys.readouterr().err
+    args = bench.parse_args(["--device", "cuda", "--max-batch", "--batch-size", "8"])
+    assert args.max_batch and args.max_batch_cap == 4096
+    assert "--probe-max-batch" in bench.child_command(args, "bk", probe_max_batch=True)
+
+
+def test_max_batch_columns(bench):
+    results = {"nondp": _result(1.0, 10, max_batch=100, peak_total_mib=50),
+               "bk": _result(1.2, 11, max_batch=95, peak_total_mib=51),
+               "opacus_hooks": _result(2.0, 30, max_batch=None, max_batch_error="crashed", peak_total_mib=70)}
+    table = bench.results_table(results, cuda=True)
+    header = table[0]
+    assert header[-3:] == ["max batch", "max batch × non-DP", "notes"]
+    bk = table[2]
+    assert bk[header.index("max batch")] == "95" and bk[header.index("max batch × non-DP")] == "0.95×"
+    assert table[3][header.index("max batch")] == "crashed"
+
+
+def test_plot_written(bench, tmp_path):
+    everything = {"vit_tiny_patch16_224": {"nondp": _result(1.0, 10), "bk": _result(1.2, 11, time_ratio=1.1),
+                                           "bk_mixed": {"error": "ValueError: no rule"},
+                                           "mixed_frozen": {"error": "skipped: same as mixed"}},
+                  "text_transformer": {"nondp": _result(1.0, 10, max_batch=64),
+                                       "opacus_hooks": _result(3.0, 40, max_batch=16)},
+                  "resnet18": {"nondp": {"error": "RuntimeError: boom"}}}
+    path = tmp_path / "sub" / "plot.png"
+    bench.plot_results(everything, path, "cpu, batch 16")
+    assert path.exists() and path.stat().st_size > 1000
+
+
+def test_markdown_defaults_the_plot_next_to_it_and_links_it(bench, tmp_path):
+    md = tmp_path / "docs" / "benchmarks.md"
+    args = bench.parse_args(["--device", "cpu", "--markdown", str(md)])
+    assert args.plot == str(tmp_path / "docs" / "benchmarks_cpu.png") and args.plot_default
+    info = {"device": "CPU", "machine": "m", "software": "s"}
+    section = bench.markdown_section(args, {"nondp": _result(1.0, 10)}, info)
+    assert "](benchmarks_cpu.png)" in section
+    assert bench.parse_args(["--device", "cpu"]).plot is None
