@@ -17,6 +17,7 @@ per-sample clipping + noise + optimizer step (forward + backward + step for non-
     dropin_hooks         the Opacus loop of opacus_hooks with ``from private_engine import PrivacyEngine``
     dropin_ghost         the Opacus loop of opacus_ghost with ``from private_engine import PrivacyEngine``
     mixed_frozen         mixed, with the --frozen-set parameters (ViT cls_token, pos_embed, …) frozen
+    bk_mixed_frozen      bk_mixed, likewise
     opacus_hooks_frozen  opacus_hooks, likewise
     opacus_ghost_frozen  opacus_ghost, likewise
     dropin_*_frozen      dropin_*, likewise (the Opacus-compatible API refuses parameters that need the tracer)
@@ -93,10 +94,10 @@ OUR_MODES = ("mixed", "ghost", "per_sample", "bk", "bk_mixed", "bk_mixopt")
 OPACUS = ("opacus_hooks", "opacus_ghost")
 DROPIN = ("dropin_hooks", "dropin_ghost")
 METHODS = (("nondp",) + OUR_MODES + OPACUS + DROPIN
-           + ("mixed" + FROZEN, "opacus_hooks" + FROZEN, "opacus_ghost" + FROZEN, "dropin_hooks" + FROZEN,
-              "dropin_ghost" + FROZEN))
+           + ("mixed" + FROZEN, "bk_mixed" + FROZEN, "opacus_hooks" + FROZEN, "opacus_ghost" + FROZEN,
+              "dropin_hooks" + FROZEN, "dropin_ghost" + FROZEN))
 #: our methods (compared with non-DP training and Opacus, checked against the targets)
-OURS = OUR_MODES + DROPIN + ("mixed" + FROZEN, "dropin_hooks" + FROZEN, "dropin_ghost" + FROZEN)
+OURS = OUR_MODES + DROPIN + ("mixed" + FROZEN, "bk_mixed" + FROZEN, "dropin_hooks" + FROZEN, "dropin_ghost" + FROZEN)
 #: --methods core: every method that trains all parameters through a native API
 CORE_METHODS = ("nondp",) + OUR_MODES + OPACUS
 #: --methods shortcuts
