@@ -6,5 +6,6 @@ from .plan import CLIPPING_MODES, DEFAULT_CLIPPING_MODE, LayerDecision, format_p
 from .validation import fix_batchnorm
 
 __version__ = "0.1.0"
-__all__ = ["PrivacyEngine", "CLIPPING_MODES", "DEFAULT_CLIPPING_MODE", "LayerDecision", "layer_plan", "format_plan", "fix_batchnorm", "optim", "layers",
+__all__ = ["PrivacyEngine", "CLIPPING_MODES", "DEFAULT_CLIPPING_MODE",
+           "LayerDecision", "layer_plan", "format_plan", "fix_batchnorm", "optim", "layers",
            "abadi_clip", "automatic_clip", "global_clip", "__version__"]

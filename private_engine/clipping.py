@@ -122,8 +122,8 @@ class PerSampleClipper:
     """Computes per-sample gradient norms and the clipped gradient sum for one physical batch."""
 
     def __init__(self, layers: Sequence[Tuple[str, nn.Module, object]], params: Sequence[nn.Parameter],
-                 *, mode: str = DEFAULT_CLIPPING_MODE, clipping_fn: Union[str, ClipFn] = "abadi", max_grad_norm: float = 1.0,
-                 model: Optional[nn.Module] = None):
+                 *, mode: str = DEFAULT_CLIPPING_MODE, clipping_fn: Union[str, ClipFn] = "abadi",
+                 max_grad_norm: float = 1.0, model: Optional[nn.Module] = None):
         self.mode = check_mode(mode)
         self.clip_fn, self.user_clip_fn = resolve_clipping_fn(clipping_fn)
         if not max_grad_norm > 0:

@@ -15,7 +15,7 @@ returns a :class:`private_engine.opacus_compat.OpacusPrivacyEngine` with Opacus'
 from __future__ import annotations
 
 import math
-from typing import Callable, List, Optional, Union
+from typing import List, Optional, Union
 
 import torch
 from torch import nn
