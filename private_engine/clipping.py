@@ -29,7 +29,7 @@ from torch import nn
 from .fallback import FallbackModule, warn_fallback
 from .hooks import GraphWalk, LayerRecorder, RecordedLayer
 from .plan import DEFAULT_CLIPPING_MODE, LayerDecision, check_mode, decide, is_book_keeping
-from .layers.base import accumulation_dtype, row_norm_sq, trainable
+from .layers.base import accumulation_dtype, compute_dtype, row_norm_sq, sum_per_sample, trainable
 from .layers.linear import LinearRule
 from .tracer import ParamTracer
 from .validation import _scan
@@ -91,10 +91,7 @@ def decided_norm_sq(name: str, module: nn.Module, rule, dims, pairs, mode: str):
 
 def _norm_sq_of(grads: Dict[str, torch.Tensor], B: int, like: torch.Tensor) -> torch.Tensor:
     """``Σ_θ ‖G_i^θ‖²_F`` per sample from instantiated per-sample gradients ``{name: (B, *shape)}``."""
-    total = torch.zeros(B, dtype=accumulation_dtype(like), device=like.device)
-    for g in grads.values():
-        total = total + row_norm_sq(g).to(total.dtype)
-    return total
+    return sum_per_sample([row_norm_sq(g) for g in grads.values()], like[:B])
 
 
 def _rows_kept(t: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -148,7 +145,8 @@ class PerSampleClipper:
                 self.recorder.extras = [self.tracer, *self.fallbacks]
                 warn_fallback([f"{n or '(the model)'} ({type(m).__name__})" for n, m in fallbacks])
         self.last_plan: List[LayerDecision] = []
-        self._norm_sq: Optional[torch.Tensor] = None
+        #: per-layer (B,) squared norms of the running norm pass, summed once at its end
+        self._norm_terms: List[torch.Tensor] = []
         self._batch_size = 0
         self._plan: List[LayerDecision] = []
         #: book-keeping: one backward, the clipped sum from what the norm pass kept
@@ -189,7 +187,7 @@ class PerSampleClipper:
             else:
                 decision, contrib = self._book_keep(layer, dims, pairs)
             self._plan.append(decision)
-            self._norm_sq = contrib if self._norm_sq is None else self._norm_sq + contrib.to(self._norm_sq.dtype)
+            self._norm_terms.append(contrib)
         finally:
             layer.release()
 
@@ -241,7 +239,7 @@ class PerSampleClipper:
         it is retained for the weighted backward of :meth:`clipped_grad_sum`.
         """
         self._batch_size = loss.shape[0]
-        self._norm_sq = None
+        self._norm_terms = []
         self._plan = []
         self._kept_pairs, self._kept_grads = [], []
         if walk is None:
@@ -267,9 +265,10 @@ class PerSampleClipper:
             self._set_capturing(False)
             self.recorder.reset()
         self.last_plan = list(reversed(self._plan))
-        if self._norm_sq is None:
+        if not self._norm_terms:
             return torch.zeros(loss.shape[0], dtype=torch.float32, device=loss.device)
-        return self._norm_sq.sqrt()
+        norm_sq, self._norm_terms = sum_per_sample(self._norm_terms, loss), []
+        return norm_sq.sqrt()
 
     def _set_capturing(self, on: bool) -> None:
         self.recorder.capturing = on
@@ -282,7 +281,7 @@ class PerSampleClipper:
                              "the loss must have one value per sample (batch-first inputs).")
         self._plan.append(LayerDecision(name=name, layer_type=layer_type, T=1, D=1, p=numel, ghost_cost=0,
                                         instantiate_cost=numel, use_ghost=False, ghost_capable=False))
-        self._norm_sq = contrib if self._norm_sq is None else self._norm_sq + contrib.to(self._norm_sq.dtype)
+        self._norm_terms.append(contrib)
 
     def _extra_norms(self) -> None:
         """Add the per-sample norms of traced parameters and fallback modules (always instantiated)."""
@@ -349,6 +348,12 @@ class PerSampleClipper:
             return [torch.zeros_like(p) if g is None else g for p, g in zip(self.params, grads)]
         out: Dict[int, torch.Tensor] = {}
         factors = factors.detach()
+        cast: Dict[torch.dtype, torch.Tensor] = {}
+
+        def factors_as(dtype):  # one cast of C per operand dtype, not one per layer
+            if dtype not in cast:
+                cast[dtype] = factors.to(dtype)
+            return cast[dtype]
 
         def add(p, g):
             g = g.to(accumulation_dtype(g))  # bfloat16 terms (mixed precision) are summed in float32
@@ -360,14 +365,15 @@ class PerSampleClipper:
                 module, rule, pairs = self._kept_pairs.pop()
                 if keep is not None:
                     pairs = [(_rows_kept(a, keep), _rows_kept(g, keep)) for a, g in pairs]
-                for name, g in rule.weighted_grads(module, pairs, factors).items():
+                weights = factors_as(compute_dtype(pairs[0][1])) if pairs else factors
+                for name, g in rule.weighted_grads(module, pairs, weights).items():
                     add(getattr(module, name), g)
                 del pairs
             while self._kept_grads:
                 p, G = self._kept_grads.pop()
                 if keep is not None:
                     G = _rows_kept(G, keep)
-                add(p, torch.tensordot(factors.to(G.dtype), G, dims=1))
+                add(p, torch.tensordot(factors_as(G.dtype), G, dims=1))
                 del G
         finally:
             self.release()

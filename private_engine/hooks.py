@@ -71,6 +71,48 @@ class RecordedLayer:
         self.calls = []
 
 
+#: grad_fn attributes under which Linear/Conv backward nodes save their input (addmm, mm, convolution)
+_SAVED_INPUT_ATTRS = ("_saved_mat1", "_saved_self", "_saved_input")
+#: nodes that only reshape between a layer's output and the matmul/convolution node below it
+_VIEW_NODES = ("ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0")
+
+
+def autocast_operand(x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+    """The layer input as the layer's kernel consumed it, detached.
+
+    Under autocast a Linear/Conv casts a float32 input to the autocast dtype before its matmul, and
+    autograd saves that cast copy for the weight gradient. Recording the float32 original instead would
+    keep a second, twice-as-large copy alive until the clipped sum (book-keeping keeps it to the end of the
+    backward) — the whole memory overhead of DP training of a ViT under bf16 — and every rule would cast it
+    again. So when the output came out in the autocast dtype and the input did not, the saved operand is
+    reused (same storage, no copy); if autograd saved none (frozen weight), the input is cast once here.
+    The per-sample gradients are then exactly the ones autograd forms, ``g_iᵀ·cast(a_i)``.
+    """
+    a = x.detach()
+    device = x.device.type
+    if not (x.is_floating_point() and torch.is_autocast_enabled(device)):
+        return a
+    dtype = torch.get_autocast_dtype(device)
+    if x.dtype == dtype or output.dtype != dtype:
+        return a
+    node = output.grad_fn
+    for _ in range(3):  # the matmul node, possibly under a view or two
+        if node is None:
+            break
+        for attr in _SAVED_INPUT_ATTRS:
+            try:
+                saved = getattr(node, attr, None)
+            except RuntimeError:  # saved tensor already freed or not saved
+                saved = None
+            if (isinstance(saved, torch.Tensor) and saved.dtype == dtype and saved.numel() == x.numel()
+                    and saved.shape[-1] == x.shape[-1] and saved.device == x.device):
+                return saved.detach().reshape(x.shape)
+        if type(node).__name__ not in _VIEW_NODES or not node.next_functions:
+            break
+        node = node.next_functions[0][0]
+    return a.to(dtype)
+
+
 def _with_io_size(dims: LayerDims, activation: torch.Tensor, output: torch.Tensor) -> LayerDims:
     """``dims`` with the per-sample element count of the call's input and output."""
     rows = max(activation.shape[0], 1) if activation.dim() else 1
@@ -141,7 +183,7 @@ class LayerRecorder:
         """Record one call of ``layer`` with input ``x`` and output ``output`` (also used by the tracer for a
         Linear whose weight its parent passes to ``F.linear`` directly, as timm BEiT's attention does).
         ``covered``: the input's path is a tracer entry, so the graph walk stops at this call."""
-        activation = x.detach()
+        activation = autocast_operand(x, output)
         root = output
         base = output._base
         if base is not None and base.numel() == output.numel() and output.is_contiguous() and base.is_contiguous():

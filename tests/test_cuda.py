@@ -30,7 +30,7 @@ class Net(nn.Module):
     def __init__(self):
         super().__init__()
         self.conv = nn.Conv2d(3, 8, 3, padding="same", padding_mode="reflect")
-        self.dw = nn.Conv2d(8, 8, 3, stride=2, groups=8)
+        self.dw = nn.Conv2d(8, 8, 3, stride=2, padding=1, groups=8)  # zero padding: handed to the kernel
         self.gn = nn.GroupNorm(4, 8)
         self.proj = nn.Linear(8, 16)
         self.ln = nn.LayerNorm(16)
@@ -84,6 +84,31 @@ def test_cuda_clipped_sum_matches_float64_cpu_reference(mode, clip):
                      [-r / 6 for r in ref_sum], RTOL_F32)
 
 
+@pytest.mark.parametrize("mode", ("mixed", "bk", "bk_mixed", "bk_mixopt"))
+def test_cuda_timm_vit_clipped_sum_matches_float64_cpu_reference(mode):
+    """Every trainable parameter of a (small) timm ViT, cls_token and pos_embed included, on CUDA."""
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    cpu_model = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2, embed_dim=48,
+                                  num_heads=3, num_classes=5)
+    gen = gen_for(1)
+    inputs = [torch.randn(4, 3, 32, 32, generator=gen), torch.randint(0, 5, (4,), generator=gen)]
+
+    def vit_loss(model, x, y):
+        return F.cross_entropy(model(x), y, reduction="none")
+
+    _, norms = reference_clipped_sum(cpu_model, inputs, vit_loss, 1.0, ref_abadi)
+    R = pick_threshold(norms)
+    ref_sum, ref_norms = reference_clipped_sum(cpu_model, inputs, vit_loss, R, ref_abadi)
+    model = copy.deepcopy(cpu_model).cuda()
+    engine = pe.PrivacyEngine(model, batch_size=4, sample_size=40, max_grad_norm=R, noise_multiplier=0.0,
+                              clipping_mode=mode)
+    grads, n = engine.clipped_grad_sum(vit_loss(model, *[t.cuda() for t in inputs]))
+    assert n == 4 and len(grads) == len(ref_sum)
+    assert_close_rel([g.cpu() for g in grads], ref_sum, RTOL_F32)
+    assert_close_rel([engine.last_norms.cpu()], [ref_norms], RTOL_F32)
+
+
 def test_cuda_training_steps_with_noise_and_accumulation():
     torch.manual_seed(0)
     model = Net().cuda()
@@ -113,3 +138,22 @@ def test_cuda_noise_std():
     noise = torch.cat([p.grad.flatten() for p in model.parameters()]).double().cpu()
     assert abs(noise.std().item() / (2.0 * 0.5 / 4) - 1) < 0.04
     assert abs(noise.mean().item()) < 5 * 0.25 / noise.numel() ** 0.5
+
+
+def test_cuda_ghost_gram_on_padded_rows():
+    """bf16 Grams with T = 197 (ViT at 224²) are computed on rows zero-padded to 200 (aligned for the tensor-core
+    kernels): the padding is exact, the result float32 and within bf16 precision of the float64 value."""
+    from private_engine.layers.base import aligned_positions, gram_inner
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(3, 197, 64, device="cuda", generator=gen).bfloat16()
+    g = torch.randn(3, 197, 32, device="cuda", generator=gen).bfloat16()
+    padded = aligned_positions(a)
+    assert padded.shape == (3, 200, 64) and torch.equal(padded[:, :197], a) and not padded[:, 197:].any()
+    assert aligned_positions(a.float()) is not None and aligned_positions(a.float()).shape[1] == 197
+    ad, gd = a.double(), g.double()
+    ref = ((ad @ ad.mT) * (gd @ gd.mT)).sum((1, 2))
+    got = gram_inner(a, g)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), ref, rtol=2e-2, atol=0)
+    torch.testing.assert_close(gram_inner(a.float(), g.float()).double(), ref, rtol=1e-5, atol=0)

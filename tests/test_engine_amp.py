@@ -210,3 +210,39 @@ def test_private_steps_under_autocast(amp, device):
     assert engine.steps_taken == 8
     assert all(torch.isfinite(p).all() and not torch.equal(p, b) for p, b in zip(model.parameters(), before))
     assert float(losses().mean()) < first
+
+
+@pytest.mark.parametrize("frozen_weight", [False, True])
+@pytest.mark.parametrize("shape", [(4, 16), (4, 5, 16), (4, 3, 5, 16)])
+def test_autocast_records_the_operand_autograd_saved(shape, frozen_weight):
+    """Under autocast a Linear's recorded activation is the bf16 operand of its matmul: the very tensor autograd
+    saved (same storage, no second float32 copy kept alive) or, with nothing saved, one cast of the input."""
+    from private_engine.hooks import autocast_operand
+
+    lin = nn.Linear(16, 8)
+    lin.weight.requires_grad_(not frozen_weight)
+    x = torch.randn(*shape)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = lin(x)
+        a = autocast_operand(x, out)
+    assert a.dtype == torch.bfloat16 and a.shape == x.shape and not a.requires_grad
+    assert torch.equal(a, x.to(torch.bfloat16))
+    node = out.grad_fn if len(shape) == 2 else out.grad_fn.next_functions[0][0]
+    if not frozen_weight:
+        assert a.untyped_storage().data_ptr() == node._saved_mat1.untyped_storage().data_ptr()
+    # outside autocast, or when the layer ran in float32: the input itself
+    assert autocast_operand(x, lin(x)).data_ptr() == x.data_ptr()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=False):
+        assert autocast_operand(x, lin(x)).dtype == torch.float32
+
+
+def test_engine_keeps_bfloat16_activations_under_autocast():
+    """What book-keeping keeps for a ViT's layers under bf16 autocast is bf16 (half the bytes of float32)."""
+    model = _vit()
+    engine = pe.PrivacyEngine(model, batch_size=2, sample_size=20, max_grad_norm=1.0, noise_multiplier=0.0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.randn(2, 3, 32, 32))
+    recorded = {layer.name: layer.calls[0].activation.dtype for layer in engine.clipper.recorder.layers
+                if layer.calls and isinstance(layer.module, nn.Linear)}
+    assert recorded and set(recorded.values()) == {torch.bfloat16}, recorded
+    engine.clipper.recorder.reset()

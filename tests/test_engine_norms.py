@@ -117,3 +117,18 @@ def test_timm_groupnorm_subclasses(mode, factory):
     for seed in SEEDS:
         model, inputs = groupnorm_case(seed, True, norm_factory=make)
         check_against_reference(model, inputs, mode=mode, clip="abadi")
+
+
+def test_sum_per_sample_terms():
+    """Per-layer squared norms are summed once, in the widest dtype; none gives zeros of the batch size."""
+    from private_engine.layers.base import sum_per_sample
+
+    like = torch.zeros(3, 5)
+    assert torch.equal(sum_per_sample([], like), torch.zeros(3))
+    terms = [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([0.5, 0.5, 0.5], dtype=torch.float64),
+             torch.tensor([1.0, 0.0, 2.0])]
+    for k in (1, 2, 3):
+        got = sum_per_sample(terms[:k], like)
+        want = sum(t.double() for t in terms[:k])
+        assert got.dtype == (torch.float32 if k == 1 else torch.float64)
+        torch.testing.assert_close(got.double(), want)

@@ -113,11 +113,8 @@ class LayerRule:
 
     def instantiated_norm_sq(self, module: nn.Module, calls: Sequence[Call]) -> torch.Tensor:
         """Per-sample ‖∂L_i/∂θ‖² by instantiating the per-sample gradients, ``Σ_θ ‖G_i^θ‖²_F``."""
-        g = calls[0][1]
-        total = torch.zeros(g.shape[0], dtype=accumulation_dtype(g), device=g.device)
-        for grad in self.per_sample_grads(module, calls).values():
-            total = total + row_norm_sq(grad).to(total.dtype)
-        return total
+        return sum_per_sample([row_norm_sq(grad) for grad in self.per_sample_grads(module, calls).values()],
+                              calls[0][1])
 
 
 _RULES: Dict[Type[nn.Module], LayerRule] = {}
@@ -198,16 +195,52 @@ def gram_inner(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """
     if a.shape[1] == 1:
         return row_norm_sq(a) * row_norm_sq(g)
+    a, g = aligned_positions(a), aligned_positions(g)
     aat = torch.bmm(a, a.transpose(1, 2))
     ggt = torch.bmm(g, g.transpose(1, 2))
-    # ⟨aaᵀ, ggᵀ⟩_F as one batched dot product (no N×T×T temporary)
     n, acc = aat.shape[0], accumulation_dtype(g)
-    return torch.bmm(aat.reshape(n, 1, -1).to(acc), ggt.reshape(n, -1, 1).to(acc)).reshape(n)
+    if aat.dtype == acc:  # ⟨aaᵀ, ggᵀ⟩_F as one batched dot product (no N×T×T temporary)
+        return torch.bmm(aat.reshape(n, 1, -1), ggt.reshape(n, -1, 1)).reshape(n)
+    # bfloat16 Grams (autocast): products summed in float32, no float32 copies of the two Grams
+    return (aat * ggt).sum((1, 2), dtype=acc)
+
+
+#: on CUDA, 16-bit batched matmuls whose row count T is not a multiple of this get padded (``aligned_positions``)
+CUDA_ROW_ALIGNMENT = 8
+
+
+def aligned_positions(t: torch.Tensor) -> torch.Tensor:
+    """``t: (N, T, k)`` zero-padded to ``T' = ⌈T/8⌉·8`` rows for a 16-bit CUDA tensor, else ``t`` itself.
+
+    The ghost Gram ``t tᵀ`` is (N, T, T); with T = 197 (ViT at 224²) its rows are 394 bytes, not 16-byte
+    aligned, and cuBLAS falls back from the Hopper/Ampere tensor-core kernels to a slow generic one. Zero
+    rows add zero rows and columns to both Grams, so ``⟨a aᵀ, g gᵀ⟩`` is unchanged — exactly.
+    """
+    T = t.shape[1]
+    if t.device.type != "cuda" or t.element_size() != 2 or T % CUDA_ROW_ALIGNMENT == 0:
+        return t
+    return torch.nn.functional.pad(t, (0, 0, 0, CUDA_ROW_ALIGNMENT - T % CUDA_ROW_ALIGNMENT))
 
 
 def row_norm_sq(t: torch.Tensor) -> torch.Tensor:
     """``‖t_i‖²`` for every leading index i, accumulated in ≥ float32 without a full-size temporary."""
     return torch.linalg.vector_norm(t.reshape(t.shape[0], -1), dim=1, dtype=accumulation_dtype(t)).square()
+
+
+def sum_per_sample(terms: Sequence[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """``Σ_k terms[k]`` of per-sample ``(B,)`` vectors, in the widest of their dtypes; zeros like ``like``'s batch
+    when there is none. One term is returned as is and many are stacked and summed by one reduction, so a
+    layer or a whole model costs one or two kernel launches here, not one per term."""
+    if not terms:
+        return zeros_like_batch(like)
+    if len(terms) == 1:
+        return terms[0]
+    if len(terms) == 2:
+        return terms[0] + terms[1]
+    dtype = terms[0].dtype
+    for t in terms[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return torch.stack([t.to(dtype) for t in terms]).sum(0)
 
 
 def zeros_like_batch(g: torch.Tensor) -> torch.Tensor:

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import (LayerDims, LayerRule, accumulation_dtype, compute_dtype, gram_inner, register_rule, row_norm_sq, trainable,
-                   zeros_like_batch)
+from .base import (LayerDims, LayerRule, accumulation_dtype, compute_dtype, gram_inner, register_rule, row_norm_sq,
+                   sum_per_sample, trainable)
 
 
 def unfold_conv_input(module: nn.modules.conv._ConvNd, a: torch.Tensor) -> torch.Tensor:
@@ -83,13 +83,14 @@ class ConvRule(LayerRule):
 
     def ghost_norm_sq(self, module, calls):
         g0 = calls[0][1]
-        total = zeros_like_batch(g0)
+        terms = []
         if trainable(module, "weight"):
             U, G = self._views(module, calls)
-            total = total + gram_inner(U, G).reshape(g0.shape[0], module.groups).sum(1)
+            gram = gram_inner(U, G)
+            terms.append(gram if module.groups == 1 else gram.reshape(g0.shape[0], module.groups).sum(1))
         if trainable(module, "bias"):
-            total = total + row_norm_sq(self._bias_grad(calls))
-        return total
+            terms.append(row_norm_sq(self._bias_grad(calls)))
+        return sum_per_sample(terms, g0)
 
     def per_sample_grads(self, module, calls) -> Dict[str, torch.Tensor]:
         """Per-sample weight gradients by the grouped-convolution trick (Rochette et al. 2019, "Efficient

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from .base import (LayerDims, LayerRule, accumulation_dtype, compute_dtype, flatten_positions, gram_inner, register_rule,
-                   row_norm_sq, trainable, zeros_like_batch)
+                   row_norm_sq, sum_per_sample, trainable)
 
 
 class LinearRule(LayerRule):
@@ -40,12 +40,12 @@ class LinearRule(LayerRule):
 
     def ghost_norm_sq(self, module, calls):
         A, G = self._views(module, calls)
-        total = zeros_like_batch(G)
+        terms = []
         if trainable(module, "weight"):
-            total = total + gram_inner(A, G)
+            terms.append(gram_inner(A, G))
         if trainable(module, "bias"):
-            total = total + row_norm_sq(G.sum(1, dtype=total.dtype))
-        return total
+            terms.append(row_norm_sq(G.sum(1, dtype=accumulation_dtype(G))))
+        return sum_per_sample(terms, G)
 
     def per_sample_grads(self, module, calls) -> Dict[str, torch.Tensor]:
         A, G = self._views(module, calls)
