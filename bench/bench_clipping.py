@@ -447,6 +447,7 @@ def setup_opacus(grad_sample_mode: str, dropin: bool = False):
             from opacus import PrivacyEngine as OpacusEngine
         from torch.utils.data import DataLoader, TensorDataset
 
+        inplace_off = [] if dropin else inplace_activations_off(model)
         opt = sgd(model, args)
         # The loader only tells Opacus the sampling rate and expected batch size (= batch_size);
         # the benchmark feeds the fixed batch itself, as for the other methods.
@@ -472,11 +473,27 @@ def setup_opacus(grad_sample_mode: str, dropin: bool = False):
                 return ("criterion flow: one backward, book-keeping" if grad_sample_mode == "ghost"
                         else "plain backward: book-keeping, one backward")
             ft = opacus_functorch_modules(dp_model)
-            return f"functorch (vmap) per-sample gradients for: {', '.join(ft)}" if ft else ""
+            notes = [f"functorch (vmap) per-sample gradients for: {', '.join(ft)}"] if ft else []
+            if inplace_off:
+                notes.append(f"in-place activations off ({len(inplace_off)} modules: Opacus' backward hooks "
+                             "reject them)")
+            return "; ".join(notes)
 
         return Runner(step, describe)
 
     return setup
+
+
+def inplace_activations_off(model) -> List[str]:
+    """Turn off ``inplace`` on every module that has it set (ReLU(inplace=True) in timm ResNets and torchvision's
+    VGG): Opacus' full backward hooks fail on them ("Output 0 of BackwardHookFunction is a view and is being
+    modified inplace"). Returns the names of the modules changed. private_engine and non-DP training keep them."""
+    changed = []
+    for name, m in model.named_modules():
+        if getattr(m, "inplace", False) is True:
+            m.inplace = False
+            changed.append(name)
+    return changed
 
 
 def opacus_functorch_modules(dp_model) -> List[str]:

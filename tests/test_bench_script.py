@@ -252,3 +252,26 @@ def test_markdown_defaults_the_plot_next_to_it_and_links_it(bench, tmp_path):
     section = bench.markdown_section(args, {"nondp": _result(1.0, 10)}, info)
     assert "](benchmarks_cpu.png)" in section
     assert bench.parse_args(["--device", "cpu"]).plot is None
+
+
+def test_opacus_methods_run_without_inplace_activations(bench):
+    """Opacus' backward hooks reject in-place activations (timm ResNets, torchvision VGG): the benchmark turns
+    them off for Opacus only and says so; private_engine and non-DP keep them."""
+    torch = pytest.importorskip("torch")
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(inplace=True), torch.nn.Linear(4, 2),
+                                torch.nn.ReLU(inplace=True))
+    assert bench.inplace_activations_off(model) == ["1", "3"]
+    assert not any(getattr(m, "inplace", False) for m in model.modules())
+    assert bench.inplace_activations_off(model) == []
+
+
+def test_profile_step_reports_each_method(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("profile_step", ROOT / "bench" / "profile_step.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(["--device", "cpu", "--models", "text_transformer", "--seq-len", "8", "--batch-size", "2",
+                 "--methods", "nondp", "bk_mixed", "--steps", "1", "--warmup", "0", "--rows", "3",
+                 "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "== nondp:" in out and "== bk_mixed:" in out and "s/step" in out
+    assert (tmp_path / "bk_mixed.txt").exists() and (tmp_path / "bk_mixed.json").exists()

@@ -1,0 +1,112 @@
+"""Where one training step's time goes, per method: torch.profiler's top operators (CPU and device time) and
+the step's wall time, for the methods of ``bench_clipping.py`` built the same way (same model, batch, autocast).
+
+    python bench/profile_step.py --device cuda --model vit_base_patch16_224 --amp bf16 --batch-size 32 \\
+        --methods nondp bk_mixed --steps 5 --out /tmp/profile
+
+Prints, per method: seconds per step (median of ``--steps`` after ``--warmup``, synchronised), the number of
+host↔device synchronisations per step seen by ``torch.cuda.set_sync_debug_mode`` (CUDA), and the operator
+table; with ``--out DIR`` also writes ``DIR/<method>.txt`` (the tables) and a Chrome trace ``DIR/<method>.json``.
+Every method runs in this one process, one after the other (use bench_clipping.py for comparable timings).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_clipping as bench  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--methods", nargs="+", default=["nondp", "bk_mixed"], choices=bench.METHODS)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--rows", type=int, default=25, help="operators shown per table")
+    p.add_argument("--out", metavar="DIR", help="write the tables and a Chrome trace per method here")
+    own, rest = p.parse_known_args(argv)
+    args = bench.parse_args(rest + ["--methods", *own.methods])
+    for k, v in vars(own).items():
+        setattr(args, k if k != "steps" else "profile_steps", v)
+    args.model = args.models[0]
+    return args
+
+
+def synchronize(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def count_syncs(step, device: str) -> int:
+    """Host↔device synchronisations in one call of ``step`` (CUDA only: torch's sync debug mode warns on each)."""
+    import torch
+
+    if device != "cuda":
+        return 0
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step()
+            synchronize(device)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message).lower() for w in caught)
+
+
+def profile_method(method: str, args) -> str:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    model, _ = bench.build_model(args, method)
+    x, y = bench.make_batch(args)
+    runner = bench.SETUPS[method](model, x, y, args)
+    for _ in range(args.warmup):
+        runner.step()
+    synchronize(args.device)
+    times = []
+    for _ in range(args.profile_steps):
+        t0 = time.perf_counter()
+        runner.step()
+        synchronize(args.device)
+        times.append(time.perf_counter() - t0)
+    syncs = count_syncs(runner.step, args.device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(args.profile_steps):
+            runner.step()
+        synchronize(args.device)
+    sort = "self_cuda_time_total" if args.device == "cuda" else "self_cpu_time_total"
+    lines = [f"== {method}: {statistics.median(times):.4f} s/step (median of {len(times)}), "
+             f"{syncs} host-device syncs per step; profiled {args.profile_steps} steps ==",
+             prof.key_averages().table(sort_by=sort, row_limit=args.rows)]
+    if args.device == "cuda":
+        lines.append(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(out / f"{method}.json"))
+    del runner, model, x, y
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    for method in args.methods:
+        text = profile_method(method, args)
+        print(text, flush=True)
+        if args.out:
+            (Path(args.out) / f"{method}.txt").write_text(text)
+
+
+if __name__ == "__main__":
+    main()
