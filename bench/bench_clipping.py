@@ -332,7 +332,8 @@ def text_transformer(num_classes: int, seq_len: int):
             self.head = nn.Linear(TEXT_DIM, num_classes)
 
         def forward(self, ids):
-            pos = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)  # batch-first ids
+            # batch-first ids, materialised: Opacus' ghost embedding norm calls .view() on them
+            pos = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1).contiguous()
             h = self.blocks(self.tokens(ids) + self.positions(pos))
             return self.head(self.norm(h).mean(1))
 
