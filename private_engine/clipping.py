@@ -29,7 +29,7 @@ from torch import nn
 from .fallback import FallbackModule, warn_fallback
 from .hooks import GraphWalk, LayerRecorder, RecordedLayer
 from .plan import DEFAULT_CLIPPING_MODE, LayerDecision, check_mode, decide, is_book_keeping
-from .layers.base import accumulation_dtype, compute_dtype, row_norm_sq, sum_per_sample, trainable
+from .layers.base import accumulation_dtype, cast, compute_dtype, row_norm_sq, sum_per_sample, trainable
 from .layers.linear import LinearRule
 from .tracer import ParamTracer
 from .validation import _scan
@@ -348,15 +348,15 @@ class PerSampleClipper:
             return [torch.zeros_like(p) if g is None else g for p, g in zip(self.params, grads)]
         out: Dict[int, torch.Tensor] = {}
         factors = factors.detach()
-        cast: Dict[torch.dtype, torch.Tensor] = {}
+        factors_by_dtype: Dict[torch.dtype, torch.Tensor] = {}
 
         def factors_as(dtype):  # one cast of C per operand dtype, not one per layer
-            if dtype not in cast:
-                cast[dtype] = factors.to(dtype)
-            return cast[dtype]
+            if dtype not in factors_by_dtype:
+                factors_by_dtype[dtype] = cast(factors, dtype)
+            return factors_by_dtype[dtype]
 
         def add(p, g):
-            g = g.to(accumulation_dtype(g))  # bfloat16 terms (mixed precision) are summed in float32
+            g = cast(g, accumulation_dtype(g))  # bfloat16 terms (mixed precision) are summed in float32
             prev = out.get(id(p))
             out[id(p)] = g if prev is None else prev.add_(g)
 

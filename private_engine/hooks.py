@@ -13,7 +13,7 @@ layer's recorded tensors are released right after.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -48,6 +48,8 @@ class RecordedLayer:
     module: nn.Module
     rule: LayerRule
     calls: List[RecordedCall] = field(default_factory=list)
+    #: ``{(input shape, output shape): LayerDims}``: a call's dimensions depend on shapes only
+    dims_cache: Dict[tuple, LayerDims] = field(default_factory=dict)
 
     def rows_ok(self) -> bool:
         """True when every fired call's input is known to be sample-major (k·B rows may be grouped)."""
@@ -191,7 +193,7 @@ class LayerRecorder:
         call = RecordedCall(
             activation=activation,
             output_shape=output.shape,
-            dims=_with_io_size(layer.rule.dims(module, activation, output), activation, output),
+            dims=self._dims(layer, module, activation, output),
             edge=get_gradient_edge(root),
             input_requires_grad=x.requires_grad,
             # an input the tracer follows (a batch-expanded token) is covered by its entry, not by this call
@@ -207,6 +209,18 @@ class LayerRecorder:
                 call.batch_dim = bdim(x)
         layer.calls.append(call)
         root.register_hook(self._make_grad_hook(layer, call))
+
+    @staticmethod
+    def _dims(layer: RecordedLayer, module: nn.Module, activation: torch.Tensor, output: torch.Tensor) -> LayerDims:
+        """The call's ``LayerDims`` (with ``io_size``), computed once per pair of shapes."""
+        key = (activation.shape, output.shape)
+        dims = layer.dims_cache.get(key)
+        if dims is None:
+            if len(layer.dims_cache) >= 256:  # shapes that keep changing (variable sequence lengths)
+                layer.dims_cache.clear()
+            dims = layer.dims_cache[key] = _with_io_size(layer.rule.dims(module, activation, output), activation,
+                                                         output)
+        return dims
 
     def _tracked(self, x: torch.Tensor) -> bool:
         return any(getattr(extra, "is_tracked", None) is not None and extra.is_tracked(x) for extra in self.extras)

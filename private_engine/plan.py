@@ -13,6 +13,7 @@ second backward.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
@@ -105,10 +106,16 @@ def use_ghost(dims: LayerDims, mode: str) -> bool:
 
 
 def decide(name: str, module: nn.Module, dims: Sequence[LayerDims], mode: str) -> LayerDecision:
-    """The decision for one layer given the dimensions of its calls in this batch."""
+    """The decision for one layer given the dimensions of its calls in this batch (a pure function of
+    its arguments: cached, since the same shapes come back at every step)."""
+    return _decide(name, type(module).__name__, tuple(dims), mode)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _decide(name: str, layer_type: str, dims: tuple, mode: str) -> LayerDecision:
     merged = merge_dims(dims)
     return LayerDecision(
-        name=name, layer_type=type(module).__name__, T=merged.T, D=merged.D, p=merged.p,
+        name=name, layer_type=layer_type, T=merged.T, D=merged.D, p=merged.p,
         ghost_cost=merged.ghost_cost, instantiate_cost=merged.instantiate_cost,
         use_ghost=use_ghost(merged, mode), groups=merged.groups, calls=len(dims),
         ghost_capable=merged.ghost_capable, io_size=merged.io_size,

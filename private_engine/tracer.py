@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 from torch.overrides import TorchFunctionMode
-from torch.utils.weak import WeakIdKeyDictionary
+from .tensor_map import TensorMap
 
 from .layers.base import accumulation_dtype
 
@@ -124,13 +124,13 @@ class ParamTracer(TorchFunctionMode):
         self.model = model
         self.tracked: Dict[int, Tuple[str, nn.Parameter]] = {id(p): (n, p) for n, p in params}
         self.names = {id(p): n for n, p in params}
-        self.derived = WeakIdKeyDictionary()
-        self.batched = WeakIdKeyDictionary()
+        self.derived = TensorMap()
+        self.batched = TensorMap()
         self.entries: List[Entry] = []
         #: ``{id(weight): RecordedLayer}`` of recorded Linears and their recorder (set by the clipper)
         self.linear_layers: Dict[int, object] = {}
         self.recorder = None
-        self.recorded = WeakIdKeyDictionary()  # outputs of Linear calls recorded by the tracer itself
+        self.recorded = TensorMap()  # outputs of Linear calls recorded by the tracer itself
         self.batch_size: Optional[int] = None
         self.capturing = False
         self.active = False

@@ -275,3 +275,12 @@ def test_profile_step_reports_each_method(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "== nondp:" in out and "== bk_mixed:" in out and "s/step" in out
     assert (tmp_path / "bk_mixed.txt").exists() and (tmp_path / "bk_mixed.json").exists()
+
+
+def test_host_overhead_proxy_runs(capsys):
+    spec = importlib.util.spec_from_file_location("host_overhead", ROOT / "bench" / "host_overhead.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    result = module.main(["--width", "32", "--steps", "1", "--repeats", "1"])
+    assert result["dp_ms"] > 0 and result["nondp_ms"] > 0 and result["dp_ops"] > result["nondp_ops"] > 0
+    assert "aten ops/step" in capsys.readouterr().out

@@ -179,3 +179,32 @@ def test_decision_at_the_boundary(d_in, p, ghost):
     (d,) = pe.layer_plan(nn.Sequential(nn.Linear(d_in, p)), torch.randn(2, 4, d_in), mode="mixed")
     assert (d.ghost_cost, d.instantiate_cost) == (32, p * d_in)
     assert d.use_ghost is ghost
+
+
+def test_host_side_caches_keep_decisions_and_dims_exact(monkeypatch):
+    """Per-step host work is cached where it is a pure function of shapes: a layer's LayerDims per pair of
+    input/output shapes (rule.dims runs once per shape), the decision per (layer, dims, mode); a new shape
+    gets new dims and a new decision; `cast` returns the tensor itself when the dtype already matches."""
+    from private_engine.hooks import LayerRecorder
+    from private_engine.layers.base import cast
+    from private_engine.layers.linear import LinearRule
+    from private_engine.plan import decide
+
+    lin = nn.Linear(6, 4)
+    calls = []
+    real_dims = LinearRule.dims
+    monkeypatch.setattr(LinearRule, "dims", lambda self, *a: calls.append(1) or real_dims(self, *a))
+    rec = LayerRecorder([("lin", lin, LinearRule())])
+    try:
+        for T in (3, 3, 5):
+            lin(torch.randn(2, T, 6, requires_grad=True))
+        dims = [c.dims for c in rec.layers[0].calls]
+        assert len(calls) == 2 and dims[0] is dims[1] and dims[2].T == 5 and dims[0].T == 3
+        assert dims[0].io_size == 3 * (6 + 4)
+        d1, d2 = decide("lin", lin, [dims[0]], "bk_mixed"), decide("lin", lin, [dims[1]], "bk_mixed")
+        assert d1 is d2 and decide("lin", lin, [dims[2]], "bk_mixed").T == 5
+        assert decide("lin", lin, [dims[0]], "bk").use_ghost and not decide("lin", lin, [dims[0]], "per_sample").use_ghost
+    finally:
+        rec.remove()
+    t = torch.ones(3)
+    assert cast(t, torch.float32) is t and cast(t, torch.float64).dtype == torch.float64

@@ -267,3 +267,29 @@ class TinyLM(nn.Module):
 def test_entries_after_embedding_stack_and_indexing_match_reference():
     torch.manual_seed(0)
     check(TinyLM(), torch.randint(0, 7, (4, 5)))
+
+
+def test_tensor_map_identity_and_weak_keys():
+    """The tracer's tensor map: keys by identity (equal values are different keys), never keeps a tensor
+    alive, forgets a freed tensor, and never mistakes a new tensor that reuses a freed one's id for it."""
+    import gc
+    import weakref
+
+    from private_engine.tensor_map import TensorMap
+
+    m = TensorMap()
+    a, b = torch.zeros(3), torch.zeros(3)
+    m[a] = 0
+    assert a in m and b not in m and m[a] == 0 and m.get(b, -1) == -1 and m.get(a) == 0
+    with pytest.raises(KeyError):
+        m[b]
+    m[a] = 2  # overwrite
+    assert m[a] == 2 and len(m) == 1
+    alive = weakref.ref(a)
+    del a
+    gc.collect()
+    assert alive() is None and len(m) == 0 and not m._entries  # dropped, and not kept alive
+    # an entry whose tensor is another one under the same id (id reuse) is not a hit
+    c = torch.ones(2)
+    m._entries[id(c)] = (weakref.ref(b), 7)
+    assert c not in m and m.get(c) is None

@@ -175,6 +175,12 @@ def accumulation_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
+def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype``: ``t`` itself when it already is (no dispatch: on a GPU a ``.to()`` that changes
+    nothing still costs host time, and the rules call this a few times per layer per step)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def compute_dtype(t: torch.Tensor) -> torch.dtype:
     """Operand dtype of a rule's matmuls for an output gradient ``t``: bfloat16 stays bfloat16 (mixed
     precision: the matmuls run as autocast ran the layer, accumulating in float32 inside the kernel, and every
@@ -240,7 +246,7 @@ def sum_per_sample(terms: Sequence[torch.Tensor], like: torch.Tensor) -> torch.T
     dtype = terms[0].dtype
     for t in terms[1:]:
         dtype = torch.promote_types(dtype, t.dtype)
-    return torch.stack([t.to(dtype) for t in terms]).sum(0)
+    return torch.stack([cast(t, dtype) for t in terms]).sum(0)
 
 
 def zeros_like_batch(g: torch.Tensor) -> torch.Tensor:

@@ -11,8 +11,8 @@ from typing import Dict
 import torch
 from torch import nn
 
-from .base import (LayerDims, LayerRule, accumulation_dtype, compute_dtype, flatten_positions, gram_inner, register_rule,
-                   row_norm_sq, sum_per_sample, trainable)
+from .base import (LayerDims, LayerRule, accumulation_dtype, cast, compute_dtype, flatten_positions, gram_inner,
+                   register_rule, row_norm_sq, sum_per_sample, trainable)
 
 
 class LinearRule(LayerRule):
@@ -28,8 +28,8 @@ class LinearRule(LayerRule):
                     "changes Linear's forward needs its own rule (private_engine.layers.register_rule)."
                 )
             dt = compute_dtype(g)
-            A.append(flatten_positions(a, module.in_features).to(dt))
-            G.append(flatten_positions(g, module.out_features).to(dt))
+            A.append(cast(flatten_positions(a, module.in_features), dt))
+            G.append(cast(flatten_positions(g, module.out_features), dt))
         if len(calls) == 1:
             return A[0], G[0]
         return torch.cat(A, 1), torch.cat(G, 1)
@@ -60,10 +60,10 @@ class LinearRule(LayerRule):
         """``Σ_i C_i G_i = Gᵀ·diag(C)·A`` over all positions (one matmul), bias ``Σ_{i,t} C_i g_{i,t}``."""
         A, G = self._views(module, calls)
         acc = accumulation_dtype(G)
-        GC = G * factors.to(G.dtype)[:, None, None]
+        GC = G * cast(factors, G.dtype)[:, None, None]
         out = {}
         if trainable(module, "weight"):
-            out["weight"] = GC.reshape(-1, GC.shape[-1]).t().mm(A.reshape(-1, A.shape[-1])).to(acc)
+            out["weight"] = cast(GC.reshape(-1, GC.shape[-1]).t().mm(A.reshape(-1, A.shape[-1])), acc)
         if trainable(module, "bias"):
             out["bias"] = GC.sum((0, 1), dtype=acc)
         return out

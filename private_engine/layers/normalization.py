@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import LayerDims, LayerRule, accumulation_dtype, register_rule, trainable
+from .base import LayerDims, LayerRule, accumulation_dtype, cast, register_rule, trainable
 
 
 class _AffineNormRule(LayerRule):
@@ -45,7 +45,7 @@ class LayerNormRule(_AffineNormRule):
                 "needs its own rule (private_engine.layers.register_rule)."
             )
         # x̂ = (x − mean) / √(var + eps) over the normalised dims, in one fused kernel
-        return F.layer_norm(a.to(accumulation_dtype(a)), module.normalized_shape, None, None, module.eps)
+        return F.layer_norm(cast(a, accumulation_dtype(a)), module.normalized_shape, None, None, module.eps)
 
     def dims(self, module, activation, output):
         p = math.prod(module.normalized_shape)
@@ -54,7 +54,7 @@ class LayerNormRule(_AffineNormRule):
 
     def _grads_one_call(self, module, a, g):
         B = g.shape[0]
-        G = g.to(accumulation_dtype(g)).reshape(B, -1, *module.normalized_shape)
+        G = cast(g, accumulation_dtype(g)).reshape(B, -1, *module.normalized_shape)
         out = {}
         if trainable(module, "weight"):
             xhat = self._normalized(module, a).reshape(B, -1, *module.normalized_shape)
@@ -75,7 +75,7 @@ class GroupNormRule(_AffineNormRule):
                 "(batch-first (B, C, *) layout)."
             )
         # x̂ = (x − mean_group) / √(var_group + eps), in one fused kernel
-        return F.group_norm(a.to(accumulation_dtype(a)), module.num_groups, None, None, module.eps).reshape(B, C, -1)
+        return F.group_norm(cast(a, accumulation_dtype(a)), module.num_groups, None, None, module.eps).reshape(B, C, -1)
 
     def dims(self, module, activation, output):
         T = math.prod(output.shape[2:])
@@ -83,7 +83,7 @@ class GroupNormRule(_AffineNormRule):
 
     def _grads_one_call(self, module, a, g):
         B, C = g.shape[:2]
-        G = g.to(accumulation_dtype(g)).reshape(B, C, -1)
+        G = cast(g, accumulation_dtype(g)).reshape(B, C, -1)
         out = {}
         if trainable(module, "weight"):
             out["weight"] = (G * self._normalized(module, a)).sum(2)

@@ -1,0 +1,92 @@
+"""Host-side cost of one private step, measured on the CPU: the layer structure of a real model at tiny
+sizes (ViT-B/16's 12 blocks and 77 clipped layers, width 64, 16×16 images = 2 tokens, batch 2, one thread),
+so that arithmetic is negligible and the time per step is Python, hooks and operator dispatch — what
+keeps a GPU waiting when its kernels are fast (docs/engine.md, "CUDA"). Also counts the aten operators
+one step issues (each is a kernel launch on a GPU).
+
+    python bench/host_overhead.py                       # bk_mixed vs non-DP
+    python bench/host_overhead.py --mode bk --width 128
+
+Prints ``non-DP <ms>  <mode> <ms>  ratio <r>  aten ops/step <non-DP> -> <mode>``: medians over
+``--repeats`` rounds of ``--steps`` steps each, the two trainings alternating round by round.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="vit_base_patch16_224", help="a timm model that takes embed_dim/num_heads")
+    p.add_argument("--width", type=int, default=64, help="embed_dim (heads = width // 32)")
+    p.add_argument("--mode", default="bk_mixed", help="private_engine clipping mode")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=7)
+    return p.parse_args(argv)
+
+
+def aten_ops_per_step(step) -> int:
+    """aten operators one call of ``step`` dispatches (torch.profiler, CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    return sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    import timm
+    import torch
+    import torch.nn.functional as F
+
+    import private_engine as pe
+
+    torch.set_num_threads(1)
+
+    def build():
+        torch.manual_seed(0)
+        return timm.create_model(args.model, img_size=16, num_classes=10, embed_dim=args.width,
+                                 num_heads=max(1, args.width // 32))
+
+    x, y = torch.randn(2, 3, 16, 16), torch.tensor([1, 2])
+    plain = build()
+    opt = torch.optim.SGD(plain.parameters(), lr=0.01)
+
+    def nondp():
+        F.cross_entropy(plain(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    private = build()
+    dp_opt = torch.optim.SGD(private.parameters(), lr=0.01)
+    engine = pe.PrivacyEngine(private, batch_size=2, sample_size=100, max_grad_norm=1.0, noise_multiplier=1.0,
+                              clipping_mode=args.mode)
+    engine.attach(dp_opt)
+
+    def dp():
+        dp_opt.step(loss=F.cross_entropy(private(x), y, reduction="none"))
+        dp_opt.zero_grad(set_to_none=True)
+
+    for step in (nondp, dp):
+        for _ in range(3):
+            step()
+    times = {"nondp": [], "dp": []}
+    for _ in range(args.repeats):
+        for name, step in (("nondp", nondp), ("dp", dp)):
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                step()
+            times[name].append((time.perf_counter() - t0) / args.steps)
+    result = {"nondp_ms": 1e3 * statistics.median(times["nondp"]), "dp_ms": 1e3 * statistics.median(times["dp"]),
+              "nondp_ops": aten_ops_per_step(nondp), "dp_ops": aten_ops_per_step(dp)}
+    print(f"non-DP {result['nondp_ms']:.1f} ms  {args.mode} {result['dp_ms']:.1f} ms  "
+          f"ratio {result['dp_ms'] / result['nondp_ms']:.2f}  aten ops/step {result['nondp_ops']} -> "
+          f"{result['dp_ops']}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
