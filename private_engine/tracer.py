@@ -182,19 +182,19 @@ class ParamTracer(TorchFunctionMode):
         if func in _PASSIVE:
             return func(*args, **kwargs)
         tensors = _tensors(args, kwargs)
+        # one look-up per tensor: its batch dimension when it is batched data, else None
+        bdims_in = [self.batched.get(t) for t in tensors]
+        src = next((t for t, d in zip(tensors, bdims_in) if d is not None), None)
         if not torch.is_grad_enabled():  # no entries, no derived tensors; but per-sample data stays batched
             out = func(*args, **kwargs)
-            src = next((t for t in tensors if t in self.batched), None)
             if src is not None:
-                bdims = {self.batched[t] for t in tensors if t in self.batched}
-                bdim = bdims.pop() if len(bdims) == 1 else -1
-                for t in _outputs(out):
-                    self.batched[t] = _out_bdim(func, args, kwargs, src, bdim, t, self.batch_size)
+                self._mark_batched(func, args, kwargs, src, bdims_in, _outputs(out))
             return out
-        tracked = [t for t in tensors if self.is_tracked(t)]
-        batched = any(t in self.batched for t in tensors)
+        is_tracked = [self.is_tracked(t) for t in tensors]
+        tracked = [t for t, k in zip(tensors, is_tracked) if k]
+        batched = src is not None
         # data: batched, or computed from parameters the tracer does not follow (e.g. a layer's output)
-        data = batched or any(t.requires_grad and not self.is_tracked(t) for t in tensors)
+        data = batched or any(t.requires_grad and not k for t, k in zip(tensors, is_tracked))
         if tracked and data:
             return self._entry(func, args, kwargs, tracked)
         if tracked and not batched:
@@ -204,11 +204,7 @@ class ParamTracer(TorchFunctionMode):
         out = func(*args, **kwargs)
         outs = _outputs(out)
         if batched:
-            bdims = {self.batched[t] for t in tensors if t in self.batched}
-            src = next(t for t in tensors if t in self.batched)
-            bdim = bdims.pop() if len(bdims) == 1 else -1
-            for t in outs:
-                self.batched[t] = _out_bdim(func, args, kwargs, src, bdim, t, self.batch_size)
+            self._mark_batched(func, args, kwargs, src, bdims_in, outs)
         elif tracked:
             ids = tuple(sorted({i for t in tracked for i in self._param_ids(t)}))
             row_base = self._row_base(func, args, kwargs, tracked, outs[0]) if outs else None
@@ -216,6 +212,13 @@ class ParamTracer(TorchFunctionMode):
                 if t.requires_grad and t.is_floating_point():
                     self.derived[t] = Derived(ids, row_base if t is outs[0] else None)
         return out
+
+    def _mark_batched(self, func, args, kwargs, src, bdims_in, outs) -> None:
+        """Mark the outputs of an op on batched data as batched, with their batch dimension (-1: unknown)."""
+        bdims = {d for d in bdims_in if d is not None}
+        bdim = bdims.pop() if len(bdims) == 1 else -1
+        for t in outs:
+            self.batched[t] = _out_bdim(func, args, kwargs, src, bdim, t, self.batch_size)
 
     def _pending_rows(self, func, args, kwargs, tracked, tensors):
         """An elementwise op that spreads a one-row derived tensor over the n rows of a constant: substitute
