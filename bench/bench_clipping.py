@@ -264,9 +264,7 @@ def build_model(args, method: str = "nondp"):
         model = private_engine.fix_batchnorm(model)
         notes["batchnorm"] = "BatchNorm replaced by GroupNorm (private_engine.fix_batchnorm) for every method"
     if args.no_inplace:
-        for m in model.modules():
-            if getattr(m, "inplace", False) is True:
-                m.inplace = False
+        inplace_activations_off(model)
         notes["inplace"] = "in-place activations disabled (--no-inplace) for every method"
     notes["traced"] = traced_parameters(model)  # how private_engine clips parameters outside layers
     notes["fallback"] = fallback_modules(model)

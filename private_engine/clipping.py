@@ -305,7 +305,7 @@ class PerSampleClipper:
                 params = dict(fb.params)
                 self._kept_grads.extend((params[n], g) for n, g in grads.items())
             if grads:
-                sq = sum(row_norm_sq(g) for g in grads.values())
+                sq = _norm_sq_of(grads, self._batch_size, next(iter(grads.values())))
                 self._add(fb.name, f"fallback:{type(fb.module).__name__}", sum(g[0].numel() for g in grads.values()),
                           sq)
 

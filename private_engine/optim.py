@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, List, Optional, Sequence
 
 import torch
 
+from .layers.base import cast
+
 if TYPE_CHECKING:  # pragma: no cover
     from .engine import PrivacyEngine
 
@@ -52,7 +54,7 @@ class PrivateStep:
         if std > 0:
             add_gaussian_noise(grads, std, engine.noise_generator)
         torch._foreach_div_(grads, float(engine.batch_size))
-        return [g if g.dtype == p.dtype else g.to(p.dtype) for p, g in zip(engine.params, grads)]
+        return [cast(g, p.dtype) for p, g in zip(engine.params, grads)]
 
     def reset(self) -> None:
         self.grad_sums = None

@@ -39,9 +39,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 from torch.overrides import TorchFunctionMode
-from .tensor_map import TensorMap
 
 from .layers.base import accumulation_dtype
+from .tensor_map import TensorMap
 
 #: elementwise ops with broadcasting at which a derived tensor may meet batched data
 _ELEMENTWISE_NAMES = ("add", "sub", "mul", "div", "true_divide", "rsub", "where", "addcmul")

@@ -108,7 +108,7 @@ class LayerRule:
         needs no second backward. ``factors`` is ``(B,)``, one clip factor per sample. This default
         contracts the instantiated per-sample gradients with ``C``; rules override it with one matmul.
         """
-        return {name: torch.tensordot(factors.to(grad.dtype), grad, dims=1)
+        return {name: torch.tensordot(cast(factors, grad.dtype), grad, dims=1)
                 for name, grad in self.per_sample_grads(module, calls).items()}
 
     def instantiated_norm_sq(self, module: nn.Module, calls: Sequence[Call]) -> torch.Tensor:

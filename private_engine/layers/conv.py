@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import (LayerDims, LayerRule, accumulation_dtype, compute_dtype, gram_inner, register_rule, row_norm_sq,
-                   sum_per_sample, trainable)
+from .base import (LayerDims, LayerRule, accumulation_dtype, cast, compute_dtype, gram_inner, register_rule,
+                   row_norm_sq, sum_per_sample, trainable)
 
 
 def unfold_conv_input(module: nn.modules.conv._ConvNd, a: torch.Tensor) -> torch.Tensor:
@@ -59,9 +59,9 @@ class ConvRule(LayerRule):
                     f"{type(module).__name__} expects batched input (B, C, *spatial); got shape {tuple(a.shape)}. "
                     "Unbatched inputs cannot be clipped per sample: add a batch dimension."
                 )
-            U = unfold_conv_input(module, a.to(dt))  # (B, T, groups, D)
+            U = unfold_conv_input(module, cast(a, dt))  # (B, T, groups, D)
             B, T, groups, D = U.shape
-            G = g.to(dt).reshape(B, groups, module.out_channels // groups, -1)  # (B, groups, p_g, T)
+            G = cast(g, dt).reshape(B, groups, module.out_channels // groups, -1)  # (B, groups, p_g, T)
             if G.shape[-1] != T:
                 raise ValueError(
                     f"{type(module).__name__}: unfolded {T} positions but the output has {G.shape[-1]}; "
@@ -104,9 +104,9 @@ class ConvRule(LayerRule):
             W = None
             for a, g in calls:
                 dt = compute_dtype(g)
-                x, padding = _padded(module, a.to(dt))
+                x, padding = _padded(module, cast(a, dt))
                 w = _conv_weight_grad(module, (x.reshape(1, -1, *x.shape[2:]), padding),
-                                      g.to(dt).reshape(1, -1, *g.shape[2:]), B * module.groups,
+                                      cast(g, dt).reshape(1, -1, *g.shape[2:]), B * module.groups,
                                       (B * module.out_channels, *module.weight.shape[1:]))
                 W = w if W is None else W + w
             out["weight"] = W.reshape(B, *module.weight.shape)
@@ -123,13 +123,13 @@ class ConvRule(LayerRule):
             W = None
             for a, g in calls:
                 dt = compute_dtype(g)
-                gc = g.to(dt) * factors.to(dt).reshape(-1, *([1] * (g.dim() - 1)))
-                w = _conv_weight_grad(module, _padded(module, a.to(dt)), gc, module.groups, module.weight.shape)
+                gc = cast(g, dt) * cast(factors, dt).reshape(-1, *([1] * (g.dim() - 1)))
+                w = _conv_weight_grad(module, _padded(module, cast(a, dt)), gc, module.groups, module.weight.shape)
                 W = w if W is None else W + w
-            out["weight"] = W.to(accumulation_dtype(W))
+            out["weight"] = cast(W, accumulation_dtype(W))
         if trainable(module, "bias"):
             bias = self._bias_grad(calls)
-            out["bias"] = (bias * factors.to(bias.dtype)[:, None]).sum(0)
+            out["bias"] = (bias * cast(factors, bias.dtype)[:, None]).sum(0)
         return out
 
 

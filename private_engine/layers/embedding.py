@@ -12,7 +12,7 @@ from typing import Dict
 import torch
 from torch import nn
 
-from .base import LayerDims, LayerRule, accumulation_dtype, register_rule, trainable, zeros_like_batch
+from .base import LayerDims, LayerRule, accumulation_dtype, cast, register_rule, trainable, zeros_like_batch
 
 
 class EmbeddingRule(LayerRule):
@@ -36,7 +36,7 @@ class EmbeddingRule(LayerRule):
         for ids, g in calls:
             B = ids.shape[0]
             ids = ids.reshape(B, -1)
-            G = g.to(accumulation_dtype(g)).reshape(B, ids.shape[1], module.embedding_dim)
+            G = cast(g, accumulation_dtype(g)).reshape(B, ids.shape[1], module.embedding_dim)
             if module.padding_idx is not None:
                 G = G * (ids != module.padding_idx).unsqueeze(-1).to(G.dtype)
             ids_all.append(ids)
@@ -72,7 +72,7 @@ class EmbeddingRule(LayerRule):
         if not trainable(module, "weight"):
             return {}
         ids, G = self._views(module, calls)
-        GC = G * factors.to(G.dtype)[:, None, None]
+        GC = G * cast(factors, G.dtype)[:, None, None]
         out = torch.zeros(module.num_embeddings, module.embedding_dim, dtype=G.dtype, device=G.device)
         out.index_add_(0, ids.reshape(-1), GC.reshape(-1, module.embedding_dim))
         return {"weight": out}
