@@ -230,7 +230,9 @@ class LayerRecorder:
         def hook(grad):
             if not self.capturing or call.fired:
                 return None
-            call.grad = grad.detach().reshape(call.output_shape)
+            if grad.requires_grad:  # only under create_graph: keep no graph
+                grad = grad.detach()
+            call.grad = grad if grad.shape == call.output_shape else grad.reshape(call.output_shape)
             call.fired = True
             if all(c.fired for c in layer.calls) and self.on_layer_ready is not None:
                 self.on_layer_ready(layer)

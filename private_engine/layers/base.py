@@ -194,21 +194,27 @@ def flatten_positions(t: torch.Tensor, features: int) -> torch.Tensor:
     return t.reshape(t.shape[0], -1, features)
 
 
-def gram_inner(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+def gram_inner(a: torch.Tensor, g: torch.Tensor, bias: bool = False) -> torch.Tensor:
     """Ghost norm ``⟨a aᵀ, g gᵀ⟩`` per leading index for ``a: (N, T, D)``, ``g: (N, T, p)``.
 
-    With T = 1 this is ``‖a‖²·‖g‖²`` (no Gram matrices needed).
+    With ``bias=True`` it is ``⟨a aᵀ + 1 1ᵀ, g gᵀ⟩ = ‖gᵀa‖²_F + ‖Σ_t g_t‖²``: the norm of a layer's weight *and*
+    bias gradient together, since the bias gradient ``gᵀ1`` has ``‖gᵀ1‖² = 1ᵀ g gᵀ 1 = ⟨1 1ᵀ, g gᵀ⟩`` (seed 002,
+    eq. 2.7 with a constant input column) — one in-place add on the Gram instead of a reduction, a norm and a sum.
+    With T = 1 this is ``(‖a‖² + [bias])·‖g‖²`` (no Gram matrices needed).
     """
     if a.shape[1] == 1:
-        return row_norm_sq(a) * row_norm_sq(g)
+        a_sq = row_norm_sq(a)
+        return (a_sq + 1 if bias else a_sq) * row_norm_sq(g)
     a, g = aligned_positions(a), aligned_positions(g)
     aat = torch.bmm(a, a.transpose(1, 2))
     ggt = torch.bmm(g, g.transpose(1, 2))
     n, acc = aat.shape[0], accumulation_dtype(g)
     if aat.dtype == acc:  # ⟨aaᵀ, ggᵀ⟩_F as one batched dot product (no N×T×T temporary)
+        if bias:
+            aat.add_(1)  # zero-padded rows of g (aligned_positions) keep the padding out of the sum
         return torch.bmm(aat.reshape(n, 1, -1), ggt.reshape(n, -1, 1)).reshape(n)
     # bfloat16 Grams (autocast): products summed in float32, no float32 copies of the two Grams
-    return (aat * ggt).sum((1, 2), dtype=acc)
+    return (torch.addcmul(ggt, aat, ggt) if bias else aat * ggt).sum((1, 2), dtype=acc)
 
 
 #: on CUDA, 16-bit batched matmuls whose row count T is not a multiple of this get padded (``aligned_positions``)

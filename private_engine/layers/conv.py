@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import (LayerDims, LayerRule, accumulation_dtype, cast, compute_dtype, gram_inner, register_rule,
-                   row_norm_sq, sum_per_sample, trainable)
+                   row_norm_sq, trainable, zeros_like_batch)
 
 
 def unfold_conv_input(module: nn.modules.conv._ConvNd, a: torch.Tensor) -> torch.Tensor:
@@ -83,14 +83,15 @@ class ConvRule(LayerRule):
 
     def ghost_norm_sq(self, module, calls):
         g0 = calls[0][1]
-        terms = []
+        bias = trainable(module, "bias")
         if trainable(module, "weight"):
             U, G = self._views(module, calls)
-            gram = gram_inner(U, G)
-            terms.append(gram if module.groups == 1 else gram.reshape(g0.shape[0], module.groups).sum(1))
-        if trainable(module, "bias"):
-            terms.append(row_norm_sq(self._bias_grad(calls)))
-        return sum_per_sample(terms, g0)
+            # weight and bias together, per group: ⟨U Uᵀ + 11ᵀ, g gᵀ⟩ (the bias of group γ is g^γᵀ1)
+            gram = gram_inner(U, G, bias=bias)
+            return gram if module.groups == 1 else gram.reshape(g0.shape[0], module.groups).sum(1)
+        if bias:
+            return row_norm_sq(self._bias_grad(calls))
+        return zeros_like_batch(g0)
 
     def per_sample_grads(self, module, calls) -> Dict[str, torch.Tensor]:
         """Per-sample weight gradients by the grouped-convolution trick (Rochette et al. 2019, "Efficient

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from .base import (LayerDims, LayerRule, accumulation_dtype, cast, compute_dtype, flatten_positions, gram_inner,
-                   register_rule, row_norm_sq, sum_per_sample, trainable)
+                   register_rule, row_norm_sq, trainable, zeros_like_batch)
 
 
 class LinearRule(LayerRule):
@@ -40,12 +40,12 @@ class LinearRule(LayerRule):
 
     def ghost_norm_sq(self, module, calls):
         A, G = self._views(module, calls)
-        terms = []
+        bias = trainable(module, "bias")
         if trainable(module, "weight"):
-            terms.append(gram_inner(A, G))
-        if trainable(module, "bias"):
-            terms.append(row_norm_sq(G.sum(1, dtype=accumulation_dtype(G))))
-        return sum_per_sample(terms, G)
+            return gram_inner(A, G, bias=bias)  # weight and bias together: ⟨aaᵀ + 11ᵀ, ggᵀ⟩
+        if bias:
+            return row_norm_sq(G.sum(1, dtype=accumulation_dtype(G)))
+        return zeros_like_batch(G)
 
     def per_sample_grads(self, module, calls) -> Dict[str, torch.Tensor]:
         A, G = self._views(module, calls)
