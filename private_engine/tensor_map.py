@@ -56,5 +56,9 @@ class TensorMap:
 
         entries[key] = (weakref.ref(t, drop), value)
 
+    def empty(self) -> bool:
+        """True when no live tensor is in the map (an entry leaves with its tensor), in O(1)."""
+        return not self._entries
+
     def __len__(self) -> int:
         return sum(1 for ref, _ in self._entries.values() if ref() is not None)

@@ -96,11 +96,17 @@ class Entry:
 
 def _tensors(args, kwargs):
     out = []
-    for a in list(args) + list(kwargs.values()):
+    for a in args:
         if isinstance(a, torch.Tensor):
             out.append(a)
         elif isinstance(a, (list, tuple)):
             out.extend(t for t in a if isinstance(t, torch.Tensor))
+    if kwargs:
+        for a in kwargs.values():
+            if isinstance(a, torch.Tensor):
+                out.append(a)
+            elif isinstance(a, (list, tuple)):
+                out.extend(t for t in a if isinstance(t, torch.Tensor))
     return out
 
 
@@ -183,16 +189,30 @@ class ParamTracer(TorchFunctionMode):
             return func(*args, **kwargs)
         tensors = _tensors(args, kwargs)
         # one look-up per tensor: its batch dimension when it is batched data, else None
-        bdims_in = [self.batched.get(t) for t in tensors]
-        src = next((t for t, d in zip(tensors, bdims_in) if d is not None), None)
+        lookup = self.batched.get
+        bdims_in = [lookup(t) for t in tensors]
+        src = None
+        for t, d in zip(tensors, bdims_in):
+            if d is not None:
+                src = t
+                break
         if not torch.is_grad_enabled():  # no entries, no derived tensors; but per-sample data stays batched
             out = func(*args, **kwargs)
             if src is not None:
                 self._mark_batched(func, args, kwargs, src, bdims_in, _outputs(out))
             return out
-        is_tracked = [self.is_tracked(t) for t in tensors]
-        tracked = [t for t, k in zip(tensors, is_tracked) if k]
+        # tracked: a tracked parameter, or derived from one (the derived map is empty for most of a forward)
+        params, derived = self.tracked, self.derived
+        if derived.empty():
+            is_tracked = [id(t) in params for t in tensors]
+        else:
+            is_tracked = [id(t) in params or t in derived for t in tensors]
         batched = src is not None
+        if batched and not any(is_tracked):  # the common case: an op on batched data only
+            out = func(*args, **kwargs)
+            self._mark_batched(func, args, kwargs, src, bdims_in, _outputs(out))
+            return out
+        tracked = [t for t, k in zip(tensors, is_tracked) if k]
         # data: batched, or computed from parameters the tracer does not follow (e.g. a layer's output)
         data = batched or any(t.requires_grad and not k for t, k in zip(tensors, is_tracked))
         if tracked and data:
@@ -215,10 +235,17 @@ class ParamTracer(TorchFunctionMode):
 
     def _mark_batched(self, func, args, kwargs, src, bdims_in, outs) -> None:
         """Mark the outputs of an op on batched data as batched, with their batch dimension (-1: unknown)."""
-        bdims = {d for d in bdims_in if d is not None}
-        bdim = bdims.pop() if len(bdims) == 1 else -1
+        bdim = None
+        for d in bdims_in:
+            if d is not None:
+                if bdim is None:
+                    bdim = d
+                elif d != bdim:
+                    bdim = -1
+                    break
+        batched = self.batched
         for t in outs:
-            self.batched[t] = _out_bdim(func, args, kwargs, src, bdim, t, self.batch_size)
+            batched[t] = _out_bdim(func, args, kwargs, src, bdim, t, self.batch_size)
 
     def _pending_rows(self, func, args, kwargs, tracked, tensors):
         """An elementwise op that spreads a one-row derived tensor over the n rows of a constant: substitute
@@ -619,6 +646,8 @@ def _out_bdim(func, args, kwargs, src, bdim, out, B) -> int:
         return -1
     try:
         nd = src.dim()
+        if func not in _MOVES_BATCH and out.dim() == nd:  # the common case: the same rank, no dimension moved
+            return bdim if out.shape[bdim] == src.shape[bdim] else -1
         if func in _TRANSPOSES:
             d0 = (args[1] if len(args) > 1 else kwargs.get("dim0")) % nd
             d1 = (args[2] if len(args) > 2 else kwargs.get("dim1")) % nd
@@ -728,3 +757,9 @@ def _is_reshape_of(t: torch.Tensor, p: torch.Tensor) -> bool:
         return True
     return (t._base is p and t.numel() == p.numel() and t.is_contiguous() and p.is_contiguous()
             and t.storage_offset() == p.storage_offset())
+
+
+#: ops that ``_out_bdim`` handles before its same-rank rule (they can move the batch dimension without changing the
+#: rank); any other op of the same rank keeps the batch where it was when its size is unchanged
+_MOVES_BATCH = (_TRANSPOSES | _PERMUTES | _MOVEDIMS | _UNBINDS | _UNSQUEEZES | _RESHAPES | _T_GETTERS
+                | {torch.Tensor.__getitem__, torch.Tensor.t, torch.t})
