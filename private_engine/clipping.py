@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from .fallback import FallbackModule, warn_fallback
+from .grad_sums import FlatLayout, GradSums
 from .hooks import GraphWalk, LayerRecorder, RecordedLayer
 from .plan import DEFAULT_CLIPPING_MODE, LayerDecision, check_mode, decide, is_book_keeping
 from .layers.base import accumulation_dtype, cast, compute_dtype, row_norm_sq, sum_per_sample, trainable
@@ -37,6 +38,13 @@ from .validation import _scan
 ClipFn = Callable[[torch.Tensor, float], torch.Tensor]
 
 ABADI_EPS = 1e-6
+#: book-keeping: small kept per-sample gradients are laid side by side (copied) in groups of at most this many
+#: elements for their norms and clipped sums; on CUDA, where each operation is a kernel launch that costs more
+#: host time than copying a few MiB, a gradient is "small" up to ``KEPT_SMALL_CUDA`` elements; on the CPU, where
+#: the copy costs more than the operations it saves, up to ``KEPT_SMALL_CPU``. Larger ones stay alone (no copy).
+KEPT_GROUP_ELEMENTS = 1 << 22
+KEPT_SMALL_CUDA = 1 << 20
+KEPT_SMALL_CPU = 1 << 14
 AUTOMATIC_GAMMA = 0.01
 
 
@@ -92,6 +100,11 @@ def decided_norm_sq(name: str, module: nn.Module, rule, dims, pairs, mode: str):
 def _norm_sq_of(grads: Dict[str, torch.Tensor], B: int, like: torch.Tensor) -> torch.Tensor:
     """``Σ_θ ‖G_i^θ‖²_F`` per sample from instantiated per-sample gradients ``{name: (B, *shape)}``."""
     return sum_per_sample([row_norm_sq(g) for g in grads.values()], like[:B])
+
+
+def _per_sample_numel(t: torch.Tensor) -> int:
+    """Elements per sample (row of dim 0) of ``t``, from its shape (``t[0].numel()`` would dispatch an op)."""
+    return t.numel() // t.shape[0] if t.shape[0] else 0
 
 
 def _rows_kept(t: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -154,6 +167,12 @@ class PerSampleClipper:
         #: kept by the norm pass (book-keeping): [(module, rule, [(a, g)])] and [(parameter, G (B, *shape))]
         self._kept_pairs: list = []
         self._kept_grads: list = []
+        #: the kept per-sample gradients at the end of the norm pass, side by side: [([parameters], (B, n))]
+        self._kept_groups: list = []
+        #: where the clipped sums of a book-keeping step live (rebuilt when which parameters are kept how changes)
+        self._layout: Optional[FlatLayout] = None
+        self._layout_key: tuple = ()
+        self._param_ids = {id(p) for p in self.params}
 
     # -- norm pass ---------------------------------------------------------------------------
     def _on_layer_ready(self, layer: RecordedLayer) -> None:
@@ -180,14 +199,18 @@ class PerSampleClipper:
             if any(a.shape[0] != B for a, _ in pairs):
                 grads, dims = self._rows_grads(layer, pairs, dims)
                 decision = decide(layer.name, layer.module, dims, self.mode)
-                contrib = _norm_sq_of(grads, B, pairs[0][1])
-                self._keep_grads(layer.module, grads)
+                if self.book_keeping:  # kept: its norm comes with the other kept gradients at the end
+                    self._keep_grads(layer.module, grads)
+                    contrib = None
+                else:
+                    contrib = _norm_sq_of(grads, B, pairs[0][1])
             elif not self.book_keeping:
                 decision, contrib = decided_norm_sq(layer.name, layer.module, layer.rule, dims, pairs, self.mode)
             else:
                 decision, contrib = self._book_keep(layer, dims, pairs)
             self._plan.append(decision)
-            self._norm_terms.append(contrib)
+            if contrib is not None:
+                self._norm_terms.append(contrib)
         finally:
             layer.release()
 
@@ -195,7 +218,10 @@ class PerSampleClipper:
         """Norm of one layer in a book-keeping mode, keeping what its clipped sum needs: ``(a, g)`` for a
         ghost layer; for an instantiated one the per-sample gradients ``G_i`` when they are no larger than
         ``(a, g)`` per sample (always in "bk_mixopt", which puts time first), else ``(a, g)`` again (the
-        clipped sum is then one matmul ``gᵀ·diag(C)·a`` at the end instead of a contraction of ``G``)."""
+        clipped sum is then one matmul ``gᵀ·diag(C)·a`` at the end instead of a contraction of ``G``).
+        Returns ``(decision, ‖∂L_i/∂θ‖² per sample)``, or ``(decision, None)`` when the per-sample gradients are
+        kept: their norms are taken at the end of the pass, all kept gradients side by side
+        (:meth:`_group_kept_grads`)."""
         module, rule = layer.module, layer.rule
         decision = decide(layer.name, module, dims, self.mode)
         B = self._batch_size
@@ -203,14 +229,14 @@ class PerSampleClipper:
             self._kept_pairs.append((module, rule, pairs))
             return decision, rule.ghost_norm_sq(module, pairs)
         grads = rule.per_sample_grads(module, pairs)
-        contrib = _norm_sq_of(grads, B, pairs[0][1])
-        grad_size = sum(g[0].numel() for g in grads.values())
-        pair_size = sum(a[0].numel() + g[0].numel() for a, g in pairs)
+        grad_size = sum(_per_sample_numel(g) for g in grads.values())
+        pair_size = sum(_per_sample_numel(a) + _per_sample_numel(g) for a, g in pairs)
         if self.mode == "bk_mixopt" or grad_size <= pair_size:
             self._keep_grads(module, grads)
-        else:
-            del grads
-            self._kept_pairs.append((module, rule, pairs))
+            return decision, None
+        contrib = _norm_sq_of(grads, B, pairs[0][1])
+        del grads
+        self._kept_pairs.append((module, rule, pairs))
         return decision, contrib
 
     def _keep_grads(self, module: nn.Module, grads: Dict[str, torch.Tensor]) -> None:
@@ -241,7 +267,7 @@ class PerSampleClipper:
         self._batch_size = loss.shape[0]
         self._norm_terms = []
         self._plan = []
-        self._kept_pairs, self._kept_grads = [], []
+        self._kept_pairs, self._kept_grads, self._kept_groups = [], [], []
         if walk is None:
             walk = self.recorder.walk(loss, self.params)
         total = loss.sum()
@@ -258,8 +284,10 @@ class PerSampleClipper:
                 raise RuntimeError(f"internal error: the norm pass did not reach recorded calls of {missed}.")
             self.recorder.finish_unfired()  # calls the loss does not depend on contribute nothing
             self._extra_norms()
+            if self.book_keeping:
+                self._group_kept_grads()
         except BaseException:
-            self._kept_pairs, self._kept_grads = [], []
+            self._kept_pairs, self._kept_grads, self._kept_groups = [], [], []
             raise
         finally:
             self._set_capturing(False)
@@ -275,13 +303,21 @@ class PerSampleClipper:
         for extra in self.recorder.extras:
             extra.capturing = on
 
-    def _add(self, name: str, layer_type: str, numel: int, contrib: torch.Tensor) -> None:
-        if contrib.shape[0] != self._batch_size:
-            raise ValueError(f"{name} saw a batch of {contrib.shape[0]} but the loss has {self._batch_size} values; "
+    def _add(self, name: str, layer_type: str, grads: Sequence[torch.Tensor], params: Sequence[nn.Parameter]) -> None:
+        """One plan row for instantiated per-sample gradients ``grads`` (of ``params``, each ``(B, *shape)``) of a
+        traced parameter or fallback module, and their norm: now (two-pass modes) or, kept, at the end of the pass
+        with the other kept gradients (book-keeping)."""
+        rows = grads[0].shape[0]
+        if rows != self._batch_size:
+            raise ValueError(f"{name} saw a batch of {rows} but the loss has {self._batch_size} values; "
                              "the loss must have one value per sample (batch-first inputs).")
+        numel = sum(_per_sample_numel(g) for g in grads)
         self._plan.append(LayerDecision(name=name, layer_type=layer_type, T=1, D=1, p=numel, ghost_cost=0,
                                         instantiate_cost=numel, use_ghost=False, ghost_capable=False))
-        self._norm_terms.append(contrib)
+        if self.book_keeping:
+            self._kept_grads.extend(zip(params, grads))
+        else:
+            self._norm_terms.append(sum_per_sample([row_norm_sq(g) for g in grads], grads[0]))
 
     def _extra_norms(self) -> None:
         """Add the per-sample norms of traced parameters and fallback modules (always instantiated)."""
@@ -291,9 +327,7 @@ class PerSampleClipper:
         if self.keep_extra_grads:
             self.last_extra_grads.update(self.tracer.per_sample_grads())
         for pid, g in self.tracer.grads.items():
-            self._add(self.tracer.names[pid], "param-entry", g[0].numel(), row_norm_sq(g))
-            if self.book_keeping:
-                self._kept_grads.append((self.tracer.tracked[pid][1], g))
+            self._add(self.tracer.names[pid], "param-entry", [g], [self.tracer.tracked[pid][1]])
         for fb in self.fallbacks:
             if not fb.calls:
                 continue
@@ -301,13 +335,52 @@ class PerSampleClipper:
             if self.keep_extra_grads:
                 prefix = f"{fb.name}." if fb.name else ""
                 self.last_extra_grads.update({prefix + n: g for n, g in grads.items()})
-            if self.book_keeping:
-                params = dict(fb.params)
-                self._kept_grads.extend((params[n], g) for n, g in grads.items())
             if grads:
-                sq = _norm_sq_of(grads, self._batch_size, next(iter(grads.values())))
-                self._add(fb.name, f"fallback:{type(fb.module).__name__}", sum(g[0].numel() for g in grads.values()),
-                          sq)
+                params = dict(fb.params)
+                self._add(fb.name, f"fallback:{type(fb.module).__name__}", list(grads.values()),
+                          [params[n] for n in grads])
+
+    def _group_kept_grads(self) -> None:
+        """Book-keeping, end of the norm pass: the kept per-sample gradients ``G`` (LayerNorm affine parameters,
+        instantiated layers, traced parameters, fallback modules), the small ones laid side by side as ``(B, n)``
+        matrices of at most ``KEPT_GROUP_ELEMENTS`` elements (one dtype and device each; a large one stays alone,
+        uncopied; see ``KEPT_SMALL_CUDA``), so that
+        their squared norms ``Σ_θ ‖G_i^θ‖²`` are one reduction per group, and their clipped sums one
+        matrix-vector product ``Gᵀ C`` per group (:meth:`clipped_sums`) — not one of each per parameter. Each
+        original is released as soon as its group is formed."""
+        B = self._batch_size
+        items, self._kept_grads = self._kept_grads, []
+        groups: list = []
+        current: list = []
+        size = 0
+
+        def flush():
+            if not current:
+                return
+            params = [p for p, _ in current]
+            if len(current) == 1:
+                mat = current[0][1].reshape(B, -1)
+            else:
+                mat = torch.cat([G.reshape(B, -1) for _, G in current], 1)
+            current.clear()
+            self._norm_terms.append(row_norm_sq(mat))
+            groups.append((params, mat))
+
+        for k in range(len(items)):
+            p, G = items[k]
+            items[k] = None
+            small = G.numel() <= (KEPT_SMALL_CUDA if G.is_cuda else KEPT_SMALL_CPU)
+            if current and (not small or G.dtype != current[0][1].dtype or G.device != current[0][1].device
+                            or size + G.numel() > KEPT_GROUP_ELEMENTS):
+                flush()
+                size = 0
+            current.append((p, G))
+            size += G.numel()
+            if not small:
+                flush()
+                size = 0
+        flush()
+        self._kept_groups = groups
 
     def extra_weighted_grads(self, factors: torch.Tensor) -> Dict[str, torch.Tensor]:
         """``{name: Σ_i C_i ∂L_i/∂θ}`` for traced parameters and fallback modules, from the per-sample
@@ -332,11 +405,18 @@ class PerSampleClipper:
     # -- weighted pass ---------------------------------------------------------------------------
     def clipped_grad_sum(self, loss: torch.Tensor, factors: torch.Tensor,
                          keep: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
+        """``[Σ_i C_i·∂L_i/∂θ for θ in params]`` (:meth:`clipped_sums`, one tensor per parameter)."""
+        return self.clipped_sums(loss, factors, keep).grads
+
+    def clipped_sums(self, loss: torch.Tensor, factors: torch.Tensor,
+                     keep: Optional[torch.Tensor] = None) -> GradSums:
         """``Σ_i C_i·∂L_i/∂θ`` for every parameter.
 
         Two-pass modes: one backward of ``Σ_i C_i·L_i`` (``C_i`` constants). Book-keeping modes: from what
-        the norm pass kept, ``gᵀ·diag(C)·a`` per layer (``LayerRule.weighted_grads``) or ``Σ_i C_i G_i``
-        from kept per-sample gradients; each kept tensor is released as soon as its term is formed.
+        the norm pass kept, ``gᵀ·diag(C)·a`` per layer (``LayerRule.weighted_grads``, written by its matmul
+        straight into the parameter's view of a flat buffer, :mod:`private_engine.grad_sums`) and ``Gᵀ C`` per
+        group of kept per-sample gradients (one matrix-vector product into the group's contiguous segment);
+        each kept tensor is released as soon as its term is formed.
         ``keep`` (book-keeping, bool ``(B,)``): samples whose rows take part; the others (float16 overflow)
         are zeroed first, so that an inf/NaN row cannot reach the sum through ``0·inf``.
         """
@@ -345,8 +425,7 @@ class PerSampleClipper:
         if not self.book_keeping:
             weighted = (loss * factors.detach().to(loss.dtype)).sum()
             grads = torch.autograd.grad(weighted, self.params, allow_unused=True)
-            return [torch.zeros_like(p) if g is None else g for p, g in zip(self.params, grads)]
-        out: Dict[int, torch.Tensor] = {}
+            return GradSums.separate([torch.zeros_like(p) if g is None else g for p, g in zip(self.params, grads)])
         factors = factors.detach()
         factors_by_dtype: Dict[torch.dtype, torch.Tensor] = {}
 
@@ -355,33 +434,81 @@ class PerSampleClipper:
                 factors_by_dtype[dtype] = cast(factors, dtype)
             return factors_by_dtype[dtype]
 
-        def add(p, g):
-            g = cast(g, accumulation_dtype(g))  # bfloat16 terms (mixed precision) are summed in float32
-            prev = out.get(id(p))
-            out[id(p)] = g if prev is None else prev.add_(g)
-
         try:
+            layout = self._flat_layout()
+            buffers, views = layout.allocate(layout.params)
+            view_of = {id(p): v for p, v in zip(layout.params, views)}
+            written: set = set()
+
+            def put(p, g):  # a term computed outside the buffer (rare: a parameter kept twice, a foreign rule)
+                v = view_of[id(p)]
+                if id(p) in written:
+                    v.add_(g.reshape(v.shape))
+                else:
+                    v.copy_(g.reshape(v.shape))
+                    written.add(id(p))
+
+            while self._kept_groups:
+                params, mat = self._kept_groups.pop(0)
+                if keep is not None:
+                    mat = _rows_kept(mat, keep)
+                seg = layout.segment(buffers, params)
+                if seg is not None and not any(id(p) in written for p in params):
+                    if seg.dtype == mat.dtype:
+                        torch.mv(mat.t(), factors_as(mat.dtype), out=seg)
+                    else:
+                        seg.copy_(mat.t().mv(factors_as(mat.dtype)))
+                    written.update(id(p) for p in params)
+                else:
+                    sums = mat.t().mv(factors_as(mat.dtype))
+                    offset = 0
+                    for p in params:
+                        put(p, sums[offset:offset + p.numel()])
+                        offset += p.numel()
+                del mat
             while self._kept_pairs:
                 module, rule, pairs = self._kept_pairs.pop()
                 if keep is not None:
                     pairs = [(_rows_kept(a, keep), _rows_kept(g, keep)) for a, g in pairs]
                 weights = factors_as(compute_dtype(pairs[0][1])) if pairs else factors
-                for name, g in rule.weighted_grads(module, pairs, weights).items():
-                    add(getattr(module, name), g)
+                targets = {}
+                for name in rule.param_names:
+                    p = getattr(module, name, None)
+                    if isinstance(p, nn.Parameter) and id(p) in view_of and id(p) not in written:
+                        targets[name] = view_of[id(p)]
+                result = rule.weighted_grads(module, pairs, weights, out=targets)
+                for name, g in result.items():
+                    p = getattr(module, name)
+                    if targets.get(name) is g:
+                        written.add(id(p))
+                    else:
+                        put(p, g)
                 del pairs
-            while self._kept_grads:
-                p, G = self._kept_grads.pop()
-                if keep is not None:
-                    G = _rows_kept(G, keep)
-                add(p, torch.tensordot(factors_as(G.dtype), G, dims=1))
-                del G
+            for seg in layout.tail(buffers, [p for p in layout.params if id(p) not in written]):
+                seg.zero_()  # parameters the loss does not reach
         finally:
             self.release()
-        return [out[id(p)] if id(p) in out else torch.zeros_like(p) for p in self.params]
+        return GradSums(grads=[view_of[id(p)] for p in self.params], buffers=buffers, layout=layout)
+
+    def _flat_layout(self) -> FlatLayout:
+        """The flat-buffer layout for what this norm pass kept: the parameters of the kept per-sample gradient
+        groups first, in group order (each group's sums are then one contiguous segment), then those of the kept
+        ``(a, g)`` pairs in the order they are summed, then the rest (zeroed together). The same kinds of layers
+        kept the same way at every step give the same layout object, so accumulated sums add buffer by buffer."""
+        order = [p for params, _ in self._kept_groups for p in params]
+        order += [getattr(m, n) for m, rule, _ in reversed(self._kept_pairs) for n in rule.param_names
+                  if isinstance(getattr(m, n, None), nn.Parameter)]
+        seen: set = set()
+        order = [p for p in order if id(p) in self._param_ids and not (id(p) in seen or seen.add(id(p)))]
+        key = tuple(id(p) for p in order)
+        if self._layout is None or key != self._layout_key:
+            rest = [p for p in self.params if id(p) not in seen]
+            self._layout, self._layout_key = FlatLayout(order + rest), key
+        return self._layout
 
     def release(self) -> None:
         """Drop every record and everything a book-keeping norm pass kept (after an error, or when done)."""
-        self._kept_pairs, self._kept_grads = [], []
+        self._kept_pairs, self._kept_grads, self._kept_groups = [], [], []
         self.recorder.reset()
 
     def remove(self) -> None:

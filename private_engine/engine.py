@@ -24,6 +24,7 @@ from . import optim as _optim
 from .amp import LossScaling
 from .accounting import calibrate_noise_multiplier, make_accountant, steps_for
 from .clipping import ClipFn, PerSampleClipper, check_per_sample_loss
+from .grad_sums import GradSums
 from .plan import DEFAULT_CLIPPING_MODE, LayerDecision, check_mode, is_book_keeping
 from .validation import check_no_batchnorm, clipped_layers
 
@@ -165,10 +166,16 @@ class PrivacyEngine:
 
         Raises on a malformed or non-finite loss before anything is modified.
         """
+        sums, n = self.clipped_sums(loss)
+        return sums.grads, n
+
+    def clipped_sums(self, loss: torch.Tensor):
+        """``(GradSums, B)``: :meth:`clipped_grad_sum` with the sums' flat buffers (:mod:`private_engine.grad_sums`),
+        which the private step noises and scales in one operation each."""
         check_per_sample_loss(loss)
         if loss.numel() == 0:  # an empty (Poisson) batch contributes nothing
             self.clipper.release()
-            return [torch.zeros_like(p) for p in self.params], 0
+            return GradSums.separate([torch.zeros_like(p) for p in self.params]), 0
         walk = self.clipper.recorder.walk(loss, self.params)
         outside = walk.outside
         if outside:
@@ -204,9 +211,9 @@ class PrivacyEngine:
             raise
         self.last_norms = norms.detach()
         if not scaling.enabled:
-            return self.clipper.clipped_grad_sum(loss, factors), loss.shape[0]
+            return self.clipper.clipped_sums(loss, factors), loss.shape[0]
         factors = torch.where(ok, factors, torch.zeros_like(factors))
-        grads = self.clipper.clipped_grad_sum(scaled, factors / scale, keep=ok if dropped else None)
+        grads = self.clipper.clipped_sums(scaled, factors / scale, keep=ok if dropped else None)
         scaling.update(dropped)
         return grads, loss.shape[0]
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, List, Optional, Sequence
 
 import torch
 
+from .grad_sums import GradSums
 from .layers.base import cast
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -28,33 +29,33 @@ class PrivateStep:
         self.engine = engine
         self.optimizer = optimizer
         self.original_step = optimizer.step
-        self.grad_sums: Optional[list] = None
+        self.grad_sums: Optional[GradSums] = None
         self.samples = 0
         self.attached = True
 
     def accumulate(self, loss) -> None:
         """Clip this physical batch and add ``Σ_i C_i g_i`` to the running sums (no parameter change)."""
-        grads, n = self.engine.clipped_grad_sum(loss)
+        sums, n = self.engine.clipped_sums(loss)
         if self.grad_sums is None:
-            self.grad_sums = grads
+            self.grad_sums = sums
         else:
-            for s, g in zip(self.grad_sums, grads):
-                s.add_(g)
+            self.grad_sums.add_(sums)
         self.samples += n
 
     def noisy_gradients(self, loss) -> list:
         """``(Σ_{logical batch} C_i g_i + σR·ξ) / B_expected`` per parameter, ξ ~ N(0, I) drawn once, with this
-        physical batch's clipped sum included. Built in place in this batch's fresh sums (one parameter-sized
-        noise draw at a time), so the running sums and the state stay untouched until the step succeeds."""
-        grads, _ = self.engine.clipped_grad_sum(loss)  # validates and clips; raises before anything changes
+        physical batch's clipped sum included. Built in place in this batch's fresh sums — one operation per flat
+        buffer (:mod:`private_engine.grad_sums`) for the running sums, the noise and the division — so the running
+        sums and the state stay untouched until the step succeeds."""
+        sums, _ = self.engine.clipped_sums(loss)  # validates and clips; raises before anything changes
         engine = self.engine
         std = engine.noise_multiplier * engine.max_grad_norm
         if self.grad_sums is not None:
-            torch._foreach_add_(grads, self.grad_sums)
+            sums.add_(self.grad_sums)
         if std > 0:
-            add_gaussian_noise(grads, std, engine.noise_generator)
-        torch._foreach_div_(grads, float(engine.batch_size))
-        return [cast(g, p.dtype) for p, g in zip(engine.params, grads)]
+            add_gaussian_noise(sums.buffers, std, engine.noise_generator)
+        torch._foreach_div_(sums.buffers, float(engine.batch_size))
+        return [cast(g, p.dtype) for p, g in zip(engine.params, sums.grads)]
 
     def reset(self) -> None:
         self.grad_sums = None
@@ -68,11 +69,12 @@ NOISE_CHUNK = 1 << 24
 def add_gaussian_noise(tensors: Sequence[torch.Tensor], std: float,
                        generator: Optional[torch.Generator] = None) -> None:
     """``t ← t + std·ξ_t`` in place for every tensor, ξ ~ N(0, I) independent across all coordinates (the
-    Gaussian mechanism's noise, Abadi et al. 2016; seed 002, Alg. 1).
+    Gaussian mechanism's noise, Abadi et al. 2016; seed 002, Alg. 1). The tensors must not overlap.
 
     Consecutive tensors of one device and dtype share one ``normal_`` draw of at most ``NOISE_CHUNK``
-    elements (a larger tensor gets its own), added by one ``_foreach_add_``: a few kernel launches per
-    step instead of two per parameter tensor, and at most one chunk of noise alive at a time.
+    elements, added by one ``_foreach_add_``; a contiguous tensor larger than that (a flat buffer of clipped
+    sums) is noised chunk by chunk. So a step costs a few kernel launches here, not two per parameter tensor,
+    and at most one chunk of noise is alive at a time.
     """
     group: List[torch.Tensor] = []
     size = 0
@@ -82,14 +84,23 @@ def add_gaussian_noise(tensors: Sequence[torch.Tensor], std: float,
             return
         first = group[0]
         noise = torch.empty(size, device=first.device, dtype=first.dtype).normal_(0.0, std, generator=generator)
-        views, offset = [], 0
-        for t in group:
-            views.append(noise[offset:offset + t.numel()].view(t.shape))
-            offset += t.numel()
-        torch._foreach_add_(group, views)
+        if len(group) == 1:
+            first.add_(noise.view(first.shape))
+        else:
+            views, offset = [], 0
+            for t in group:
+                views.append(noise[offset:offset + t.numel()].view(t.shape))
+                offset += t.numel()
+            torch._foreach_add_(group, views)
         group.clear()
 
+    pieces: List[torch.Tensor] = []
     for t in tensors:
+        if t.numel() > NOISE_CHUNK and t.is_contiguous():
+            pieces.extend(t.view(-1).split(NOISE_CHUNK))
+        else:
+            pieces.append(t)
+    for t in pieces:
         if group and (t.device != group[0].device or t.dtype != group[0].dtype or size + t.numel() > NOISE_CHUNK):
             flush()
             size = 0

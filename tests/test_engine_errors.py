@@ -35,7 +35,7 @@ def _snapshot(model, opt, engine):
         "grads": [None if p.grad is None else p.grad.clone() for p in model.parameters()],
         "opt": copy.deepcopy(opt.state_dict()),
         "history": list(engine.accountant.history),
-        "sums": [None if s.grad_sums is None else [g.clone() for g in s.grad_sums] for s in engine._attached],
+        "sums": [None if s.grad_sums is None else [g.clone() for g in s.grad_sums.grads] for s in engine._attached],
         "samples": [s.samples for s in engine._attached],
     }
 

@@ -100,15 +100,19 @@ class LayerRule:
         """Per-sample gradients ``{param_name: (B, *param.shape)}`` of trainable parameters."""
         raise NotImplementedError
 
-    def weighted_grads(self, module: nn.Module, calls: Sequence[Call], factors: torch.Tensor) -> Dict[str, torch.Tensor]:
+    def weighted_grads(self, module: nn.Module, calls: Sequence[Call], factors: torch.Tensor,
+                       out: Optional[Dict[str, torch.Tensor]] = None) -> Dict[str, torch.Tensor]:
         """Clipped gradient sum ``{param_name: Σ_i C_i·∂L_i/∂θ}`` straight from the recorded calls.
 
         Book-keeping (Bu et al. 2023, "Differentially Private Optimization on Large Model at Small
         Cost"): with the output gradients of one backward kept, ``Σ_i C_i g_iᵀ a_i = gᵀ·diag(C)·a``
-        needs no second backward. ``factors`` is ``(B,)``, one clip factor per sample. This default
-        contracts the instantiated per-sample gradients with ``C``; rules override it with one matmul.
+        needs no second backward. ``factors`` is ``(B,)``, one clip factor per sample. ``out`` (optional):
+        ``{param_name: tensor of the parameter's shape}`` to write the sums into (the engine's flat
+        buffers); the returned tensors are then those. This default contracts the instantiated per-sample
+        gradients with ``C``; rules override it with one matmul.
         """
-        return {name: torch.tensordot(cast(factors, grad.dtype), grad, dims=1)
+        out = out or {}
+        return {name: put_into(out.get(name), torch.tensordot(cast(factors, grad.dtype), grad, dims=1))
                 for name, grad in self.per_sample_grads(module, calls).items()}
 
     def instantiated_norm_sq(self, module: nn.Module, calls: Sequence[Call]) -> torch.Tensor:
@@ -187,6 +191,33 @@ def compute_dtype(t: torch.Tensor) -> torch.dtype:
     norm is then accumulated in float32); float16 is widened to float32 (a loss-scaled float16 gradient
     would overflow in a Gram matrix); float64 stays float64; anything else is float32."""
     return torch.bfloat16 if t.dtype == torch.bfloat16 else accumulation_dtype(t)
+
+
+def mm_into(out: Optional[torch.Tensor], a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` in ``out`` when given — written by the matmul itself when the dtypes agree, else copied (a cast) —
+    or else as a new tensor in ≥ float32 (bfloat16 products are accumulated in float32 inside the kernel)."""
+    if out is None:
+        return cast(a.mm(b), accumulation_dtype(a))
+    if out.dtype == a.dtype:
+        return torch.mm(a, b, out=out)
+    return out.copy_(a.mm(b))
+
+
+def sum_into(out: Optional[torch.Tensor], t: torch.Tensor, dims) -> torch.Tensor:
+    """``t.sum(dims)`` accumulated in ≥ float32, in ``out`` when given (by the reduction itself when it has that dtype)."""
+    acc = accumulation_dtype(t)
+    if out is None:
+        return t.sum(dims, dtype=acc)
+    if out.dtype == acc:
+        return torch.sum(t, dims, dtype=acc, out=out)
+    return out.copy_(t.sum(dims, dtype=acc))
+
+
+def put_into(out: Optional[torch.Tensor], value: torch.Tensor) -> torch.Tensor:
+    """``value`` copied into ``out`` when given, else ``value`` in ≥ float32 (itself when it already is)."""
+    if out is None:
+        return cast(value, accumulation_dtype(value))
+    return out.copy_(value)
 
 
 def flatten_positions(t: torch.Tensor, features: int) -> torch.Tensor:

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import (LayerDims, LayerRule, accumulation_dtype, cast, compute_dtype, gram_inner, register_rule,
-                   row_norm_sq, trainable, zeros_like_batch)
+from .base import (LayerDims, LayerRule, accumulation_dtype, cast, compute_dtype, gram_inner, put_into,
+                   register_rule, row_norm_sq, trainable, zeros_like_batch)
 
 
 def unfold_conv_input(module: nn.modules.conv._ConvNd, a: torch.Tensor) -> torch.Tensor:
@@ -115,11 +115,12 @@ class ConvRule(LayerRule):
             out["bias"] = self._bias_grad(calls)
         return out
 
-    def weighted_grads(self, module, calls, factors) -> Dict[str, torch.Tensor]:
+    def weighted_grads(self, module, calls, factors, out=None) -> Dict[str, torch.Tensor]:
         """``Σ_i C_i G_i`` as the ordinary weight gradient of the layer for the output gradient ``diag(C)·g``
         (one cuDNN / oneDNN weight-gradient kernel per call, no per-sample gradient), bias
-        ``Σ_i C_i Σ_t g_{i,t}``."""
-        out = {}
+        ``Σ_i C_i Σ_t g_{i,t}``; copied into ``out`` when given."""
+        out = out or {}
+        res = {}
         if trainable(module, "weight"):
             W = None
             for a, g in calls:
@@ -127,11 +128,11 @@ class ConvRule(LayerRule):
                 gc = cast(g, dt) * cast(factors, dt).reshape(-1, *([1] * (g.dim() - 1)))
                 w = _conv_weight_grad(module, _padded(module, cast(a, dt)), gc, module.groups, module.weight.shape)
                 W = w if W is None else W + w
-            out["weight"] = cast(W, accumulation_dtype(W))
+            res["weight"] = put_into(out.get("weight"), W)
         if trainable(module, "bias"):
             bias = self._bias_grad(calls)
-            out["bias"] = (bias * cast(factors, bias.dtype)[:, None]).sum(0)
-        return out
+            res["bias"] = put_into(out.get("bias"), bias.t().mv(cast(factors, bias.dtype)))
+        return res
 
 
 def _padded(module: nn.modules.conv._ConvNd, a: torch.Tensor):

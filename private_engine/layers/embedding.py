@@ -12,7 +12,8 @@ from typing import Dict
 import torch
 from torch import nn
 
-from .base import LayerDims, LayerRule, accumulation_dtype, cast, register_rule, trainable, zeros_like_batch
+from .base import (LayerDims, LayerRule, accumulation_dtype, cast, put_into, register_rule, trainable,
+                   zeros_like_batch)
 
 
 class EmbeddingRule(LayerRule):
@@ -66,16 +67,21 @@ class EmbeddingRule(LayerRule):
         out.scatter_add_(1, ids.unsqueeze(-1).expand(B, T, module.embedding_dim), G)
         return {"weight": out}
 
-    def weighted_grads(self, module, calls, factors) -> Dict[str, torch.Tensor]:
+    def weighted_grads(self, module, calls, factors, out=None) -> Dict[str, torch.Tensor]:
         """``Σ_i C_i G_i``: rows ``C_i g_{i,t}`` added at token ids ``x_{i,t}`` (one index_add, no
-        per-sample V×p gradient)."""
+        per-sample V×p gradient), into ``out["weight"]`` when given and of the accumulation dtype."""
         if not trainable(module, "weight"):
             return {}
         ids, G = self._views(module, calls)
         GC = G * cast(factors, G.dtype)[:, None, None]
-        out = torch.zeros(module.num_embeddings, module.embedding_dim, dtype=G.dtype, device=G.device)
-        out.index_add_(0, ids.reshape(-1), GC.reshape(-1, module.embedding_dim))
-        return {"weight": out}
+        target = (out or {}).get("weight")
+        if target is None or target.dtype != G.dtype:
+            target = put_into(target, torch.zeros(module.num_embeddings, module.embedding_dim, dtype=G.dtype,
+                                                  device=G.device).index_add_(0, ids.reshape(-1),
+                                                                              GC.reshape(-1, module.embedding_dim)))
+            return {"weight": target}
+        target.zero_().index_add_(0, ids.reshape(-1), GC.reshape(-1, module.embedding_dim))
+        return {"weight": target}
 
 
 register_rule(EmbeddingRule())

@@ -11,8 +11,8 @@ from typing import Dict
 import torch
 from torch import nn
 
-from .base import (LayerDims, LayerRule, accumulation_dtype, cast, compute_dtype, flatten_positions, gram_inner,
-                   register_rule, row_norm_sq, trainable, zeros_like_batch)
+from .base import (LayerDims, LayerRule, accumulation_dtype, cast, compute_dtype, flatten_positions, gram_inner, mm_into,
+                   register_rule, row_norm_sq, sum_into, trainable, zeros_like_batch)
 
 
 class LinearRule(LayerRule):
@@ -56,17 +56,18 @@ class LinearRule(LayerRule):
             out["bias"] = G.sum(1, dtype=accumulation_dtype(G))
         return out
 
-    def weighted_grads(self, module, calls, factors) -> Dict[str, torch.Tensor]:
-        """``Σ_i C_i G_i = Gᵀ·diag(C)·A`` over all positions (one matmul), bias ``Σ_{i,t} C_i g_{i,t}``."""
+    def weighted_grads(self, module, calls, factors, out=None) -> Dict[str, torch.Tensor]:
+        """``Σ_i C_i G_i = Gᵀ·diag(C)·A`` over all positions (one matmul), bias ``Σ_{i,t} C_i g_{i,t}``; into
+        ``out`` when given (the matmul writes the engine's flat buffer directly)."""
         A, G = self._views(module, calls)
-        acc = accumulation_dtype(G)
         GC = G * cast(factors, G.dtype)[:, None, None]
-        out = {}
+        out = out or {}
+        res = {}
         if trainable(module, "weight"):
-            out["weight"] = cast(GC.reshape(-1, GC.shape[-1]).t().mm(A.reshape(-1, A.shape[-1])), acc)
+            res["weight"] = mm_into(out.get("weight"), GC.reshape(-1, GC.shape[-1]).t(), A.reshape(-1, A.shape[-1]))
         if trainable(module, "bias"):
-            out["bias"] = GC.sum((0, 1), dtype=acc)
-        return out
+            res["bias"] = sum_into(out.get("bias"), GC, (0, 1))
+        return res
 
 
 register_rule(LinearRule())

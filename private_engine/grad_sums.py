@@ -1,0 +1,114 @@
+"""Clipped-gradient sums of all parameters, held as views of a few flat buffers.
+
+A private step releases, for every trainable parameter θ, ``(Σ_i C_i ∂L_i/∂θ + σR·ξ_θ) / B`` (Abadi et al.
+2016; seed 002, Alg. 1). Held parameter by parameter, each of its stages (accumulation over physical
+batches, the noise, the division by B) costs one operation — one kernel launch on a GPU — per
+parameter tensor: 150–300 per stage for a ViT. Held as views of one flat buffer per (device, dtype), each
+stage is one operation on the buffer, and book-keeping writes each layer's clipped sum straight into its
+parameter's view (``out=`` of the layer's matmul), with no per-parameter copies.
+
+:class:`FlatLayout` fixes where each parameter's sum lives; :class:`GradSums` is one physical batch's sums:
+``grads`` (one tensor per parameter, in the engine's order) and ``buffers``, disjoint tensors that cover
+every element of ``grads`` exactly once (the flat buffers, or the ``grads`` themselves when the sums came
+from autograd). Two sums of the same layout add buffer by buffer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .layers.base import accumulation_dtype
+
+
+@dataclass
+class GradSums:
+    """Clipped-gradient sums of one (or more, accumulated) physical batches.
+
+    ``grads[k]`` is parameter k's sum (views into ``buffers`` or tensors of their own); ``buffers`` cover
+    the elements of ``grads`` exactly once, so an elementwise operation on every buffer (noise, scaling)
+    acts on every parameter's sum exactly once; ``layout`` identifies how ``grads`` sit in ``buffers``.
+    """
+
+    grads: List[torch.Tensor]
+    buffers: List[torch.Tensor]
+    layout: object = None
+
+    @classmethod
+    def separate(cls, grads: Sequence[torch.Tensor]) -> "GradSums":
+        """Sums held in tensors of their own (autograd's result, zeros): each one is its own buffer."""
+        grads = list(grads)
+        return cls(grads=grads, buffers=grads, layout=None)
+
+    def add_(self, other: "GradSums") -> "GradSums":
+        """``self += other`` in place: one operation per buffer when both share a layout, else per parameter."""
+        if self.layout is not None and self.layout is other.layout:
+            torch._foreach_add_(self.buffers, other.buffers)
+        else:
+            torch._foreach_add_(self.grads, other.grads)
+        return self
+
+
+class FlatLayout:
+    """Offsets of parameters in flat buffers: one buffer per (device, accumulation dtype), parameters in the
+    given order, so consecutive parameters of one buffer form one contiguous segment.
+
+    The buffer of a parameter has its accumulation dtype (float32 for float32/bfloat16/float16 parameters,
+    float64 for float64): clipped sums are accumulated in at least float32 and cast to the parameter's
+    dtype only when written to ``.grad``.
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor]):
+        self.params = list(params)
+        self._keys: List[Tuple[torch.device, torch.dtype]] = []
+        self._sizes: List[int] = []
+        #: id(param) -> (buffer index, offset, numel, shape)
+        self.slots: Dict[int, Tuple[int, int, int, torch.Size]] = {}
+        for p in self.params:
+            key = (p.device, accumulation_dtype(p))
+            if key not in self._keys:
+                self._keys.append(key)
+                self._sizes.append(0)
+            b = self._keys.index(key)
+            if id(p) in self.slots:
+                raise ValueError("a parameter appears twice in a FlatLayout.")
+            self.slots[id(p)] = (b, self._sizes[b], p.numel(), p.shape)
+            self._sizes[b] += p.numel()
+
+    def allocate(self, order: Sequence[torch.Tensor]) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+        """``(buffers, views)``: uninitialised flat buffers and one view per parameter of ``order`` (a
+        permutation of this layout's parameters or a subset of it)."""
+        buffers = [torch.empty(n, device=d, dtype=t) for (d, t), n in zip(self._keys, self._sizes)]
+        views = []
+        for p in order:
+            b, off, n, shape = self.slots[id(p)]
+            views.append(buffers[b][off:off + n].view(shape))
+        return buffers, views
+
+    def segment(self, buffers: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+        """The 1-D view of ``buffers`` holding ``params``' sums back to back, or None when they are not
+        consecutive in one buffer."""
+        if not params or any(id(p) not in self.slots for p in params):
+            return None
+        b, start, n, _ = self.slots[id(params[0])]
+        end = start + n
+        for p in params[1:]:
+            b2, off, n2, _ = self.slots[id(p)]
+            if b2 != b or off != end:
+                return None
+            end += n2
+        return buffers[b][start:end]
+
+    def tail(self, buffers: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """1-D views covering ``params`` in as few contiguous segments as their slots allow."""
+        out: List[torch.Tensor] = []
+        run: List[torch.Tensor] = []
+        for p in params:
+            if run and self.segment(buffers, run + [p]) is None:
+                out.append(self.segment(buffers, run))
+                run = []
+            run.append(p)
+        if run:
+            out.append(self.segment(buffers, run))
+        return out
