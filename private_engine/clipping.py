@@ -20,6 +20,8 @@ or ``Σ_i C_i G_i`` from the kept ``G_i``. One backward in all; the graph is fre
 """
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import replace
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -100,6 +102,20 @@ def decided_norm_sq(name: str, module: nn.Module, rule, dims, pairs, mode: str):
 def _norm_sq_of(grads: Dict[str, torch.Tensor], B: int, like: torch.Tensor) -> torch.Tensor:
     """``Σ_θ ‖G_i^θ‖²_F`` per sample from instantiated per-sample gradients ``{name: (B, *shape)}``."""
     return sum_per_sample([row_norm_sq(g) for g in grads.values()], like[:B])
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_out_of(cls: type) -> bool:
+    try:
+        return "out" in inspect.signature(cls.weighted_grads).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _takes_out(rule) -> bool:
+    """True when ``rule.weighted_grads`` accepts ``out=`` (every built-in rule; a rule registered by a user may
+    override it with the older ``(module, calls, factors)`` signature)."""
+    return _takes_out_of(type(rule))
 
 
 def _per_sample_numel(t: torch.Tensor) -> int:
@@ -476,7 +492,10 @@ class PerSampleClipper:
                     p = getattr(module, name, None)
                     if isinstance(p, nn.Parameter) and id(p) in view_of and id(p) not in written:
                         targets[name] = view_of[id(p)]
-                result = rule.weighted_grads(module, pairs, weights, out=targets)
+                if _takes_out(rule):
+                    result = rule.weighted_grads(module, pairs, weights, out=targets)
+                else:  # a user rule written against the signature without out=: its sums are copied in
+                    result = rule.weighted_grads(module, pairs, weights)
                 for name, g in result.items():
                     p = getattr(module, name)
                     if targets.get(name) is g:

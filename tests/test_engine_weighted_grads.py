@@ -36,3 +36,24 @@ def test_weighted_grads_equal_sum_of_clipped_per_sample_grads(name, make, inputs
     assert set(got) == set(expected)
     for n in expected:
         torch.testing.assert_close(got[n], expected[n], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("name,make,inputs", CASES, ids=[c[0] for c in CASES])
+def test_weighted_grads_written_into_out(name, make, inputs, out_dtype):
+    """``out=``: the sums land in the given tensors (NaN-filled beforehand: each fully overwritten, not added to),
+    which are the ones returned; a float32 target of a float64 computation gets the rounded value."""
+    gen = torch.Generator().manual_seed(1)
+    module = make().double()
+    x = inputs(gen)
+    g = torch.randn(module(x).shape, generator=gen, dtype=torch.float64)
+    factors = torch.rand(x.shape[0], generator=gen, dtype=torch.float64)
+    rule = find_rule(module)
+    expected = rule.weighted_grads(module, [(x, g)], factors)
+    out = {n: torch.full_like(t, float("nan"), dtype=out_dtype) for n, t in expected.items()}
+    got = rule.weighted_grads(module, [(x, g)], factors, out=dict(out))
+    assert set(got) == set(expected)
+    for n in expected:
+        assert got[n] is out[n]
+        torch.testing.assert_close(got[n], expected[n].to(out_dtype), rtol=1e-6 if out_dtype == torch.float32 else 1e-12,
+                                   atol=1e-7 if out_dtype == torch.float32 else 1e-14)
