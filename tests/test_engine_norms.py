@@ -132,3 +132,27 @@ def test_sum_per_sample_terms():
         want = sum(t.double() for t in terms[:k])
         assert got.dtype == (torch.float32 if k == 1 else torch.float64)
         torch.testing.assert_close(got.double(), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 5, 13])
+def test_gram_inner_with_bias_column_on_padded_rows(monkeypatch, dtype, T):
+    """``gram_inner(a, g, bias=True) = ⟨aaᵀ + 11ᵀ, ggᵀ⟩ = ‖gᵀa‖² + ‖gᵀ1‖²`` (weight and bias norms in one Gram), also
+    when the rows are zero-padded as on CUDA (padding forced here on the CPU): the padded rows of g are zero, so
+    the 1s added on the padded rows of aaᵀ contribute nothing."""
+    import private_engine.layers.base as base
+
+    gen = gen_for(T)
+    a = torch.randn(4, T, 6, generator=gen, dtype=torch.float64)
+    g = torch.randn(4, T, 3, generator=gen, dtype=torch.float64)
+    weight = torch.einsum("btp,btd->bpd", g, a).pow(2).sum((1, 2))
+    bias = g.sum(1).pow(2).sum(1)
+    tol = dict(rtol=1e-12, atol=0) if dtype == torch.float64 else dict(rtol=3e-2, atol=0)
+    for pad in (False, True):
+        if pad:
+            monkeypatch.setattr(base, "aligned_positions",
+                                lambda t: torch.nn.functional.pad(t, (0, 0, 0, 8 - t.shape[1] % 8)))
+        got = base.gram_inner(a.to(dtype), g.to(dtype), bias=True)
+        assert got.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+        torch.testing.assert_close(got.double(), weight + bias, **tol)
+        torch.testing.assert_close(base.gram_inner(a.to(dtype), g.to(dtype)).double(), weight, **tol)
