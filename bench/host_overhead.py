@@ -7,8 +7,11 @@ one step issues (each is a kernel launch on a GPU).
     python bench/host_overhead.py                       # bk_mixed vs non-DP
     python bench/host_overhead.py --mode bk --width 128
 
-Prints ``non-DP <ms>  <mode> <ms>  ratio <r>  aten ops/step <non-DP> -> <mode>``: medians over
-``--repeats`` rounds of ``--steps`` steps each, the two trainings alternating round by round.
+Prints ``non-DP <ms>  <mode> <ms>  ratio <r>  aten ops/step <non-DP> -> <mode>  kernels/step <non-DP> -> <mode>``:
+medians over ``--repeats`` rounds of ``--steps`` steps each, the two trainings alternating round by round.
+"aten ops" counts every operator the profiler sees (views and composite ops included: host work); "kernels"
+counts the operators that reach a backend with data to compute — no views, no shape or allocation-only ops —
+i.e. about one kernel launch each on a GPU.
 """
 from __future__ import annotations
 
@@ -34,6 +37,34 @@ def aten_ops_per_step(step) -> int:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         step()
     return sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
+
+
+#: operators that compute nothing on a device (views, metadata, allocation): not counted as kernels
+NON_KERNEL_OPS = frozenset({
+    "view", "_unsafe_view", "reshape", "_reshape_alias", "as_strided", "t", "transpose", "permute", "expand",
+    "slice", "select", "unsqueeze", "squeeze", "detach", "alias", "split", "split_with_sizes", "unbind", "narrow",
+    "unflatten", "flatten", "lift_fresh", "empty", "empty_strided", "empty_like", "new_empty",
+    "new_empty_strided", "promote_types", "result_type", "_local_scalar_dense", "sym_size", "sym_stride",
+    "sym_numel", "sym_storage_offset", "is_same_size", "_has_compatible_shallow_copy_type", "set_"})
+
+
+def kernels_per_step(step) -> int:
+    """Operators one call of ``step`` sends to a backend with data to compute (``NON_KERNEL_OPS`` left out): the
+    kernel launches it would cost on a GPU, counted below autograd with a ``TorchDispatchMode``."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    count = 0
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            nonlocal count
+            if func.overloadpacket.__name__ not in NON_KERNEL_OPS:
+                count += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        step()
+    return count
 
 
 def main(argv=None) -> dict:
@@ -81,10 +112,11 @@ def main(argv=None) -> dict:
                 step()
             times[name].append((time.perf_counter() - t0) / args.steps)
     result = {"nondp_ms": 1e3 * statistics.median(times["nondp"]), "dp_ms": 1e3 * statistics.median(times["dp"]),
-              "nondp_ops": aten_ops_per_step(nondp), "dp_ops": aten_ops_per_step(dp)}
+              "nondp_ops": aten_ops_per_step(nondp), "dp_ops": aten_ops_per_step(dp),
+              "nondp_kernels": kernels_per_step(nondp), "dp_kernels": kernels_per_step(dp)}
     print(f"non-DP {result['nondp_ms']:.1f} ms  {args.mode} {result['dp_ms']:.1f} ms  "
           f"ratio {result['dp_ms'] / result['nondp_ms']:.2f}  aten ops/step {result['nondp_ops']} -> "
-          f"{result['dp_ops']}")
+          f"{result['dp_ops']}  kernels/step {result['nondp_kernels']} -> {result['dp_kernels']}")
     return result
 
 

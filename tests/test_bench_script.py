@@ -283,4 +283,7 @@ def test_host_overhead_proxy_runs(capsys):
     spec.loader.exec_module(module)
     result = module.main(["--width", "32", "--steps", "1", "--repeats", "1"])
     assert result["dp_ms"] > 0 and result["nondp_ms"] > 0 and result["dp_ops"] > result["nondp_ops"] > 0
-    assert "aten ops/step" in capsys.readouterr().out
+    assert result["dp_kernels"] > result["nondp_kernels"] > 0
+    assert result["nondp_kernels"] < result["nondp_ops"]  # views and allocations are not kernels
+    out = capsys.readouterr().out
+    assert "aten ops/step" in out and "kernels/step" in out
