@@ -421,8 +421,8 @@ class PerSampleClipper:
     # -- weighted pass ---------------------------------------------------------------------------
     def clipped_grad_sum(self, loss: torch.Tensor, factors: torch.Tensor,
                          keep: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
-        """``[Σ_i C_i·∂L_i/∂θ for θ in params]`` (:meth:`clipped_sums`, one tensor per parameter)."""
-        return self.clipped_sums(loss, factors, keep).grads
+        """``[Σ_i C_i·∂L_i/∂θ for θ in params]`` (:meth:`clipped_sums`; one tensor of its own per parameter)."""
+        return self.clipped_sums(loss, factors, keep).own_grads()
 
     def clipped_sums(self, loss: torch.Tensor, factors: torch.Tensor,
                      keep: Optional[torch.Tensor] = None) -> GradSums:

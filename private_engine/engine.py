@@ -167,7 +167,7 @@ class PrivacyEngine:
         Raises on a malformed or non-finite loss before anything is modified.
         """
         sums, n = self.clipped_sums(loss)
-        return sums.grads, n
+        return sums.own_grads(), n
 
     def clipped_sums(self, loss: torch.Tensor):
         """``(GradSums, B)``: :meth:`clipped_grad_sum` with the sums' flat buffers (:mod:`private_engine.grad_sums`),

@@ -10,7 +10,9 @@ parameter's view (``out=`` of the layer's matmul), with no per-parameter copies.
 :class:`FlatLayout` fixes where each parameter's sum lives; :class:`GradSums` is one physical batch's sums:
 ``grads`` (one tensor per parameter, in the engine's order) and ``buffers``, disjoint tensors that cover
 every element of ``grads`` exactly once (the flat buffers, or the ``grads`` themselves when the sums came
-from autograd). Two sums of the same layout add buffer by buffer.
+from autograd). Two sums of the same layout add buffer by buffer. What leaves the engine (``.grad``,
+``clipped_grad_sum``) are tensors of their own (:meth:`GradSums.own_grads`): the division by the batch size
+writes them.
 """
 from __future__ import annotations
 
@@ -40,6 +42,16 @@ class GradSums:
         """Sums held in tensors of their own (autograd's result, zeros): each one is its own buffer."""
         grads = list(grads)
         return cls(grads=grads, buffers=grads, layout=None)
+
+    def own_grads(self, divisor: float = 1.0) -> List[torch.Tensor]:
+        """``grads / divisor`` as tensors of their own (storage of exactly their size), by one multi-tensor
+        operation. Views of a flat buffer must not be handed out as ``.grad``: code that copies a gradient
+        (``copy.deepcopy(p.grad)``, as Opacus' optimizer does, or ``torch.save``) would copy the whole buffer."""
+        if self.layout is None:  # already tensors of their own: divided in place
+            if divisor != 1.0:
+                torch._foreach_div_(self.grads, divisor)
+            return self.grads
+        return torch._foreach_div(self.grads, divisor)
 
     def add_(self, other: "GradSums") -> "GradSums":
         """``self += other`` in place: one operation per buffer when both share a layout, else per parameter."""

@@ -45,8 +45,9 @@ class PrivateStep:
     def noisy_gradients(self, loss) -> list:
         """``(Σ_{logical batch} C_i g_i + σR·ξ) / B_expected`` per parameter, ξ ~ N(0, I) drawn once, with this
         physical batch's clipped sum included. Built in place in this batch's fresh sums — one operation per flat
-        buffer (:mod:`private_engine.grad_sums`) for the running sums, the noise and the division — so the running
-        sums and the state stay untouched until the step succeeds."""
+        buffer (:mod:`private_engine.grad_sums`) for the running sums and the noise, and one multi-tensor division
+        that writes each parameter's gradient as a tensor of its own — so the running sums and the state stay
+        untouched until the step succeeds."""
         sums, _ = self.engine.clipped_sums(loss)  # validates and clips; raises before anything changes
         engine = self.engine
         std = engine.noise_multiplier * engine.max_grad_norm
@@ -54,8 +55,8 @@ class PrivateStep:
             sums.add_(self.grad_sums)
         if std > 0:
             add_gaussian_noise(sums.buffers, std, engine.noise_generator)
-        torch._foreach_div_(sums.buffers, float(engine.batch_size))
-        return [cast(g, p.dtype) for p, g in zip(engine.params, sums.grads)]
+        grads = sums.own_grads(float(engine.batch_size))  # one operation: divided, out of the flat buffers
+        return [cast(g, p.dtype) for p, g in zip(engine.params, grads)]
 
     def reset(self) -> None:
         self.grad_sums = None

@@ -1,6 +1,7 @@
 """Clipped sums in flat buffers (private_engine/grad_sums.py) and the grouped kept per-sample gradients of the
 book-keeping modes: every parameter's slot written exactly once (poisoned buffers), grouping thresholds that
 change nothing but speed, accumulation across physical batches whose layouts differ, rules without ``out=``."""
+import copy
 import math
 
 import pytest
@@ -119,9 +120,10 @@ def test_every_slot_written_once_and_unreached_parameters_zero(poisoned, monkeyp
 
 
 @pytest.mark.parametrize("mode", BK_MODES)
-def test_step_grads_are_views_of_one_buffer_noised_once(mode):
-    """After a book-keeping step every .grad is a view of one flat float32 buffer, and the noise on it is
-    N(0, (σR/B)²) per coordinate — drawn once (not per view, not twice on any coordinate)."""
+def test_step_grads_are_own_tensors_noised_once(mode):
+    """After a book-keeping step (sums in one flat buffer) every .grad is a tensor of its own — a copy of it copies
+    that parameter's gradient, not the whole buffer (Opacus deep-copies p.grad) — and the noise is
+    N(0, (σR/B)²) per coordinate, drawn once (not per view, not twice on any coordinate)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(20, 50), nn.LayerNorm(50), nn.Linear(50, 30))
     for p in model.parameters():
@@ -134,8 +136,12 @@ def test_step_grads_are_views_of_one_buffer_noised_once(mode):
     x = torch.randn(B, 20)
     opt.step(loss=model(x).pow(2).sum(1))
     grads = [p.grad for p in model.parameters()]
-    storages = {g.untyped_storage().data_ptr() for g in grads}
-    assert len(storages) == 1, "book-keeping sums live in one flat buffer"
+    assert len({g.untyped_storage().data_ptr() for g in grads}) == len(grads)
+    for g in grads:
+        assert g.untyped_storage().nbytes() == g.numel() * g.element_size()
+        assert copy.deepcopy(g).untyped_storage().nbytes() == g.numel() * g.element_size()
+    grads_, _ = engine.clipped_grad_sum(model(x).pow(2).sum(1))
+    assert all(g.untyped_storage().nbytes() == g.numel() * g.element_size() for g in grads_)
     flat = torch.cat([g.flatten() for g in grads]).double() / (sigma * R / B)
     n = flat.numel()
     assert abs(flat.mean().item()) < 4 / math.sqrt(n)
