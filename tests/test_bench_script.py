@@ -287,3 +287,14 @@ def test_host_overhead_proxy_runs(capsys):
     assert result["nondp_kernels"] < result["nondp_ops"]  # views and allocations are not kernels
     out = capsys.readouterr().out
     assert "aten ops/step" in out and "kernels/step" in out
+
+
+def test_host_ab_runs_against_a_checkout(capsys, tmp_path):
+    spec = importlib.util.spec_from_file_location("host_ab", ROOT / "bench" / "host_ab.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    result = module.main(["--other", str(ROOT), "--width", "32", "--rounds", "1", "--steps", "1"])
+    assert set(result) == {"nondp", "this", "other"} and all(b > 0 for b, _ in result.values())
+    assert "this best" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        module.main(["--other", str(tmp_path), "--rounds", "1"])

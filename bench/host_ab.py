@@ -1,0 +1,101 @@
+"""Host cost of a private step, this checkout against another one, in one process.
+
+The CPU proxy of ``host_overhead.py`` (ViT-B/16's structure at width 64, 2 tokens, batch 2, one thread),
+with two private_engine packages loaded side by side — this tree's and the one under ``--other`` (e.g. a
+``git worktree`` of an older commit) — and their steps alternating with non-DP steps round by round, so
+that the machine's load drifts over all three alike (separate processes on a shared VM can sit 10–20 %
+apart for a whole run).
+
+    git worktree add /tmp/base <commit>
+    python bench/host_ab.py --other /tmp/base --noise 0
+
+Prints best and median milliseconds per step of ``nondp``, ``this`` and ``other``.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--other", required=True, help="root of another private_engine checkout")
+    p.add_argument("--mode", default="bk_mixed", help="private_engine clipping mode (both checkouts)")
+    p.add_argument("--noise", type=float, default=1.0, help="noise multiplier σ (0: no noise draw)")
+    p.add_argument("--width", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=40)
+    p.add_argument("--steps", type=int, default=3, help="steps per method per round")
+    return p.parse_args(argv)
+
+
+def load_package(alias: str, root: Path):
+    """``root/private_engine`` imported under the module name ``alias`` (its imports are relative)."""
+    init = root / "private_engine" / "__init__.py"
+    if not init.exists():
+        raise SystemExit(f"{init} not found: --other must be the root of a private_engine checkout")
+    spec = importlib.util.spec_from_file_location(alias, init, submodule_search_locations=[str(init.parent)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[alias] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    import timm
+    import torch
+    import torch.nn.functional as F
+
+    packages = {"this": load_package("_pe_this", ROOT), "other": load_package("_pe_other", Path(args.other))}
+    torch.set_num_threads(1)
+
+    def build():
+        torch.manual_seed(0)
+        return timm.create_model("vit_base_patch16_224", img_size=16, num_classes=10, embed_dim=args.width,
+                                 num_heads=max(1, args.width // 32))
+
+    x, y = torch.randn(2, 3, 16, 16), torch.tensor([1, 2])
+    plain = build()
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.01)
+
+    def nondp():
+        F.cross_entropy(plain(x), y).backward()
+        plain_opt.step()
+        plain_opt.zero_grad(set_to_none=True)
+
+    steps = {"nondp": nondp}
+    for name, pe in packages.items():
+        model = build()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        pe.PrivacyEngine(model, batch_size=2, sample_size=100, max_grad_norm=1.0, noise_multiplier=args.noise,
+                         clipping_mode=args.mode).attach(opt)
+
+        def dp(model=model, opt=opt):
+            opt.step(loss=F.cross_entropy(model(x), y, reduction="none"))
+            opt.zero_grad(set_to_none=True)
+
+        steps[name] = dp
+    for step in steps.values():
+        for _ in range(3):
+            step()
+    times = {k: [] for k in steps}
+    for _ in range(args.rounds):
+        for name, step in steps.items():
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                step()
+            times[name].append(1e3 * (time.perf_counter() - t0) / args.steps)
+    result = {k: (min(v), statistics.median(v)) for k, v in times.items()}
+    print(f"{args.mode}, σ = {args.noise}: " + "  ".join(f"{k} best {b:.2f} ms, median {m:.2f} ms"
+                                                        for k, (b, m) in result.items()))
+    return result
+
+
+if __name__ == "__main__":
+    main()
