@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+from host_overhead import build_proxy, nondp_step, proxy_batch  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -48,30 +50,15 @@ def load_package(alias: str, root: Path):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    import timm
     import torch
     import torch.nn.functional as F
 
     packages = {"this": load_package("_pe_this", ROOT), "other": load_package("_pe_other", Path(args.other))}
     torch.set_num_threads(1)
-
-    def build():
-        torch.manual_seed(0)
-        return timm.create_model("vit_base_patch16_224", img_size=16, num_classes=10, embed_dim=args.width,
-                                 num_heads=max(1, args.width // 32))
-
-    x, y = torch.randn(2, 3, 16, 16), torch.tensor([1, 2])
-    plain = build()
-    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.01)
-
-    def nondp():
-        F.cross_entropy(plain(x), y).backward()
-        plain_opt.step()
-        plain_opt.zero_grad(set_to_none=True)
-
-    steps = {"nondp": nondp}
+    x, y = proxy_batch()
+    steps = {"nondp": nondp_step(build_proxy(width=args.width), x, y)}
     for name, pe in packages.items():
-        model = build()
+        model = build_proxy(width=args.width)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         pe.PrivacyEngine(model, batch_size=2, sample_size=100, max_grad_norm=1.0, noise_multiplier=args.noise,
                          clipping_mode=args.mode).attach(opt)

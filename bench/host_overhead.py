@@ -67,9 +67,39 @@ def kernels_per_step(step) -> int:
     return count
 
 
+def build_proxy(model: str = "vit_base_patch16_224", width: int = 64):
+    """The proxy model: ``model``'s structure at width ``width`` (heads = width // 32) for 16×16 images, seeded."""
+    import timm
+    import torch
+
+    torch.manual_seed(0)
+    return timm.create_model(model, img_size=16, num_classes=10, embed_dim=width, num_heads=max(1, width // 32))
+
+
+def proxy_batch():
+    """The proxy's batch: two 16×16 images (two tokens each with a class token) and their labels."""
+    import torch
+
+    return torch.randn(2, 3, 16, 16), torch.tensor([1, 2])
+
+
+def nondp_step(model, x, y):
+    """One non-private SGD step of ``model`` on ``(x, y)``, as a closure."""
+    import torch
+    import torch.nn.functional as F
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step():
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    import timm
     import torch
     import torch.nn.functional as F
 
@@ -78,18 +108,10 @@ def main(argv=None) -> dict:
     torch.set_num_threads(1)
 
     def build():
-        torch.manual_seed(0)
-        return timm.create_model(args.model, img_size=16, num_classes=10, embed_dim=args.width,
-                                 num_heads=max(1, args.width // 32))
+        return build_proxy(args.model, args.width)
 
-    x, y = torch.randn(2, 3, 16, 16), torch.tensor([1, 2])
-    plain = build()
-    opt = torch.optim.SGD(plain.parameters(), lr=0.01)
-
-    def nondp():
-        F.cross_entropy(plain(x), y).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    x, y = proxy_batch()
+    nondp = nondp_step(build(), x, y)
 
     private = build()
     dp_opt = torch.optim.SGD(private.parameters(), lr=0.01)
