@@ -40,6 +40,7 @@ from .validation import _scan
 ClipFn = Callable[[torch.Tensor, float], torch.Tensor]
 
 ABADI_EPS = 1e-6
+AUTOMATIC_GAMMA = 0.01
 #: book-keeping: small kept per-sample gradients are laid side by side (copied) in groups of at most this many
 #: elements for their norms and clipped sums; on CUDA, where each operation is a kernel launch that costs more
 #: host time than copying a few MiB, a gradient is "small" up to ``KEPT_SMALL_CUDA`` elements; on the CPU, where
@@ -47,7 +48,6 @@ ABADI_EPS = 1e-6
 KEPT_GROUP_ELEMENTS = 1 << 22
 KEPT_SMALL_CUDA = 1 << 20
 KEPT_SMALL_CPU = 1 << 14
-AUTOMATIC_GAMMA = 0.01
 
 
 def abadi_clip(norms: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
