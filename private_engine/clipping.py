@@ -32,7 +32,7 @@ from .fallback import FallbackModule, warn_fallback
 from .grad_sums import FlatLayout, GradSums
 from .hooks import GraphWalk, LayerRecorder, RecordedLayer
 from .plan import DEFAULT_CLIPPING_MODE, LayerDecision, check_mode, decide, is_book_keeping
-from .layers.base import accumulation_dtype, cast, compute_dtype, row_norm_sq, sum_per_sample, trainable
+from .layers.base import cast, compute_dtype, row_norm_sq, sum_per_sample, trainable
 from .layers.linear import LinearRule
 from .tracer import ParamTracer
 from .validation import _scan
@@ -99,9 +99,9 @@ def decided_norm_sq(name: str, module: nn.Module, rule, dims, pairs, mode: str):
     return decision, contrib
 
 
-def _norm_sq_of(grads: Dict[str, torch.Tensor], B: int, like: torch.Tensor) -> torch.Tensor:
-    """``Σ_θ ‖G_i^θ‖²_F`` per sample from instantiated per-sample gradients ``{name: (B, *shape)}``."""
-    return sum_per_sample([row_norm_sq(g) for g in grads.values()], like[:B])
+def _norm_sq_of(grads: Sequence[torch.Tensor], B: int, like: torch.Tensor) -> torch.Tensor:
+    """``Σ_θ ‖G_i^θ‖²_F`` per sample from instantiated per-sample gradients ``[(B, *shape)]``."""
+    return sum_per_sample([row_norm_sq(g) for g in grads], like[:B])
 
 
 @functools.lru_cache(maxsize=None)
@@ -219,7 +219,7 @@ class PerSampleClipper:
                     self._keep_grads(layer.module, grads)
                     contrib = None
                 else:
-                    contrib = _norm_sq_of(grads, B, pairs[0][1])
+                    contrib = _norm_sq_of(grads.values(), B, pairs[0][1])
             elif not self.book_keeping:
                 decision, contrib = decided_norm_sq(layer.name, layer.module, layer.rule, dims, pairs, self.mode)
             else:
@@ -250,7 +250,7 @@ class PerSampleClipper:
         if self.mode == "bk_mixopt" or grad_size <= pair_size:
             self._keep_grads(module, grads)
             return decision, None
-        contrib = _norm_sq_of(grads, B, pairs[0][1])
+        contrib = _norm_sq_of(grads.values(), B, pairs[0][1])
         del grads
         self._kept_pairs.append((module, rule, pairs))
         return decision, contrib
@@ -333,7 +333,7 @@ class PerSampleClipper:
         if self.book_keeping:
             self._kept_grads.extend(zip(params, grads))
         else:
-            self._norm_terms.append(sum_per_sample([row_norm_sq(g) for g in grads], grads[0]))
+            self._norm_terms.append(_norm_sq_of(grads, rows, grads[0]))
 
     def _extra_norms(self) -> None:
         """Add the per-sample norms of traced parameters and fallback modules (always instantiated)."""
@@ -503,7 +503,7 @@ class PerSampleClipper:
                     else:
                         put(p, g)
                 del pairs
-            for seg in layout.tail(buffers, [p for p in layout.params if id(p) not in written]):
+            for seg in layout.segments(buffers, [p for p in layout.params if id(p) not in written]):
                 seg.zero_()  # parameters the loss does not reach
         finally:
             self.release()

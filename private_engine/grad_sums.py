@@ -103,24 +103,21 @@ class FlatLayout:
         consecutive in one buffer."""
         if not params or any(id(p) not in self.slots for p in params):
             return None
-        b, start, n, _ = self.slots[id(params[0])]
-        end = start + n
-        for p in params[1:]:
-            b2, off, n2, _ = self.slots[id(p)]
-            if b2 != b or off != end:
-                return None
-            end += n2
-        return buffers[b][start:end]
+        views = self.segments(buffers, params)
+        return views[0] if len(views) == 1 else None
 
-    def tail(self, buffers: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-        """1-D views covering ``params`` in as few contiguous segments as their slots allow."""
+    def segments(self, buffers: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """1-D views covering ``params`` in as few contiguous segments as their slots allow (one pass)."""
         out: List[torch.Tensor] = []
-        run: List[torch.Tensor] = []
+        run = None  # (buffer, start, end) of the current segment
         for p in params:
-            if run and self.segment(buffers, run + [p]) is None:
-                out.append(self.segment(buffers, run))
-                run = []
-            run.append(p)
-        if run:
-            out.append(self.segment(buffers, run))
+            b, off, n, _ = self.slots[id(p)]
+            if run is not None and run[0] == b and run[2] == off:
+                run = (b, run[1], off + n)
+                continue
+            if run is not None:
+                out.append(buffers[run[0]][run[1]:run[2]])
+            run = (b, off, off + n)
+        if run is not None:
+            out.append(buffers[run[0]][run[1]:run[2]])
         return out

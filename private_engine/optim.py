@@ -85,14 +85,11 @@ def add_gaussian_noise(tensors: Sequence[torch.Tensor], std: float,
             return
         first = group[0]
         noise = torch.empty(size, device=first.device, dtype=first.dtype).normal_(0.0, std, generator=generator)
-        if len(group) == 1:
-            first.add_(noise.view(first.shape))
-        else:
-            views, offset = [], 0
-            for t in group:
-                views.append(noise[offset:offset + t.numel()].view(t.shape))
-                offset += t.numel()
-            torch._foreach_add_(group, views)
+        views, offset = [], 0
+        for t in group:
+            views.append(noise[offset:offset + t.numel()].view(t.shape))
+            offset += t.numel()
+        torch._foreach_add_(group, views)
         group.clear()
 
     pieces: List[torch.Tensor] = []

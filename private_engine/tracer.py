@@ -96,17 +96,11 @@ class Entry:
 
 def _tensors(args, kwargs):
     out = []
-    for a in args:
+    for a in (*args, *kwargs.values()) if kwargs else args:
         if isinstance(a, torch.Tensor):
             out.append(a)
         elif isinstance(a, (list, tuple)):
             out.extend(t for t in a if isinstance(t, torch.Tensor))
-    if kwargs:
-        for a in kwargs.values():
-            if isinstance(a, torch.Tensor):
-                out.append(a)
-            elif isinstance(a, (list, tuple)):
-                out.extend(t for t in a if isinstance(t, torch.Tensor))
     return out
 
 
@@ -646,8 +640,9 @@ def _out_bdim(func, args, kwargs, src, bdim, out, B) -> int:
         return -1
     try:
         nd = src.dim()
-        if func not in _MOVES_BATCH and out.dim() == nd:  # the common case: the same rank, no dimension moved
-            return bdim if out.shape[bdim] == src.shape[bdim] else -1
+        if func not in _MOVES_BATCH and out.dim() == nd:  # same rank, no dimension moved: the batch stays in place
+            return bdim if out.shape[bdim] == src.shape[bdim] else -1  # only when its size is unchanged (cat/repeat
+            # along it stack rows, not samples); every op of _MOVES_BATCH returns from its own branch below
         if func in _TRANSPOSES:
             d0 = (args[1] if len(args) > 1 else kwargs.get("dim0")) % nd
             d1 = (args[2] if len(args) > 2 else kwargs.get("dim1")) % nd
@@ -685,8 +680,6 @@ def _out_bdim(func, args, kwargs, src, bdim, out, B) -> int:
             else:
                 r = {nd - 2: nd - 1, nd - 1: nd - 2}.get(bdim, bdim)
             return r if out.dim() == nd and out.shape[r] == src.shape[bdim] else -1
-        if out.dim() == nd:  # same rank: the batch stays in place only when its size is unchanged (cat/repeat
-            return bdim if out.shape[bdim] == src.shape[bdim] else -1  # along it stack rows, not samples)
         if func in _EMBEDDINGS:  # (B, T) ids -> (B, T, d): the indices' dims come first
             return bdim if out.dim() == nd + 1 and out.shape[bdim] == src.shape[bdim] else -1
         if func is torch.stack:  # stacking batched tensors along another dim

@@ -15,7 +15,7 @@ from private_engine.grad_sums import FlatLayout, GradSums
 from private_engine.layers import register_rule
 from private_engine.layers.linear import LinearRule
 
-from engine_checks import MODES, check_against_reference, gen_for, one_thread  # noqa: F401
+from engine_checks import check_against_reference, gen_for, one_thread  # noqa: F401
 from reference import assert_close_rel, reference_clipped_sum
 
 BK_MODES = ("bk", "bk_mixed", "bk_mixopt")
@@ -40,7 +40,7 @@ def test_layout_slots_segments_and_views():
     assert layout.segment(buffers, [ps[0], ps[2]]).numel() == 11  # back to back in buffer 0 (ps[1] is in another)
     assert layout.segment(buffers, [ps[2], ps[0]]) is None  # not in slot order
     assert layout.segment(buffers, [ps[0], ps[1]]) is None  # two buffers
-    assert [t.numel() for t in layout.tail(buffers, [ps[0], ps[1], ps[2], ps[3]])] == [6, 4, 6]
+    assert [t.numel() for t in layout.segments(buffers, [ps[0], ps[1], ps[2], ps[3]])] == [6, 4, 6]
     with pytest.raises(ValueError):
         FlatLayout([ps[0], ps[0]])
 

@@ -75,13 +75,10 @@ class EmbeddingRule(LayerRule):
         ids, G = self._views(module, calls)
         GC = G * cast(factors, G.dtype)[:, None, None]
         target = (out or {}).get("weight")
-        if target is None or target.dtype != G.dtype:
-            target = put_into(target, torch.zeros(module.num_embeddings, module.embedding_dim, dtype=G.dtype,
-                                                  device=G.device).index_add_(0, ids.reshape(-1),
-                                                                              GC.reshape(-1, module.embedding_dim)))
-            return {"weight": target}
-        target.zero_().index_add_(0, ids.reshape(-1), GC.reshape(-1, module.embedding_dim))
-        return {"weight": target}
+        into = target if target is not None and target.dtype == G.dtype else \
+            torch.empty(module.num_embeddings, module.embedding_dim, dtype=G.dtype, device=G.device)
+        into.zero_().index_add_(0, ids.reshape(-1), GC.reshape(-1, module.embedding_dim))
+        return {"weight": into if into is target else put_into(target, into)}
 
 
 register_rule(EmbeddingRule())
