@@ -166,12 +166,13 @@ class PerSampleClipper:
         if model is not None:
             _, traced, fallbacks, _ = _scan(model)
             if traced or fallbacks:  # the tracer also tells the fallbacks the batch size and batched inputs
-                self.tracer = ParamTracer(model, traced)
+                self.tracer = ParamTracer(model, traced, opaque=[m for _, m in fallbacks])
                 self.tracer.recorder = self.recorder
                 self.tracer.linear_layers = {id(l.module.weight): l for l in self.recorder.layers
                                              if isinstance(l.rule, LinearRule) and trainable(l.module, "weight")}
                 self.fallbacks = [FallbackModule(n, m, self.tracer) for n, m in fallbacks]
                 self.recorder.extras = [self.tracer, *self.fallbacks]
+                self.recorder.tracer = self.tracer
                 warn_fallback([f"{n or '(the model)'} ({type(m).__name__})" for n, m in fallbacks])
         self.last_plan: List[LayerDecision] = []
         #: per-layer (B,) squared norms of the running norm pass, summed once at its end

@@ -145,6 +145,9 @@ class LayerRecorder:
         #: other recorders (parameter-entry tracer, fallback modules): objects with install/remove/reset
         #: and jumps() -> {output node: [input nodes]}; installed, reset and removed with this one
         self.extras: list = []
+        #: the parameter-entry tracer among ``extras`` (:class:`private_engine.tracer.ParamTracer`), or None: it
+        #: takes over calls on batch-free constants and tells where each call's input has its batch
+        self.tracer = None
         self.install()
 
     def install(self) -> None:
@@ -165,16 +168,16 @@ class LayerRecorder:
                     f"{layer.name} ({type(module).__name__}) was called without a positional tensor input; "
                     "call clipped layers as module(x)."
                 )
-            if not self.extras:
+            tracer = self.tracer
+            if tracer is None or not tracer.active:
                 self.record(layer, module, inputs[0], output)
                 return None
             # the engine's own book-keeping does not go through the tracer's TorchFunctionMode (speed only: the
             # tracer ignores it anyway; it reads its own maps, never the mode)
             with torch._C.DisableTorchFunction():
-                for extra in self.extras:  # a call on a batch-free constant: the tracer follows its parameters
-                    if getattr(extra, "handover", None) is not None and extra.handover(layer.name, module,
-                                                                                        layer.rule, inputs, output):
-                        return None
+                # a call on a batch-free constant: the tracer follows its parameters
+                if tracer.handover(layer.name, module, layer.rule, inputs, output):
+                    return None
                 self.record(layer, module, inputs[0], output)
             return None
 
@@ -190,6 +193,7 @@ class LayerRecorder:
         base = output._base
         if base is not None and base.numel() == output.numel() and output.is_contiguous() and base.is_contiguous():
             root = base
+        tracer = self.tracer
         call = RecordedCall(
             activation=activation,
             output_shape=output.shape,
@@ -197,16 +201,11 @@ class LayerRecorder:
             edge=get_gradient_edge(root),
             input_requires_grad=x.requires_grad,
             # an input the tracer follows (a batch-expanded token) is covered by its entry, not by this call
-            input_node=(get_gradient_edge(x).node if x.requires_grad and not covered and not self._tracked(x)
-                        else None),
+            input_node=(get_gradient_edge(x).node if x.requires_grad and not covered
+                        and not (tracer is not None and tracer.is_tracked(x)) else None),
         )
-        for extra in self.extras:
-            major = getattr(extra, "sample_major", None)
-            if major is not None:
-                call.rows_ok = major(x) if not covered else True
-            bdim = getattr(extra, "batch_dim", None)
-            if bdim is not None and not covered:
-                call.batch_dim = bdim(x)
+        if tracer is not None:
+            call.rows_ok, call.batch_dim = tracer.layer_input(x, covered)
         layer.calls.append(call)
         root.register_hook(self._make_grad_hook(layer, call))
 
@@ -221,9 +220,6 @@ class LayerRecorder:
             dims = layer.dims_cache[key] = _with_io_size(layer.rule.dims(module, activation, output), activation,
                                                          output)
         return dims
-
-    def _tracked(self, x: torch.Tensor) -> bool:
-        return any(getattr(extra, "is_tracked", None) is not None and extra.is_tracked(x) for extra in self.extras)
 
     # -- backward --------------------------------------------------------------------------
     def _make_grad_hook(self, layer: RecordedLayer, call: RecordedCall):

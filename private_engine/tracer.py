@@ -41,6 +41,7 @@ from torch.autograd.graph import get_gradient_edge
 from torch.overrides import TorchFunctionMode
 
 from .layers.base import accumulation_dtype
+from .plain_modules import PlainModules, plain_candidates
 from .tensor_map import TensorMap
 
 #: elementwise ops with broadcasting at which a derived tensor may meet batched data
@@ -117,9 +118,18 @@ class UnsupportedEntryError(ValueError):
 
 
 class ParamTracer(TorchFunctionMode):
-    """Tracks ``params = [(name, P)]`` through the forward of ``model`` and clips them per sample."""
+    """Tracks ``params = [(name, P)]`` through the forward of ``model`` and clips them per sample.
 
-    def __init__(self, model: nn.Module, params: Sequence[Tuple[str, nn.Parameter]]):
+    ``opaque``: modules whose forwards must always be traced (torch.func fallback modules read the tracer); the
+    forwards of other submodules that own no tracked parameter run without the mode once verified to need
+    nothing from it (:mod:`private_engine.plain_modules`; class attribute ``skip_plain_modules``).
+    """
+
+    #: run verified plain submodules without the mode (host time); False traces every op of the forward
+    skip_plain_modules = True
+
+    def __init__(self, model: nn.Module, params: Sequence[Tuple[str, nn.Parameter]],
+                 opaque: Sequence[nn.Module] = ()):
         super().__init__()
         self.model = model
         self.tracked: Dict[int, Tuple[str, nn.Parameter]] = {id(p): (n, p) for n, p in params}
@@ -136,6 +146,13 @@ class ParamTracer(TorchFunctionMode):
         self.active = False
         #: per-sample gradients ``{id(P): (B, *P.shape)}`` accumulated in the norm pass
         self.grads: Dict[int, torch.Tensor] = {}
+        #: counts what the tracer did beyond following batched data (ops on tracked or derived tensors, hand-overs,
+        #: layer calls without B sample-major rows): a submodule's forward during which it stays put is plain
+        self.events = 0
+        #: > 0 while a verified plain submodule runs (the mode is then off the stack, or passes ops through)
+        self.skipping = 0
+        self._popped = False
+        self.plain = PlainModules(self, plain_candidates(model, set(self.tracked), opaque))
         self._handles = []
         self.install()
 
@@ -146,11 +163,13 @@ class ParamTracer(TorchFunctionMode):
                 self.model.register_forward_pre_hook(self._pre, with_kwargs=True),
                 self.model.register_forward_hook(self._post, always_call=True),
             ]
+        self.plain.install()
 
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []
+        self.plain.remove()
         self.reset()
 
     def _pre(self, module, args, kwargs):
@@ -167,19 +186,39 @@ class ParamTracer(TorchFunctionMode):
             if t.dim() > 0 and t.shape[0] == self.batch_size:
                 self.batched[t] = 0  # the batch dimension (inputs are batch-first)
         self.active = True
+        self.skipping, self._popped = 0, False
+        self.plain.reset()
         self.__enter__()
         return None
 
     def _post(self, module, args, output):
         if self.active:
             self.active = False
-            self.__exit__(None, None, None)
+            if self._popped:  # an error inside a skipped submodule left the mode off the stack
+                self.skipping, self._popped = 0, False
+            else:
+                self.__exit__(None, None, None)
         return None
+
+    def pause(self) -> None:
+        """Stop following ops (a verified plain submodule runs): the mode leaves the stack when it is on top (no
+        Python call per op), else it passes ops through."""
+        self.skipping += 1
+        if self.skipping == 1 and torch.overrides._get_current_function_mode() is self:
+            torch.overrides._pop_mode()
+            self._popped = True
+
+    def resume(self) -> None:
+        """Follow ops again after :meth:`pause`."""
+        self.skipping -= 1
+        if self.skipping == 0 and self._popped:
+            torch.overrides._push_mode(self)
+            self._popped = False
 
     # -- the mode -------------------------------------------------------------------------
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _PASSIVE:
+        if func in _PASSIVE or self.skipping:
             return func(*args, **kwargs)
         tensors = _tensors(args, kwargs)
         # one look-up per tensor: its batch dimension when it is batched data, else None
@@ -207,6 +246,8 @@ class ParamTracer(TorchFunctionMode):
             self._mark_batched(func, args, kwargs, src, bdims_in, _outputs(out))
             return out
         tracked = [t for t, k in zip(tensors, is_tracked) if k]
+        if tracked:
+            self.events += 1
         # data: batched, or computed from parameters the tracer does not follow (e.g. a layer's output)
         data = batched or any(t.requires_grad and not k for t, k in zip(tensors, is_tracked))
         if tracked and data:
@@ -292,6 +333,20 @@ class ParamTracer(TorchFunctionMode):
     def _rows_ok(self, tensors) -> bool:
         """True when every batched tensor among ``tensors`` has its batch in dim 0, sample-major."""
         return all(self.batched[t] == 0 for t in tensors if t in self.batched)
+
+    def layer_input(self, x, covered: bool = False) -> Tuple[Optional[bool], Optional[int]]:
+        """``(rows_ok, batch_dim)`` of a recorded layer call's input ``x``: whether its rows are sample-major in dim 0
+        and where its batch dimension is (-1: unknown; both None when ``x`` is not batched data seen here, or the
+        call runs inside a skipped plain submodule). ``covered``: the input is a tracer entry (rows are samples).
+        A call without exactly B sample-major rows counts as an event (its submodule is not plain)."""
+        if covered:
+            return True, None
+        if not self.active or self.skipping:
+            return None, None
+        bdim = self.batched.get(x)
+        if bdim != 0 or x.dim() == 0 or x.shape[0] != self.batch_size:
+            self.events += 1
+        return (None if bdim is None else bdim == 0), bdim
 
     def sample_major(self, t) -> Optional[bool]:
         """Whether batched ``t`` has its rows sample-major in dim 0 (None: not a batched tensor seen here)."""
@@ -549,7 +604,7 @@ class ParamTracer(TorchFunctionMode):
         """Take over a layer call whose input is a batch-free constant (XCiT's Fourier position encoding
         projects a fixed grid): its trainable parameters are followed like tracked ones from its output.
         Returns True when the recorder must not record the call."""
-        if not self.active or not inputs or not isinstance(inputs[0], torch.Tensor):
+        if not self.active or self.skipping or not inputs or not isinstance(inputs[0], torch.Tensor):
             return False
         a = inputs[0]
         if output in self.recorded:  # recorded by the tracer's F.linear entry already
@@ -567,6 +622,7 @@ class ParamTracer(TorchFunctionMode):
             self.names[id(p)] = qn
         prev = self.derived[output].params if output in self.derived else ()
         self.derived[output] = Derived(tuple(sorted(set(prev) | {id(p) for _, p in params})))
+        self.events += 1
         return True
 
     # -- norm pass ------------------------------------------------------------------------
