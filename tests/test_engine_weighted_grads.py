@@ -5,8 +5,17 @@ from torch import nn
 
 from private_engine.layers import find_rule
 
+def weight_frozen(module):
+    module.weight.requires_grad_(False)
+    return module
+
+
 CASES = [
     ("linear-3d", lambda: nn.Linear(5, 3), lambda g: torch.randn(4, 7, 5, generator=g, dtype=torch.float64)),
+    # D < p: diag(C) scales the input A instead of G, the bias is Σ_i C_i Σ_t g_{i,t} from the unscaled G
+    ("linear-3d-widening", lambda: nn.Linear(3, 6), lambda g: torch.randn(4, 7, 3, generator=g, dtype=torch.float64)),
+    ("linear-bias-only", lambda: weight_frozen(nn.Linear(3, 6)),
+     lambda g: torch.randn(4, 7, 3, generator=g, dtype=torch.float64)),
     ("linear-2d-nobias", lambda: nn.Linear(5, 3, bias=False), lambda g: torch.randn(4, 5, generator=g, dtype=torch.float64)),
     ("conv2d-grouped", lambda: nn.Conv2d(4, 6, 3, padding=1, groups=2), lambda g: torch.randn(4, 4, 6, 6, generator=g, dtype=torch.float64)),
     ("conv1d-strided", lambda: nn.Conv1d(3, 2, 3, stride=2), lambda g: torch.randn(4, 3, 9, generator=g, dtype=torch.float64)),

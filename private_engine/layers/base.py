@@ -213,6 +213,20 @@ def sum_into(out: Optional[torch.Tensor], t: torch.Tensor, dims) -> torch.Tensor
     return out.copy_(t.sum(dims, dtype=acc))
 
 
+def scale_samples(t: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+    """``diag(C)·t``: sample i's slice ``t[i]`` (dim 0) times ``C_i``, in ``t``'s dtype (a new tensor)."""
+    return t * cast(factors, t.dtype).reshape(-1, *([1] * (t.dim() - 1)))
+
+
+def weighted_sum_into(out: Optional[torch.Tensor], rows: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+    """``Σ_i C_i s_i`` of per-sample rows ``rows = [s_i]: (B, n)`` (one matrix-vector product ``sᵀC``, in ``rows``'
+    dtype), into ``out`` when given (by the product itself when it has that dtype)."""
+    f = cast(factors, rows.dtype)
+    if out is not None and out.dtype == rows.dtype:
+        return torch.mv(rows.t(), f, out=out)
+    return put_into(out, rows.t().mv(f))
+
+
 def put_into(out: Optional[torch.Tensor], value: torch.Tensor) -> torch.Tensor:
     """``value`` copied into ``out`` when given, else ``value`` in ≥ float32 (itself when it already is)."""
     if out is None:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import (LayerDims, LayerRule, accumulation_dtype, cast, compute_dtype, gram_inner, put_into,
-                   register_rule, row_norm_sq, trainable, zeros_like_batch)
+                   register_rule, row_norm_sq, scale_samples, trainable, weighted_sum_into, zeros_like_batch)
 
 
 def unfold_conv_input(module: nn.modules.conv._ConvNd, a: torch.Tensor) -> torch.Tensor:
@@ -116,22 +116,26 @@ class ConvRule(LayerRule):
         return out
 
     def weighted_grads(self, module, calls, factors, out=None) -> Dict[str, torch.Tensor]:
-        """``Σ_i C_i G_i`` as the ordinary weight gradient of the layer for the output gradient ``diag(C)·g``
-        (one cuDNN / oneDNN weight-gradient kernel per call, no per-sample gradient), bias
-        ``Σ_i C_i Σ_t g_{i,t}``; copied into ``out`` when given."""
+        """``Σ_i C_i G_i`` as the ordinary weight gradient of the layer for the input ``diag(C)·a`` or the output
+        gradient ``diag(C)·g`` — whichever is smaller: the weight gradient is linear in each, and padding (any
+        mode) commutes with scaling a sample — one cuDNN / oneDNN weight-gradient kernel per call, no per-sample
+        gradient; bias ``Σ_i C_i Σ_t g_{i,t}``; copied into ``out`` when given."""
         out = out or {}
         res = {}
         if trainable(module, "weight"):
             W = None
             for a, g in calls:
                 dt = compute_dtype(g)
-                gc = cast(g, dt) * cast(factors, dt).reshape(-1, *([1] * (g.dim() - 1)))
-                w = _conv_weight_grad(module, _padded(module, cast(a, dt)), gc, module.groups, module.weight.shape)
+                a, g = cast(a, dt), cast(g, dt)
+                if a.numel() < g.numel():
+                    a = scale_samples(a, factors)
+                else:
+                    g = scale_samples(g, factors)
+                w = _conv_weight_grad(module, _padded(module, a), g, module.groups, module.weight.shape)
                 W = w if W is None else W + w
             res["weight"] = put_into(out.get("weight"), W)
         if trainable(module, "bias"):
-            bias = self._bias_grad(calls)
-            res["bias"] = put_into(out.get("bias"), bias.t().mv(cast(factors, bias.dtype)))
+            res["bias"] = weighted_sum_into(out.get("bias"), self._bias_grad(calls), factors)
         return res
 
 

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from .base import (LayerDims, LayerRule, accumulation_dtype, cast, compute_dtype, flatten_positions, gram_inner, mm_into,
-                   register_rule, row_norm_sq, sum_into, trainable, zeros_like_batch)
+                   register_rule, row_norm_sq, scale_samples, sum_into, trainable, weighted_sum_into,
+                   zeros_like_batch)
 
 
 class LinearRule(LayerRule):
@@ -57,16 +58,25 @@ class LinearRule(LayerRule):
         return out
 
     def weighted_grads(self, module, calls, factors, out=None) -> Dict[str, torch.Tensor]:
-        """``Σ_i C_i G_i = Gᵀ·diag(C)·A`` over all positions (one matmul), bias ``Σ_{i,t} C_i g_{i,t}``; into
-        ``out`` when given (the matmul writes the engine's flat buffer directly)."""
+        """``Σ_i C_i G_i = Gᵀ·diag(C)·A`` over all positions (one matmul), bias ``Σ_i C_i Σ_t g_{i,t}``; into
+        ``out`` when given (the matmul writes the engine's flat buffer directly). ``diag(C)`` scales the narrower
+        of A (D wide) and G (p wide) — ``(diag(C)·G)ᵀA = Gᵀ(diag(C)·A)`` — so the scaled copy, the one temporary,
+        has ``min(D, p)`` columns (an MLP's first layer: A, a quarter of G)."""
         A, G = self._views(module, calls)
-        GC = G * cast(factors, G.dtype)[:, None, None]
         out = out or {}
         res = {}
+        scaled_g = None
         if trainable(module, "weight"):
-            res["weight"] = mm_into(out.get("weight"), GC.reshape(-1, GC.shape[-1]).t(), A.reshape(-1, A.shape[-1]))
+            if A.shape[-1] < G.shape[-1]:
+                A = scale_samples(A, factors)
+            else:
+                G = scaled_g = scale_samples(G, factors)
+            res["weight"] = mm_into(out.get("weight"), G.reshape(-1, G.shape[-1]).t(), A.reshape(-1, A.shape[-1]))
         if trainable(module, "bias"):
-            res["bias"] = sum_into(out.get("bias"), GC, (0, 1))
+            if scaled_g is not None:
+                res["bias"] = sum_into(out.get("bias"), scaled_g, (0, 1))
+            else:  # per-sample bias gradients Σ_t g_{i,t}, then Σ_i C_i ·
+                res["bias"] = weighted_sum_into(out.get("bias"), G.sum(1, dtype=accumulation_dtype(G)), factors)
         return res
 
 
