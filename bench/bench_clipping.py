@@ -169,6 +169,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="CUDA only: also find each method's largest batch that fits in GPU memory (doubling from "
                         "--batch-size, then bisection), each method in a fresh subprocess")
     p.add_argument("--max-batch-cap", type=int, default=4096, help="largest batch --max-batch tries")
+    p.add_argument("--cuda-alloc-conf", metavar="CONF",
+                   help="PYTORCH_CUDA_ALLOC_CONF for every method's subprocess (e.g. expandable_segments:True: the "
+                        "caching allocator grows segments instead of splitting fixed ones; compare max batches)")
     p.add_argument("--timeout", type=float, default=1800,
                    help="seconds allowed for building a method, one step, or one method's --max-batch search")
     p.add_argument("--markdown", metavar="PATH", help="write (or replace) this run's section in a markdown file")
@@ -546,6 +549,11 @@ class MemoryMeter:
             return self.torch.cuda.max_memory_allocated()
         return _maxrss_bytes()
 
+    def reserved_peak(self) -> Optional[int]:
+        """CUDA: peak bytes the caching allocator reserved from the driver since ``start`` (absolute; what must fit on
+        the device — above the allocated peak by what the allocator's segments hold unused); None on the CPU."""
+        return self.torch.cuda.max_memory_reserved() if self.cuda else None
+
     def delta_mib(self, nbytes: int) -> float:
         return max(nbytes - self.base, 0) / MIB
 
@@ -604,7 +612,7 @@ def run_child(args) -> None:
     warnings.filterwarnings("ignore")
     if args.probe_max_batch:
         try:
-            return emit({"max_batch": probe_max_batch(args)})
+            return emit(probe_max_batch(args))
         except Exception as e:  # not an out-of-memory error: the method cannot run at some size
             return emit({"error": error_text(e)})
     notes = {}
@@ -636,6 +644,7 @@ def run_child(args) -> None:
             return emit({"peak_delta_mib": meter.delta_mib(peak),
                          "first_step_peak_delta_mib": meter.delta_mib(first_peak or peak),
                          "peak_total_mib": peak / MIB, "held_mib": meter.held_mib(),
+                         **({"peak_reserved_mib": meter.reserved_peak() / MIB} if meter.cuda else {}),
                          "exact_cpu_peak": meter.exact_cpu_peak, "note": runner.describe(),
                          "threads": torch.get_num_threads(), **notes})
 
@@ -673,13 +682,17 @@ def is_out_of_memory(e: BaseException) -> bool:
 
 
 def probe_max_batch(args) -> int:
-    """Largest physical batch for which a full training step of ``args.only`` runs without CUDA out-of-memory
-    (``max_batch_by_bisection`` from ``--batch-size`` up to ``--max-batch-cap``). Each probe builds the model,
-    a batch of its size and the method afresh (Opacus wraps the model), runs two steps (the second would show
-    memory allocated lazily by the first), and frees everything before the next probe."""
+    """``{"max_batch": n, "oom": {...}}``: the largest physical batch for which a full training step of ``args.only``
+    runs without CUDA out-of-memory (``max_batch_by_bisection`` from ``--batch-size`` up to ``--max-batch-cap``),
+    and the allocator's state when the smallest batch that did not fit ran out (:func:`oom_state`). Each probe
+    builds the model, a batch of its size and the method afresh (Opacus wraps the model), runs two steps (the
+    second would show memory allocated lazily by the first), and frees everything before the next probe."""
     import torch
 
+    failures: Dict[int, dict] = {}
+
     def attempt(n: int) -> bool:
+        torch.cuda.reset_peak_memory_stats()
         model, _ = build_model(args, args.only)
         x, y = make_batch(args, n)
         runner = SETUPS[args.only](model, x, y, argparse.Namespace(**{**vars(args), "batch_size": n}))
@@ -690,6 +703,7 @@ def probe_max_batch(args) -> int:
             return True
         except Exception as e:  # noqa: BLE001 - only running out of memory means "does not fit"
             if is_out_of_memory(e):
+                failures[n] = oom_state(torch)
                 return False
             raise
         finally:
@@ -701,13 +715,23 @@ def probe_max_batch(args) -> int:
         except Exception as e:  # noqa: BLE001 - out of memory while building the model or batch
             if not is_out_of_memory(e):
                 raise
+            failures.setdefault(n, oom_state(torch))
             ok = False
         # attempt's frame (and the exception's traceback, which referenced its tensors) are gone here
         gc.collect()
         torch.cuda.empty_cache()
         return ok
 
-    return max_batch_by_bisection(fits, args.batch_size, args.max_batch_cap)
+    best = max_batch_by_bisection(fits, args.batch_size, args.max_batch_cap)
+    return {"max_batch": best, **({"oom": {"batch": min(failures), **failures[min(failures)]}} if failures else {})}
+
+
+def oom_state(torch) -> dict:
+    """The CUDA caching allocator when a step ran out of memory (MiB): bytes in live tensors, bytes reserved from
+    the driver (their difference: free space inside the allocator's segments, too fragmented for the failed
+    request), and the attempt's peak of live tensors."""
+    return {"allocated_mib": torch.cuda.memory_allocated() / MIB, "reserved_mib": torch.cuda.memory_reserved() / MIB,
+            "peak_allocated_mib": torch.cuda.max_memory_allocated() / MIB}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -721,6 +745,8 @@ def child_env(args, memory: bool = False) -> Dict[str, str]:
     runs keep the default allocator: the fixed threshold maps and faults in every large block again at each
     step, which slowed non-private ViT-Tiny steps by ~40 % and distorted the ratios."""
     env = dict(os.environ)
+    if args.cuda_alloc_conf:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = args.cuda_alloc_conf
     if args.device == "cpu" and memory:
         env.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
         env.setdefault("MALLOC_TRIM_THRESHOLD_", "65536")
@@ -864,6 +890,8 @@ def run_all(args, methods: List[str]) -> Dict[str, dict]:
             if "error" not in results[method]:
                 probe = Worker(args, method, probe_max_batch=True).result
                 results[method]["max_batch"] = probe.get("max_batch")
+                if "oom" in probe:
+                    results[method]["max_batch_oom"] = probe["oom"]
                 if "error" in probe:
                     results[method]["max_batch_error"] = probe["error"]
             bar.update()
@@ -897,7 +925,7 @@ def results_table(results: Dict[str, dict], cuda: bool = False) -> List[List[str
     ref = results.get("nondp", {})
     batch = any("max_batch" in r for r in results.values())
     rows = [["method", "trainable", "s/step (median)", "min–max", "time × non-DP", "peak mem Δ (MiB)", "mem × non-DP",
-             "1st-step peak Δ", "held after"] + (["peak total (MiB)"] if cuda else [])
+             "1st-step peak Δ", "held after"] + (["peak total (MiB)", "peak reserved (MiB)"] if cuda else [])
             + (["max batch", "max batch × non-DP"] if batch else []) + ["notes"]]
     for m, r in results.items():
         trainable = f"{r['trainable']:,}" if "trainable" in r else "—"
@@ -909,7 +937,9 @@ def results_table(results: Dict[str, dict], cuda: bool = False) -> List[List[str
                      f"{r['time_ratio']:.2f}×" if "time_ratio" in r else ratio(r["median_s"], ref.get("median_s")),
                      f"{r['peak_delta_mib']:.0f}",
                      ratio(r["peak_delta_mib"], ref.get("peak_delta_mib")), f"{r['first_step_peak_delta_mib']:.0f}",
-                     f"{r['held_mib']:.0f}"] + ([f"{r['peak_total_mib']:.0f}"] if cuda else [])
+                     f"{r['held_mib']:.0f}"]
+                    + ([f"{r['peak_total_mib']:.0f}", f"{r['peak_reserved_mib']:.0f}" if "peak_reserved_mib" in r
+                        else "—"] if cuda else [])
                     + ([str(mb) if mb is not None else r.get("max_batch_error", "—"), ratio(mb, ref.get("max_batch"))]
                        if batch else []) + [r.get("note", "")])
     return rows
@@ -1071,16 +1101,33 @@ def setup_lines(args, results: Dict[str, dict]) -> List[str]:
     elif args.amp == "bf16":
         lines.append("bfloat16 autocast around every method's forward (no loss scaling); weights in "
                      f"{args.dtype}.")
+    if args.cuda_alloc_conf:
+        lines.append(f"PYTORCH_CUDA_ALLOC_CONF={args.cuda_alloc_conf} for every method.")
     if any("max_batch" in r for r in results.values()):
         lines.append(f"Max batch: largest physical batch whose full step (two steps, fresh model) ran without CUDA "
                      f"out-of-memory, by doubling from {args.batch_size} then bisection (cap {args.max_batch_cap}).")
+        lines += oom_lines(results)
     return lines + target_lines(args, results)
+
+
+def oom_lines(results: Dict[str, dict]) -> List[str]:
+    """One line per method on the allocator at the out-of-memory error of the smallest batch that did not fit."""
+    lines = []
+    for m, r in results.items():
+        o = r.get("max_batch_oom")
+        if o:
+            lines.append(f"{m} at batch {o['batch']} (first that did not fit): out of memory with {o['allocated_mib']:,.0f} "
+                         f"MiB in tensors and {o['reserved_mib']:,.0f} MiB reserved "
+                         f"({o['reserved_mib'] - o['allocated_mib']:,.0f} MiB free inside the allocator's segments); "
+                         f"that attempt's peak in tensors {o['peak_allocated_mib']:,.0f} MiB.")
+    return lines
 
 
 def section_key(args) -> str:
     size = f"t{args.seq_len}" if args.model == TEXT_MODEL else str(args.img_size)
     return (f"{args.model}-{size}-b{args.batch_size}-{args.device}-{args.dtype}"
-            + (f"-amp{args.amp}" if args.amp != "none" else "") + ("-noinplace" if args.no_inplace else ""))
+            + (f"-amp{args.amp}" if args.amp != "none" else "") + ("-noinplace" if args.no_inplace else "")
+            + (f"-alloc-{args.cuda_alloc_conf}" if args.cuda_alloc_conf else ""))
 
 
 def title(args, info: Dict[str, str]) -> str:

@@ -183,6 +183,11 @@ def test_max_batch_probe_counts_only_out_of_memory_as_not_fitting(bench, monkeyp
 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: None)
+    allocator = {"allocated": 0}  # the fake allocator's state: bytes in tensors grow with the batch probed
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: allocator["allocated"])
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda: allocator["allocated"] + 3 * bench.MIB)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: allocator["allocated"] + bench.MIB)
     monkeypatch.setattr(bench, "build_model", lambda args, method: (torch.nn.Linear(1, 1), {}))
     monkeypatch.setattr(bench, "make_batch", lambda args, n: (torch.zeros(n, 1), torch.zeros(n)))
 
@@ -192,6 +197,7 @@ def test_max_batch_probe_counts_only_out_of_memory_as_not_fitting(bench, monkeyp
         probed.append(args.batch_size)
 
         def step():
+            allocator["allocated"] = args.batch_size * bench.MIB
             if args.batch_size >= 32:
                 raise RuntimeError("CUDA error: out of memory")
             if args.batch_size > 21:
@@ -200,7 +206,9 @@ def test_max_batch_probe_counts_only_out_of_memory_as_not_fitting(bench, monkeyp
 
     monkeypatch.setitem(bench.SETUPS, "nondp", setup)
     args = argparse.Namespace(only="nondp", batch_size=4, max_batch_cap=64)
-    assert bench.probe_max_batch(args) == 21
+    assert bench.probe_max_batch(args) == {
+        "max_batch": 21,  # the allocator at the error of the smallest batch that did not fit:
+        "oom": {"batch": 22, "allocated_mib": 22.0, "reserved_mib": 25.0, "peak_allocated_mib": 23.0}}
     assert probed == [4, 8, 16, 32, 24, 20, 22, 21]  # both kinds of out-of-memory error mean "does not fit"
 
     def broken(model, x, y, args):
@@ -221,15 +229,29 @@ def test_max_batch_is_refused_on_cpu(bench, capsys):
 
 
 def test_max_batch_columns(bench):
-    results = {"nondp": _result(1.0, 10, max_batch=100, peak_total_mib=50),
-               "bk": _result(1.2, 11, max_batch=95, peak_total_mib=51),
+    results = {"nondp": _result(1.0, 10, max_batch=100, peak_total_mib=50, peak_reserved_mib=60),
+               "bk": _result(1.2, 11, max_batch=95, peak_total_mib=51, peak_reserved_mib=64,
+                             max_batch_oom={"batch": 96, "allocated_mib": 70000.4, "reserved_mib": 79000.0,
+                                            "peak_allocated_mib": 78500.0}),
                "opacus_hooks": _result(2.0, 30, max_batch=None, max_batch_error="crashed", peak_total_mib=70)}
     table = bench.results_table(results, cuda=True)
     header = table[0]
     assert header[-3:] == ["max batch", "max batch × non-DP", "notes"]
     bk = table[2]
     assert bk[header.index("max batch")] == "95" and bk[header.index("max batch × non-DP")] == "0.95×"
+    assert bk[header.index("peak reserved (MiB)")] == "64" and table[3][header.index("peak reserved (MiB)")] == "—"
     assert table[3][header.index("max batch")] == "crashed"
+    assert bench.oom_lines(results) == [
+        "bk at batch 96 (first that did not fit): out of memory with 70,000 MiB in tensors and 79,000 MiB reserved "
+        "(9,000 MiB free inside the allocator's segments); that attempt's peak in tensors 78,500 MiB."]
+
+
+def test_cuda_alloc_conf_reaches_the_children_and_the_section_key(bench):
+    args = bench.parse_args(["--device", "cuda", "--cuda-alloc-conf", "expandable_segments:True"])
+    assert bench.child_env(args)["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert bench.section_key(args).endswith("-alloc-expandable_segments:True")
+    plain = bench.parse_args(["--device", "cuda"])
+    assert "-alloc" not in bench.section_key(plain)
 
 
 def test_plot_written(bench, tmp_path):
