@@ -354,12 +354,6 @@ class ParamTracer(TorchFunctionMode):
             return None
         return self.batched[t] == 0
 
-    def batch_dim(self, t) -> Optional[int]:
-        """Where batched ``t`` has its batch dimension (-1: unknown; None: not a batched tensor seen here)."""
-        if not self.active or t not in self.batched:
-            return None
-        return self.batched[t]
-
     def is_tracked(self, t) -> bool:
         return id(t) in self.tracked or t in self.derived
 
