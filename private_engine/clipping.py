@@ -32,7 +32,7 @@ from .fallback import FallbackModule, warn_fallback
 from .grad_sums import FlatLayout, GradSums
 from .hooks import GraphWalk, LayerRecorder, RecordedLayer
 from .plan import DEFAULT_CLIPPING_MODE, LayerDecision, check_mode, decide, is_book_keeping
-from .layers.base import cast, compute_dtype, row_norm_sq, sum_per_sample, trainable
+from .layers.base import cast, compute_dtype, row_norm_sq, sum_per_sample, trainable, weighted_sum_into
 from .layers.linear import LinearRule
 from .tracer import ParamTracer
 from .validation import _scan
@@ -471,10 +471,7 @@ class PerSampleClipper:
                     mat = _rows_kept(mat, keep)
                 seg = layout.segment(buffers, params)
                 if seg is not None and not any(id(p) in written for p in params):
-                    if seg.dtype == mat.dtype:
-                        torch.mv(mat.t(), factors_as(mat.dtype), out=seg)
-                    else:
-                        seg.copy_(mat.t().mv(factors_as(mat.dtype)))
+                    weighted_sum_into(seg, mat, factors_as(mat.dtype))
                     written.update(id(p) for p in params)
                 else:
                     sums = mat.t().mv(factors_as(mat.dtype))

@@ -12,7 +12,7 @@ from typing import Dict
 import torch
 from torch import nn
 
-from .base import (LayerDims, LayerRule, accumulation_dtype, cast, put_into, register_rule, trainable,
+from .base import (LayerDims, LayerRule, accumulation_dtype, cast, put_into, register_rule, scale_samples, trainable,
                    zeros_like_batch)
 
 
@@ -73,7 +73,7 @@ class EmbeddingRule(LayerRule):
         if not trainable(module, "weight"):
             return {}
         ids, G = self._views(module, calls)
-        GC = G * cast(factors, G.dtype)[:, None, None]
+        GC = scale_samples(G, factors)
         target = (out or {}).get("weight")
         into = target if target is not None and target.dtype == G.dtype else \
             torch.empty(module.num_embeddings, module.embedding_dim, dtype=G.dtype, device=G.device)
