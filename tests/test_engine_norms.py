@@ -156,3 +156,31 @@ def test_gram_inner_with_bias_column_on_padded_rows(monkeypatch, dtype, T):
         assert got.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
         torch.testing.assert_close(got.double(), weight + bias, **tol)
         torch.testing.assert_close(base.gram_inner(a.to(dtype), g.to(dtype)).double(), weight, **tol)
+
+
+def test_unit_weight_is_a_cached_plain_vector_of_ones():
+    """x̂ is computed by layer_norm/group_norm with γ = 1 (faster CPU kernels than γ = None); the cached ones
+    must be a normal tensor even when first made under inference mode, shared, and left at one after a step."""
+    from private_engine.layers.normalization import _UNIT_WEIGHTS, unit_weight
+
+    like = torch.zeros(2, dtype=torch.float64)
+    _UNIT_WEIGHTS.pop((7, torch.float64, like.device), None)
+    with torch.inference_mode():
+        w = unit_weight(7, like)
+    assert not w.is_inference() and not w.requires_grad
+    assert w.dtype == torch.float64 and torch.equal(w, torch.ones(7, dtype=torch.float64))
+    assert unit_weight(7, like) is w
+    x = torch.randn(3, 5, 7, dtype=torch.float64)
+    assert torch.allclose(nn.functional.layer_norm(x, (7,), w, None, 1e-5),
+                          nn.functional.layer_norm(x, (7,), None, None, 1e-5), atol=1e-12, rtol=0)
+
+    import private_engine
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.GroupNorm(2, 6))
+    engine = private_engine.PrivacyEngine(model, batch_size=3, sample_size=30, max_grad_norm=1.0,
+                                          noise_multiplier=0.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine.attach(opt)
+    opt.step(loss=model(torch.randn(3, 4)).pow(2).sum(1))
+    assert torch.equal(unit_weight(6, torch.zeros(1)), torch.ones(6))
