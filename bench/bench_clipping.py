@@ -78,12 +78,14 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import resource
 import shlex
 import statistics
 import subprocess
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
@@ -703,7 +705,7 @@ def probe_max_batch(args) -> int:
             return True
         except Exception as e:  # noqa: BLE001 - only running out of memory means "does not fit"
             if is_out_of_memory(e):
-                failures[n] = oom_state(torch)
+                failures[n] = oom_state(torch, e)
                 return False
             raise
         finally:
@@ -715,7 +717,7 @@ def probe_max_batch(args) -> int:
         except Exception as e:  # noqa: BLE001 - out of memory while building the model or batch
             if not is_out_of_memory(e):
                 raise
-            failures.setdefault(n, oom_state(torch))
+            failures.setdefault(n, oom_state(torch, e))
             ok = False
         # attempt's frame (and the exception's traceback, which referenced its tensors) are gone here
         gc.collect()
@@ -726,12 +728,33 @@ def probe_max_batch(args) -> int:
     return {"max_batch": best, **({"oom": {"batch": min(failures), **failures[min(failures)]}} if failures else {})}
 
 
-def oom_state(torch) -> dict:
+def oom_state(torch, error: Optional[BaseException] = None) -> dict:
     """The CUDA caching allocator when a step ran out of memory (MiB): bytes in live tensors, bytes reserved from
     the driver (their difference: free space inside the allocator's segments, too fragmented for the failed
-    request), and the attempt's peak of live tensors."""
-    return {"allocated_mib": torch.cuda.memory_allocated() / MIB, "reserved_mib": torch.cuda.memory_reserved() / MIB,
-            "peak_allocated_mib": torch.cuda.max_memory_allocated() / MIB}
+    request), and the attempt's peak of live tensors; with the ``error``, the size of the request that failed
+    ("Tried to allocate …": one huge tensor or workspace, or a small block that fragmentation refused) and
+    where it was raised (:func:`raised_at`)."""
+    state = {"allocated_mib": torch.cuda.memory_allocated() / MIB, "reserved_mib": torch.cuda.memory_reserved() / MIB,
+             "peak_allocated_mib": torch.cuda.max_memory_allocated() / MIB}
+    if error is not None:
+        request = re.search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", str(error))
+        if request:
+            state["request"] = request.group(1)
+        where = raised_at(error)
+        if where:
+            state["where"] = where
+    return state
+
+
+def raised_at(error: BaseException) -> str:
+    """``file.py:line (function)`` of the innermost traceback frame of ``error`` in private_engine's code, else the
+    innermost frame of all (a backward's error surfaces at the Python call that ran it, or in a hook)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return ""
+    ours = [f for f in frames if f"{os.sep}private_engine{os.sep}" in f.filename]
+    f = (ours or frames)[-1]
+    return f"{Path(f.filename).name}:{f.lineno} ({f.name})"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1119,7 +1142,9 @@ def oom_lines(results: Dict[str, dict]) -> List[str]:
             lines.append(f"{m} at batch {o['batch']} (first that did not fit): out of memory with {o['allocated_mib']:,.0f} "
                          f"MiB in tensors and {o['reserved_mib']:,.0f} MiB reserved "
                          f"({o['reserved_mib'] - o['allocated_mib']:,.0f} MiB free inside the allocator's segments); "
-                         f"that attempt's peak in tensors {o['peak_allocated_mib']:,.0f} MiB.")
+                         f"that attempt's peak in tensors {o['peak_allocated_mib']:,.0f} MiB"
+                         + (f"; the request that failed: {o['request']}" if o.get("request") else "")
+                         + (f", raised in {o['where']}" if o.get("where") else "") + ".")
     return lines
 
 

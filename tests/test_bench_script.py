@@ -206,9 +206,13 @@ def test_max_batch_probe_counts_only_out_of_memory_as_not_fitting(bench, monkeyp
 
     monkeypatch.setitem(bench.SETUPS, "nondp", setup)
     args = argparse.Namespace(only="nondp", batch_size=4, max_batch_cap=64)
-    assert bench.probe_max_batch(args) == {
-        "max_batch": 21,  # the allocator at the error of the smallest batch that did not fit:
-        "oom": {"batch": 22, "allocated_mib": 22.0, "reserved_mib": 25.0, "peak_allocated_mib": 23.0}}
+    probe = bench.probe_max_batch(args)
+    where = probe["oom"].pop("where")
+    assert probe == {
+        "max_batch": 21,  # the allocator at the error of the smallest batch that did not fit, and the request:
+        "oom": {"batch": 22, "allocated_mib": 22.0, "reserved_mib": 25.0, "peak_allocated_mib": 23.0,
+                "request": "2.00 GiB"}}
+    assert where.startswith("test_bench_script.py:") and where.endswith("(step)")
     assert probed == [4, 8, 16, 32, 24, 20, 22, 21]  # both kinds of out-of-memory error mean "does not fit"
 
     def broken(model, x, y, args):
@@ -232,8 +236,12 @@ def test_max_batch_columns(bench):
     results = {"nondp": _result(1.0, 10, max_batch=100, peak_total_mib=50, peak_reserved_mib=60),
                "bk": _result(1.2, 11, max_batch=95, peak_total_mib=51, peak_reserved_mib=64,
                              max_batch_oom={"batch": 96, "allocated_mib": 70000.4, "reserved_mib": 79000.0,
-                                            "peak_allocated_mib": 78500.0}),
-               "opacus_hooks": _result(2.0, 30, max_batch=None, max_batch_error="crashed", peak_total_mib=70)}
+                                            "peak_allocated_mib": 78500.0, "request": "1.17 GiB",
+                                            "where": "clipping.py:297 (per_sample_norms)"}),
+               "opacus_hooks": _result(2.0, 30, max_batch=None, max_batch_error="crashed", peak_total_mib=70),
+               "bk_mixed": _result(1.1, 11, max_batch=90, peak_total_mib=51, peak_reserved_mib=64,
+                                   max_batch_oom={"batch": 91, "allocated_mib": 1.0, "reserved_mib": 2.0,
+                                                  "peak_allocated_mib": 3.0})}
     table = bench.results_table(results, cuda=True)
     header = table[0]
     assert header[-3:] == ["max batch", "max batch × non-DP", "notes"]
@@ -243,7 +251,10 @@ def test_max_batch_columns(bench):
     assert table[3][header.index("max batch")] == "crashed"
     assert bench.oom_lines(results) == [
         "bk at batch 96 (first that did not fit): out of memory with 70,000 MiB in tensors and 79,000 MiB reserved "
-        "(9,000 MiB free inside the allocator's segments); that attempt's peak in tensors 78,500 MiB."]
+        "(9,000 MiB free inside the allocator's segments); that attempt's peak in tensors 78,500 MiB; the request "
+        "that failed: 1.17 GiB, raised in clipping.py:297 (per_sample_norms).",
+        "bk_mixed at batch 91 (first that did not fit): out of memory with 1 MiB in tensors and 2 MiB reserved "
+        "(1 MiB free inside the allocator's segments); that attempt's peak in tensors 3 MiB."]
 
 
 def test_cuda_alloc_conf_reaches_the_children_and_the_section_key(bench):
@@ -320,3 +331,18 @@ def test_host_ab_runs_against_a_checkout(capsys, tmp_path):
     assert "this best" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         module.main(["--other", str(tmp_path), "--rounds", "1"])
+
+
+def test_raised_at_names_the_innermost_private_engine_frame(bench):
+    """An out-of-memory error raised inside torch, called from the engine, is placed at the engine's line (what
+    the engine was doing); with no engine frame, at the innermost frame of all."""
+    ns: dict = {}
+    exec(compile("def inner():\n    raise RuntimeError('CUDA out of memory. Tried to allocate 3.50 MiB')\n",
+                 "/site/torch/inner.py", "exec"), ns)
+    exec(compile("def ours(f):\n    x = 1\n    f()\n", "/repo/private_engine/clipping.py", "exec"), ns)
+    with pytest.raises(RuntimeError) as info:
+        ns["ours"](ns["inner"])
+    assert bench.raised_at(info.value) == "clipping.py:3 (ours)"
+    with pytest.raises(RuntimeError) as info:
+        ns["inner"]()
+    assert bench.raised_at(info.value) == "inner.py:2 (inner)"
