@@ -6,7 +6,7 @@ the step's wall time, for the methods of ``bench_clipping.py`` built the same wa
 
 Prints, per method: seconds per step (median of ``--steps`` after ``--warmup``, synchronised), the number of
 host↔device synchronisations per step seen by ``torch.cuda.set_sync_debug_mode`` (CUDA), and the operator
-table; with ``--out DIR`` also writes ``DIR/<method>.txt`` (the tables) and a Chrome trace ``DIR/<method>.json``.
+table (``--by-shape``: one row per operator and input shapes); with ``--out DIR`` also writes ``DIR/<method>.txt`` (the tables) and a Chrome trace ``DIR/<method>.json``.
 Every method runs in this one process, one after the other (use bench_clipping.py for comparable timings).
 """
 from __future__ import annotations
@@ -29,6 +29,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rows", type=int, default=25, help="operators shown per table")
     p.add_argument("--out", metavar="DIR", help="write the tables and a Chrome trace per method here")
+    p.add_argument("--by-shape", action="store_true",
+                   help="one row per operator and input shapes (which layer's norm, sum or product costs what)")
     own, rest = p.parse_known_args(argv)
     args = bench.parse_args(rest + ["--methods", *own.methods])
     for k, v in vars(own).items():
@@ -79,16 +81,18 @@ def profile_method(method: str, args) -> str:
         times.append(time.perf_counter() - t0)
     syncs = count_syncs(runner.step, args.device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, record_shapes=args.by_shape) as prof:
         for _ in range(args.profile_steps):
             runner.step()
         synchronize(args.device)
     sort = "self_cuda_time_total" if args.device == "cuda" else "self_cpu_time_total"
+    averages = prof.key_averages(group_by_input_shape=args.by_shape)
+    widths = {"max_name_column_width": 40, "max_shapes_column_width": 70} if args.by_shape else {}
     lines = [f"== {method}: {statistics.median(times):.4f} s/step (median of {len(times)}), "
              f"{syncs} host-device syncs per step; profiled {args.profile_steps} steps ==",
-             prof.key_averages().table(sort_by=sort, row_limit=args.rows)]
+             averages.table(sort_by=sort, row_limit=args.rows, **widths)]
     if args.device == "cuda":
-        lines.append(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+        lines.append(averages.table(sort_by="self_cpu_time_total", row_limit=args.rows, **widths))
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

@@ -308,6 +308,11 @@ def test_profile_step_reports_each_method(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "== nondp:" in out and "== bk_mixed:" in out and "s/step" in out
     assert (tmp_path / "bk_mixed.txt").exists() and (tmp_path / "bk_mixed.json").exists()
+    assert "Input Shapes" not in out
+    module.main(["--device", "cpu", "--models", "text_transformer", "--seq-len", "8", "--batch-size", "2",
+                 "--methods", "bk_mixed", "--steps", "1", "--warmup", "0", "--rows", "40", "--by-shape"])
+    out = capsys.readouterr().out
+    assert "Input Shapes" in out and "[2, 8, " in out  # rows per (operator, shapes): the batch of 2, 8 tokens
 
 
 def test_host_overhead_proxy_runs(capsys):
