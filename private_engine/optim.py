@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, List, Optional, Sequence
 
 import torch
 
+from .cpu_noise import fill_normal_
 from .grad_sums import GradSums
 from .layers.base import cast
 
@@ -75,7 +76,8 @@ def add_gaussian_noise(tensors: Sequence[torch.Tensor], std: float,
     Consecutive tensors of one device and dtype share one ``normal_`` draw of at most ``NOISE_CHUNK``
     elements, added by one ``_foreach_add_``; a contiguous tensor larger than that (a flat buffer of clipped
     sums) is noised chunk by chunk. So a step costs a few kernel launches here, not two per parameter tensor,
-    and at most one chunk of noise is alive at a time.
+    and at most one chunk of noise is alive at a time. On the CPU a chunk is drawn by several threads, each
+    block of it by its own generator keyed from ``generator`` (:mod:`private_engine.cpu_noise`).
     """
     group: List[torch.Tensor] = []
     size = 0
@@ -84,7 +86,7 @@ def add_gaussian_noise(tensors: Sequence[torch.Tensor], std: float,
         if not group:
             return
         first = group[0]
-        noise = torch.empty(size, device=first.device, dtype=first.dtype).normal_(0.0, std, generator=generator)
+        noise = fill_normal_(torch.empty(size, device=first.device, dtype=first.dtype), std, generator)
         views, offset = [], 0
         for t in group:
             views.append(noise[offset:offset + t.numel()].view(t.shape))
