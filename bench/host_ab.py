@@ -9,7 +9,11 @@ apart for a whole run).
     git worktree add /tmp/base <commit>
     python bench/host_ab.py --other /tmp/base --noise 0
 
-Prints best and median milliseconds per step of ``nondp``, ``this`` and ``other``.
+Prints best and median milliseconds per step of ``nondp``, ``this`` and ``other``, and each private step's
+median per-round ratio to non-DP. ``--model`` runs a real model instead of the proxy (arithmetic included,
+torch's default threads), e.g. the CPU target's configuration, the two engines measured against each other:
+
+    python bench/host_ab.py --other /tmp/base --model vit_tiny_patch16_224 --rounds 12 --steps 1
 """
 from __future__ import annotations
 
@@ -30,7 +34,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--other", required=True, help="root of another private_engine checkout")
     p.add_argument("--mode", default="bk_mixed", help="private_engine clipping mode (both checkouts)")
     p.add_argument("--noise", type=float, default=1.0, help="noise multiplier σ (0: no noise draw)")
-    p.add_argument("--width", type=int, default=64)
+    p.add_argument("--width", type=int, default=64, help="the proxy's embed_dim")
+    p.add_argument("--model", help="a timm model (random init, 10 classes) instead of the proxy")
+    p.add_argument("--img-size", type=int, default=224, help="with --model")
+    p.add_argument("--batch-size", type=int, default=16, help="with --model")
     p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--steps", type=int, default=3, help="steps per method per round")
     return p.parse_args(argv)
@@ -54,14 +61,29 @@ def main(argv=None) -> dict:
     import torch.nn.functional as F
 
     packages = {"this": load_package("_pe_this", ROOT), "other": load_package("_pe_other", Path(args.other))}
-    torch.set_num_threads(1)
-    x, y = proxy_batch()
-    steps = {"nondp": nondp_step(build_proxy(width=args.width), x, y)}
+    if args.model:
+        import timm
+
+        def build():
+            torch.manual_seed(0)
+            return timm.create_model(args.model, img_size=args.img_size, num_classes=10)
+
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(args.batch_size, 3, args.img_size, args.img_size, generator=gen)
+        y = torch.randint(0, 10, (args.batch_size,), generator=gen)
+    else:  # host cost only: one thread, tiny arithmetic
+        torch.set_num_threads(1)
+
+        def build():
+            return build_proxy(width=args.width)
+
+        x, y = proxy_batch()
+    steps = {"nondp": nondp_step(build(), x, y)}
     for name, pe in packages.items():
-        model = build_proxy(width=args.width)
+        model = build()
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        pe.PrivacyEngine(model, batch_size=2, sample_size=100, max_grad_norm=1.0, noise_multiplier=args.noise,
-                         clipping_mode=args.mode).attach(opt)
+        pe.PrivacyEngine(model, batch_size=x.shape[0], sample_size=100 * x.shape[0], max_grad_norm=1.0,
+                         noise_multiplier=args.noise, clipping_mode=args.mode).attach(opt)
 
         def dp(model=model, opt=opt):
             opt.step(loss=F.cross_entropy(model(x), y, reduction="none"))
@@ -81,6 +103,8 @@ def main(argv=None) -> dict:
     result = {k: (min(v), statistics.median(v)) for k, v in times.items()}
     print(f"{args.mode}, σ = {args.noise}: " + "  ".join(f"{k} best {b:.2f} ms, median {m:.2f} ms"
                                                         for k, (b, m) in result.items()))
+    ratios = {k: statistics.median(t / n for t, n in zip(times[k], times["nondp"])) for k in ("this", "other")}
+    print("median per-round ratio to non-DP: " + "  ".join(f"{k} {r:.3f}×" for k, r in ratios.items()))
     return result
 
 
