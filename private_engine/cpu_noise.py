@@ -167,6 +167,17 @@ def _is_mt19937(g: torch.Generator) -> bool:
         return False
 
 
+def _reset_after_fork() -> None:
+    """In a forked child the pool's threads and a lock held by another thread do not exist: start afresh."""
+    global _lock, _pool, _pool_pid
+    _lock = threading.Lock()
+    _pool, _pool_pid = None, -1
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_after_fork)
+
+
 def _thread_pool(workers: int) -> ThreadPoolExecutor:
     """The module's pool (recreated in a forked child, whose copy has no threads, or for more workers)."""
     global _pool, _pool_pid

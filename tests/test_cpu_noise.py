@@ -2,6 +2,8 @@
 MT19937 generator keyed from the caller's generator. Every coordinate must be N(0, std²), independent of every
 other (no block reused within or across draws), reproducible from the generator whatever the thread count."""
 import math
+import multiprocessing
+import os
 
 import pytest
 import torch
@@ -135,3 +137,26 @@ def test_real_block_size_draw():
     _check_standard_normal(t)
     first, second = t[:cpu_noise.BLOCK], t[cpu_noise.BLOCK:2 * cpu_noise.BLOCK]
     assert not torch.isin(first, second).any()
+
+
+def _draw_in_child(queue):
+    t = cpu_noise.fill_normal_(torch.empty(6000), 1.0, torch.Generator().manual_seed(9))
+    queue.put(t.tolist()[:5])
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_draws_with_its_own_threads(small_blocks):
+    """A DataLoader-style fork after the pool exists: the child's copy of the pool has no threads; it must
+    make its own instead of waiting forever."""
+    cpu_noise.fill_normal_(torch.empty(6000), 1.0)  # the parent's pool exists
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_draw_in_child, args=(queue,))
+    child.start()
+    child.join(timeout=60)
+    if child.is_alive():
+        child.kill()
+        pytest.fail("the forked child hung drawing noise")
+    assert child.exitcode == 0
+    expected = cpu_noise.fill_normal_(torch.empty(6000), 1.0, torch.Generator().manual_seed(9))
+    assert queue.get(timeout=5) == expected.tolist()[:5]
