@@ -7,7 +7,8 @@ and each block is drawn by its own MT19937 generator, on a pool of ``torch.get_n
 (``normal_`` releases the GIL).
 
 Each block's generator gets a full 19,968-bit state: ``SHAKE-256(key)`` expanded to 624 words per block,
-the 256-bit key drawn from the caller's generator (torch's default one when none is given). Not 32-bit
+the key (nine 31-bit numbers, 279 bits) drawn from the caller's generator (torch's default one when
+none is given). Not 32-bit
 seeds: torch's CPU generator keeps only the low 32 bits of ``manual_seed`` (``manual_seed(s)`` and
 ``manual_seed(s + 2**32)`` draw the same numbers), so fresh seeds at every step would collide by the
 birthday bound (≈ 5 % over 10⁴ steps of two blocks), and a collision adds the same noise to two blocks of
@@ -73,8 +74,8 @@ def fill_normal_(t: torch.Tensor, std: float, generator: Optional[torch.Generato
 
 
 def block_generators(parent: torch.Generator, n: int, template: Optional[torch.Tensor] = None) -> List[torch.Generator]:
-    """``n`` CPU generators with full MT19937 states ``SHAKE-256(key)``, ``key`` = 256 bits drawn from ``parent``
-    (which advances). Raises if the state layout is not the checked one (see :func:`parallel_draw_available`)."""
+    """``n`` CPU generators with full MT19937 states ``SHAKE-256(key)``, ``key`` = nine 31-bit numbers (279 bits)
+    drawn from ``parent`` (which advances). Raises if the state layout is not the checked one (see :func:`parallel_draw_available`)."""
     template = _checked_template() if template is None else template
     if template is None:
         raise RuntimeError("this torch's CPU generator state layout is not the one private_engine.cpu_noise checks.")
