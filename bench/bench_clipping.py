@@ -163,10 +163,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--noise-multiplier", type=float, default=1.0)
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--schedule", default="auto", choices=("auto", "interleaved", "sequential"),
+    p.add_argument("--schedule", default="auto", choices=("auto", "interleaved", "sequential", "one-process"),
                    help="interleaved: one step of each method per round (robust to changing background load); "
-                        "sequential: one method at a time (one subprocess alive). auto: interleaved on CPU, "
-                        "sequential on CUDA")
+                        "sequential: one method at a time (one subprocess alive); one-process (CPU only): "
+                        "interleaved, every method timed in this process (no process-to-process offset; memory "
+                        "is still measured per subprocess). auto: interleaved on CPU, sequential on CUDA")
     p.add_argument("--max-batch", action="store_true",
                    help="CUDA only: also find each method's largest batch that fits in GPU memory (doubling from "
                         "--batch-size, then bisection), each method in a fresh subprocess")
@@ -189,6 +190,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.schedule == "auto":
         args.schedule = "sequential" if args.device == "cuda" else "interleaved"
+    if args.schedule == "one-process" and args.device != "cpu":
+        p.error("--schedule one-process is for the CPU (on a GPU every method's model and memory would share it)")
     if not args.models:
         args.models = list(DEFAULT_MODELS[args.device])
     if args.only and len(args.models) != 1:
@@ -881,7 +884,9 @@ def run_all(args, methods: List[str]) -> Dict[str, dict]:
             bar.update()
 
     results = {}
-    if args.schedule == "sequential":
+    if args.schedule == "one-process":
+        results = time_in_this_process(args, methods, bar)
+    elif args.schedule == "sequential":
         for method in methods:
             worker = start(method)
             steps(worker, rounds)
@@ -924,6 +929,49 @@ def run_all(args, methods: List[str]) -> Dict[str, dict]:
         if r.get("times") and "error" not in r:
             r["median_s"] = statistics.median(r["times"])
     add_paired_ratios(results)
+    return results
+
+
+def time_in_this_process(args, methods: List[str], bar) -> Dict[str, dict]:
+    """``--schedule one-process``: build every method here and time one step of each per round (the starting
+    method rotates), as the interleaved schedule does across subprocesses. On a shared VM a subprocess can run
+    10–20 % slower than another for its whole life, which neither interleaving nor repeats remove; in one process
+    every method meets the same allocator, caches and placement. Returns ``{method: {"times": [...], notes}}``."""
+    import warnings
+
+    import torch
+
+    results: Dict[str, dict] = {}
+    runners: Dict[str, Runner] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for method in methods:
+            bar.set_postfix_str(f"building {method}")
+            notes: dict = {}
+            try:
+                model, notes = build_model(args, method)
+                x, y = make_batch(args)
+                runners[method] = SETUPS[method](model, x, y, args)
+                results[method] = {"method": method, "times": [], **notes}
+            except Exception as e:  # noqa: BLE001 - e.g. a layer Opacus does not support: a row with the error
+                results[method] = {"method": method, "times": [], "error": error_text(e), **notes}
+            bar.update()
+        live = list(runners)
+        for r in range(args.warmup + args.steps):
+            k = r % max(len(live), 1)
+            for method in live[k:] + live[:k]:
+                bar.set_postfix_str(method)
+                if "error" not in results[method]:
+                    try:
+                        t0 = time.perf_counter()
+                        runners[method].step()
+                        results[method]["times"].append(time.perf_counter() - t0)
+                    except Exception as e:  # noqa: BLE001
+                        results[method]["error"] = error_text(e)
+                bar.update()
+            bar.update(len(methods) - len(live))
+    for method in live:
+        results[method].update(note=runners[method].describe(), threads=torch.get_num_threads())
     return results
 
 
@@ -1093,9 +1141,13 @@ def setup_lines(args, results: Dict[str, dict]) -> List[str]:
     amp = {"none": "", "bf16": ", bfloat16 autocast", "fp16": ", float16 autocast + GradScaler"}[args.amp]
     lines = [f"SGD (lr {args.lr}), cross-entropy on {data}, {args.num_classes} classes, "
              f"σ = {args.noise_multiplier}, R = {args.max_grad_norm}, {args.dtype}{amp}; "
-             f"{args.steps} timed steps after {args.warmup} warm-up, median; one subprocess per method, "
-             f"{args.schedule}" + (" (one step of each method per round; 'time × non-DP' is the median of the "
-                                   "per-round ratios)." if args.schedule == "interleaved" else ".")]
+             f"{args.steps} timed steps after {args.warmup} warm-up, median; "
+             + ("every method timed in one process, interleaved (one step of each method per round; 'time × non-DP' "
+                "is the median of the per-round ratios; memory from one subprocess per method)."
+                if args.schedule == "one-process" else
+                f"one subprocess per method, {args.schedule}"
+                + (" (one step of each method per round; 'time × non-DP' is the median of the per-round ratios)."
+                   if args.schedule == "interleaved" else "."))]
     if ok is None:
         return lines
     frozen_set = next((r["frozen_set"] for r in results.values() if r.get("frozen_set")), [])
@@ -1152,13 +1204,15 @@ def section_key(args) -> str:
     size = f"t{args.seq_len}" if args.model == TEXT_MODEL else str(args.img_size)
     return (f"{args.model}-{size}-b{args.batch_size}-{args.device}-{args.dtype}"
             + (f"-amp{args.amp}" if args.amp != "none" else "") + ("-noinplace" if args.no_inplace else "")
-            + (f"-alloc-{args.cuda_alloc_conf}" if args.cuda_alloc_conf else ""))
+            + (f"-alloc-{args.cuda_alloc_conf}" if args.cuda_alloc_conf else "")
+            + ("-oneprocess" if args.schedule == "one-process" else ""))
 
 
 def title(args, info: Dict[str, str]) -> str:
     size = f"{args.seq_len} tokens" if args.model == TEXT_MODEL else f"{args.img_size}×{args.img_size}"
     amp = f", {args.amp} autocast" if args.amp != "none" else ""
-    return f"{args.model}, {size}, batch {args.batch_size}, {info['device']} ({args.dtype}{amp})"
+    where = ": timed in one process" if args.schedule == "one-process" else ""
+    return f"{args.model}, {size}, batch {args.batch_size}, {info['device']} ({args.dtype}{amp}){where}"
 
 
 def markdown_section(args, results: Dict[str, dict], info: Dict[str, str]) -> str:

@@ -363,3 +363,42 @@ def test_raised_at_names_the_innermost_private_engine_frame(bench):
     with pytest.raises(RuntimeError) as info:
         ns["inner"]()
     assert bench.raised_at(info.value) == "inner.py:2 (inner)"
+
+
+def test_one_process_schedule_times_every_method_here(bench, monkeypatch):
+    """--schedule one-process: each method built and stepped in this process, one step of each per round, an
+    error kept to its own row; memory still from one subprocess per method; its own section key and title."""
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--device", "cuda", "--schedule", "one-process"])
+    args = bench.parse_args(["--device", "cpu", "--models", "text_transformer", "--seq-len", "8", "--batch-size",
+                             "2", "--methods", "nondp", "bk_mixed", "mixed", "--steps", "3", "--warmup", "1",
+                             "--schedule", "one-process", "--timeout", "300"])
+    assert bench.section_key(args) == "text_transformer-t8-b2-cpu-float32-oneprocess"
+    assert bench.title(args, {"device": "CPU"}).endswith(": timed in one process")
+    assert "every method timed in one process" in bench.setup_lines(args, {})[0]
+
+    order = []
+    real_setup = bench.SETUPS["bk_mixed"]
+
+    def recording(model, x, y, a):
+        runner = real_setup(model, x, y, a)
+        step = runner.step
+
+        def recorded():
+            order.append("bk_mixed")
+            step()
+        return bench.Runner(recorded, runner.describe)
+
+    def broken(model, x, y, a):
+        raise ValueError("no rule for this layer")
+
+    monkeypatch.setitem(bench.SETUPS, "bk_mixed", recording)
+    monkeypatch.setitem(bench.SETUPS, "mixed", broken)
+    results = bench.run_all(args, args.methods)
+    assert results["mixed"]["error"].startswith("ValueError: no rule") and "times" in results["mixed"]
+    for m in ("nondp", "bk_mixed"):
+        r = results[m]
+        assert "error" not in r and len(r["times"]) == 3 and r["median_s"] > 0  # warm-up dropped
+        assert r["trainable"] > 0 and r["peak_delta_mib"] > 0  # notes here, memory from its subprocess
+    assert len(order) == 4  # the warm-up and the timed steps ran in this process
+    assert "ghost" in results["bk_mixed"]["note"] and results["bk_mixed"]["time_ratio"] > 0
