@@ -402,3 +402,21 @@ def test_one_process_schedule_times_every_method_here(bench, monkeypatch):
         assert r["trainable"] > 0 and r["peak_delta_mib"] > 0  # notes here, memory from its subprocess
     assert len(order) == 4  # the warm-up and the timed steps ran in this process
     assert "ghost" in results["bk_mixed"]["note"] and results["bk_mixed"]["time_ratio"] > 0
+
+
+def test_cpu_peak_memory_is_the_childs_own_not_its_parents():
+    """A method's subprocess is forked from the benchmark's process; ``ru_maxrss`` keeps the high-water mark from
+    before ``exec`` (the parent's RSS), so the CPU peak must come from VmHWM, which the meter resets."""
+    import subprocess
+
+    import torch
+
+    ballast = torch.ones(100 * 2 ** 20)  # 400 MB held (and touched) by this, the parent, process
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import bench_clipping as b, torch; m = b.MemoryMeter('cpu'); "
+            "m.start(); x = torch.ones(8 * 2 ** 20); print(m.exact_cpu_peak, m.delta_mib(m.peak()))")
+    out = subprocess.run([sys.executable, "-c", code, str(ROOT / "bench")], capture_output=True, text=True,
+                         check=True).stdout.split()
+    del ballast
+    if out[0] != "True":
+        pytest.skip("this kernel cannot reset the peak RSS (/proc/self/clear_refs)")
+    assert 25 < float(out[1]) < 200  # the child's 32 MiB, not the parent's RSS
