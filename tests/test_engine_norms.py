@@ -164,12 +164,12 @@ def test_unit_weight_is_a_cached_plain_vector_of_ones():
     from private_engine.layers.normalization import _UNIT_WEIGHTS, unit_weight
 
     like = torch.zeros(2, dtype=torch.float64)
-    _UNIT_WEIGHTS.pop((7, torch.float64, like.device), None)
+    _UNIT_WEIGHTS.pop(((7,), torch.float64, like.device), None)
     with torch.inference_mode():
-        w = unit_weight(7, like)
+        w = unit_weight((7,), like)
     assert not w.is_inference() and not w.requires_grad
     assert w.dtype == torch.float64 and torch.equal(w, torch.ones(7, dtype=torch.float64))
-    assert unit_weight(7, like) is w
+    assert unit_weight(torch.Size([7]), like) is w and unit_weight((1, 7), like).shape == (1, 7)
     x = torch.randn(3, 5, 7, dtype=torch.float64)
     assert torch.allclose(nn.functional.layer_norm(x, (7,), w, None, 1e-5),
                           nn.functional.layer_norm(x, (7,), None, None, 1e-5), atol=1e-12, rtol=0)
@@ -183,4 +183,4 @@ def test_unit_weight_is_a_cached_plain_vector_of_ones():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     engine.attach(opt)
     opt.step(loss=model(torch.randn(3, 4)).pow(2).sum(1))
-    assert torch.equal(unit_weight(6, torch.zeros(1)), torch.ones(6))
+    assert torch.equal(unit_weight((6,), torch.zeros(1)), torch.ones(6))

@@ -18,19 +18,19 @@ from torch import nn
 from .base import LayerDims, LayerRule, accumulation_dtype, cast, register_rule, trainable
 
 
-_UNIT_WEIGHTS: Dict[Tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+_UNIT_WEIGHTS: Dict[Tuple[Tuple[int, ...], torch.dtype, torch.device], torch.Tensor] = {}
 
 
-def unit_weight(n: int, like: torch.Tensor) -> torch.Tensor:
-    """A cached vector of ``n`` ones (``like``'s dtype and device): the affine weight γ = 1 under which
+def unit_weight(shape: Tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """A cached tensor of ones of ``shape`` (``like``'s dtype and device): the affine weight γ = 1 under which
     ``layer_norm``/``group_norm`` return x̂ itself. Passed instead of ``None`` because CPU kernels normalise
-    about 2× faster with a weight than without one (torch 2.x; the result is the same x̂), and cached so
-    that a GPU step does not launch a fill kernel per call."""
-    key = (n, like.dtype, like.device)
+    about 2× faster with a weight than without one (torch 2.x; the result is the same x̂), and cached, in its
+    shape, so that a step adds neither a fill kernel nor a reshape per call."""
+    key = (tuple(shape), like.dtype, like.device)
     w = _UNIT_WEIGHTS.get(key)
     if w is None:
         with torch.inference_mode(False), torch.no_grad():  # a normal tensor even if first made under inference
-            w = _UNIT_WEIGHTS[key] = torch.ones(n, dtype=like.dtype, device=like.device)
+            w = _UNIT_WEIGHTS[key] = torch.ones(key[0], dtype=like.dtype, device=like.device)
     return w
 
 
@@ -62,8 +62,7 @@ class LayerNormRule(_AffineNormRule):
             )
         # x̂ = (x − mean) / √(var + eps) over the normalised dims, in one fused kernel (γ = 1: see unit_weight)
         x = cast(a, accumulation_dtype(a))
-        ones = unit_weight(math.prod(module.normalized_shape), x).view(module.normalized_shape)
-        return F.layer_norm(x, module.normalized_shape, ones, None, module.eps)
+        return F.layer_norm(x, module.normalized_shape, unit_weight(module.normalized_shape, x), None, module.eps)
 
     def dims(self, module, activation, output):
         p = math.prod(module.normalized_shape)
@@ -94,7 +93,7 @@ class GroupNormRule(_AffineNormRule):
             )
         # x̂ = (x − mean_group) / √(var_group + eps), in one fused kernel (γ = 1: see unit_weight)
         x = cast(a, accumulation_dtype(a))
-        return F.group_norm(x, module.num_groups, unit_weight(C, x), None, module.eps).reshape(B, C, -1)
+        return F.group_norm(x, module.num_groups, unit_weight((C,), x), None, module.eps).reshape(B, C, -1)
 
     def dims(self, module, activation, output):
         T = math.prod(output.shape[2:])
