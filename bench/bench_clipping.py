@@ -739,21 +739,20 @@ def probe_max_batch(args) -> int:
     return {"max_batch": best, **({"oom": {"batch": min(failures), **failures[min(failures)]}} if failures else {})}
 
 
-def oom_state(torch, error: Optional[BaseException] = None) -> dict:
+def oom_state(torch, error: BaseException) -> dict:
     """The CUDA caching allocator when a step ran out of memory (MiB): bytes in live tensors, bytes reserved from
     the driver (their difference: free space inside the allocator's segments, too fragmented for the failed
-    request), and the attempt's peak of live tensors; with the ``error``, the size of the request that failed
+    request), and the attempt's peak of live tensors; from the ``error``, the size of the request that failed
     ("Tried to allocate …": one huge tensor or workspace, or a small block that fragmentation refused) and
     where it was raised (:func:`raised_at`)."""
     state = {"allocated_mib": torch.cuda.memory_allocated() / MIB, "reserved_mib": torch.cuda.memory_reserved() / MIB,
              "peak_allocated_mib": torch.cuda.max_memory_allocated() / MIB}
-    if error is not None:
-        request = re.search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", str(error))
-        if request:
-            state["request"] = request.group(1)
-        where = raised_at(error)
-        if where:
-            state["where"] = where
+    request = re.search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", str(error))
+    if request:
+        state["request"] = request.group(1)
+    where = raised_at(error)
+    if where:
+        state["where"] = where
     return state
 
 
