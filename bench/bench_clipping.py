@@ -612,6 +612,16 @@ def error_text(e: BaseException) -> str:
     return f"{SKIPPED if isinstance(e, Skip) else type(e).__name__ + ':'} {text.split('. ')[0]}"[:300]
 
 
+def build_runner(args, method: str, notes: dict) -> Runner:
+    """``method`` ready to train on ``--batch-size``: its model, the batch and its setup. ``notes`` receives the
+    model's notes as soon as the model is built, so that they survive a setup that then fails (e.g. a layer
+    Opacus does not support) and the error row still says what was traced."""
+    model, found = build_model(args, method)
+    notes.update(found)
+    x, y = make_batch(args)
+    return SETUPS[method](model, x, y, args)
+
+
 def run_child(args) -> None:
     """Subprocess entry point: build ``args.only``, then serve ``step`` / ``finish`` requests from stdin.
 
@@ -628,11 +638,9 @@ def run_child(args) -> None:
             return emit(probe_max_batch(args))
         except Exception as e:  # not an out-of-memory error: the method cannot run at some size
             return emit({"error": error_text(e)})
-    notes = {}
+    notes: dict = {}
     try:
-        model, notes = build_model(args, args.only)
-        x, y = make_batch(args)
-        runner = SETUPS[args.only](model, x, y, args)
+        runner = build_runner(args, args.only, notes)
     except Exception as e:
         return emit({"error": error_text(e), **notes})
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
@@ -957,9 +965,7 @@ def time_in_this_process(args, methods: List[str], bar) -> Dict[str, dict]:
             bar.set_postfix_str(f"building {method}")
             notes: dict = {}
             try:
-                model, notes = build_model(args, method)
-                x, y = make_batch(args)
-                runners[method] = SETUPS[method](model, x, y, args)
+                runners[method] = build_runner(args, method, notes)
                 results[method] = {"method": method, "times": [], **notes}
             except Exception as e:  # noqa: BLE001 - e.g. a layer Opacus does not support: a row with the error
                 results[method] = {"method": method, "times": [], "error": error_text(e), **notes}

@@ -396,6 +396,7 @@ def test_one_process_schedule_times_every_method_here(bench, monkeypatch):
     monkeypatch.setitem(bench.SETUPS, "mixed", broken)
     results = bench.run_all(args, args.methods)
     assert results["mixed"]["error"].startswith("ValueError: no rule") and "times" in results["mixed"]
+    assert results["mixed"]["trainable"] > 0  # the model's notes survive the failed setup (build_runner)
     for m in ("nondp", "bk_mixed"):
         r = results[m]
         assert "error" not in r and len(r["times"]) == 3 and r["median_s"] > 0  # warm-up dropped
