@@ -13,7 +13,12 @@ size and normalised with its mean/std (``--img-size`` overrides the size). The s
 (8×8, 2×2 patches, 4 blocks, average pooling) applies to ``--data digits`` without
 ``--pretrained``; otherwise the model keeps its own architecture. ``--pretrained`` loads the hub
 weights (network needed; off by default). Trainable parameters the engine has no per-sample rule
-for are frozen and listed. ``--amp``: bfloat16 autocast (``--amp fp16``: float16 with a GradScaler). The last line reads
+for are frozen and listed. ``--seed`` seeds the model's initialisation and the train/test split
+only: the noise and the Poisson sampler draw from generators seeded from OS entropy
+(``private_engine.noise``), so no two runs add the same noise or sample the same batches — a
+public seed for either would let anyone re-run the script on a neighbouring dataset and subtract
+the noise, or learn the batches (privacy amplification by subsampling needs them secret).
+``--amp``: bfloat16 autocast (``--amp fp16``: float16 with a GradScaler). The last line reads
 ``ε=… δ=… σ=… accuracy=… seconds=…``.
 
 Examples::
@@ -39,6 +44,7 @@ import private_engine as pe
 from private_engine.data import poisson_loader
 from private_engine.image_data import SOURCES, load_image_data, model_data_config, num_classes
 from private_engine.models import create_model
+from private_engine.noise import entropy_seeded_generator
 from private_engine.training import accuracy, private_logical_step
 from private_engine.validation import batchnorm_modules, traced_parameters
 
@@ -80,7 +86,9 @@ def parse_args(argv=None):
     p.add_argument("--amp", nargs="?", const="bf16", choices=("bf16", "fp16"),
                    help="autocast: bf16 (the default of a bare --amp; CPU, or CUDA GPUs with bfloat16) or fp16 "
                         "(float16 with a torch.amp.GradScaler; needs a book-keeping --clipping-mode)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seeds the model initialisation and the train/test split; never the "
+                        "noise or the Poisson sampling, which draw from OS entropy")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
     if args.data != "digits" and not args.data_dir:
@@ -175,7 +183,8 @@ def main(argv=None):
     model = model.to(device)
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
 
-    loader = poisson_loader(train, args.batch_size, generator=torch.Generator().manual_seed(args.seed),
+    # secret batch membership: the sampler's generator comes from OS entropy, not from --seed
+    loader = poisson_loader(train, args.batch_size, generator=entropy_seeded_generator(),
                             num_workers=args.workers)
     engine = pe.PrivacyEngine(
         model, batch_size=args.batch_size, sample_size=len(train), steps=args.epochs * len(loader),

@@ -6,14 +6,17 @@ clipped sums are divided by S (in float32)::
 
     ‖g_i‖ = ‖S·g_i‖ / S,       Σ_i C_i g_i = Σ_i (C_i / S)·(S·g_i).
 
-A sample whose scaled norm (or loss) is not finite overflowed in float16: it gets ``C_i = 0`` and its rows
-are zeroed before the clipped sum. That is a per-sample decision, so the sensitivity stays R (unlike
-skipping the whole batch, which one overflowing sample could trigger). The scale then follows
-GradScaler's schedule — ``× backoff_factor`` after a batch with an overflow, ``× growth_factor`` after
-``growth_interval`` batches without — read from the scaler's public getters and written back with
-``scaler.update(new_scale)``. That schedule depends on the data, as in all dynamic loss scaling; a scaler
-with ``growth_factor=1, backoff_factor=1`` (a fixed scale) leaves nothing data-dependent but the
-per-sample drops. bfloat16 needs no scaler.
+A sample whose scaled norm (or loss) is not finite overflowed in float16: it gets ``C_i = 0`` and
+its rows are zeroed before the clipped sum. That is a per-sample decision, so the sensitivity stays
+R (unlike skipping the whole batch, which one overflowing sample could trigger). By default the
+scale stays fixed at the scaler's initial scale: a dynamic schedule (× backoff after a batch with an
+overflow, × growth after ``growth_interval`` clean batches) would make the scale — public state,
+saved with the scaler and read by every later step — a function of whether some private sample
+overflowed, released without noise. Since overflowing samples are dropped one by one, a fixed scale
+is safe; pick it so that honest samples neither overflow nor underflow (2¹⁶ is GradScaler's
+default). ``dynamic=True`` follows GradScaler's schedule instead (read from the scaler's public
+getters, written back with ``scaler.update(new_scale)``), accepting that leak. bfloat16 needs no
+scaler.
 """
 from __future__ import annotations
 
@@ -25,13 +28,15 @@ import torch
 class LossScaling:
     """The engine's view of a ``torch.amp.GradScaler`` (None or disabled: no scaling)."""
 
-    def __init__(self, scaler: Optional["torch.amp.GradScaler"]):
+    def __init__(self, scaler: Optional["torch.amp.GradScaler"], dynamic: bool = False):
         if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
             raise TypeError(
                 f"grad_scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}. Build it with "
                 "torch.amp.GradScaler('cuda') (or 'cpu')."
             )
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
+        #: follow GradScaler's data-dependent schedule (False: the scale stays fixed)
+        self.dynamic = bool(dynamic)
         self._good_batches = 0
         #: physical batches in which at least one sample overflowed, and samples dropped (C_i = 0) in total
         self.overflow_batches = 0
@@ -48,13 +53,17 @@ class LossScaling:
         return loss * self._scale.to(loss.dtype), self._scale
 
     def update(self, dropped: int) -> None:
-        """GradScaler's schedule after one physical batch in which ``dropped`` samples overflowed (the new scale
-        is computed on the scale's device: no host sync)."""
+        """Count one physical batch in which ``dropped`` samples overflowed; with ``dynamic``, move
+        the scale by GradScaler's schedule (the new scale is computed on the scale's device: no host
+        sync)."""
         sc = self.scaler
         factor = 1.0
         if dropped:
             self.overflow_batches += 1
             self.dropped_samples += dropped
+        if not self.dynamic:
+            return
+        if dropped:
             self._good_batches = 0
             factor = sc.get_backoff_factor()
         else:

@@ -15,17 +15,20 @@ returns a :class:`private_engine.opacus_compat.OpacusPrivacyEngine` with Opacus'
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Union
+import warnings
+from typing import List, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
+from . import noise as _noise
 from . import optim as _optim
 from .amp import LossScaling
 from .accounting import calibrate_noise_multiplier, make_accountant, steps_for
 from .clipping import ClipFn, PerSampleClipper, check_per_sample_loss
 from .grad_sums import GradSums
 from .plan import DEFAULT_CLIPPING_MODE, LayerDecision, check_mode, is_book_keeping
+from .buffers import BufferGuard
 from .validation import check_no_batchnorm, clipped_layers
 
 
@@ -37,7 +40,9 @@ class PrivacyEngine:
     factor and ``R = max_grad_norm``. Per-sample norms come from ghost norms or instantiated
     per-sample gradients, chosen per layer (seed 002, "mixed ghost clipping"); the clipped sum comes,
     in the book-keeping modes (default), from the same single backward (``gᵀ·diag(C)·a`` per layer or
-    kept per-sample gradients, Bu et al. 2023), or from a second backward of ``Σ_i C_i·L_i``.
+    kept per-sample gradients, Bu et al. 2023), or from the same per-layer formulas during a second,
+    activation-only backward. Every norm is a certified upper bound of what is released for the
+    sample, rounding included (docs/engine.md, "Privacy guarantees").
 
     Args:
         model: the ``nn.Module`` to train; every trainable parameter is clipped by a layer rule, the
@@ -50,16 +55,35 @@ class PrivacyEngine:
         noise_multiplier: σ; or give ``target_epsilon`` (and epochs/steps) to calibrate it.
         target_delta: δ; default ``1 / (2·sample_size)``.
         clipping_mode: the single-backward book-keeping modes (Bu et al. 2023) "bk_mixed" (default; seed 002's
-            memory rule applied to what book-keeping keeps), "bk" (ghost norms) and "bk_mixopt" (time rule,
-            ghost iff ``T²(D+p) < pD``), or the two-pass modes "mixed" (seed 002 eq. 4.1 per layer), "ghost",
-            "per_sample" (norm pass + weighted second backward); every mode gives the same clipped gradient
-            (docs/engine.md, "Clipping modes").
+            memory rule applied to what book-keeping keeps), "bk" (ghost norms) and "bk_mixopt"
+            (time rule, ghost iff ``T²(D+p) < pD``), or the two-pass modes "mixed" (seed 002 eq. 4.1
+            per layer), "ghost", "per_sample" (norm pass + a second activation-only backward that
+            writes the sums); every mode gives the same clipped gradient (docs/engine.md, "Clipping
+            modes").
         clipping_fn: "abadi", "automatic", "global" or a callable ``(norms, R) -> factors``.
         accountant: "rdp", "prv" or "gdp" (Opacus' accountants).
-        noise_generator: optional ``torch.Generator`` for the noise (on the parameters' device).
+        noise_generator: optional ``torch.Generator`` for the noise. By default (None) the noise
+            comes from a generator on the parameters' device whose state is drawn from OS entropy
+            (``private_engine.noise.entropy_seeded_generator``), never from torch's global one, so
+            ``torch.manual_seed`` does not make it reproducible. A generator given here is used as
+            is and warns once (``ReproducibleNoiseWarning``): anyone who knows its seed can
+            subtract the noise.
+        secure_mode: draw every noise coordinate from the OS cryptographic generator as
+            ``(z₁ + z₂ + z₃ + z₄)/2``, ``z_k`` i.i.d. N(0, σ²R²), against floating-point attacks on
+            the Gaussian sampler (Holohan & Braghin 2021, "Secure Random Sampling in Differential
+            Privacy"; Opacus' ``secure_mode``); much slower than the default draw. Excludes
+            ``noise_generator``.
+        data_free_buffers: qualified names (``fnmatch`` patterns) of buffers the model may write
+            during a training forward because they depend on shapes only (a lazily built cache); any
+            other buffer written from the data is refused
+            (:class:`private_engine.buffers.BufferGuard`).
         grad_scaler: a ``torch.amp.GradScaler`` for float16 autocast (book-keeping modes): the engine scales
-            the loss, unscales norms and sums in float32, drops samples that overflow (``C_i = 0``) and
-            updates the scale (private_engine/amp.py). bfloat16 autocast needs none.
+            the loss, unscales norms and sums in float32, drops samples that overflow (``C_i = 0``)
+            and keeps the scale fixed at the scaler's (private_engine/amp.py). bfloat16 autocast
+            needs none.
+        dynamic_loss_scale: move the scale by GradScaler's schedule (backoff after an overflow,
+            growth after clean batches); the scale then depends on whether private samples
+            overflowed — public state outside the DP guarantee — so it is off by default.
     """
 
     def __new__(cls, *args, **kwargs):
@@ -81,8 +105,10 @@ class PrivacyEngine:
                  noise_multiplier: Optional[float] = None, target_epsilon: Optional[float] = None,
                  target_delta: Optional[float] = None, clipping_mode: str = DEFAULT_CLIPPING_MODE,
                  clipping_fn: Union[str, ClipFn] = "abadi", accountant: str = "rdp",
-                 noise_generator: Optional[torch.Generator] = None,
-                 grad_scaler: Optional["torch.amp.GradScaler"] = None):
+                 noise_generator: Optional[torch.Generator] = None, secure_mode: bool = False,
+                 data_free_buffers: Sequence[str] = (),
+                 grad_scaler: Optional["torch.amp.GradScaler"] = None,
+                 dynamic_loss_scale: bool = False):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}.")
         if not (isinstance(batch_size, int) and batch_size > 0):
@@ -92,24 +118,27 @@ class PrivacyEngine:
         if (noise_multiplier is None) == (target_epsilon is None):
             raise ValueError("give exactly one of noise_multiplier or target_epsilon.")
         check_mode(clipping_mode)
-        self.loss_scaling = LossScaling(grad_scaler)
+        self.loss_scaling = LossScaling(grad_scaler, dynamic=dynamic_loss_scale)
         if self.loss_scaling.enabled and not is_book_keeping(clipping_mode):
             raise ValueError(
                 f"grad_scaler needs a book-keeping clipping_mode ('bk', 'bk_mixed' or 'bk_mixopt'), not "
-                f"{clipping_mode!r}: a second backward through a float16 graph in which one sample overflowed would "
-                "spread NaN into every sample's gradient, while book-keeping drops that sample alone."
+                f"{clipping_mode!r}: the two-pass modes would backpropagate a float16 graph in "
+                "which samples overflowed twice; book-keeping runs one backward and drops each "
+                "overflowing sample alone."
             )
         self.model = model
         self.batch_size = batch_size
         self.sample_size = sample_size
         self.sample_rate = batch_size / sample_size
-        self.max_grad_norm = float(max_grad_norm)
+        if not (isinstance(max_grad_norm, (int, float)) and 0 < max_grad_norm < math.inf):
+            raise ValueError(f"max_grad_norm must be a finite number > 0, got {max_grad_norm!r}.")
         self.target_delta = float(target_delta) if target_delta is not None else 1.0 / (2 * sample_size)
         self.target_epsilon = target_epsilon
         self.accountant_name = accountant
         self.accountant = make_accountant(accountant)
         self.clipping_mode = clipping_mode
-        self.noise_generator = noise_generator
+        self.secure_mode = bool(secure_mode)
+        self.noise_generator = _noise.engine_noise_generator(model, noise_generator, secure_mode)
         if target_epsilon is not None:
             self.steps = steps_for(epochs, steps, self.sample_rate)
             self.noise_multiplier = calibrate_noise_multiplier(
@@ -121,6 +150,8 @@ class PrivacyEngine:
             self.steps = steps_for(epochs, steps, self.sample_rate) if (epochs or steps) else None
 
         check_no_batchnorm(model)
+        #: refuses a training forward that changes a buffer from the data (a release without noise)
+        self.buffer_guard = BufferGuard(model, allow=data_free_buffers).install()
         layers = clipped_layers(model, strict=True)
         self.params: List[nn.Parameter] = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
@@ -128,8 +159,13 @@ class PrivacyEngine:
         self.clipper = PerSampleClipper(layers, self.params, mode=clipping_mode, clipping_fn=clipping_fn,
                                         max_grad_norm=max_grad_norm, model=model)
         self._attached: List[_optim.PrivateStep] = []
-        #: per-sample gradient norms ‖g_i‖ of the last clipped physical batch (None before the first)
+        #: certified per-sample gradient norms ‖g_i‖ of the last clipped physical batch (None before
+        #: the first)
         self.last_norms: Optional[torch.Tensor] = None
+        #: samples dropped (clip factor 0) because their loss or gradient norm was not finite, since
+        #: construction (a diagnostic for the analyst: it depends on the data and is not part of the
+        #: private release)
+        self.dropped_samples = 0
 
     # -- optimizer ---------------------------------------------------------------------------
     def attach(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -149,7 +185,8 @@ class PrivacyEngine:
             )
         if any(s.optimizer is optimizer and s.attached for s in self._attached):
             raise RuntimeError("this optimizer is already attached to the engine.")
-        self.clipper.recorder.install()  # hooks removed by detach() come back
+        self.clipper.install()  # hooks removed by detach() come back
+        self.buffer_guard.install()
         self._attached.append(_optim.attach(self, optimizer))
         return optimizer
 
@@ -159,12 +196,14 @@ class PrivacyEngine:
             _optim.detach(state)
         self._attached = []
         self.clipper.remove()
+        self.buffer_guard.remove()
 
     # -- clipping ------------------------------------------------------------------------------
     def clipped_grad_sum(self, loss: torch.Tensor):
         """``([Σ_i C_i ∂L_i/∂θ for θ in params], B)`` for one physical batch.
 
-        Raises on a malformed or non-finite loss before anything is modified.
+        Raises on a malformed loss before anything is modified; a sample whose loss or gradient norm
+        is not finite is dropped (clip factor 0, counted in ``dropped_samples``).
         """
         sums, n = self.clipped_sums(loss)
         return sums.own_grads(), n
@@ -191,31 +230,44 @@ class PrivacyEngine:
             )
         scaling = self.loss_scaling
         if scaling.enabled:  # float16: backward of S·Σ L_i, norms and sums unscaled in float32
-            scaled, scale = scaling.scale(loss)
-            norms = self.clipper.per_sample_norms(scaled, walk) / scale
-            ok = torch.isfinite(norms) & torch.isfinite(loss.detach())
-            dropped = int((~ok).sum())  # the step's one sync
-            norms = torch.where(ok, norms, torch.zeros_like(norms))
+            loss_in, scale = scaling.scale(loss)
         else:
-            norms = self.clipper.per_sample_norms(loss, walk)
-            if not bool(torch.isfinite(norms).all() & torch.isfinite(loss.detach()).all()):  # the step's one sync
-                self.clipper.release()
-                raise ValueError(
-                    "non-finite loss or per-sample gradient norm (NaN/inf); nothing was updated. Lower the learning "
-                    "rate, check the data, or use a loss that stays finite (float16: pass grad_scaler=)."
-                )
+            loss_in, scale = loss, None
         try:
-            factors = self.clipper.clip_factors(norms)
+            norms = self.clipper.per_sample_norms(loss_in, walk)
+            if scale is not None:
+                norms = norms / scale.to(norms.dtype)
+            # a sample whose loss or certified norm is not finite is dropped (C_i = 0, rows zeroed)
+            # the step's one host sync
+            norms, factors, keep, dropped = self.clipper.finite_factors(norms, loss)
         except BaseException:
             self.clipper.release()
             raise
         self.last_norms = norms.detach()
-        if not scaling.enabled:
-            return self.clipper.clipped_sums(loss, factors), loss.shape[0]
-        factors = torch.where(ok, factors, torch.zeros_like(factors))
-        grads = self.clipper.clipped_sums(scaled, factors / scale, keep=ok if dropped else None)
-        scaling.update(dropped)
+        self.dropped_samples += dropped
+        if dropped == loss.shape[0]:
+            warnings.warn(
+                f"every sample of this batch ({dropped}) had a non-finite loss or gradient norm "
+                "and was dropped (clip factor 0): the model may have diverged (lower the learning "
+                "rate; float16: pass grad_scaler=).", RuntimeWarning, stacklevel=4)
+        if scale is not None:
+            factors = factors / scale.to(factors.dtype)
+        grads = self.clipper.clipped_sums(loss_in, factors, keep=keep)
+        if scaling.enabled:
+            scaling.update(dropped)
         return grads, loss.shape[0]
+
+    @property
+    def max_grad_norm(self) -> float:
+        """R: the clipping threshold and the noise's scale (one value, the clipper's: the two never
+        drift apart)."""
+        return self.clipper.max_grad_norm
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, value: float) -> None:
+        if not (isinstance(value, (int, float)) and 0 < value < math.inf):
+            raise ValueError(f"max_grad_norm must be a finite number > 0, got {value!r}.")
+        self.clipper.max_grad_norm = float(value)
 
     @property
     def layer_plan(self) -> List[LayerDecision]:

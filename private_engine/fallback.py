@@ -10,7 +10,7 @@ per-sample gradient of every trainable parameter θ in M's subtree is then
 
 computed by ``torch.func.vmap(torch.func.grad(...))`` over ``functional_call(M, …)`` — M alone,
 not the whole model — with ``x_i`` the rows of sample i (k rows when M sees k·B rows, e.g. Swin
-windows). The squared norms add into ``‖g_i‖²``; the weighted second backward gives the clipped
+windows). The squared norms add into ``‖g_i‖²``; the kept per-sample gradients give the clipped
 sum. Each module on this path is named in one warning at engine construction.
 """
 from __future__ import annotations

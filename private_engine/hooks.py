@@ -63,6 +63,12 @@ class RecordedLayer:
         """``[(activation, output_grad)]`` of the calls whose gradient reached the layer."""
         return [(c.activation, c.grad) for c in self.calls if c.fired and c.grad is not None]
 
+    def clear_grads(self) -> None:
+        """Forget the calls' output gradients but keep the calls (activations, edges) for a second
+        backward through the same graph (two-pass clipping; :meth:`LayerRecorder.rearm`)."""
+        for c in self.calls:
+            c.grad = None
+
     def release(self) -> None:
         """Drop the calls and break their references: each call's tensor hook (owned by an
         autograd node) refers to the call, and the call to graph nodes, a cycle through C++
@@ -303,6 +309,14 @@ class LayerRecorder:
                     c.fired = True
                 if layer.pairs() and self.on_layer_ready is not None:
                     self.on_layer_ready(layer)
+
+    def rearm(self) -> None:
+        """Let every recorded call's gradient hook fire once more (a second backward through the
+        same graph)."""
+        for layer in self.layers:
+            for c in layer.calls:
+                c.fired = False
+                c.grad = None
 
     def reset(self) -> None:
         """Drop every record (activations, gradients, graph edges)."""

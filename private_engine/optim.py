@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, List, Optional, Sequence
 
 import torch
 
-from .cpu_noise import fill_normal_
 from .grad_sums import GradSums
 from .layers.base import cast
+from .noise import gaussian_noise_
 
 if TYPE_CHECKING:  # pragma: no cover
     from .engine import PrivacyEngine
@@ -55,7 +55,7 @@ class PrivateStep:
         if self.grad_sums is not None:
             sums.add_(self.grad_sums)
         if std > 0:
-            add_gaussian_noise(sums.buffers, std, engine.noise_generator)
+            add_gaussian_noise(sums.buffers, std, engine.noise_generator, engine.secure_mode)
         grads = sums.own_grads(float(engine.batch_size))  # one operation: divided, out of the flat buffers
         return [cast(g, p.dtype) for p, g in zip(engine.params, grads)]
 
@@ -69,7 +69,8 @@ NOISE_CHUNK = 1 << 24
 
 
 def add_gaussian_noise(tensors: Sequence[torch.Tensor], std: float,
-                       generator: Optional[torch.Generator] = None) -> None:
+                       generator: Optional[torch.Generator] = None,
+                       secure_mode: bool = False) -> None:
     """``t ← t + std·ξ_t`` in place for every tensor, ξ ~ N(0, I) independent across all coordinates (the
     Gaussian mechanism's noise, Abadi et al. 2016; seed 002, Alg. 1). The tensors must not overlap.
 
@@ -78,6 +79,8 @@ def add_gaussian_noise(tensors: Sequence[torch.Tensor], std: float,
     sums) is noised chunk by chunk. So a step costs a few kernel launches here, not two per parameter tensor,
     and at most one chunk of noise is alive at a time. On the CPU a chunk is drawn by several threads, each
     block of it by its own generator keyed from ``generator`` (:mod:`private_engine.cpu_noise`).
+    ``secure_mode``: each chunk from the OS cryptographic generator instead, as the sum of four
+    draws over two (:func:`private_engine.noise.gaussian_noise_`); ``generator`` must be None.
     """
     group: List[torch.Tensor] = []
     size = 0
@@ -86,7 +89,8 @@ def add_gaussian_noise(tensors: Sequence[torch.Tensor], std: float,
         if not group:
             return
         first = group[0]
-        noise = fill_normal_(torch.empty(size, device=first.device, dtype=first.dtype), std, generator)
+        noise = gaussian_noise_(torch.empty(size, device=first.device, dtype=first.dtype), std,
+                                generator, secure_mode)
         views, offset = [], 0
         for t in group:
             views.append(noise[offset:offset + t.numel()].view(t.shape))

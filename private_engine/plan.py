@@ -58,7 +58,8 @@ def check_mode(mode: str) -> str:
     if mode not in CLIPPING_MODES:
         raise ValueError(
             f"clipping_mode must be one of {CLIPPING_MODES}, got {mode!r}: 'mixed'/'ghost'/'per_sample' run a "
-            "norm pass and a weighted second backward; 'bk'/'bk_mixed'/'bk_mixopt' one backward (book-keeping)."
+            "norm pass and a second backward; 'bk'/'bk_mixed'/'bk_mixopt' one backward "
+            "(book-keeping)."
         )
     return mode
 

@@ -22,12 +22,12 @@ batched vjp through the small batch-free chain::
 
     ∂L_i/∂P = (∂D/∂P)ᵀ c_i      (torch.autograd.grad(D, P, c, is_grads_batched=True))
 
-(direct reshape when D is P itself). Such gradients are at most one activation in size, so they
-are always instantiated (``ghost_capable=False``); their squared norms add into the same
-``‖g_i‖²`` as the layer rules, and the weighted second backward ``∇ Σ_i C_i L_i`` gives their
-clipped sum unchanged. A tracked parameter reaching batched data through any other op raises an
-error naming it (never silently unclipped), and each entry is registered as a call for the
-engine's graph walk (``params_reached_outside_calls``).
+(direct reshape when D is P itself). Such gradients are at most one activation in size, so they are
+always instantiated (``ghost_capable=False``); their squared norms add into the same ``‖g_i‖²`` as
+the layer rules, and their clipped sum is ``Σ_i C_i·∂L_i/∂P`` of these very per-sample gradients
+(kept until the clip factors are known, in every mode). A tracked parameter reaching batched data
+through any other op raises an error naming it (never silently unclipped), and each entry is
+registered as a call for the engine's graph walk (``params_reached_outside_calls``).
 """
 from __future__ import annotations
 
@@ -363,7 +363,8 @@ class ParamTracer(TorchFunctionMode):
         Recognised: ``expand``/``repeat`` of a one-row tensor, and shape ops (reshape, permute, …) of
         such a tensor that keep the rows, verified by recomputing the op on the row and comparing.
         """
-        if len(tracked) != 1 or out.dim() == 0 or out.shape[0] <= 1:
+        # (0 rows: an empty Poisson batch)
+        if len(tracked) != 1 or out.dim() == 0 or out.shape[0] == 1:
             return None
         src = tracked[0]
         n = out.shape[0]
@@ -428,7 +429,7 @@ class ParamTracer(TorchFunctionMode):
                                   "the ops before this one (it follows elementwise and shape ops, permute/transpose, "
                                   "basic indexing, reductions over other dims, cat/stack along other dims, embedding), "
                                   "so its rows cannot be assigned to samples")
-        if check_batch and n % B:
+        if check_batch and (n % B if B else n):  # an empty batch has 0 rows: nothing to assign
             self._fail(func, [t], f"the batched operand has {n} rows, not a multiple of the batch size {B} "
                                   "(inputs must be batch-first)")
         if t.dim() < len(shape):

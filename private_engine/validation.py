@@ -6,6 +6,7 @@ from typing import List, Tuple
 
 from torch import nn
 
+from .buffers import check_no_running_stats, drop_running_stats
 from .layers import LayerRule, find_rule
 from .layers.base import overrides_ruled_class
 
@@ -17,6 +18,12 @@ def batchnorm_modules(model: nn.Module) -> List[str]:
 
 
 def check_no_batchnorm(model: nn.Module) -> None:
+    """Refuse BatchNorm, then every other module whose buffers track statistics of the data.
+
+    BatchNorm mixes samples (no per-sample gradient exists); the others (InstanceNorm with
+    ``track_running_stats=True``, …: ``private_engine.buffers.check_no_running_stats``) would
+    release running statistics of the private batches without noise in the ``state_dict``.
+    """
     bns = batchnorm_modules(model)
     if bns:
         shown = ", ".join(bns[:8]) + (f", … ({len(bns)} in all)" if len(bns) > 8 else "")
@@ -25,10 +32,12 @@ def check_no_batchnorm(model: nn.Module) -> None:
             "per-sample clipping is not defined. Replace them with GroupNorm: "
             "model = private_engine.fix_batchnorm(model)."
         )
+    check_no_running_stats(model)
 
 
 def fix_batchnorm(model: nn.Module, num_groups: int = 32) -> nn.Module:
-    """Replace every BatchNorm by GroupNorm, then apply Opacus' ``ModuleValidator.fix``; returns the model.
+    """Replace every BatchNorm by GroupNorm, stop InstanceNorm tracking running statistics, then
+    apply Opacus' ``ModuleValidator.fix``; returns the model.
 
     ``GroupNorm(gcd(num_groups, C), C)`` normalises each sample on its own, so per-sample gradients
     exist. Frozen BatchNorms are replaced too (their batch statistics mix samples all the same), by a
@@ -37,10 +46,16 @@ def fix_batchnorm(model: nn.Module, num_groups: int = 32) -> nn.Module:
     whose own output gradient the engine sees (timm's ``GroupNormAct`` applies the activation inside
     the norm module, so its output gradient is taken after the activation and the GroupNorm rule does
     not hold for it).
+
+    InstanceNorm with ``track_running_stats=True`` becomes ``track_running_stats=False``, its
+    running buffers removed (``private_engine.buffers.drop_running_stats``): training is unchanged
+    (in training mode it normalises each sample by its own statistics anyway), but in eval mode it
+    then normalises by the sample's own statistics too, not by running estimates.
     """
     from opacus.validators import ModuleValidator
 
     model = _replace_batchnorm(model, num_groups)
+    drop_running_stats(model)  # before Opacus' fix, which turns the flag off but keeps the buffers
     model = ModuleValidator.fix(model)
     check_no_batchnorm(model)
     return model
@@ -127,6 +142,25 @@ def _scan(model: nn.Module):
     return layers, traced, fallbacks, owners
 
 
+def check_certifiable(name: str, module: nn.Module, rule: LayerRule) -> None:
+    """A rule's ``certified_norm_sq`` must be written for the ``weighted_grads`` it runs: a rule (or a
+    subclass of a built-in rule) that overrides the clipped sum must say how large what it releases
+    can be, or the engine could not bound a sample's release, rounding included."""
+    cls = type(rule)
+    def defined_in(attr):
+        return next(k for k, c in enumerate(cls.__mro__) if attr in vars(c))
+
+    # the certificate must be written for this release: defined at or below the class whose
+    # weighted_grads runs (a subclass overriding only weighted_grads inherits a bound of another sum)
+    if defined_in("certified_norm_sq") > defined_in("weighted_grads"):
+        raise ValueError(
+            f"the layer rule {cls.__name__} (for {name or type(module).__name__}: "
+            f"{type(module).__name__}) overrides weighted_grads but not certified_norm_sq, so the "
+            "engine cannot certify how far one sample moves its clipped sum. Implement "
+            "certified_norm_sq (an upper bound of the released per-sample norm², rounding "
+            "included; see private_engine.layers.rounding) or drop the weighted_grads override.")
+
+
 def traced_parameters(model: nn.Module) -> List[str]:
     """Names of trainable parameters clipped by the parameter-entry tracer (no layer rule covers them)."""
     return [n for n, _ in _scan(model)[1]]
@@ -147,8 +181,9 @@ def clipped_layers(model: nn.Module, strict: bool = True) -> List[Tuple[str, nn.
     layers, _, _, owners = _scan(model)
     if not strict:
         return layers
-    for _, module, rule in layers:
+    for name, module, rule in layers:
         rule.check(module)
+        check_certifiable(name, module, rule)
     shared = [names for names in owners.values() if len(names) > 1]
     if shared:
         raise ValueError(

@@ -47,8 +47,8 @@ def _autocast_reference(model, x, y, dtype):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("build", [_vit, _cnn], ids=["vit", "cnn"])
 def test_bfloat16_autocast_matches_the_per_sample_autocast_reference(build, mode, device):
-    """bf16 matmuls inside the rules, norms accumulated in float32: within bf16 precision (≈ 2⁻⁸) of the
-    sample-by-sample gradients of the same autocast forward; norms are float32."""
+    """bf16 matmuls inside the rules, certified norms in float64: within bf16 precision (≈ 2⁻⁸) of
+    the sample-by-sample gradients of the same autocast forward; clipped sums are float32."""
     model = build().to(device)
     gen = gen_for(1)
     x = torch.randn(6, 3, 32, 32, generator=gen).to(device)
@@ -59,7 +59,7 @@ def test_bfloat16_autocast_matches_the_per_sample_autocast_reference(build, mode
     with torch.autocast(device, dtype=torch.bfloat16):
         out = model(x)
     grads, _ = engine.clipped_grad_sum(F.cross_entropy(out.float(), y, reduction="none"))
-    assert engine.last_norms.dtype == torch.float32 and all(g.dtype == torch.float32 for g in grads)
+    assert engine.last_norms.dtype == torch.float64 and all(g.dtype == torch.float32 for g in grads)
     assert_close_rel([engine.last_norms.cpu()], [ref_norms.cpu()], 1e-2, ["norms"])
     flat = lambda gs: [torch.cat([g.double().cpu().flatten() for g in gs])]  # noqa: E731
     assert_close_rel(flat(grads), flat(ref_sum), 2e-2, ["clipped sum"])
@@ -73,15 +73,16 @@ def _linear_case(B=6):
     return model, x, target_like(model.double(), x.double(), gen).float()
 
 
-def _engine(model, mode, R, scaler=None, B=6):
+def _engine(model, mode, R, scaler=None, B=6, dynamic=False):
     return pe.PrivacyEngine(model.float(), batch_size=B, sample_size=10 * B, max_grad_norm=R, noise_multiplier=0.0,
-                            clipping_mode=mode, grad_scaler=scaler)
+                            clipping_mode=mode, grad_scaler=scaler, dynamic_loss_scale=dynamic)
 
 
 @pytest.mark.parametrize("mode", BK_MODES)
 def test_grad_scaler_path_equals_the_unscaled_one(mode):
     """Loss × 2¹² in the backward, norms and sums ÷ 2¹² in float32: the same clipped sum and norms as without
-    scaling (powers of two scale exactly); the scale follows GradScaler's growth schedule."""
+    scaling (powers of two scale exactly); with dynamic_loss_scale the scale follows GradScaler's
+    growth schedule."""
     model, x, t = _linear_case()
     R = 0.5
     plain = _engine(copy.deepcopy(model), mode, R)
@@ -89,7 +90,7 @@ def test_grad_scaler_path_equals_the_unscaled_one(mode):
     expected, _ = plain.clipped_grad_sum(quadratic_loss(m2, x, t))
     expected_norms = plain.last_norms
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12, growth_interval=1)
-    engine = _engine(model, mode, R, scaler)
+    engine = _engine(model, mode, R, scaler, dynamic=True)
     grads, _ = engine.clipped_grad_sum(quadratic_loss(model, x, t))
     assert_close_rel(grads, expected, 1e-6)
     assert_close_rel([engine.last_norms], [expected_norms], 1e-6)
@@ -99,25 +100,29 @@ def test_grad_scaler_path_equals_the_unscaled_one(mode):
 
 @pytest.mark.parametrize("mode", BK_MODES)
 def test_grad_scaler_drops_only_the_overflowing_sample(mode):
-    """Sample 0's scaled norm overflows float32 (S = 2⁵⁰, ‖g_0‖ ≈ 10⁸): it gets C_0 = 0 and its rows are zeroed, the other
-    samples' clipped sum equals the float64 reference without it; the scale backs off."""
+    """Sample 0 overflows float32 (its loss ≈ 10⁴⁸; S = 2⁵⁰): it gets C_0 = 0 and its rows are
+    zeroed, the other samples' clipped sum equals the float64 reference without it. By default the
+    scale stays fixed (a scale that backed off would tell later steps that a private sample
+    overflowed); with dynamic_loss_scale it backs off."""
     model, x, t = _linear_case()
     x = x.clone()
-    x[0] *= 1e6
+    x[0] *= 1e24
     t = t.clone()
-    t[0] *= 1e6
+    t[0] *= 1e24
     ref_model = copy.deepcopy(model).double()
     _, norms = reference_clipped_sum(ref_model, [x[1:].double(), t[1:].double()], quadratic_loss, 1.0, ref_abadi)
     R = pick_threshold(norms)
     ref_sum, _ = reference_clipped_sum(ref_model, [x[1:].double(), t[1:].double()], quadratic_loss, R, ref_abadi)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 50)
-    engine = _engine(model, mode, R, scaler)
-    grads, n = engine.clipped_grad_sum(quadratic_loss(model, x, t))
-    assert n == 6 and engine.loss_scaling.dropped_samples == 1 and engine.loss_scaling.overflow_batches == 1
-    assert all(torch.isfinite(g).all() for g in grads)
-    assert engine.last_norms[0] == 0 and (engine.last_norms[1:] > 0).all()
-    assert_close_rel(grads, ref_sum, 1e-5)
-    assert scaler.get_scale() == 2.0 ** 49
+    for dynamic in (False, True):
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 50)
+        engine = _engine(copy.deepcopy(model), mode, R, scaler, dynamic=dynamic)
+        grads, n = engine.clipped_grad_sum(quadratic_loss(engine.model, x, t))
+        scaling = engine.loss_scaling
+        assert n == 6 and scaling.dropped_samples == 1 and scaling.overflow_batches == 1
+        assert all(torch.isfinite(g).all() for g in grads)
+        assert engine.last_norms[0] == 0 and (engine.last_norms[1:] > 0).all()
+        assert_close_rel(grads, ref_sum, 1e-5)
+        assert scaler.get_scale() == (2.0 ** 49 if dynamic else 2.0 ** 50)
 
 
 @pytest.mark.parametrize("mode", BK_MODES)

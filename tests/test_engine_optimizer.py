@@ -268,10 +268,13 @@ def test_dp_optimizer_with_noise_trains_float32():
 @pytest.mark.parametrize("mode", MODES)
 def test_book_keeping_runs_one_backward_and_forms_no_weight_gradient(mode, monkeypatch):
     """Book-keeping modes: a single autograd call per physical batch, during which autograd never computes
-    a parameter gradient (hooks on every parameter stay silent); the two-pass modes run two."""
+    a parameter gradient (hooks on every parameter stay silent); the two-pass modes run two
+    activation-only backwards (the clipped sums come from the recorded layers in both)."""
     model = _model()
     x, t = _batch(model, 5)
     engine = make_engine(model, 5, mode=mode, R=0.5)
+    # the first step of an input signature also runs the separability probe: count the next one
+    engine.clipped_grad_sum(quadratic_loss(model, x, t))
     fired = []
     handles = [p.register_hook(lambda g, n=n: fired.append(n)) for n, p in model.named_parameters()]
     calls = []
@@ -290,7 +293,7 @@ def test_book_keeping_runs_one_backward_and_forms_no_weight_gradient(mode, monke
         assert fired == [], f"autograd formed weight gradients for {fired}"
     else:
         assert len(calls) == 2 and calls[0] is True
-        assert set(fired) == {n for n, _ in model.named_parameters()}
+        assert fired == [], f"autograd formed weight gradients for {fired}"
     assert all(g.abs().sum() > 0 for g in grads)
 
 

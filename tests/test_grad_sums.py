@@ -15,7 +15,7 @@ from private_engine.grad_sums import FlatLayout, GradSums
 from private_engine.layers import register_rule
 from private_engine.layers.linear import LinearRule
 
-from engine_checks import check_against_reference, gen_for, one_thread  # noqa: F401
+from engine_checks import check_against_reference, gen_for, make_engine, one_thread  # noqa: F401
 from reference import assert_close_rel, reference_clipped_sum
 
 BK_MODES = ("bk", "bk_mixed", "bk_mixopt")
@@ -186,6 +186,29 @@ class _OldStyleRule(LinearRule):
 
     def weighted_grads(self, module, calls, factors):
         return super().weighted_grads(module, calls, factors)
+
+    def certified_norm_sq(self, module, calls, use_ghost, grads=None):  # the same sum: the same bound
+        return super().certified_norm_sq(module, calls, use_ghost, grads)
+
+
+class _UncertifiedLinear(nn.Linear):
+    pass
+
+
+class _UncertifiedRule(LinearRule):
+    """Overrides the clipped sum but inherits a certificate written for another one."""
+
+    module_types = (_UncertifiedLinear,)
+
+    def weighted_grads(self, module, calls, factors, out=None):
+        return super().weighted_grads(module, calls, factors, out)
+
+
+def test_rule_overriding_the_sum_without_its_certificate_is_refused():
+    register_rule(_UncertifiedRule())
+    model = nn.Sequential(_UncertifiedLinear(5, 6))
+    with pytest.raises(ValueError, match="overrides weighted_grads but not certified_norm_sq"):
+        make_engine(model, 4)
 
 
 def test_rule_without_out_parameter_still_works():

@@ -58,8 +58,11 @@ def test_vit_blocks_run_without_the_mode_once_verified_and_give_the_reference_su
     assert seen == [True, False]  # traced to verify, then the mode is off the stack inside the blocks
     for a, b in zip(first, second):
         assert torch.equal(a, b)
-    verdicts = {names[k]: list(v.values()) for k, v in tracer.plain.verdicts.items()}
-    assert verdicts == {"blocks": [(0,)], "patch_embed": [(0,)]}
+    # one verdict per input signature; the first forward, probed for separability, gave patch_embed
+    # a differentiable input, so it has a second signature with the same verdict
+    verdicts = {names[k]: set(v.values()) for k, v in tracer.plain.verdicts.items()}
+    assert verdicts == {"blocks": {(0,)}, "patch_embed": {(0,)}}
+    assert len(tracer.plain.verdicts[id(model.patch_embed)]) <= 2
 
 
 def test_switching_skipping_off_traces_every_op(monkeypatch):
@@ -254,9 +257,10 @@ def test_a_layer_taken_over_by_the_tracer_keeps_its_module_traced():
     x = torch.randn(3, 3, 4, dtype=torch.float64)
     engine = check_against_reference(model, [x], lambda m, x: sum_loss(m(x)), mode="bk_mixed", clip="abadi",
                                      rtol=1e-9)
-    verdicts = {n: list(engine.clipper.tracer.plain.verdicts[id(m)].values()) for n, m in model.named_modules()
-                if id(m) in engine.clipper.tracer.plain.verdicts}
-    assert verdicts == {"pos": [TRACED], "body": [(0,)]}
+    plain = engine.clipper.tracer.plain
+    verdicts = {n: set(plain.verdicts[id(m)].values()) for n, m in model.named_modules()
+                if id(m) in plain.verdicts}  # one per input signature (see above)
+    assert verdicts == {"pos": {TRACED}, "body": {(0,)}}
 
 
 def test_outputs_with_scalar_tuples_are_marked():

@@ -461,7 +461,7 @@ def test_k_rows_per_sample_only_when_dim0_is_sample_major():
     model = SeqFirst().double()
     x = torch.randn(3, 6, 3, dtype=torch.float64)
     engine = make_engine(model, 3)
-    with pytest.raises(ValueError, match="saw a batch of 6"):
+    with pytest.raises(ValueError, match="mixes samples.*layer fc"):  # the separability probe
         engine.clipped_grad_sum(model(x).pow(2).sum(1))
     engine.detach()
 
@@ -523,9 +523,11 @@ def test_bfloat16_autocast_forward_is_unchanged(family):
         loss = ce_loss(model, x, y)
     grads, _ = engine.clipped_grad_sum(loss)
     engine.detach()
-    # one relative error over all parameters (float32: a near-zero gradient, e.g. BEiT's cls_token under mean
-    # pooling, differs by rounding only)
-    assert_close_rel([torch.cat([g.flatten() for g in grads])], [torch.cat([g.flatten() for g in plain])], 1e-5)
+    # one relative error over all parameters: autograd rounds each bfloat16 weight gradient to
+    # bfloat16 (2⁻⁹ relative), the engine accumulates and keeps its clipped sums in float32, so they
+    # agree to bfloat16 precision; a changed forward would differ by far more
+    flat = [torch.cat([g.flatten() for g in gs]) for gs in (grads, plain)]
+    assert_close_rel(flat[:1], flat[1:], 2 ** -7)
 
 
 class ListArg(nn.Module):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
@@ -27,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..noise import entropy_seeded_generator
 from ..plan import DEFAULT_CLIPPING_MODE
 from .features import penultimate_features
 from .mean_estimator import DPMeanEstimator
@@ -105,6 +107,17 @@ class WarmupResult:
         return self.delta_centres + self.delta_train
 
 
+def _dp_generator(parent: Optional[torch.Generator], device) -> torch.Generator:
+    """A generator on ``device`` for one of the warm-up's private draws: seeded from OS entropy
+    (:func:`entropy_seeded_generator`) without ``parent``, else keyed by 64 bits drawn from
+    ``parent`` (reproducible from it; the parent advances)."""
+    if parent is None:
+        return entropy_seeded_generator(device)
+    words = torch.randint(0, 1 << 32, (2,), generator=parent, dtype=torch.int64,
+                          device=parent.device).cpu()
+    return torch.Generator(device=device).manual_seed(int(words[0]) << 32 | int(words[1]))
+
+
 def _features_of(extractor: nn.Module, X: torch.Tensor, batch_size: int, device, feature_fn) -> torch.Tensor:
     out = []
     extractor.eval()
@@ -120,8 +133,9 @@ def warmup_finetune(model: nn.Module, X: torch.Tensor, y: torch.Tensor, *, epsil
                     max_grad_norm: float = 1.0, temperature: float = 1.0, optimizer: str = "adam",
                     clipping_mode: str = DEFAULT_CLIPPING_MODE, clipping_fn: str = "abadi", accountant: str = "rdp",
                     feature_extractor: Optional[nn.Module] = None, feature_fn: Optional[Callable] = None,
-                    device: Any = None, seed: int = 0, progress: bool = True,
-                    eval_data: Optional[tuple] = None) -> WarmupResult:
+                    device: Any = None, seed: Optional[int] = None, progress: bool = True,
+                    eval_data: Optional[tuple] = None,
+                    generator: Optional[torch.Generator] = None) -> WarmupResult:
     """Seed 003 Algorithm 2: DP class centres (ε₁, δ₁), then DP full fine-tuning on the residual loss (ε₂, δ₂).
 
     Args:
@@ -139,8 +153,17 @@ def warmup_finetune(model: nn.Module, X: torch.Tensor, y: torch.Tensor, *, epsil
             i.e. the pre-trained backbone); ``feature_fn(extractor, x)`` extracts the features
             (default: penultimate features, :func:`penultimate_features`).
         device: where to train (default: the model's device).
-        seed: seeds the centre noise, the Poisson sampler and the engine's noise.
+        seed: deprecated, no effect (a ``DeprecationWarning`` if given). It used to seed the
+            centres' noise, the Poisson sampler and the engine's noise, which made all three
+            known to anyone who knew the seed; pass ``generator`` for a reproducible run.
         eval_data: optional ``(X_test, y_test)`` evaluated after each epoch (recorded in history).
+        generator: source of the three random draws that the privacy guarantee needs secret:
+            the centres' Gaussian noise, the Poisson batches and DP-SGD's noise. None (default):
+            each comes from :func:`private_engine.noise.entropy_seeded_generator` (state from OS
+            entropy), independent of ``torch.manual_seed``. A ``torch.Generator`` given keys one
+            generator for each (the engine then warns: ``ReproducibleNoiseWarning``); a
+            seeded one reproduces the run, and makes that randomness known to whoever knows the
+            seed (tests, debugging).
 
     Returns:
         :class:`WarmupResult` with the classifier, the fitted :class:`DPMeanEstimator`, the
@@ -154,6 +177,15 @@ def warmup_finetune(model: nn.Module, X: torch.Tensor, y: torch.Tensor, *, epsil
 
     if epochs < 1:
         raise ValueError(f"epochs must be ≥ 1, got {epochs}.")
+    if seed is not None:
+        warnings.warn(
+            "warmup_finetune(seed=...) is deprecated and has no effect: a seed would make the "
+            "centres' noise, the Poisson batches and DP-SGD's noise known to anyone who knows it. "
+            "For a reproducible (non-private) run pass generator=torch.Generator().manual_seed(s).",
+            DeprecationWarning, stacklevel=2)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got "
+                        f"{type(generator).__name__}.")
     if optimizer not in ("adam", "sgd"):
         raise ValueError(f"optimizer must be 'adam' or 'sgd', got {optimizer!r}.")
     X = torch.as_tensor(X)
@@ -181,7 +213,8 @@ def warmup_finetune(model: nn.Module, X: torch.Tensor, y: torch.Tensor, *, epsil
 
     # 1. DP class centres on the pre-trained features (Algorithm 1, budget (ε1, δ1))
     phi = _features_of(feature_extractor, X, physical_batch_size or batch_size, device, feature_fn)
-    centres = DPMeanEstimator(epsilon=epsilon_centres, delta=delta_centres, random_state=seed,
+    centres = DPMeanEstimator(epsilon=epsilon_centres, delta=delta_centres,
+                              random_state=_dp_generator(generator, phi.device),
                               classes=list(range(n_classes)))
     centres.fit(phi, y)
     q = centres.centers_.float()
@@ -190,11 +223,12 @@ def warmup_finetune(model: nn.Module, X: torch.Tensor, y: torch.Tensor, *, epsil
 
     # 3. DP full fine-tuning on the residual loss (budget (ε2, δ2))
     dataset = torch.utils.data.TensorDataset(X, y, H)
-    loader = poisson_loader(dataset, batch_size, generator=torch.Generator().manual_seed(seed))
+    loader = poisson_loader(dataset, batch_size, generator=_dp_generator(generator, "cpu"))
+    noise_generator = None if generator is None else _dp_generator(generator, device)
     engine = pe.PrivacyEngine(model, batch_size=batch_size, sample_size=len(dataset), steps=epochs * len(loader),
                               max_grad_norm=max_grad_norm, target_epsilon=epsilon_train, target_delta=delta_train,
                               clipping_mode=clipping_mode, clipping_fn=clipping_fn, accountant=accountant,
-                              noise_generator=torch.Generator(device=device).manual_seed(seed + 1))
+                              noise_generator=noise_generator)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.Adam(params, lr=lr) if optimizer == "adam" else torch.optim.SGD(params, lr=lr)
     engine.attach(opt)

@@ -20,6 +20,9 @@ from typing import Dict, Optional, Sequence, Tuple, Type
 import torch
 from torch import nn
 
+from .rounding import (accumulator_unit, cast_down, certified_instantiated, gamma, norm_sq64,
+                       operand_unit, unit_roundoff)
+
 
 @dataclass(frozen=True)
 class LayerDims:
@@ -112,13 +115,30 @@ class LayerRule:
         gradients with ``C``; rules override it with one matmul.
         """
         out = out or {}
-        return {name: put_into(out.get(name), torch.tensordot(cast(factors, grad.dtype), grad, dims=1))
+        return {name: put_into(out.get(name),
+                               torch.tensordot(cast_down(factors, grad.dtype), grad, dims=1))
                 for name, grad in self.per_sample_grads(module, calls).items()}
 
     def instantiated_norm_sq(self, module: nn.Module, calls: Sequence[Call]) -> torch.Tensor:
         """Per-sample ‖∂L_i/∂θ‖² by instantiating the per-sample gradients, ``Σ_θ ‖G_i^θ‖²_F``."""
         return sum_per_sample([row_norm_sq(grad) for grad in self.per_sample_grads(module, calls).values()],
                               calls[0][1])
+
+    def certified_norm_sq(self, module: nn.Module, calls: Sequence[Call], use_ghost: bool,
+                          grads: Optional[Dict[str, torch.Tensor]] = None) -> torch.Tensor:
+        """A certified upper bound (float64, ``(B,)``) of ``‖what weighted_grads releases for sample
+        i‖²`` at ``C_i = 1``: every rounding of the norm's computation and of the release included
+        (:mod:`private_engine.layers.rounding`), so that ``‖release_i‖ ≤ C_i·√(bound)`` for any
+        ``C_i ≥ 0``.
+
+        This default serves rules whose :meth:`weighted_grads` is the base class's: the release is
+        ``Σ_i C_i G̃_i`` of the very per-sample gradients ``G̃`` whose norm is taken here
+        (``grads``, or recomputed identically), so the bound is ``‖G̃_i‖²`` summed in float64 times
+        the rounding of the weighted sum over the batch, ``(1 + γ_{B+1})²``. A rule that overrides
+        :meth:`weighted_grads` with another formula must override this method too (the engine
+        refuses it otherwise)."""
+        grads = self.per_sample_grads(module, calls) if grads is None else grads
+        return certified_kept(list(grads.values()), calls[0][1])
 
 
 _RULES: Dict[Type[nn.Module], LayerRule] = {}
@@ -194,13 +214,14 @@ def compute_dtype(t: torch.Tensor) -> torch.dtype:
 
 
 def mm_into(out: Optional[torch.Tensor], a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` in ``out`` when given — written by the matmul itself when the dtypes agree, else copied (a cast) —
-    or else as a new tensor in ≥ float32 (bfloat16 products are accumulated in float32 inside the kernel)."""
+    """``a @ b`` in ``out`` when given — written by the matmul itself when the dtypes agree, else
+    copied (a cast) — or else as a new tensor in ≥ float32; 16-bit products are accumulated and
+    returned in float32 (:func:`wide_mm`)."""
     if out is None:
-        return cast(a.mm(b), accumulation_dtype(a))
+        return cast(wide_mm(a, b), accumulation_dtype(a))
     if out.dtype == a.dtype:
         return torch.mm(a, b, out=out)
-    return out.copy_(a.mm(b))
+    return out.copy_(wide_mm(a, b))
 
 
 def sum_into(out: Optional[torch.Tensor], t: torch.Tensor, dims) -> torch.Tensor:
@@ -214,14 +235,19 @@ def sum_into(out: Optional[torch.Tensor], t: torch.Tensor, dims) -> torch.Tensor
 
 
 def scale_samples(t: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
-    """``diag(C)·t``: sample i's slice ``t[i]`` (dim 0) times ``C_i``, in ``t``'s dtype (a new tensor)."""
-    return t * cast(factors, t.dtype).reshape(-1, *([1] * (t.dim() - 1)))
+    """``diag(C)·t``: sample i's slice ``t[i]`` (dim 0) times ``C_i``, in ``t``'s dtype (a new
+    tensor); the factors are rounded toward zero to that dtype
+    (:func:`private_engine.layers.rounding.cast_down`), so the cast never raises a clip factor."""
+    return t * cast_down(factors, t.dtype).reshape(-1, *([1] * (t.dim() - 1)))
 
 
 def weighted_sum_into(out: Optional[torch.Tensor], rows: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
-    """``Σ_i C_i s_i`` of per-sample rows ``rows = [s_i]: (B, n)`` (one matrix-vector product ``sᵀC``, in ``rows``'
-    dtype), into ``out`` when given (by the product itself when it has that dtype)."""
-    f = cast(factors, rows.dtype)
+    """``Σ_i C_i s_i`` of per-sample rows ``rows = [s_i]: (B, n)`` (one matrix-vector product
+    ``sᵀC``; factors rounded toward zero to ``rows``' dtype, 16-bit rows accumulated and returned in
+    float32), into ``out`` when given (by the product itself when it has that dtype)."""
+    f = cast_down(factors, rows.dtype)
+    if rows.element_size() == 2:
+        return put_into(out, wide_mm(f.reshape(1, -1), rows).reshape(-1))
     if out is not None and out.dtype == rows.dtype:
         return torch.mv(rows.t(), f, out=out)
     return put_into(out, rows.t().mv(f))
@@ -240,26 +266,83 @@ def flatten_positions(t: torch.Tensor, features: int) -> torch.Tensor:
 
 
 def gram_inner(a: torch.Tensor, g: torch.Tensor, bias: bool = False) -> torch.Tensor:
-    """Ghost norm ``⟨a aᵀ, g gᵀ⟩`` per leading index for ``a: (N, T, D)``, ``g: (N, T, p)``.
+    """Ghost norm ``⟨a aᵀ, g gᵀ⟩`` per leading index for ``a: (N, T, D)``, ``g: (N, T, p)``, in
+    float64.
 
     With ``bias=True`` it is ``⟨a aᵀ + 1 1ᵀ, g gᵀ⟩ = ‖gᵀa‖²_F + ‖Σ_t g_t‖²``: the norm of a layer's weight *and*
     bias gradient together, since the bias gradient ``gᵀ1`` has ``‖gᵀ1‖² = 1ᵀ g gᵀ 1 = ⟨1 1ᵀ, g gᵀ⟩`` (seed 002,
     eq. 2.7 with a constant input column) — one in-place add on the Gram instead of a reduction, a norm and a sum.
     With T = 1 this is ``(‖a‖² + [bias])·‖g‖²`` (no Gram matrices needed).
+
+    The sum has terms of both signs and a crafted sample can make it cancel, so it is formed where
+    its rounding is provably small against ``M² = (Σ_t ‖ã_t‖‖g_t‖)²`` (:func:`gram_unit`,
+    :func:`private_engine.layers.rounding.gram_coefficient`): the Gram matrices in float64 (products
+    of float32 or 16-bit values are exact there), or, for 16-bit CUDA operands, by a matmul that
+    accumulates and returns float32; their inner product always in float64.
     """
     if a.shape[1] == 1:
         a_sq = row_norm_sq(a)
         return (a_sq + 1 if bias else a_sq) * row_norm_sq(g)
-    a, g = aligned_positions(a), aligned_positions(g)
-    aat = torch.bmm(a, a.transpose(1, 2))
-    ggt = torch.bmm(g, g.transpose(1, 2))
-    n, acc = aat.shape[0], accumulation_dtype(g)
-    if aat.dtype == acc:  # ⟨aaᵀ, ggᵀ⟩_F as one batched dot product (no N×T×T temporary)
-        if bias:
-            aat.add_(1)  # zero-padded rows of g (aligned_positions) keep the padding out of the sum
-        return torch.bmm(aat.reshape(n, 1, -1), ggt.reshape(n, -1, 1)).reshape(n)
-    # bfloat16 Grams (autocast): products summed in float32, no float32 copies of the two Grams
-    return (torch.addcmul(ggt, aat, ggt) if bias else aat * ggt).sum((1, 2), dtype=acc)
+    if gram_unit(a) == unit_roundoff(torch.float64):
+        a, g = a.double(), g.double()
+        aat = torch.bmm(a, a.transpose(1, 2))
+        ggt = torch.bmm(g, g.transpose(1, 2))
+    else:  # 16-bit CUDA operands: exact products accumulated in float32 by the tensor cores
+        a, g = aligned_positions(a), aligned_positions(g)
+        aat = wide_bmm(a, a.transpose(1, 2)).double()
+        ggt = wide_bmm(g, g.transpose(1, 2)).double()
+    if bias:
+        aat.add_(1)  # zero-padded rows of g (aligned_positions) keep the padding out of the sum
+    # ⟨aaᵀ, ggᵀ⟩ as a sum over s, then over t (in place: no third T×T temporary): two reductions of
+    # T terms, so a rounding error of at most γ_{2T} of the absolute sum, against γ_{T²} for one
+    # flat dot product
+    return aat.mul_(ggt).sum(2).sum(1)
+
+
+def gram_unit(t: torch.Tensor) -> float:
+    """Unit roundoff of the ghost Gram matrices of ``t`` (:func:`gram_inner`): float64 (2⁻⁵³),
+    except for 16-bit operands on CUDA, whose Grams a float32-accumulating matmul forms (2⁻²⁴)."""
+    if t.device.type == "cuda" and t.element_size() == 2:
+        return unit_roundoff(torch.float32)
+    return unit_roundoff(torch.float64)
+
+
+def release_dtype(t: torch.Tensor) -> torch.dtype:
+    """Operand dtype of a clipped sum formed from kept activations and gradients of dtype ``t``:
+    16-bit operands stay 16-bit on CUDA (tensor cores, float32 accumulation and result,
+    :func:`wide_mm`) and are widened to float32 on the CPU (where the 16-bit kernels are no faster
+    and round more: the factors are then applied in float32); float64 stays float64; anything else
+    is float32."""
+    dt = compute_dtype(t)
+    if dt == torch.bfloat16 and t.device.type != "cuda":
+        return torch.float32
+    return dt
+
+
+def wide_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` accumulated *and returned* in ≥ float32: 16-bit operands on CUDA by a matmul with a
+    float32 result (no rounding of the sum to 16 bits, which would be an error relative to the whole
+    batch's sum), elsewhere by widening the operands."""
+    if a.element_size() == 2 and a.is_floating_point():
+        if a.is_cuda:
+            try:
+                return torch.mm(a, b, out_dtype=torch.float32)
+            except (RuntimeError, TypeError):  # a torch without out_dtype
+                pass
+        return a.float().mm(b.float())
+    return a.mm(b)
+
+
+def wide_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Batched :func:`wide_mm`."""
+    if a.element_size() == 2 and a.is_floating_point():
+        if a.is_cuda:
+            try:
+                return torch.bmm(a, b, out_dtype=torch.float32)
+            except (RuntimeError, TypeError):
+                pass
+        return a.float().bmm(b.float())
+    return a.bmm(b)
 
 
 #: on CUDA, 16-bit batched matmuls whose row count T is not a multiple of this get padded (``aligned_positions``)
@@ -280,8 +363,26 @@ def aligned_positions(t: torch.Tensor) -> torch.Tensor:
 
 
 def row_norm_sq(t: torch.Tensor) -> torch.Tensor:
-    """``‖t_i‖²`` for every leading index i, accumulated in ≥ float32 without a full-size temporary."""
-    return torch.linalg.vector_norm(t.reshape(t.shape[0], -1), dim=1, dtype=accumulation_dtype(t)).square()
+    """``‖t_i‖²`` for every leading index i, squares summed in float64 (exact squares of float32
+    values, relative error ``γ^{(64)}_n``: tight enough to certify) without a full-size
+    temporary."""
+    return norm_sq64(t)
+
+
+def certified_kept(grads: Sequence[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """Certified squared norms of per-sample gradients ``grads = [(B, *shape)]`` released as
+    themselves, ``Σ_i C_i G̃_i`` (a kept gradient, or one recomputed identically): ``Σ_θ ‖G̃_i^θ‖²``
+    in float64 times ``(1 + γ_{n+2}^{(64)})²`` for its own summation and ``(1 + γ_{B+1} +
+    2·u_TF32)²`` for the rounding the weighted sum over the batch can attribute to sample i (any
+    order; Higham 2002, §3.1)."""
+    if not grads:
+        return zeros_like_batch(like)
+    B = grads[0].shape[0]
+    terms = sum(g.numel() // max(B, 1) for g in grads)
+    ns = sum_per_sample([norm_sq64(g) for g in grads], like)
+    g0 = grads[0]
+    release = 1 + gamma(B + 1, accumulator_unit(g0.dtype)) + 2 * operand_unit(g0.dtype, g0.device)
+    return certified_instantiated(ns, None, 0.0, 0.0, terms) * (release * release)
 
 
 def sum_per_sample(terms: Sequence[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
@@ -301,5 +402,5 @@ def sum_per_sample(terms: Sequence[torch.Tensor], like: torch.Tensor) -> torch.T
 
 
 def zeros_like_batch(g: torch.Tensor) -> torch.Tensor:
-    """A zero per-sample vector in the accumulation dtype of ``g``."""
-    return torch.zeros(g.shape[0], dtype=accumulation_dtype(g), device=g.device)
+    """A zero per-sample vector (float64: the dtype of certified norms)."""
+    return torch.zeros(g.shape[0], dtype=torch.float64, device=g.device)

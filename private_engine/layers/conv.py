@@ -18,8 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import (LayerDims, LayerRule, accumulation_dtype, cast, compute_dtype, gram_inner, put_into,
-                   register_rule, row_norm_sq, scale_samples, trainable, weighted_sum_into, zeros_like_batch)
+from .base import (LayerDims, LayerRule, accumulation_dtype, cast, certified_kept, compute_dtype,
+                   gram_inner, gram_unit, put_into, register_rule, row_norm_sq, scale_samples,
+                   trainable, weighted_sum_into, zeros_like_batch)
+from .rounding import (certified_ghost, certified_instantiated, gram_coefficient,
+                       instantiation_coefficient, release_coefficient, row_norms64)
 
 
 def unfold_conv_input(module: nn.modules.conv._ConvNd, a: torch.Tensor) -> torch.Tensor:
@@ -93,6 +96,61 @@ class ConvRule(LayerRule):
             return row_norm_sq(self._bias_grad(calls))
         return zeros_like_batch(g0)
 
+    def _mass(self, module, calls, bias: bool) -> torch.Tensor:
+        """``M_i = Σ_γ Σ_t ‖(U(a_i)^γ_t, 1)‖·‖g_{i,t}^γ‖`` in float64, group by group (the bias
+        column of group γ is its output channels' bias). ``‖U(a)^γ_t‖²`` — the input window of
+        position t — is a convolution of ``Σ_{c ∈ γ} a_c²`` with a kernel of ones (stride, dilation
+        and padding of the layer), so no im2col copy is formed."""
+        total = None
+        groups = module.groups
+        for a, g in calls:
+            B, C = a.shape[:2]
+            x, padding = _padded(module, a.double().square())
+            x = x.reshape(B, groups, C // groups, *x.shape[2:]).sum(2)
+            ones = x.new_ones(groups, 1, *module.kernel_size)
+            conv = (F.conv1d, F.conv2d, F.conv3d)[len(module.kernel_size) - 1]
+            window = conv(x, ones, None, module.stride, padding, module.dilation, groups)
+            window = window.reshape(B, groups, -1)
+            if bias:
+                window = window + 1
+            per_group = g.reshape(B, groups, module.out_channels // groups, -1)
+            ng = row_norms64(per_group.transpose(2, 3))
+            m = (window.sqrt() * ng).sum((1, 2))
+            total = m if total is None else total + m
+        return total
+
+    def certified_norm_sq(self, module, calls, use_ghost, grads=None):
+        """Certified ``‖release_i‖²`` bound at C_i = 1 (:mod:`private_engine.layers.rounding`): the
+        weight's release is one weight-gradient kernel over the batch's ``B·T`` positions per call
+        (:meth:`weighted_grads`), bounded as for a Linear layer group by group, ``(√(ν̃ + c_ν M²) +
+        c_r M)²`` or ``(‖G̃‖ + (c_inst + c_r) M)²``; bias alone: its per-sample sums ``Σ_t g_t`` are
+        released as they are."""
+        weight, bias = trainable(module, "weight"), trainable(module, "bias")
+        g0 = calls[0][1]
+        if not weight:
+            if not bias:
+                return zeros_like_batch(g0)
+            return certified_kept([self._bias_grad(calls)], g0)
+        B = g0.shape[0]
+        T = sum(g[0].numel() // module.out_channels for _, g in calls)
+        dt = compute_dtype(g0)
+        mass = self._mass(module, calls, bias)
+        rows = B * T + len(calls)
+        c_rel = release_coefficient(accumulation_dtype(g0), g0.device, rows, conv=True)
+        if use_ghost:
+            U, G = self._views(module, calls)
+            D = U.shape[2]
+            c_nu = gram_coefficient(D + bias, G.shape[2], T, gram_unit(U))
+            nu = gram_inner(U, G, bias=bias)
+            if module.groups > 1:
+                nu = nu.reshape(B, module.groups).sum(1)
+            return certified_ghost(nu, mass, c_nu, c_rel)
+        grads = self.per_sample_grads(module, calls) if grads is None else grads
+        norm_sq = sum(row_norm_sq(g) for g in grads.values())
+        c_inst = instantiation_coefficient(dt, g0.device, T + len(calls), conv=True)
+        terms = module.weight.numel() + module.out_channels
+        return certified_instantiated(norm_sq, mass, c_inst, c_rel, terms)
+
     def per_sample_grads(self, module, calls) -> Dict[str, torch.Tensor]:
         """Per-sample weight gradients by the grouped-convolution trick (Rochette et al. 2019, "Efficient
         per-example gradient computations in convolutional neural networks"): the batch folded into the
@@ -117,15 +175,18 @@ class ConvRule(LayerRule):
 
     def weighted_grads(self, module, calls, factors, out=None) -> Dict[str, torch.Tensor]:
         """``Σ_i C_i G_i`` as the ordinary weight gradient of the layer for the input ``diag(C)·a`` or the output
-        gradient ``diag(C)·g`` — whichever is smaller: the weight gradient is linear in each, and padding (any
-        mode) commutes with scaling a sample — one cuDNN / oneDNN weight-gradient kernel per call, no per-sample
-        gradient; bias ``Σ_i C_i Σ_t g_{i,t}``; copied into ``out`` when given."""
+        gradient ``diag(C)·g`` — whichever is smaller: the weight gradient is linear in each, and
+        padding (any mode) commutes with scaling a sample — one cuDNN / oneDNN weight-gradient
+        kernel per call, no per-sample gradient; bias ``Σ_i C_i Σ_t g_{i,t}``; copied into ``out``
+        when given. Operands in ≥ float32: the kernel returns its operands' dtype, and a 16-bit
+        result would round the whole batch's sum."""
         out = out or {}
         res = {}
         if trainable(module, "weight"):
             W = None
             for a, g in calls:
-                dt = compute_dtype(g)
+                # a weight-gradient kernel returns its operands' dtype: ≥ float32
+                dt = accumulation_dtype(g)
                 a, g = cast(a, dt), cast(g, dt)
                 if a.numel() < g.numel():
                     a = scale_samples(a, factors)

@@ -12,8 +12,10 @@ from typing import Dict
 import torch
 from torch import nn
 
-from .base import (LayerDims, LayerRule, accumulation_dtype, cast, put_into, register_rule, scale_samples, trainable,
-                   zeros_like_batch)
+from .base import (LayerDims, LayerRule, accumulation_dtype, cast, put_into, register_rule,
+                   row_norm_sq, scale_samples, trainable, zeros_like_batch)
+from .rounding import (certified_ghost, certified_instantiated, gram_coefficient,
+                       instantiation_coefficient, release_coefficient, row_norms64, unit_roundoff)
 
 
 class EmbeddingRule(LayerRule):
@@ -52,11 +54,35 @@ class EmbeddingRule(LayerRule):
         return LayerDims(T=T, D=module.num_embeddings, p=module.embedding_dim, gram_D=1)
 
     def ghost_norm_sq(self, module, calls):
+        """``Σ_{t,s} 1[x_t = x_s]·⟨g_t, g_s⟩`` in float64 (terms of both signs: a repeated token
+        whose positions get opposite gradients cancels; float64 keeps the rounding small against
+        ``M² = (Σ_t ‖g_t‖)²``)."""
         if not trainable(module, "weight"):
             return zeros_like_batch(calls[0][1])
         ids, G = self._views(module, calls)
+        G = G.double()
         same = (ids.unsqueeze(2) == ids.unsqueeze(1)).to(G.dtype)
         return (same * torch.bmm(G, G.transpose(1, 2))).sum((1, 2))
+
+    def certified_norm_sq(self, module, calls, use_ghost, grads=None):
+        """Certified ``‖release_i‖²`` bound at C_i = 1 (:mod:`private_engine.layers.rounding`): the
+        release adds ``C_i g_t`` at row ``x_t`` over the batch's ``B·T`` positions
+        (:meth:`weighted_grads`), so with ``M_i = Σ_t ‖g_t‖`` (one-hot inputs have norm 1; padding
+        positions 0) the bound is ``(√(ν̃ + c_ν M²) + c_r M)²`` (ghost) or ``(‖G̃‖ + (c_inst + c_r)
+        M)²`` (scatter-added ``G̃``)."""
+        if not trainable(module, "weight"):
+            return zeros_like_batch(calls[0][1])
+        ids, G = self._views(module, calls)
+        B, T = ids.shape
+        mass = row_norms64(G).sum(1)
+        c_rel = release_coefficient(G.dtype, G.device, B * T)
+        if use_ghost:
+            c_nu = gram_coefficient(1, G.shape[2], T, unit_roundoff(torch.float64))
+            return certified_ghost(self.ghost_norm_sq(module, calls), mass, c_nu, c_rel)
+        grads = self.per_sample_grads(module, calls) if grads is None else grads
+        c_inst = instantiation_coefficient(G.dtype, G.device, T)
+        norm_sq = row_norm_sq(grads["weight"])
+        return certified_instantiated(norm_sq, mass, c_inst, c_rel, module.weight.numel())
 
     def per_sample_grads(self, module, calls) -> Dict[str, torch.Tensor]:
         if not trainable(module, "weight"):

@@ -11,15 +11,18 @@ from typing import Dict
 import torch
 from torch import nn
 
-from .base import (LayerDims, LayerRule, accumulation_dtype, cast, compute_dtype, flatten_positions, gram_inner, mm_into,
-                   register_rule, row_norm_sq, scale_samples, sum_into, trainable, weighted_sum_into,
+from .base import (LayerDims, LayerRule, accumulation_dtype, cast, certified_kept, compute_dtype,
+                   flatten_positions, gram_inner, gram_unit, mm_into, register_rule, release_dtype,
+                   row_norm_sq, scale_samples, sum_into, trainable, weighted_sum_into,
                    zeros_like_batch)
+from .rounding import (certified_ghost, certified_instantiated, gram_coefficient,
+                       instantiation_coefficient, pair_mass, release_coefficient)
 
 
 class LinearRule(LayerRule):
     module_types = (nn.Linear,)
 
-    def _views(self, module: nn.Linear, calls):
+    def _views(self, module: nn.Linear, calls, dtype=None):
         A, G = [], []
         for a, g in calls:
             if a.shape[-1] != module.in_features or g.shape[-1] != module.out_features:
@@ -28,7 +31,7 @@ class LinearRule(LayerRule):
                     f"in_features={module.in_features}, out_features={module.out_features}; a subclass that "
                     "changes Linear's forward needs its own rule (private_engine.layers.register_rule)."
                 )
-            dt = compute_dtype(g)
+            dt = compute_dtype(g) if dtype is None else dtype
             A.append(cast(flatten_positions(a, module.in_features), dt))
             G.append(cast(flatten_positions(g, module.out_features), dt))
         if len(calls) == 1:
@@ -57,12 +60,40 @@ class LinearRule(LayerRule):
             out["bias"] = G.sum(1, dtype=accumulation_dtype(G))
         return out
 
+    def certified_norm_sq(self, module, calls, use_ghost, grads=None):
+        """Certified ``‖release_i‖²`` bound at C_i = 1 (:mod:`private_engine.layers.rounding`).
+
+        Weight trained: the release is ``Gᵀ·diag(C)·A`` over the batch's ``B·T`` rows
+        (:meth:`weighted_grads`), so the bound is ``(√(ν̃ + c_ν M²) + c_r M)²`` from the ghost norm
+        ``ν̃`` (float64 Grams), or ``(‖G̃‖ + (c_inst + c_r) M)²`` from an instantiated ``G̃``, with
+        ``M = Σ_t ‖(a_t, 1)‖·‖g_t‖``. Bias alone: the release is ``Σ_i C_i b̃_i`` of the per-sample
+        sums ``b̃_i = Σ_t g_t`` themselves."""
+        weight, bias = trainable(module, "weight"), trainable(module, "bias")
+        if not weight:
+            if not bias:
+                return zeros_like_batch(calls[0][1])
+            _, G = self._views(module, calls)
+            return certified_kept([G.sum(1, dtype=accumulation_dtype(G))], G)
+        A, G = self._views(module, calls)
+        B, T = A.shape[0], A.shape[1]
+        mass = pair_mass(A, G, bias)
+        c_rel = release_coefficient(release_dtype(G), G.device, B * T)
+        if use_ghost:
+            c_nu = gram_coefficient(A.shape[2] + bias, G.shape[2], T, gram_unit(A))
+            return certified_ghost(gram_inner(A, G, bias=bias), mass, c_nu, c_rel)
+        grads = self.per_sample_grads(module, calls) if grads is None else grads
+        norm_sq = sum(row_norm_sq(g) for g in grads.values())
+        c_inst = instantiation_coefficient(G.dtype, G.device, T)
+        terms = module.out_features * (module.in_features + 1)
+        return certified_instantiated(norm_sq, mass, c_inst, c_rel, terms)
+
     def weighted_grads(self, module, calls, factors, out=None) -> Dict[str, torch.Tensor]:
         """``Σ_i C_i G_i = Gᵀ·diag(C)·A`` over all positions (one matmul), bias ``Σ_i C_i Σ_t g_{i,t}``; into
         ``out`` when given (the matmul writes the engine's flat buffer directly). ``diag(C)`` scales the narrower
         of A (D wide) and G (p wide) — ``(diag(C)·G)ᵀA = Gᵀ(diag(C)·A)`` — so the scaled copy, the one temporary,
-        has ``min(D, p)`` columns (an MLP's first layer: A, a quarter of G)."""
-        A, G = self._views(module, calls)
+        has ``min(D, p)`` columns (an MLP's first layer: A, a quarter of G). Operands in
+        :func:`release_dtype`."""
+        A, G = self._views(module, calls, release_dtype(calls[0][1]) if calls else None)
         out = out or {}
         res = {}
         scaled_g = None

@@ -7,7 +7,16 @@ fast-gradient-clipping optimizer fed with our clipped sums; ``_prepare_criterion
 loss wrapper. Everything else — argument handling of ``make_private`` /
 ``make_private_with_epsilon``, ``DPDataLoader`` (Poisson sampling), ``get_noise_multiplier``,
 the accountants and their optimizer hook, ``get_epsilon``, checkpoints — is Opacus' own code, so
-results and ε match Opacus for the same seed.
+results and ε match Opacus for the same seeds.
+
+One default differs: with ``secure_mode=False`` and no ``noise_generator``, Opacus draws the noise
+and the Poisson sampling from torch's global generator, which scripts seed publicly
+(``torch.manual_seed``); whoever knows that seed can subtract the noise and knows each batch.
+Here both come from :func:`~private_engine.noise.entropy_seeded_generator` (state from OS
+entropy): the noise from one on the parameters' device, the sampling from one on the CPU unless
+the data loader has its own ``generator``. A ``noise_generator`` given makes the run Opacus'
+reproducible run: noise from it, sampling from the loader's generator or torch's global one (as
+the noise is then known, secret batches would add little).
 
 grad_sample_mode mapping (the per-sample math is the same, so every mode uses the engine's
 layerwise-optimal "mixed" strategy, seed 002 eq. 4.1):
@@ -27,9 +36,11 @@ from typing import Any, Dict, List, Optional, Union
 
 import opacus
 import torch
+from opacus.data_loader import DPDataLoader
 from opacus.optimizers import DPOptimizer
 from torch import nn, optim
 
+from ..noise import entropy_seeded_generator
 from ..validation import check_no_batchnorm, clipped_layers
 from .loss import PrivateLoss
 from .module import PrivateModule
@@ -56,6 +67,8 @@ class OpacusPrivacyEngine(opacus.PrivacyEngine):
     def __init__(self, *, accountant: str = "prv", secure_mode: bool = False):
         super().__init__(accountant=accountant, secure_mode=secure_mode)
         self._module: Optional[PrivateModule] = None
+        #: whether the current make_private call got a noise_generator (Opacus' reproducible run)
+        self._reproducible = False
 
     # -- the parts that touch per-sample gradients -------------------------------------------
     def _prepare_model(self, module: nn.Module, *, batch_first: bool = True, max_grad_norm=1.0,
@@ -79,6 +92,8 @@ class OpacusPrivacyEngine(opacus.PrivacyEngine):
         if isinstance(optimizer, DPOptimizer):
             optimizer = optimizer.original_optimizer
         generator = self.secure_rng if self.secure_mode else noise_generator
+        if generator is None and not self.secure_mode:
+            generator = _entropy_noise_generator(optimizer)
         common = dict(noise_multiplier=noise_multiplier, expected_batch_size=expected_batch_size,
                       loss_reduction=loss_reduction, generator=generator, secure_mode=self.secure_mode,
                       module=self._module, **kwargs)
@@ -92,6 +107,25 @@ class OpacusPrivacyEngine(opacus.PrivacyEngine):
 
     def _prepare_criterion(self, *, module, optimizer, criterion, loss_reduction: str = "mean", **kwargs):
         return PrivateLoss(module, optimizer, criterion, loss_reduction)
+
+    def _prepare_data_loader(self, data_loader, *, poisson_sampling: bool, distributed: bool,
+                             batch_first: bool = True, rand_on_empty: bool = False):
+        """Opacus' ``_prepare_data_loader``, except that its ``DPDataLoader`` samples from an
+        :func:`entropy_seeded_generator` (CPU) where Opacus would use torch's global generator:
+        Poisson sampling, not secure mode, no ``noise_generator`` and no ``data_loader.generator``.
+        """
+        if (not poisson_sampling or self.secure_mode or self._reproducible
+                or data_loader.generator is not None):
+            return super()._prepare_data_loader(
+                data_loader, poisson_sampling=poisson_sampling, distributed=distributed,
+                batch_first=batch_first, rand_on_empty=rand_on_empty)
+        # Opacus' bookkeeping of the dataset (and its warning on a new one); without Poisson
+        # sampling and secure mode it returns the loader as is
+        super()._prepare_data_loader(data_loader, poisson_sampling=False, distributed=distributed,
+                                     batch_first=batch_first, rand_on_empty=rand_on_empty)
+        return DPDataLoader.from_data_loader(
+            data_loader, generator=entropy_seeded_generator("cpu"), distributed=distributed,
+            batch_first=batch_first, rand_on_empty=rand_on_empty)
 
     # -- argument checks Opacus does deeper inside (here before anything is built) -------------
     def make_private(self, *, module: nn.Module, optimizer: optim.Optimizer, criterion=nn.CrossEntropyLoss(),
@@ -110,6 +144,7 @@ class OpacusPrivacyEngine(opacus.PrivacyEngine):
                          clipping=clipping, grad_sample_mode=grad_sample_mode, wrap_model=wrap_model,
                          rand_on_empty=rand_on_empty)
         self._module = None
+        self._reproducible = noise_generator is not None
         try:
             return super().make_private(
                 module=module, optimizer=optimizer, criterion=criterion, data_loader=data_loader,
@@ -127,11 +162,14 @@ class OpacusPrivacyEngine(opacus.PrivacyEngine):
     def save_checkpoint(self, *, path, module, optimizer=None, noise_scheduler=None, grad_clip_scheduler=None,
                         checkpoint_dict: Optional[Dict[str, Any]] = None, module_state_dict_kwargs=None,
                         torch_save_kwargs=None):
-        """Opacus' checkpoint (module, optimizer, accountant history, schedulers) plus the state of
-        the optimizer's noise generator, so a resumed run draws the same noise."""
+        """Opacus' checkpoint (module, optimizer, accountant history, schedulers) plus, when the
+        user gave a ``noise_generator`` (a reproducible run), its state, so a resumed run draws the
+        same noise. The default, entropy-seeded generator's state is never written: whoever read it
+        could regenerate the noise of every step drawn from it (MT19937 and Philox are not one-way);
+        a resumed run draws fresh secret noise instead."""
         checkpoint_dict = dict(checkpoint_dict or {})
         generator = getattr(optimizer, "generator", None)
-        if isinstance(generator, torch.Generator):
+        if isinstance(generator, torch.Generator) and self._reproducible:
             checkpoint_dict["noise_generator_state"] = generator.get_state()
         return super().save_checkpoint(path=path, module=module, optimizer=optimizer, noise_scheduler=noise_scheduler,
                                        grad_clip_scheduler=grad_clip_scheduler, checkpoint_dict=checkpoint_dict,
@@ -203,6 +241,21 @@ def _check_arguments(*, module, optimizer, noise_multiplier, max_grad_norm, batc
                          "(a list is for clipping='per_layer').")
     if isinstance(noise_multiplier, bool) or not isinstance(noise_multiplier, (int, float)) or noise_multiplier < 0:
         raise ValueError(f"noise_multiplier must be a number ≥ 0, got {noise_multiplier!r}.")
+
+
+def _entropy_noise_generator(optimizer: optim.Optimizer) -> Optional[torch.Generator]:
+    """:func:`entropy_seeded_generator` on the device of ``optimizer``'s parameters, where
+    Opacus' ``_generate_noise`` draws each parameter's noise. Parameters on several devices
+    cannot share one generator: then None (torch's global generators), with a warning."""
+    devices = {p.device for group in optimizer.param_groups for p in group["params"]}
+    if len(devices) > 1:
+        warnings.warn(
+            f"the optimizer's parameters are on several devices ({sorted(map(str, devices))}): "
+            "the noise is drawn from torch's global generators, which torch.manual_seed makes "
+            "predictable; use secure_mode=True for noise that cannot be predicted.",
+            RuntimeWarning, stacklevel=5)
+        return None
+    return entropy_seeded_generator(devices.pop() if devices else "cpu")
 
 
 def _positive(x) -> bool:

@@ -3,8 +3,9 @@
 Same interface as Opacus' ``DPLossFastGradientClipping`` (per-sample losses computed with the
 criterion's ``reduction`` temporarily set to "none"; the ``shape=`` argument for per-token
 losses of sequence models; arithmetic ``loss * w``, ``loss + other``, ``.item()``), but
-``loss.backward()`` runs our clipping: an activation-only norm pass over ``Σ_i L_i`` and one
-backward of ``Σ_i C_i L_i`` (seed 002, Algorithm 1), leaving ``Σ_i C_i ∂L_i/∂θ`` in ``p.grad``.
+``loss.backward()`` runs our clipping: one activation-only backward over ``Σ_i L_i`` that yields the
+certified per-sample norms and keeps what the clipped sum needs (book-keeping, Bu et al. 2023),
+leaving ``Σ_i C_i ∂L_i/∂θ`` in ``p.grad``.
 """
 from __future__ import annotations
 

@@ -22,12 +22,12 @@ Two flows fill ``p.grad``:
   the engine's activation-only norm pass on the per-sample losses, then forms ``Σ_i C_i ∂L_i/∂θ``
   by book-keeping from what that single backward kept (mode "bk_mixed";
   :class:`private_engine.clipping.PerSampleClipper`).
-* **plain backward** (every other mode, or any ``loss.backward()``): book-keeping (Bu et al. 2023).
-  During the ordinary backward the recorded (activation a, output gradient g) of every layer
-  call are kept, each layer's per-sample norm is computed as soon as its gradient arrives
-  (ghost norm or instantiation, per the mixed rule), the raw parameter gradients are discarded
-  (a tensor hook on each parameter), and at the end of the backward (an autograd callback)
-  ``Σ_i C_i g_iᵀ a_i`` is written by ``LayerRule.weighted_grads`` — no second backward.
+* **plain backward** (every other mode, or any ``loss.backward()``): book-keeping (Bu et al. 2023)
+  by the same clipper. During the ordinary backward each layer is handed to the clipper as soon as
+  its output gradient arrives (certified per-sample norm by ghost norm or instantiation, per the
+  mixed rule; what the clipped sum needs kept), the raw parameter gradients are discarded (a tensor
+  hook on each parameter), and at the end of the backward (an autograd callback) the clipper writes
+  ``Σ_i C_i g_iᵀ a_i`` — no second backward, and no clipping code of its own here.
 
 ``clipping="per_layer"``: one threshold R_k per parameter tensor (Opacus' definition), clip
 factor ``C_{i,k} = min(1, R_k / (‖∂L_i/∂θ_k‖ + 1e-6))`` from instantiated per-sample gradients.
@@ -41,7 +41,12 @@ from opacus.layers.dp_multihead_attention import SequenceBias
 from opacus.layers.dp_rnn import RNNLinear
 from torch import nn
 
-from ..clipping import PerSampleClipper, abadi_clip, check_per_sample_loss, decided_norm_sq
+from ..buffers import BufferGuard
+from ..clipping import PerSampleClipper, abadi_clip, check_per_sample_loss
+from ..layers.base import certified_kept
+from ..layers.rounding import cast_down
+from ..plan import is_book_keeping
+from ..separability import SeparabilityProbe
 from ..hooks import RecordedLayer
 
 
@@ -54,12 +59,16 @@ class PrivateModule(nn.Module):
         max_grad_norm: R (flat) or a list ``[R_k]``, one per optimizer parameter (per_layer;
             bound by :meth:`bind_per_layer_norms` when the optimizer is known).
         loss_reduction: "mean" or "sum": how the plain ``loss`` reduces per-sample losses.
-        mode: the engine's clipping mode ("mixed" by default, layerwise-optimal).
+        mode: the engine's book-keeping clipping mode ("bk_mixed" by default): a plain backward is
+            one pass.
     """
 
     def __init__(self, module: nn.Module, layers, *, max_grad_norm, loss_reduction: str = "mean",
-                 mode: str = "mixed", batch_first: bool = True):
+                 mode: str = "bk_mixed", batch_first: bool = True):
         super().__init__()
+        if not is_book_keeping(mode):
+            raise ValueError("PrivateModule clips in a plain backward, so it needs a book-keeping "
+                             f"mode, not {mode!r}.")
         self._module = module
         self.loss_reduction = loss_reduction
         self.batch_first = batch_first
@@ -81,6 +90,9 @@ class PrivateModule(nn.Module):
         self.grad_accumulation_allowed = True
         #: set when a backward with hooks disabled left unclipped gradients in p.grad (cleared by zero_grad)
         self._unclipped_grads = False
+        #: set by remove_hooks()/cleanup(): nothing is clipped any more, so the optimizer refuses to
+        #: step
+        self._hooks_removed = False
         #: backward passes whose clipped sums are in p.grad since the optimizer last consumed them
         self.backward_passes = 0
         self._consumed = False
@@ -94,6 +106,11 @@ class PrivateModule(nn.Module):
         self._param_handles.append(module.register_forward_hook(self._check_graph_hook))
         self._param_handles += [m.register_forward_pre_hook(_reject_packed_sequence) for m in module.modules()
                                 if _is_dp_rnn(m)]
+        #: refuses a training forward that changes a buffer from the data (a release without noise)
+        self.buffer_guard = BufferGuard(module).install()
+        #: checks, at the first forward of each input signature, that the model is sample-separable
+        self.probe = SeparabilityProbe(module, batch_dim=0 if batch_first else None)
+        self.probe.install()
         self._hooks_enabled = True
         #: inside criterion_backward: its own backward passes leave the parameter gradients alone
         self._in_criterion = False
@@ -118,8 +135,39 @@ class PrivateModule(nn.Module):
         if self._eval_marks is not None:
             self._drop_eval_records()
             return
+        if self.probe.pending and torch.is_grad_enabled():
+            self._check_separable(out)
         if not self._graph_checked and torch.is_grad_enabled():
             self._check_graph(out)
+
+    def _layer_batch_dim(self, layer: RecordedLayer) -> int:
+        """Where a recorded layer sees the batch (what :meth:`_to_batch_first` moves)."""
+        m = layer.module
+        if isinstance(m, SequenceBias):
+            return 0 if m.batch_first else 1
+        return 0 if (self.batch_first or type(m) is RNNLinear) else 1
+
+    def _check_separable(self, out) -> None:
+        """The separability probe from the model's outputs (this door has no per-sample losses:
+        mixing inside the user's loss function is not seen here; docs/migrating-from-opacus.md)."""
+        owners = [self.recorder, *self.recorder.extras]
+        saved = [o.capturing for o in owners]
+        for o in owners:
+            o.capturing = False  # the probe's backward passes are not recorded
+        try:
+            batch = None
+            if not self.batch_first:
+                dims = [(c.output_shape, self._layer_batch_dim(layer))
+                        for layer in self.recorder.layers for c in layer.calls]
+                batch = min((shape[d] for shape, d in dims if len(shape) > d), default=None)
+            self.probe.check_outputs(out, self.clipper.probe_targets(self._layer_batch_dim),
+                                     batch_dim=0 if self.batch_first else None, batch_size=batch)
+        except BaseException:
+            self.recorder.reset()
+            raise
+        finally:
+            for o, c in zip(owners, saved):
+                o.capturing = c
 
     def _check_graph(self, out) -> None:
         """Once, on the first forward with grad: every trainable parameter must reach the output only
@@ -171,11 +219,16 @@ class PrivateModule(nn.Module):
         self.recorder.capturing = True
 
     def remove_hooks(self) -> None:
-        """Remove every hook; the wrapped module is back to a plain ``nn.Module``."""
+        """Remove every hook; the wrapped module is back to a plain ``nn.Module``. Its gradients are
+        then ordinary, unclipped ones: the DP optimizer refuses to step on them (as Opacus' does,
+        for want of per-sample gradients); call ``make_private`` again to train privately."""
         for h in self._param_handles:
             h.remove()
         self._param_handles = []
+        self._hooks_removed = True
         self.clipper.remove()
+        self.buffer_guard.remove()
+        self.probe.remove()
 
     cleanup = remove_hooks
 
@@ -211,6 +264,12 @@ class PrivateModule(nn.Module):
     def check_releasable(self, params: Sequence[torch.Tensor]) -> None:
         """Called by the optimizer before it reads ``p.grad`` (``pre_step``): refuse to release
         gradients this module did not clip (Opacus raises in both cases too)."""
+        if self._hooks_removed:
+            raise ValueError(
+                "the privacy hooks of this module were removed (remove_hooks()/cleanup()), so its "
+                "gradients are not clipped; nothing was released. Call make_private again to train "
+                "privately."
+            )
         if self._unclipped_grads:
             raise ValueError(
                 "p.grad holds unclipped gradients: a backward ran while the hooks were disabled (disable_hooks()). "
@@ -242,11 +301,12 @@ class PrivateModule(nn.Module):
 
     # -- plain loss.backward(): book-keeping ----------------------------------------------------
     def _reset_plain(self) -> None:
-        self._stored: List[Tuple[RecordedLayer, list]] = []
-        self._norm_sq: Optional[torch.Tensor] = None
+        self._stored: List[Tuple[RecordedLayer, list]] = []  # per_layer clipping only
         self._callback_queued = False
         #: a layer's recorded call received its output gradient in this backward (a batch, maybe empty)
         self._saw_batch = False
+        #: the clipper's norm pass of this backward has begun (its batch size is the first layer's)
+        self._started = False
 
     def _queue_finish(self) -> None:
         if not self._callback_queued:
@@ -284,6 +344,8 @@ class PrivateModule(nn.Module):
         self.clipper._on_layer_ready(layer)
 
     def _on_layer_ready_plain(self, layer: RecordedLayer) -> None:
+        """One layer of a plain backward, handed to the clipper (certified norm, what the sum needs
+        kept)."""
         self._to_batch_first(layer)
         pairs = layer.pairs()
         if pairs:
@@ -292,17 +354,18 @@ class PrivateModule(nn.Module):
         if not pairs or pairs[0][1].shape[0] == 0:  # nothing reached, or an empty Poisson batch
             layer.release()
             return
-        stored = RecordedLayer(layer.name, layer.module, layer.rule)
-        self._stored.append((stored, pairs))
-        dims = [c.dims for c in layer.calls if c.fired and c.grad is not None]
-        layer.release()
         if self.per_layer:
+            self._stored.append((RecordedLayer(layer.name, layer.module, layer.rule), pairs))
+            layer.release()
             return
-        _, contrib = decided_norm_sq(stored.name, stored.module, stored.rule, dims, pairs, self.clipper.mode)
-        self._norm_sq = contrib if self._norm_sq is None else self._norm_sq + contrib.to(self._norm_sq.dtype)
+        if not self._started:
+            self.clipper.start_pass(pairs[0][1].shape[0])
+            self._started = True
+        self.clipper._on_layer_ready(layer)
 
     def _finish_plain(self) -> None:
-        """End of a plain backward: clip factors from the summed norms, then ``Σ_i C_i g_iᵀ a_i``."""
+        """End of a plain backward: certified norms from the clipper, clip factors, then
+        ``Σ_i C_i g_iᵀ a_i``."""
         try:
             try:
                 self._start_backward()
@@ -312,7 +375,7 @@ class PrivateModule(nn.Module):
                 raise
             self.recorder.finish_unfired()  # layers the loss does not reach contribute nothing
             self.recorder.reset()
-            if not self._stored:
+            if not (self._started or self._stored):
                 if not self._saw_batch:  # parameter gradients but no recorded call: not a new batch
                     raise ValueError(
                         "this backward reached no recorded layer call: it went through a graph whose records were "
@@ -322,43 +385,63 @@ class PrivateModule(nn.Module):
                     )
                 self.backward_passes += 1
                 return
-            sizes = {a.shape[0] for _, pairs in self._stored for a, g in pairs} | \
-                    {g.shape[0] for _, pairs in self._stored for a, g in pairs}
-            if len(sizes) != 1:
-                raise ValueError(
-                    f"layers saw different batch sizes {sorted(sizes)} in one backward; inputs must be batch-first "
-                    "(batch dimension 0) and each backward must come from one forward pass."
-                )
-            batch = sizes.pop()
-            scale = float(batch) if self.loss_reduction == "mean" else 1.0
             if self.per_layer:
-                self._write_per_layer(scale)
+                self._write_per_layer()
             else:
-                norms = self._norm_sq.sqrt() * scale
-                factors = abadi_clip(norms, self.current_max_grad_norm())
-                self.last_norms = norms.detach()
-                for layer, pairs in self._stored:
-                    grads = layer.rule.weighted_grads(layer.module, pairs, factors * scale)
-                    for name, g in grads.items():
-                        _add_grad(getattr(layer.module, name), g)
+                self._write_flat()
             self.backward_passes += 1
+        except BaseException:
+            self.clipper.release()
+            raise
         finally:
             self._reset_plain()
 
-    def _write_per_layer(self, scale: float) -> None:
+    def _mean_scale(self, batch: int) -> float:
+        """``loss_reduction="mean"``: the recorded output gradients are those of ``(1/B) Σ_i L_i``,
+        so norms and sums are taken of ``B·g`` (as Opacus does); 1 for "sum"."""
+        return float(batch) if self.loss_reduction == "mean" else 1.0
+
+    def _write_flat(self) -> None:
+        clipper = self.clipper
+        batch = clipper._batch_size
+        scale = self._mean_scale(batch)
+        norms = clipper.end_norm_pass(self._params[0].device) * scale
+        clipper.max_grad_norm = self.current_max_grad_norm()
+        norms, factors, keep, _ = clipper.finite_factors(norms)
+        self.last_norms = norms.detach()
+        grads = clipper.clipped_sums(None, factors * scale, keep=keep).own_grads()
+        for p, g in zip(self._params, grads):
+            _add_grad(p, g)
+
+    def _write_per_layer(self) -> None:
+        """Per-layer clipping (Opacus' definition): ``C_{i,k} = min(1, R_k/(‖G̃_i^k‖ + 1e-6))`` for
+        each parameter tensor k, from its instantiated per-sample gradients ``G̃``, released as
+        ``Σ_i C_{i,k} G̃_i^k`` of those very tensors — so the certified norm is ``‖G̃_i^k‖`` summed
+        in float64 (:func:`private_engine.layers.base.certified_kept`)."""
+        batches = {g.shape[0] for _, pairs in self._stored for _, g in pairs}
+        if len(batches) != 1:
+            raise ValueError(
+                f"layers saw different batch sizes {sorted(batches)} in one backward; inputs must "
+                "be batch-first (batch dimension 0) and each backward must come from one forward "
+                "pass."
+            )
+        scale = self._mean_scale(batches.pop())
         for layer, pairs in self._stored:
             for name, grad in layer.rule.per_sample_grads(layer.module, pairs).items():
                 p = getattr(layer.module, name)
                 r = self._norms_by_param.get(id(p))
                 if r is None:
                     raise RuntimeError(f"no per-layer max_grad_norm bound for parameter {self._names.get(id(p))}.")
-                factors = abadi_clip(grad.reshape(grad.shape[0], -1).norm(2, dim=1) * scale, r)
-                _add_grad(p, torch.tensordot((factors * scale).to(grad.dtype), grad, dims=1))
+                norms = certified_kept([grad], grad).sqrt() * scale
+                ok = torch.isfinite(norms)
+                factors = torch.where(ok, abadi_clip(torch.where(ok, norms, 0.0), r), 0.0) * scale
+                grad = torch.where(ok.reshape(-1, *([1] * (grad.dim() - 1))), grad, 0.0)
+                _add_grad(p, torch.tensordot(cast_down(factors, grad.dtype), grad, dims=1))
 
     # -- criterion flow ---------------------------------------------------------------------------
     def criterion_backward(self, loss_per_sample: torch.Tensor) -> None:
         """``p.grad += Σ_i C_i ∂L_i/∂p`` from per-sample losses: the clipper's norm pass, then its clipped sum
-        (book-keeping in the default mode; a weighted backward in a two-pass mode)."""
+        (book-keeping: one backward)."""
         try:
             check_per_sample_loss(loss_per_sample, name="the per-sample loss")
             self._start_backward()
@@ -386,9 +469,12 @@ class PrivateModule(nn.Module):
         self._in_criterion = True
         try:
             norms = self.clipper.per_sample_norms(loss_per_sample)
-            factors = self.clipper.clip_factors(norms)
+            norms, factors, keep, _ = self.clipper.finite_factors(norms, loss_per_sample)
             self.last_norms = norms.detach()
-            grads = self.clipper.clipped_grad_sum(loss_per_sample, factors)
+            grads = self.clipper.clipped_grad_sum(loss_per_sample, factors, keep)
+        except BaseException:
+            self.clipper.release()
+            raise
         finally:
             self.recorder.on_layer_ready = self._on_layer_ready_plain
             self.recorder.capturing = capturing

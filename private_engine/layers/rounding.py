@@ -1,0 +1,162 @@
+"""Rounding-error bounds that make per-sample norms *certified* upper bounds.
+
+A sample is private only if what is released for it, ``C_i·ĝ_i``, has norm at most R. The engine
+computes ``ĝ_i``'s norm in floating point, and the release ``ĝ_i`` itself is a floating-point
+computation; an adversary who controls one sample can choose values that make a sum of many terms
+of both signs cancel (a ghost norm ``⟨a aᵀ, g gᵀ⟩`` that rounds to 0 while the true norm is 10⁵).
+So every norm the engine clips by is an upper bound of the exact norm of the released quantity,
+with every rounding error on the way included.
+
+The model of floating-point arithmetic is the standard one (Higham, "Accuracy and Stability of
+Numerical Algorithms", 2nd ed., 2002, §2.2 and Lemma 3.1/§3.1): every operation returns the exact
+result times ``(1 + δ)`` with ``|δ| ≤ u`` (``u`` the unit roundoff of the dtype), and a sum of
+``n`` terms in *any* order satisfies ``|fl(Σ x_k) − Σ x_k| ≤ γ_{n−1}·Σ|x_k|`` with
+``γ_n = n·u / (1 − n·u)``. Products of two float32 (or bfloat16/float16) numbers are exact in
+float64, so quantities formed in float64 from such operands carry only float64 summation errors.
+
+The *mass* of a sample at a layer is ``M_i = Σ_t ‖ã_{i,t}‖·‖g_{i,t}‖`` (``ã_t`` the input at
+position t with a constant 1 appended when the bias is trained, ``g_t`` the output gradient). It
+bounds the per-sample gradient (``‖Σ_t g_t ã_tᵀ‖_F ≤ M``, the triangle inequality) and the
+element-wise absolute product (``‖|g|ᵀ|ã|‖_F ≤ M``) that every rounding bound of that gradient is
+proportional to. For honest data ``M ≈ √T·‖G‖``; a crafted sample has ``M ≫ ‖G‖``, and the
+bounds below then grow with ``M`` rather than with the (cancelled) value.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+_UNIT = {torch.float64: 2.0 ** -53, torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8,
+         torch.float16: 2.0 ** -11}
+#: unit roundoff of TensorFloat-32 operands (10 explicit mantissa bits), used by CUDA float32
+#: matmuls/convolutions when torch.backends.{cuda.matmul,cudnn}.allow_tf32 is set
+TF32_UNIT = 2.0 ** -11
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """``u`` of a floating dtype: 2⁻⁵³ (float64), 2⁻²⁴ (float32), 2⁻¹¹ (float16), 2⁻⁸ (bfloat16)."""
+    return _UNIT[dtype]
+
+
+def gamma(n: int, u: float) -> float:
+    """``γ_n = n·u / (1 − n·u)`` (Higham 2002, Lemma 3.1): the relative error bound of ``n``
+    successive roundings; ``inf`` when ``n·u ≥ 1/2`` (no bound)."""
+    nu = max(n, 0) * u
+    return nu / (1.0 - nu) if nu < 0.5 else math.inf
+
+
+def accumulator_unit(dtype: torch.dtype) -> float:
+    """Unit roundoff of the accumulator a matmul or reduction uses for operands of ``dtype``:
+    float64 stays float64; float32, bfloat16 and float16 accumulate in float32."""
+    return unit_roundoff(torch.float64 if dtype == torch.float64 else torch.float32)
+
+
+def operand_unit(dtype: torch.dtype, device: torch.device, conv: bool = False) -> float:
+    """Relative rounding of one operand *inside* a matmul (``conv=False``) or convolution kernel:
+    TF32 rounds float32 operands to 10 mantissa bits on CUDA when allowed (torch's
+    ``backends.cuda.matmul.allow_tf32`` / ``backends.cudnn.allow_tf32``); 0 otherwise."""
+    if dtype != torch.float32 or device.type != "cuda":
+        return 0.0
+    tf32 = torch.backends.cudnn.allow_tf32 if conv else torch.backends.cuda.matmul.allow_tf32
+    return TF32_UNIT if tf32 else 0.0
+
+
+def release_coefficient(dtype: torch.dtype, device: torch.device, rows: int,
+                        conv: bool = False) -> float:
+    """``c`` such that a clipped sum formed from kept activations and output gradients,
+    ``Gᵀ·diag(C)·A`` summed over ``rows`` positions of the whole batch, releases for sample i at
+    most ``C_i·(‖G_iᵀ A_i‖_F + c·M_i)``.
+
+    One operand is scaled by ``C`` in ``dtype`` (relative error ``u``), TF32 may round both
+    operands (``2·u_tf32``), and the product is accumulated over ``rows`` terms in the
+    accumulator (``γ_{rows+1}``, any summation order: the sample's share of the rounding is at
+    most ``γ·C_i·‖|g_i|ᵀ|ã_i|‖_F ≤ γ·C_i·M_i``). Rounding of the *other* samples' terms does not
+    depend on sample i beyond its clipped contribution and is not part of this bound.
+    """
+    tf32 = operand_unit(dtype, device, conv)
+    return unit_roundoff(dtype) + 2 * tf32 + gamma(rows + 1, accumulator_unit(dtype))
+
+
+def instantiation_coefficient(dtype: torch.dtype, device: torch.device, positions: int,
+                              conv: bool = False) -> float:
+    """``c`` with ``‖G̃_i − G_i‖_F ≤ c·M_i`` for a per-sample gradient ``G̃_i = fl(g_iᵀ a_i)``
+    instantiated by a matmul over the sample's ``positions`` in ``dtype``: the accumulation
+    (``γ_{T+1}``), TF32 operand rounding, and the rounding of the result to ``dtype``."""
+    out = unit_roundoff(dtype) if dtype != torch.float64 else 0.0
+    return (gamma(positions + 1, accumulator_unit(dtype)) + 2 * operand_unit(dtype, device, conv)
+            + out)
+
+
+def gram_coefficient(width_a: int, width_g: int, positions: int, gram_unit: float) -> float:
+    """``c`` with ``|ν̃_i − ‖G_i‖²_F| ≤ c·M_i²`` for the ghost norm ``ν̃_i = ⟨Ã Ãᵀ, G Gᵀ⟩``:
+    Gram entries formed over ``width_a`` / ``width_g`` columns with unit roundoff ``gram_unit``
+    (``|ΔÃ_ts| ≤ γ·‖ã_t‖‖ã_s‖``, Cauchy–Schwarz) and their inner product in float64, an element-wise
+    product summed over s and then over t (``γ^{(64)}_{2T}``). With both errors the bound is ``(γ_a
+    + γ_g + γ_a·γ_g)·M² + γ^{(64)}_{2T+1}·(1 + γ_a)(1 + γ_g)·M²``; doubled for margin."""
+    ga, gg = gamma(width_a, gram_unit), gamma(width_g, gram_unit)
+    inner = gamma(2 * positions + 1, unit_roundoff(torch.float64))
+    return 2.0 * (ga + gg + ga * gg + inner * (1 + ga) * (1 + gg))
+
+
+def certified_ghost(nu: torch.Tensor, mass: torch.Tensor, c_nu: float,
+                    c_rel: float) -> torch.Tensor:
+    """Certified squared norm from a ghost norm: ``(√(max(ν̃, 0) + c_ν·M²) + c_r·M)²``.
+
+    ``√(ν̃ + c_ν M²) ≥ ‖G‖`` (the ghost norm's own rounding), ``+ c_r·M`` the release's
+    (:func:`release_coefficient`). A negative ``ν̃`` (cancellation) is clamped: the bound holds
+    all the same, so a crafted sample is clipped, never makes the step fail."""
+    nu, mass = nu.double(), mass.double()
+    base = (nu.clamp(min=0) + c_nu * mass * mass).sqrt()
+    return (base + c_rel * mass).square()
+
+
+def certified_instantiated(norm_sq: torch.Tensor, mass: Optional[torch.Tensor], c_inst: float,
+                           c_rel: float, terms: int) -> torch.Tensor:
+    """Certified squared norm from an instantiated per-sample gradient ``G̃`` whose squared norm
+    ``norm_sq`` was summed in float64 over ``terms`` elements:
+    ``(‖G̃‖·(1 + γ^{(64)}_terms) + (c_inst + c_rel)·M)²``. ``mass=None``: the release is ``G̃``
+    itself (kept, or recomputed identically), so only the float64 summation error remains."""
+    own = 1 + gamma(terms + 2, unit_roundoff(torch.float64))
+    norm = norm_sq.double().clamp(min=0).sqrt() * own
+    if mass is None:
+        return norm.square()
+    return (norm + (c_inst + c_rel) * mass.double()).square()
+
+
+def norm_sq64(t: torch.Tensor) -> torch.Tensor:
+    """``‖t_i‖²`` per leading index, squares and sum in float64 (exact squares of float32 values;
+    relative error ``γ^{(64)}_n``), without a float64 copy of ``t``."""
+    flat = t.reshape(t.shape[0], -1)
+    return torch.linalg.vector_norm(flat, dim=1, dtype=torch.float64).square()
+
+
+def row_norms64(t: torch.Tensor) -> torch.Tensor:
+    """Euclidean norms over the last dimension in float64 (``(…, k) -> (…)``)."""
+    return torch.linalg.vector_norm(t, dim=-1, dtype=torch.float64)
+
+
+def pair_mass(a: torch.Tensor, g: torch.Tensor, bias: bool, weight: bool = True) -> torch.Tensor:
+    """``M_i = Σ_t ‖ã_{i,t}‖·‖g_{i,t}‖`` for ``a: (N, T, D)``, ``g: (N, T, p)`` (float64, ``(N,)``);
+    ``ã_t = (a_t, 1)`` with a trained bias, ``ã_t = 1`` when only the bias is trained."""
+    ng = row_norms64(g)
+    if not weight:
+        na = torch.ones_like(ng)
+    else:
+        na = row_norms64(a)
+        if bias:
+            na = (na.square() + 1).sqrt()
+    return (na * ng).sum(1)
+
+
+def cast_down(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Non-negative factors ``t`` in ``dtype``, rounded toward zero: every factor after the cast is
+    ``≤`` the factor before, so a narrower dtype can only clip more, never less."""
+    if t.dtype == dtype:
+        return t
+    low = t.to(dtype)
+    if torch.finfo(dtype).bits >= torch.finfo(t.dtype).bits:
+        return low
+    up = low.to(t.dtype) > t
+    return torch.where(up, torch.nextafter(low, torch.zeros_like(low)), low)
