@@ -234,21 +234,33 @@ class _Fingerprints:
         if rk is None:
             return None
         x, k = rk
-        acc = torch.float64  # float32 entries up to 3e38: their squares need float64's range
-        key = (x.shape[1], x.device)
+        # in float32 (float64 stays), without a copy of a float32 gradient: a float64 copy of every
+        # compared gradient would be a large transient (and, through the allocator's caching, a
+        # lasting one); scaling by a power of two stays exact in float32 too. Rows whose norm
+        # overflows float32 (|x| > 1.8e19) read as not finite: not compared, probed again later
+        work = torch.float64 if x.dtype == torch.float64 else torch.float32
+        key = (x.shape[1], x.device, work)
         u = self.vectors.get(key)
         if u is None:
-            u = torch.randn(x.shape[1], generator=self.gen, dtype=acc).to(x.device)
-            self.vectors[key] = u
-        norms, projs, amax = [], [], 0.0
-        step = max(1, _CHUNK // max(x.shape[1], 1))  # bounded float64 copies
-        for start in range(0, x.shape[0], step):
-            c = x[start:start + step].to(acc)
-            norms.append(torch.linalg.vector_norm(c, dim=1))
-            projs.append(c @ u)
-            a = torch.where(torch.isfinite(c), c.abs(), torch.zeros((), dtype=acc, device=c.device))
-            amax = max(amax, float(a.max())) if c.numel() else amax
-        norm, proj = torch.cat(norms), torch.cat(projs)
+            u = torch.randn(x.shape[1], generator=self.gen, dtype=torch.float64)
+            u = self.vectors[key] = u.to(device=x.device, dtype=work)
+        low = None if x.dtype == work else work
+        row_max = torch.linalg.vector_norm(x, ord=float("inf"), dim=1, dtype=low).double()
+        finite_max = row_max[torch.isfinite(row_max)]
+        amax = float(finite_max.max()) if finite_max.numel() else 0.0
+        if work == torch.float32 and amax * math.sqrt(max(x.shape[1], 1)) > 1e18:
+            # entries whose squares or sums overflow float32: bounded float64 copies instead
+            norms, projs = [], []
+            step = max(1, _CHUNK // max(x.shape[1], 1))
+            u64 = u.double()
+            for start in range(0, x.shape[0], step):
+                c = x[start:start + step].double()
+                norms.append(torch.linalg.vector_norm(c, dim=1))
+                projs.append(c @ u64)
+            norm, proj = torch.cat(norms), torch.cat(projs)
+        else:
+            norm = torch.linalg.vector_norm(x, dim=1, dtype=low).double()
+            proj = (x.to(work) @ u).double()
         finite = torch.isfinite(norm) & torch.isfinite(proj)
         return _Print(norm, proj, finite, k, g.dtype, amax)
 
@@ -657,17 +669,42 @@ class SeparabilityProbe:
         overflows), and the sample weights are 2^e with e ≤ 0, so the weighted pass cannot
         overflow where the plain one did not."""
         fp = _Fingerprints(self._gen)
-        inputs = [p.target for p in points]
+        # autograd is asked only for the model inputs and the points with no other point below
+        # them; the others are fingerprinted by a pre-hook on their node as the backward passes
+        # through, so their gradients are freed as in an ordinary backward (asking for every
+        # point would hold all of them at once: a peak of one more activation per layer)
+        asked = _leading(points, [t.grad_fn for t in roots])
 
         def prints(weights):
-            grads = list(torch.autograd.grad(roots, inputs, cotangents(weights),
-                                             retain_graph=True, allow_unused=True))
-            out = []
-            for i, p in enumerate(points):
-                per_dim = {d: fp(grads[i], B, d, p.shape) for d in p.dims}
-                out.append({d: q for d, q in per_dim.items() if q is not None})
-                grads[i] = None  # one pass's gradients alive at a time, and one by one less
-            return out
+            out: List[Optional[dict]] = [None] * len(points)
+
+            def record(i, g):
+                p = points[i]
+                per_dim = {d: fp(g, B, d, p.shape) for d in p.dims}
+                out[i] = {d: q for d, q in per_dim.items() if q is not None}
+
+            def hook_for(i):
+                nr = getattr(points[i].target, "output_nr", 0)
+
+                def hook(grad_outputs):
+                    if out[i] is None and nr < len(grad_outputs):
+                        record(i, grad_outputs[nr])
+                return hook
+
+            handles = [points[i].node.register_prehook(hook_for(i))
+                       for i in range(len(points)) if i not in asked]
+            try:
+                idx = sorted(asked)
+                grads = list(torch.autograd.grad(roots, [points[i].target for i in idx],
+                                                 cotangents(weights), retain_graph=True,
+                                                 allow_unused=True))
+            finally:
+                for h in handles:
+                    h.remove()
+            for k, i in enumerate(idx):
+                record(i, grads[k])
+                grads[k] = None
+            return [q if q is not None else {} for q in out]
 
         ones = torch.ones(B, dtype=torch.float64)
         plain = prints(ones)
@@ -832,6 +869,27 @@ def _collect(value, out: list, depth: int) -> None:
     elif depth < 4 and hasattr(value, "__dataclass_fields__"):  # model-output dataclasses
         for name in value.__dataclass_fields__:
             _collect(getattr(value, name, None), out, depth + 1)
+
+
+def _leading(points: List["_Point"], roots) -> set:
+    """Indices of the points autograd must be asked for: model inputs, and recorded points with no
+    other point below them in the graph (the backward then runs through every other point)."""
+    nodes = {p.node for p in points}
+    below: Dict[object, bool] = {}
+    stack = [(n, False) for n in roots if n is not None]
+    entered = set()
+    while stack:
+        node, done = stack.pop()
+        kids = [n for n, _ in node.next_functions if n is not None]
+        if done:
+            below[node] = any(k in nodes or below.get(k, False) for k in kids)
+            continue
+        if node in entered:
+            continue
+        entered.add(node)
+        stack.append((node, True))
+        stack.extend((k, False) for k in kids if k not in entered)
+    return {i for i, p in enumerate(points) if p.is_input or not below.get(p.node, False)}
 
 
 def _points(targets) -> List[_Point]:

@@ -21,8 +21,8 @@ from torch import nn
 from .base import (LayerDims, LayerRule, accumulation_dtype, cast, certified_kept, compute_dtype,
                    gram_inner, gram_unit, put_into, register_rule, row_norm_sq, scale_samples,
                    trainable, weighted_sum_into, zeros_like_batch)
-from .rounding import (certified_ghost, certified_instantiated, gram_coefficient,
-                       instantiation_coefficient, release_coefficient, row_norms64)
+from .rounding import (certified_ghost, certified_instantiated, gamma, gram_coefficient,
+                       instantiation_coefficient, release_coefficient, row_norms64, unit_roundoff)
 
 
 def unfold_conv_input(module: nn.modules.conv._ConvNd, a: torch.Tensor) -> torch.Tensor:
@@ -105,12 +105,18 @@ class ConvRule(LayerRule):
         groups = module.groups
         for a, g in calls:
             B, C = a.shape[:2]
-            x, padding = _padded(module, a.double().square())
+            # squares in float32 on the CPU (float64 on CUDA, where cuDNN may pick TF32 or
+            # transform-based kernels): positive terms, summed over the channels of a group and the
+            # window's Πk positions, so exact to (1 + γ_K); an overflow gives inf (dropped)
+            acc = torch.float64 if a.is_cuda else accumulation_dtype(a)
+            x, padding = _padded(module, a.to(acc).square())
             x = x.reshape(B, groups, C // groups, *x.shape[2:]).sum(2)
             ones = x.new_ones(groups, 1, *module.kernel_size)
             conv = (F.conv1d, F.conv2d, F.conv3d)[len(module.kernel_size) - 1]
             window = conv(x, ones, None, module.stride, padding, module.dilation, groups)
-            window = window.reshape(B, groups, -1)
+            terms = (C // groups) * math.prod(module.kernel_size) + 2
+            window = window.reshape(B, groups, -1).double() * (1 + gamma(terms, unit_roundoff(acc)))
+            window = window + terms * 2.0 ** -200  # squares below float32's normal range
             if bias:
                 window = window + 1
             per_group = g.reshape(B, groups, module.out_channels // groups, -1)
