@@ -1,11 +1,14 @@
 """private_engine — exact, fast, memory-lean differentially private training for PyTorch."""
 from . import layers, optim
 from .clipping import abadi_clip, automatic_clip, global_clip
+from .buffers import BufferGuard
 from .engine import PrivacyEngine
 from .plan import CLIPPING_MODES, DEFAULT_CLIPPING_MODE, LayerDecision, format_plan, layer_plan
+from .separability import BatchMixingError
 from .validation import fix_batchnorm
 
 __version__ = "0.1.0"
 __all__ = ["PrivacyEngine", "CLIPPING_MODES", "DEFAULT_CLIPPING_MODE",
            "LayerDecision", "layer_plan", "format_plan", "fix_batchnorm", "optim", "layers",
-           "abadi_clip", "automatic_clip", "global_clip", "__version__"]
+           "abadi_clip", "automatic_clip", "global_clip", "BatchMixingError", "BufferGuard",
+           "__version__"]
