@@ -53,7 +53,7 @@ GPU memory (``probe_max_batch``): the batch doubles from
 ``--batch-size`` until a step fails (at most ``--max-batch-cap``), then bisection between the last
 size that fitted and the first that did not (``max_batch_by_bisection``).
 
-The targets of issue 6 are reported as met or not for each of our methods: ≤ 1.15× non-DP time per
+The project's speed targets are reported as met or not for each of our methods: ≤ 1.15× non-DP time per
 step (set for ViT-Tiny, batch 16, on CPU; on CUDA too), and on CUDA ≤ 1.10× non-DP peak memory and
 a maximum batch ≥ 0.9× non-DP's. ``--plot PATH`` draws time and memory × non-DP per method (one
 panel per model); with ``--markdown`` the figure defaults to ``benchmarks_<device>.png`` next to the
@@ -117,7 +117,7 @@ CUDA_MODELS = ["vit_tiny_patch16_224", "vit_small_patch16_224", "vit_base_patch1
                "vgg11", TEXT_MODEL]
 #: --models default
 DEFAULT_MODELS = {"cpu": ["vit_tiny_patch16_224"], "cuda": CUDA_MODELS}
-#: issue 6's targets for private_engine: seconds per step ≤ TIME × non-DP (set for ViT-Tiny, batch 16, on CPU;
+#: the speed targets for private_engine: seconds per step ≤ TIME × non-DP (set for ViT-Tiny, batch 16, on CPU;
 #: checked on CUDA too); on CUDA peak memory ≤ MEMORY × non-DP and maximum batch ≥ MAX_BATCH × non-DP's
 TIME_TARGET_RATIO = 1.15
 MEMORY_TARGET_RATIO = 1.10
@@ -1092,18 +1092,18 @@ def target_lines(args, results: Dict[str, dict]) -> List[str]:
 
     times = {m: _time_ratio(results, m) for m in ran}
     if args.device == "cpu":
-        return [line("Target on CPU (issue 6, set for vit_tiny_patch16_224 at batch 16): private_engine time per "
+        return [line("Target on CPU (set for vit_tiny_patch16_224 at batch 16): private_engine time per "
                      "step", TIME_TARGET_RATIO, times, first=True)] if ran or failed else []
-    lines = [line("Target on CUDA (issue 6): private_engine time per step", TIME_TARGET_RATIO, times, first=True)]
+    lines = [line("Target on CUDA: private_engine time per step", TIME_TARGET_RATIO, times, first=True)]
     if ref.get("peak_delta_mib"):
         mems = {m: results[m]["peak_delta_mib"] / ref["peak_delta_mib"] for m in ran}
-        lines.append(line("Target on CUDA (issue 6): private_engine peak memory Δ", MEMORY_TARGET_RATIO, mems))
+        lines.append(line("Target on CUDA: private_engine peak memory Δ", MEMORY_TARGET_RATIO, mems))
     if ref.get("max_batch"):
         batches = {m: results[m]["max_batch"] / ref["max_batch"] for m in ran if results[m].get("max_batch") is not None}
-        lines.append(line("Target on CUDA (issue 6): private_engine max batch", MAX_BATCH_TARGET_RATIO, batches,
+        lines.append(line("Target on CUDA: private_engine max batch", MAX_BATCH_TARGET_RATIO, batches,
                           at_least=True))
     elif args.device == "cuda":
-        lines.append(f"Target on CUDA (issue 6): private_engine max batch ≥ {MAX_BATCH_TARGET_RATIO}× non-DP — "
+        lines.append(f"Target on CUDA: private_engine max batch ≥ {MAX_BATCH_TARGET_RATIO}× non-DP — "
                      "not measured (run with --max-batch).")
     return lines
 
