@@ -47,6 +47,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import private_engine as pe
+from engine_checks import one_thread  # noqa: F401  (autouse; the crafted samples were searched on 1)
 from reference import reference_clipped_sum
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -68,16 +69,6 @@ DOORS = [("native", m) for m in MODES] + [("opacus", f) for f in FLOWS]
 DOOR_IDS = [f"{door}-{how}" for door, how in DOORS]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors, and the crafted samples were searched on one thread: run on one intra-op
-    thread (restored afterwards)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
 
 
 # -- what a step releases ------------------------------------------------------------------------

@@ -20,19 +20,10 @@ import private_engine.data
 from private_engine.data import poisson_loader
 from private_engine.heads.warmup import warmup_finetune
 from private_engine.noise import ReproducibleNoiseWarning
+from engine_checks import one_thread  # noqa: F401  (autouse: one intra-op thread)
 
 N = 64
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: intra-op threads would only add synchronisation; restored afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
 
 
 def _members(loader, batches: int = 6):

@@ -19,20 +19,11 @@ from torch import nn
 import private_engine as pe
 from private_engine import cpu_noise, noise
 from private_engine.noise import ReproducibleNoiseWarning
+from engine_checks import one_thread  # noqa: F401  (autouse: one intra-op thread)
 
 ROOT = Path(__file__).resolve().parents[1]
 SIGMA, R = 1.0, 1.0
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: intra-op threads would only add synchronisation; restored afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
 
 
 def _data(target: bool):
