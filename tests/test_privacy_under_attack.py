@@ -47,7 +47,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import private_engine as pe
-from engine_checks import one_thread  # noqa: F401  (autouse; the crafted samples were searched on 1)
+from engine_checks import one_thread  # noqa: F401  (autouse: samples were searched on 1 thread)
 from reference import reference_clipped_sum
 
 pytestmark = pytest.mark.filterwarnings("ignore")
