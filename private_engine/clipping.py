@@ -41,6 +41,7 @@ from .hooks import GraphWalk, LayerRecorder, RecordedLayer
 from .separability import SeparabilityProbe
 from .plan import DEFAULT_CLIPPING_MODE, LayerDecision, check_mode, decide, is_book_keeping
 from .layers.base import certified_kept, row_norm_sq, sum_per_sample, trainable, weighted_sum_into
+from .layers.rounding import gamma
 from .layers.linear import LinearRule
 from .tracer import ParamTracer
 from .validation import _scan
@@ -416,16 +417,17 @@ class PerSampleClipper:
     def end_norm_pass(self, device: torch.device) -> torch.Tensor:
         """Finish a norm pass whose layers have all been handed to :meth:`_on_layer_ready`: the
         traced parameters' and fallback modules' norms, the kept per-sample gradients grouped, and
-        ``‖g_i‖ = (Σ_l N_l²)^{1/2}`` summed in float64 (the square root rounded up by a few
-        ulps)."""
+        ``‖g_i‖ = (Σ_l N_l²)^{1/2}``: the sum in float64 raised by ``γ^{(64)}_{L+2}`` (L terms, any
+        order), the square root by one more ulp."""
         self._extra_norms()
         self._group_kept_grads()
         self.last_plan = list(reversed(self._plan))
         B = self._batch_size
         if not self._norm_terms:
             return torch.zeros(B, dtype=torch.float64, device=device)
-        norm_sq, self._norm_terms = sum_per_sample(self._norm_terms, self._norm_terms[0]), []
-        return norm_sq.sqrt() * (1 + 2.0 ** -50)
+        terms, self._norm_terms = self._norm_terms, []
+        norm_sq = sum_per_sample(terms, terms[0]) * (1 + gamma(len(terms) + 2, 2.0 ** -53))
+        return norm_sq.sqrt() * (1 + 2.0 ** -51)
 
     def _set_capturing(self, on: bool) -> None:
         self.recorder.capturing = on
