@@ -123,7 +123,9 @@ class ConvRule(LayerRule):
             ng = row_norms64(per_group.transpose(2, 3))
             m = (window.sqrt() * ng).sum((1, 2))
             total = m if total is None else total + m
-        return total
+        positions = sum(g[0].numel() // module.out_channels for _, g in calls) * groups
+        slack = 1 + gamma(positions + module.out_channels + 4, unit_roundoff(torch.float64))
+        return total * slack  # the float64 norms and sums of positive terms
 
     def certified_norm_sq(self, module, calls, use_ghost, grads=None):
         """Certified ``‖release_i‖²`` bound at C_i = 1 (:mod:`private_engine.layers.rounding`): the

@@ -14,7 +14,7 @@ from torch import nn
 
 from .base import (LayerDims, LayerRule, accumulation_dtype, cast, put_into, register_rule,
                    row_norm_sq, scale_samples, trainable, zeros_like_batch)
-from .rounding import (certified_ghost, certified_instantiated, gram_coefficient,
+from .rounding import (certified_ghost, certified_instantiated, gamma, gram_coefficient,
                        instantiation_coefficient, release_coefficient, row_norms64, unit_roundoff)
 
 
@@ -74,7 +74,8 @@ class EmbeddingRule(LayerRule):
             return zeros_like_batch(calls[0][1])
         ids, G = self._views(module, calls)
         B, T = ids.shape
-        mass = row_norms64(G).sum(1)
+        slack = 1 + gamma(T + G.shape[2] + 4, unit_roundoff(torch.float64))  # float64 sums
+        mass = row_norms64(G).sum(1) * slack
         c_rel = release_coefficient(G.dtype, G.device, B * T)
         if use_ghost:
             c_nu = gram_coefficient(1, G.shape[2], T, unit_roundoff(torch.float64))

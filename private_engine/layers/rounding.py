@@ -189,7 +189,9 @@ def pair_mass(a: torch.Tensor, g: torch.Tensor, bias: bool, weight: bool = True)
         na = row_norms64(a)
         if bias:
             na = (na.square() + 1).sqrt()
-    return (na * ng).sum(1)
+    # positive terms summed in float64: raised by γ_{T+2} (and float64 row norms by the same order)
+    slack = 1 + gamma(ng.shape[-1] + a.shape[-1] + 4, unit_roundoff(torch.float64))
+    return (na * ng).sum(1) * slack
 
 
 def cast_down(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
