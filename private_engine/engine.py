@@ -154,6 +154,7 @@ class PrivacyEngine:
         self.buffer_guard = BufferGuard(model, allow=data_free_buffers).install()
         layers = clipped_layers(model, strict=True)
         self.params: List[nn.Parameter] = [p for p in model.parameters() if p.requires_grad]
+        self._param_ids = frozenset(id(p) for p in self.params)
         if not self.params:
             raise ValueError("the model has no trainable parameters (requires_grad=True).")
         self.clipper = PerSampleClipper(layers, self.params, mode=clipping_mode, clipping_fn=clipping_fn,
@@ -175,20 +176,30 @@ class PrivacyEngine:
         """
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"attach expects a torch.optim.Optimizer, got {type(optimizer).__name__}.")
-        mine = {id(p) for p in self.params}
-        foreign = [i for g in optimizer.param_groups for i, p in enumerate(g["params"])
-                   if p.requires_grad and id(p) not in mine]
-        if foreign:
-            raise ValueError(
-                f"the optimizer updates {len(foreign)} trainable parameter(s) that are not the model's; they would "
-                "be updated without privacy. Build the optimizer from model.parameters()."
-            )
+        self.check_optimizer(optimizer)
         if any(s.optimizer is optimizer and s.attached for s in self._attached):
             raise RuntimeError("this optimizer is already attached to the engine.")
         self.clipper.install()  # hooks removed by detach() come back
         self.buffer_guard.install()
         self._attached.append(_optim.attach(self, optimizer))
         return optimizer
+
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Refuse an optimizer that would update a trainable parameter the engine does not clip (one
+        that is not the model's, or one unfrozen after the engine was built): its ``.grad`` would be
+        released without clipping or noise. Run at ``attach`` and before every private step."""
+        mine = self._param_ids
+        foreign = [p for g in optimizer.param_groups for p in g["params"]
+                   if p.requires_grad and id(p) not in mine]
+        if foreign:
+            names = {id(p): n for n, p in self.model.named_parameters()}
+            shown = [names.get(id(p), f"a tensor of shape {tuple(p.shape)} not in the model")
+                     for p in foreign]
+            raise ValueError(
+                f"the optimizer updates trainable parameter(s) the engine does not clip: {shown}. "
+                "Their gradients would be released without privacy. Build the engine after "
+                "choosing what to train (parameters unfrozen later are not clipped), and the "
+                "optimizer from model.parameters(). Nothing was updated.")
 
     def detach(self) -> None:
         """Remove the hooks and restore every attached optimizer's own ``step``."""
@@ -267,6 +278,12 @@ class PrivacyEngine:
     def max_grad_norm(self, value: float) -> None:
         if not (isinstance(value, (int, float)) and 0 < value < math.inf):
             raise ValueError(f"max_grad_norm must be a finite number > 0, got {value!r}.")
+        if float(value) != self.clipper.max_grad_norm and \
+                any(s.attached and s.grad_sums is not None for s in self._attached):
+            raise ValueError(
+                "max_grad_norm cannot change while a logical batch is being accumulated "
+                "(virtual_step): its physical batches would be clipped at another R than the noise "
+                "is drawn for. Change it after optimizer.step().")
         self.clipper.max_grad_norm = float(value)
 
     @property

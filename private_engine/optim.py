@@ -138,6 +138,7 @@ def attach(engine: "PrivacyEngine", optimizer: torch.optim.Optimizer) -> Private
                 "optimizer.step() needs loss=<per-sample losses, shape (B,)> (reduction='none'): the engine clips "
                 "each sample's gradient from it. Use optimizer.virtual_step(loss=...) to accumulate."
             )
+        engine.check_optimizer(state.optimizer)  # every parameter it updates must be clipped
         noisy = state.noisy_gradients(loss)  # validates and clips; state untouched on error
         saved = [p.grad for p in engine.params]
         for p, g in zip(engine.params, noisy):

@@ -83,6 +83,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import warnings
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -97,6 +98,9 @@ from .fallback import replaying
 MAX_SIGNATURES = 256
 #: forwards with an unprobed signature remembered until the next check (the most recent ones)
 MAX_PENDING = 8
+#: probes of one signature that may end without a verdict (a point whose gradient reached fewer than
+#: two samples, or rows that were not finite) before the signature is accepted with a warning
+MAX_SILENT_PROBES = 8
 #: relative tolerance of the row comparison by the lowest precision in the graph (default:
 #: DEFAULT_TOLERANCE); float32 on CUDA with TF32 allowed counts as float16 (same mantissa)
 TOLERANCES = {torch.float16: 2e-2, torch.bfloat16: 5e-2}
@@ -263,6 +267,15 @@ class _Fingerprints:
             proj = (x.to(work) @ u).double()
         finite = torch.isfinite(norm) & torch.isfinite(proj)
         return _Print(norm, proj, finite, k, g.dtype, amax)
+
+
+def _samples_reached(prints: Dict[int, "_Print"], B: int) -> int:
+    """The most samples with a non-zero, finite gradient row at a point, over its layouts."""
+    best = 0
+    for q in prints.values():
+        rows = (q.norm > 0) & q.finite
+        best = max(best, int(rows.reshape(B, q.k).any(1).sum()))
+    return best
 
 
 def _compare(plain: _Print, weighted: _Print, r: torch.Tensor,
@@ -437,6 +450,8 @@ class SeparabilityProbe:
         self.model = model
         self.batch_dim = batch_dim
         self._probed: "OrderedDict[tuple, None]" = OrderedDict()
+        #: probes without a verdict so far, per signature (see MAX_SILENT_PROBES)
+        self._silent: Dict[tuple, int] = {}
         self._pending: deque = deque(maxlen=MAX_PENDING)
         self._handle = None
         self._gen = torch.Generator()
@@ -622,12 +637,27 @@ class SeparabilityProbe:
                                      input_dims, None, True))
         layouts = sorted(set(layouts).union(*(p.dims for p in points)))
         if points:
-            bad, complete = self._compare_all(roots, cotangents, B, points)
+            bad, complete, silent = self._compare_all(roots, cotangents, B, points)
             if bad:
                 raise self._error(roots, cotangents, B, bad, layouts)
-            if not complete:
-                return
+            if not complete or silent:
+                # no verdict: a batch can hide mixing (a sample that saturates a softmax over the
+                # batch zeroes every other row's gradient; a NaN spreads to every row), so the
+                # signature is probed again on the next batches, and accepted only after
+                # MAX_SILENT_PROBES such probes (a layer whose gradient never reaches two samples)
+                sigs = {f.signature for f in reached}
+                tries = max(self._silent.get(sig, 0) for sig in sigs) + 1
+                if tries < MAX_SILENT_PROBES:
+                    for sig in sigs:
+                        self._silent[sig] = tries
+                    return
+                warnings.warn(
+                    f"the separability probe could not compare samples at {sorted(set(silent))} "
+                    f"in {MAX_SILENT_PROBES} batches (the gradient there reached fewer than two "
+                    "samples, or was not finite): mixing of samples there is not ruled out.",
+                    RuntimeWarning, stacklevel=4)
         for f in reached:
+            self._silent.pop(f.signature, None)
             self._probed[f.signature] = None
             self._probed.move_to_end(f.signature)
         while len(self._probed) > MAX_SIGNATURES:
@@ -750,7 +780,9 @@ class SeparabilityProbe:
                 break
         # rows that could not be compared (not finite): the signature is probed again next time
         complete = not overflow and all(bool(q.finite.all()) for qs in plain for q in qs.values())
-        return results, complete
+        # points whose gradient reached fewer than two samples show nothing about mixing
+        silent = [p.name for p, qs in zip(points, plain) if _samples_reached(qs, B) < 2]
+        return results, complete, silent
 
     # -- diagnosis ----------------------------------------------------------------------------
     def _error(self, roots, cotangents, B: int, bad, layouts) -> BatchMixingError:

@@ -157,7 +157,7 @@ def test_attach_checks():
     with pytest.raises(RuntimeError, match="already attached"):
         engine.attach(opt)
     other = nn.Linear(2, 2)
-    with pytest.raises(ValueError, match="not the model's"):
+    with pytest.raises(ValueError, match="does not clip"):
         engine.attach(torch.optim.SGD(list(model.parameters()) + list(other.parameters()), lr=0.1))
     with pytest.raises(TypeError):
         engine.attach(object())

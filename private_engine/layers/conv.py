@@ -116,7 +116,7 @@ class ConvRule(LayerRule):
             window = conv(x, ones, None, module.stride, padding, module.dilation, groups)
             terms = (C // groups) * math.prod(module.kernel_size) + 2
             window = window.reshape(B, groups, -1).double() * (1 + gamma(terms, unit_roundoff(acc)))
-            window = window + terms * 2.0 ** -200  # squares below float32's normal range
+            window = window + terms * 2.0 ** -149  # squares in float32's subnormal range
             if bias:
                 window = window + 1
             per_group = g.reshape(B, groups, module.out_channels // groups, -1)

@@ -28,6 +28,12 @@ class EmbeddingRule(LayerRule):
                 "nn.Embedding(sparse=True) produces sparse gradients that DP noise would densify; "
                 "build it with sparse=False."
             )
+        if module.max_norm is not None:
+            raise ValueError(
+                "nn.Embedding(max_norm=...) renormalises the rows its batch looks up, in place, "
+                "during the forward: the weights then move with the data, without clipping or "
+                "noise. Build it with max_norm=None (renormalise, if needed, outside training)."
+            )
         if module.scale_grad_by_freq:
             raise ValueError(
                 "nn.Embedding(scale_grad_by_freq=True) scales gradients by token counts of the whole batch, "

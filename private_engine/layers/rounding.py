@@ -127,8 +127,9 @@ def certified_instantiated(norm_sq: torch.Tensor, mass: Optional[torch.Tensor], 
 
 #: elements whose squares are summed in float32 before the float64 sum (:func:`norm_sq64`)
 SQUARE_BLOCK = 64
-#: absolute slack for squares below float32's normal range, which its sums may lose (per element)
-_UNDERFLOW = 2.0 ** -200
+#: absolute slack per element for squares in float32's subnormal range: each is lost or rounded by
+#: at most half its smallest subnormal step, 2⁻¹⁵⁰ (taken as 2⁻¹⁴⁹)
+_UNDERFLOW = 2.0 ** -149
 
 
 def _norms32(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -147,7 +148,7 @@ def norm_sq64(t: torch.Tensor) -> torch.Tensor:
     the time): the squares of each block of ``SQUARE_BLOCK`` consecutive elements are summed in
     float32 — positive terms, so the block's norm is exact to ``(1 + γ_L)(1 + u)`` whatever the
     order — and the blocks' squared norms are summed in float64; the result is raised by that factor
-    and by ``n·2⁻²⁰⁰`` for squares below float32's normal range. A value so large that its square
+    and by ``n·2⁻¹⁴⁹`` for squares in float32's subnormal range. A value so large that its square
     overflows float32 (|x| > 1.8e19) gives ``inf``: the engine then drops the sample."""
     B = t.shape[0]
     flat = t.reshape(B, -1)

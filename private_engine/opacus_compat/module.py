@@ -93,6 +93,8 @@ class PrivateModule(nn.Module):
         #: set by remove_hooks()/cleanup(): nothing is clipped any more, so the optimizer refuses to
         #: step
         self._hooks_removed = False
+        #: the thresholds R the clipped sums now in p.grad were clipped at (flat clipping)
+        self._clipped_at: set = set()
         #: backward passes whose clipped sums are in p.grad since the optimizer last consumed them
         self.backward_passes = 0
         self._consumed = False
@@ -255,11 +257,13 @@ class PrivateModule(nn.Module):
         """Called by the optimizer after it read p.grad (``pre_step``)."""
         self._consumed = True
         self.backward_passes = 0
+        self._clipped_at = set()
 
     def optimizer_zero_grad(self) -> None:
         self._consumed = False
         self.backward_passes = 0
         self._unclipped_grads = False
+        self._clipped_at = set()
 
     def check_releasable(self, params: Sequence[torch.Tensor]) -> None:
         """Called by the optimizer before it reads ``p.grad`` (``pre_step``): refuse to release
@@ -276,6 +280,13 @@ class PrivateModule(nn.Module):
                 "Call optimizer.zero_grad() before the next private step, or enable_hooks() before the backward."
             )
         self._check_trainable(params)
+        if self._clipped_at and self._clipped_at != {self.current_max_grad_norm()}:
+            raise ValueError(
+                "the gradients in p.grad were clipped at max_grad_norm "
+                f"{sorted(self._clipped_at)} but the optimizer would add noise for "
+                f"{self.current_max_grad_norm()}: max_grad_norm "
+                "changed between backward passes of one logical batch. Change it after "
+                "optimizer.step() (a grad-clip scheduler steps after the optimizer).")
 
     def _check_trainable(self, params) -> None:
         """Every trainable parameter in ``params`` must be one clipped here (trainable at make_private)."""
@@ -407,6 +418,7 @@ class PrivateModule(nn.Module):
         scale = self._mean_scale(batch)
         norms = clipper.end_norm_pass(self._params[0].device) * scale
         clipper.max_grad_norm = self.current_max_grad_norm()
+        self._clipped_at.add(clipper.max_grad_norm)
         norms, factors, keep, _ = clipper.finite_factors(norms)
         self.last_norms = norms.detach()
         grads = clipper.clipped_sums(None, factors * scale, keep=keep).own_grads()
@@ -465,6 +477,7 @@ class PrivateModule(nn.Module):
             )
         self.recorder.on_layer_ready = self._on_layer_ready_criterion
         self.clipper.max_grad_norm = self.current_max_grad_norm()
+        self._clipped_at.add(self.clipper.max_grad_norm)
         capturing = self.recorder.capturing  # False after disable_hooks(): restored as the user left it
         self._in_criterion = True
         try:
