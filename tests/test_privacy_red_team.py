@@ -36,13 +36,12 @@ from typing import Callable, List
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 import private_engine as pe
 from test_privacy_under_attack import (B, DOORS, DOOR_IDS, FLOWS, MODES, R, CapturingSGD, Case,
                                        Mixer, Refused, assert_bounded, honest_vectors,
-                                       large_vector_case, mse, one_thread, ratio, refused,
-                                       released, run_pair)
+                                       large_vector_case, mse, one_thread, opacus_objective,
+                                       opacus_private, ratio, refused, released, run_pair)
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 _ = one_thread  # the autouse fixture of the harness: one intra-op thread
@@ -178,11 +177,7 @@ def release_with_params(model: nn.Module, x, t, door: str, how: str,
                                       noise_multiplier=0.0, clipping_mode=how)
             engine.attach(opt)
         else:
-            loader = DataLoader(TensorDataset(torch.zeros(10 * B, 1)), batch_size=B)
-            out = pe.PrivacyEngine(accountant="rdp").make_private(
-                module=model, optimizer=opt, data_loader=loader, noise_multiplier=0.0,
-                max_grad_norm=R, poisson_sampling=False, grad_sample_mode=how,
-                criterion=nn.MSELoss())
+            out = opacus_private(pe.PrivacyEngine(accountant="rdp"), model, opt, how)
             handle, dp_opt = out[0], out[1]
     except ValueError as e:
         return refused(e, "construction", opt)
@@ -190,12 +185,7 @@ def release_with_params(model: nn.Module, x, t, door: str, how: str,
         if door == "native":
             opt.step(loss=loss(model(x), t))
         else:
-            y = handle(x)
-            if how == "ghost":
-                n, k = y.shape[0], y[0].numel()
-                (out[2](y.reshape(-1), t.reshape(-1), shape=(n, k)) * k).backward()
-            else:
-                loss(y, t).mean().backward()
+            opacus_objective(out, how, handle(x), t, loss).backward()
             dp_opt.step()
     except ValueError as e:
         return refused(e, "step", opt)
@@ -248,21 +238,12 @@ def accumulate_then_lower_r(door: str, how: str, with_sample: bool) -> object:
             engine.max_grad_norm = R_LOW
             opt.step(loss=mse(model(hx), ht))
         else:
-            loader = DataLoader(TensorDataset(torch.zeros(10 * B, 1)), batch_size=B)
-            out = pe.PrivacyEngine(accountant="rdp").make_private(
-                module=model, optimizer=opt, data_loader=loader, noise_multiplier=0.0,
-                max_grad_norm=R, poisson_sampling=False, grad_sample_mode=how,
-                criterion=nn.MSELoss())
+            out = opacus_private(pe.PrivacyEngine(accountant="rdp"), model, opt, how)
             handle, dp_opt = out[0], out[1]
             for i, (x, t) in enumerate([(x1, t1), (hx, ht)]):
                 if i == 1:
                     dp_opt.max_grad_norm = R_LOW  # e.g. a clipping schedule applied per batch
-                y = handle(x)
-                if how == "ghost":
-                    n, k = y.shape[0], y[0].numel()
-                    (out[2](y.reshape(-1), t.reshape(-1), shape=(n, k)) * k).backward()
-                else:
-                    mse(y, t).mean().backward()
+                opacus_objective(out, how, handle(x), t).backward()
             dp_opt.step()  # divides by expected batch size B × 2 accumulated passes
     except ValueError as e:
         return refused(e, "step", opt)

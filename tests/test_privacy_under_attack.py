@@ -165,6 +165,27 @@ def native_release(model: nn.Module, x: torch.Tensor, t: torch.Tensor, mode: str
     return released(model, opt)
 
 
+def opacus_private(engine, model: nn.Module, opt, flow: str, wrap_model: bool = True):
+    """``engine.make_private`` as the harness uses it: noise 0, R, no Poisson sampling, a loader of
+    10·B rows (expected batch size B), ``nn.MSELoss`` as the criterion of the ghost flow."""
+    loader = DataLoader(TensorDataset(torch.zeros(10 * B, 1)), batch_size=B)
+    return engine.make_private(module=model, optimizer=opt, data_loader=loader,
+                               noise_multiplier=0.0, max_grad_norm=R, poisson_sampling=False,
+                               grad_sample_mode=flow, criterion=nn.MSELoss(),
+                               wrap_model=wrap_model)
+
+
+def opacus_objective(out, flow: str, y: torch.Tensor, t: torch.Tensor,
+                     loss: Callable = mse) -> torch.Tensor:
+    """What the user backpropagates in the Opacus door: the returned criterion (flow "ghost";
+    Opacus' mean over the k outputs per sample, times k: the per-sample loss of ``mse``) or the
+    mean of ``loss`` (flow "hooks")."""
+    if flow == "ghost":
+        n, k = y.shape[0], y[0].numel()
+        return out[2](y.float().reshape(-1), t.reshape(-1), shape=(n, k)) * k
+    return loss(y, t).mean()
+
+
 def opacus_release(model: nn.Module, x: torch.Tensor, t: torch.Tensor, flow: str, *,
                    loss: Callable = mse, amp: Optional[torch.dtype] = None,
                    order: str = "batch", action: Optional[str] = None, wrap_model: bool = True):
@@ -179,13 +200,9 @@ def opacus_release(model: nn.Module, x: torch.Tensor, t: torch.Tensor, flow: str
     :class:`Refused` (then nothing was accounted either)."""
     model = copy.deepcopy(model)
     opt = CapturingSGD(model.parameters())
-    loader = DataLoader(TensorDataset(torch.zeros(10 * B, 1)), batch_size=B)
     engine = pe.PrivacyEngine(accountant="rdp")
     try:
-        out = engine.make_private(module=model, optimizer=opt, data_loader=loader,
-                                  noise_multiplier=0.0, max_grad_norm=R, poisson_sampling=False,
-                                  grad_sample_mode=flow, criterion=nn.MSELoss(),
-                                  wrap_model=wrap_model)
+        out = opacus_private(engine, model, opt, flow, wrap_model=wrap_model)
     except ValueError as e:
         return refused(e, "construction", opt)
     handle, optimizer = out[0], out[1]
@@ -195,13 +212,9 @@ def opacus_release(model: nn.Module, x: torch.Tensor, t: torch.Tensor, flow: str
             getattr(handle, action)()
         with autocast(amp):
             y = module(x)
-            if flow == "ghost":
-                if order == "flip":
-                    y, t = y.flip(0), t.flip(0)
-                n, k = y.shape[0], y[0].numel()  # Opacus' mean over the k outputs, times k
-                objective = out[2](y.float().reshape(-1), t.reshape(-1), shape=(n, k)) * k
-            else:
-                objective = loss(y, t).mean()
+            if flow == "ghost" and order == "flip":
+                y, t = y.flip(0), t.flip(0)
+            objective = opacus_objective(out, flow, y, t, loss)
         objective.backward()
         optimizer.step()
     except ValueError as e:
