@@ -40,7 +40,7 @@ from .grad_sums import FlatLayout, GradSums
 from .hooks import GraphWalk, LayerRecorder, RecordedLayer
 from .separability import SeparabilityProbe
 from .plan import DEFAULT_CLIPPING_MODE, LayerDecision, check_mode, decide, is_book_keeping
-from .layers.base import certified_kept, row_norm_sq, sum_per_sample, trainable, weighted_sum_into
+from .layers.base import certified_kept, sum_per_sample, trainable, weighted_sum_into
 from .layers.rounding import gamma
 from .layers.linear import LinearRule
 from .tracer import ParamTracer
@@ -97,12 +97,6 @@ def resolve_clipping_fn(clipping_fn: Union[str, ClipFn]) -> Tuple[ClipFn, bool]:
             f"factors; got {clipping_fn!r}."
         )
     return CLIPPING_FUNCTIONS[clipping_fn], False
-
-
-def _norm_sq_of(grads: Sequence[torch.Tensor], B: int, like: torch.Tensor) -> torch.Tensor:
-    """``Σ_θ ‖G_i^θ‖²_F`` per sample from instantiated per-sample gradients ``[(B, *shape)]``
-    (float64)."""
-    return sum_per_sample([row_norm_sq(g) for g in grads], like[:B])
 
 
 @functools.lru_cache(maxsize=None)

@@ -150,8 +150,9 @@ class ConvRule(LayerRule):
             D = U.shape[2]
             c_nu = gram_coefficient(D + bias, G.shape[2], T, gram_unit(U))
             nu = gram_inner(U, G, bias=bias)
-            if module.groups > 1:
+            if module.groups > 1:  # the groups' terms (each within ±M_γ², Σ M_γ² ≤ M²) summed
                 nu = nu.reshape(B, module.groups).sum(1)
+                c_nu += 2 * gamma(module.groups + 1, unit_roundoff(torch.float64))
             return certified_ghost(nu, mass, c_nu, c_rel)
         grads = self.per_sample_grads(module, calls) if grads is None else grads
         norm_sq = sum(row_norm_sq(g) for g in grads.values())

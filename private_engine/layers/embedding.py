@@ -65,10 +65,7 @@ class EmbeddingRule(LayerRule):
         ``M² = (Σ_t ‖g_t‖)²``)."""
         if not trainable(module, "weight"):
             return zeros_like_batch(calls[0][1])
-        ids, G = self._views(module, calls)
-        G = G.double()
-        same = (ids.unsqueeze(2) == ids.unsqueeze(1)).to(G.dtype)
-        return (same * torch.bmm(G, G.transpose(1, 2))).sum((1, 2))
+        return _ghost(*self._views(module, calls))
 
     def certified_norm_sq(self, module, calls, use_ghost, grads=None):
         """Certified ``‖release_i‖²`` bound at C_i = 1 (:mod:`private_engine.layers.rounding`): the
@@ -85,7 +82,7 @@ class EmbeddingRule(LayerRule):
         c_rel = release_coefficient(G.dtype, G.device, B * T)
         if use_ghost:
             c_nu = gram_coefficient(1, G.shape[2], T, unit_roundoff(torch.float64))
-            return certified_ghost(self.ghost_norm_sq(module, calls), mass, c_nu, c_rel)
+            return certified_ghost(_ghost(ids, G), mass, c_nu, c_rel)
         grads = self.per_sample_grads(module, calls) if grads is None else grads
         c_inst = instantiation_coefficient(G.dtype, G.device, T)
         norm_sq = row_norm_sq(grads["weight"])
@@ -112,6 +109,14 @@ class EmbeddingRule(LayerRule):
             torch.empty(module.num_embeddings, module.embedding_dim, dtype=G.dtype, device=G.device)
         into.zero_().index_add_(0, ids.reshape(-1), GC.reshape(-1, module.embedding_dim))
         return {"weight": into if into is target else put_into(target, into)}
+
+
+def _ghost(ids: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
+    """``Σ_{t,s} 1[x_t = x_s]·⟨g_t, g_s⟩`` per sample in float64, summed over s and then over t (two
+    T-term reductions, as :func:`private_engine.layers.rounding.gram_coefficient` assumes)."""
+    G = G.double()
+    same = (ids.unsqueeze(2) == ids.unsqueeze(1)).to(G.dtype)
+    return torch.bmm(G, G.transpose(1, 2)).mul_(same).sum(2).sum(1)
 
 
 register_rule(EmbeddingRule())
