@@ -1,4 +1,4 @@
-"""Last-layer DP solvers for feature heads (issue 5).
+"""Last-layer DP solvers for feature heads.
 
 Estimators (sklearn-style ``fit``/``predict``/``decision_function``/``score``; numpy or torch inputs,
 computed on the data's device in float64):
