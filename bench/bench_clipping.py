@@ -262,8 +262,8 @@ def build_model(args, method: str = "nondp"):
     """
     import torch
     import private_engine
-    from private_engine.models import create_model
-    from private_engine.validation import batchnorm_modules, fallback_modules, traced_parameters
+    from private_engine.demo.models import create_model
+    from private_engine.guards.model_check import batchnorm_modules, fallback_modules, traced_parameters
 
     torch.manual_seed(args.seed)
     model = _create(create_model, args)

@@ -15,7 +15,7 @@ size and normalised with its mean/std (``--img-size`` overrides the size). The s
 weights (network needed; off by default). Trainable parameters the engine has no per-sample rule
 for are frozen and listed. ``--seed`` seeds the model's initialisation and the train/test split
 only: the noise and the Poisson sampler draw from generators seeded from OS entropy
-(``private_engine.noise``), so no two runs add the same noise or sample the same batches — a
+(``private_engine.optim.noise``), so no two runs add the same noise or sample the same batches — a
 public seed for either would let anyone re-run the script on a neighbouring dataset and subtract
 the noise, or learn the batches (privacy amplification by subsampling needs them secret).
 ``--amp``: bfloat16 autocast (``--amp fp16``: float16 with a GradScaler). The last line reads
@@ -42,11 +42,11 @@ from tqdm import tqdm
 
 import private_engine as pe
 from private_engine.data import poisson_loader
-from private_engine.image_data import SOURCES, load_image_data, model_data_config, num_classes
-from private_engine.models import create_model
-from private_engine.noise import entropy_seeded_generator
+from private_engine.demo.image_data import SOURCES, load_image_data, model_data_config, num_classes
+from private_engine.demo.models import create_model
+from private_engine.optim.noise import entropy_seeded_generator
 from private_engine.training import accuracy, private_logical_step
-from private_engine.validation import batchnorm_modules, traced_parameters
+from private_engine.guards.model_check import batchnorm_modules, traced_parameters
 
 VIT_PREFIXES = ("vit_", "deit_", "deit3_")
 #: the demo's small ViT for the 8×8 digits (``--data digits`` without ``--pretrained``)

@@ -2,7 +2,7 @@
 """An Opacus training script in which only the import changed.
 
     - from opacus import PrivacyEngine
-    + from private_engine import PrivacyEngine
+    + from private_engine.opacus_compat import PrivacyEngine
 
 Everything below is the usual Opacus 1.6 recipe: make_private with Poisson sampling, the plain
 ``loss.backward(); optimizer.step(); optimizer.zero_grad()`` loop, BatchMemoryManager for a
@@ -21,7 +21,7 @@ from opacus.utils.batch_memory_manager import BatchMemoryManager
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from private_engine import PrivacyEngine  # was: from opacus import PrivacyEngine
+from private_engine.opacus_compat import PrivacyEngine  # was: from opacus import PrivacyEngine
 
 warnings.filterwarnings("ignore", message="Secure RNG turned off")
 

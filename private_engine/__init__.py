@@ -1,11 +1,12 @@
 """private_engine — exact, fast, memory-lean differentially private training for PyTorch."""
 from . import layers, optim
-from .clipping import abadi_clip, automatic_clip, global_clip
-from .buffers import BufferGuard
+from .clipping.functions import abadi_clip, automatic_clip, global_clip
+from .clipping.plan import (CLIPPING_MODES, DEFAULT_CLIPPING_MODE, LayerDecision, format_plan,
+                            layer_plan)
 from .engine import PrivacyEngine
-from .plan import CLIPPING_MODES, DEFAULT_CLIPPING_MODE, LayerDecision, format_plan, layer_plan
-from .separability import BatchMixingError
-from .validation import fix_batchnorm
+from .guards.buffers import BufferGuard
+from .guards.model_check import fix_batchnorm
+from .guards.separability import BatchMixingError
 
 __version__ = "0.1.0"
 __all__ = ["PrivacyEngine", "CLIPPING_MODES", "DEFAULT_CLIPPING_MODE",

@@ -5,7 +5,7 @@ import argparse
 import sys
 from typing import List, Optional
 
-from .plan import CLIPPING_MODES, DEFAULT_CLIPPING_MODE
+from .clipping.plan import CLIPPING_MODES, DEFAULT_CLIPPING_MODE
 
 
 def _ints(text: str) -> List[int]:
@@ -19,9 +19,9 @@ def cmd_plan(args) -> int:
     """Print the per-layer ghost/instantiate decision (seed 002, eq. 4.1) for a named model."""
     import torch
 
-    from .models import create_model
-    from .plan import format_plan, layer_plan
-    from .validation import batchnorm_modules, fallback_modules, fix_batchnorm, traced_parameters
+    from .demo.models import create_model
+    from .clipping.plan import format_plan, layer_plan
+    from .guards.model_check import batchnorm_modules, fallback_modules, fix_batchnorm, traced_parameters
 
     model = create_model(args.model, pretrained=False)
     if batchnorm_modules(model):

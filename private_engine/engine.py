@@ -1,6 +1,6 @@
-"""The privacy engine: orchestration of hooks, clipping, the private optimizer and accounting.
+"""The native privacy engine: assembles capture, clipping, the private optimizer and accounting.
 
-Entry point 1 of the design notes::
+::
 
     engine = PrivacyEngine(model, batch_size=1000, sample_size=50_000, epochs=3,
                            max_grad_norm=0.1, target_epsilon=3.0)
@@ -8,28 +8,27 @@ Entry point 1 of the design notes::
     optimizer.step(loss=per_sample_losses)       # or virtual_step(loss=...) to accumulate
     engine.get_epsilon()
 
-Entry point 2, the Opacus form (no model): ``PrivacyEngine(accountant="prv", secure_mode=False)``
-returns a :class:`private_engine.opacus_compat.OpacusPrivacyEngine` with Opacus'
-``make_private`` / ``make_private_with_epsilon`` (docs/migrating-from-opacus.md).
+The Opacus API (``make_private``) is :class:`private_engine.opacus_compat.PrivacyEngine`
+(docs/migrating-from-opacus.md).
 """
 from __future__ import annotations
 
 import math
-import warnings
 from typing import List, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
-from . import noise as _noise
 from . import optim as _optim
-from .amp import LossScaling
 from .accounting import calibrate_noise_multiplier, make_accountant, steps_for
-from .clipping import ClipFn, PerSampleClipper, check_per_sample_loss
-from .grad_sums import GradSums
-from .plan import DEFAULT_CLIPPING_MODE, LayerDecision, check_mode, is_book_keeping
-from .buffers import BufferGuard
-from .validation import check_no_batchnorm, clipped_layers
+from .clipping.batch import ClippedBatch, clip_batch
+from .clipping.clipper import PerSampleClipper
+from .clipping.functions import ClipFn
+from .clipping.loss_scaling import LossScaling
+from .clipping.plan import DEFAULT_CLIPPING_MODE, LayerDecision, check_mode, is_book_keeping
+from .guards.buffers import BufferGuard
+from .guards.model_check import check_no_batchnorm, clipped_layers, scan_model
+from .optim import noise as _noise
 
 
 class PrivacyEngine:
@@ -64,7 +63,7 @@ class PrivacyEngine:
         accountant: "rdp", "prv" or "gdp" (Opacus' accountants).
         noise_generator: optional ``torch.Generator`` for the noise. By default (None) the noise
             comes from a generator on the parameters' device whose state is drawn from OS entropy
-            (``private_engine.noise.entropy_seeded_generator``), never from torch's global one, so
+            (``private_engine.optim.noise.entropy_seeded_generator``), never from torch's global one, so
             ``torch.manual_seed`` does not make it reproducible. A generator given here is used as
             is and warns once (``ReproducibleNoiseWarning``): anyone who knows its seed can
             subtract the noise.
@@ -76,7 +75,7 @@ class PrivacyEngine:
         data_free_buffers: qualified names (``fnmatch`` patterns) of buffers the model may write
             during a training forward because they depend on shapes only (a lazily built cache); any
             other buffer written from the data is refused
-            (:class:`private_engine.buffers.BufferGuard`).
+            (:class:`private_engine.guards.buffers.BufferGuard`).
         grad_scaler: a ``torch.amp.GradScaler`` for float16 autocast (book-keeping modes): the engine scales
             the loss, unscales norms and sums in float32, drops samples that overflow (``C_i = 0``)
             and keeps the scale fixed at the scaler's (private_engine/amp.py). bfloat16 autocast
@@ -86,21 +85,8 @@ class PrivacyEngine:
             overflowed — public state outside the DP guarantee — so it is off by default.
     """
 
-    def __new__(cls, *args, **kwargs):
-        """``PrivacyEngine(accountant=..., secure_mode=...)`` without a model is the Opacus form: it
-        returns a :class:`private_engine.opacus_compat.OpacusPrivacyEngine` (an ``opacus.PrivacyEngine``
-        subclass with ``make_private``); with a model it is the native engine."""
-        if cls is PrivacyEngine and not args and "model" not in kwargs \
-                and set(kwargs) <= {"accountant", "secure_mode"}:
-            from .opacus_compat import OpacusPrivacyEngine
-            return OpacusPrivacyEngine(**kwargs)
-        return super().__new__(cls)
-
-    def __getnewargs_ex__(self):
-        # copy/pickle call cls.__new__ with these arguments: keep the native form
-        return (), {"model": None}
-
-    def __init__(self, model: nn.Module, *, batch_size: int, sample_size: int, max_grad_norm: float,
+    def __init__(self, model: Optional[nn.Module] = None, *, batch_size: int = None,
+                 sample_size: int = None, max_grad_norm: float = None,
                  epochs: Optional[float] = None, steps: Optional[int] = None,
                  noise_multiplier: Optional[float] = None, target_epsilon: Optional[float] = None,
                  target_delta: Optional[float] = None, clipping_mode: str = DEFAULT_CLIPPING_MODE,
@@ -109,6 +95,12 @@ class PrivacyEngine:
                  data_free_buffers: Sequence[str] = (),
                  grad_scaler: Optional["torch.amp.GradScaler"] = None,
                  dynamic_loss_scale: bool = False):
+        if model is None:
+            raise TypeError(
+                "private_engine.PrivacyEngine needs the model: PrivacyEngine(model, batch_size=..., "
+                "sample_size=..., max_grad_norm=..., noise_multiplier=... or target_epsilon=...). "
+                "For Opacus' API (PrivacyEngine().make_private(...)) import "
+                "private_engine.opacus_compat.PrivacyEngine.")
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}.")
         if not (isinstance(batch_size, int) and batch_size > 0):
@@ -138,27 +130,32 @@ class PrivacyEngine:
         self.accountant = make_accountant(accountant)
         self.clipping_mode = clipping_mode
         self.secure_mode = bool(secure_mode)
-        self.noise_generator = _noise.engine_noise_generator(model, noise_generator, secure_mode)
+        generator = _noise.engine_noise_generator(model, noise_generator, secure_mode)
         if target_epsilon is not None:
             self.steps = steps_for(epochs, steps, self.sample_rate)
-            self.noise_multiplier = calibrate_noise_multiplier(
+            sigma = calibrate_noise_multiplier(
                 target_epsilon, self.target_delta, self.sample_rate, self.steps, accountant)
         else:
             if noise_multiplier < 0 or not math.isfinite(noise_multiplier):
                 raise ValueError(f"noise_multiplier must be a finite number ≥ 0, got {noise_multiplier}.")
-            self.noise_multiplier = float(noise_multiplier)
+            sigma = float(noise_multiplier)
             self.steps = steps_for(epochs, steps, self.sample_rate) if (epochs or steps) else None
+
+        #: σ, the expected batch size and the generator of the private steps' noise
+        self.noise = _optim.NoiseSpec(sigma, batch_size, generator, self.secure_mode)
 
         check_no_batchnorm(model)
         #: refuses a training forward that changes a buffer from the data (a release without noise)
         self.buffer_guard = BufferGuard(model, allow=data_free_buffers).install()
-        layers = clipped_layers(model, strict=True)
+        scan = scan_model(model)
+        layers = clipped_layers(model, strict=True, scan=scan)
         self.params: List[nn.Parameter] = [p for p in model.parameters() if p.requires_grad]
-        self._param_ids = frozenset(id(p) for p in self.params)
         if not self.params:
             raise ValueError("the model has no trainable parameters (requires_grad=True).")
-        self.clipper = PerSampleClipper(layers, self.params, mode=clipping_mode, clipping_fn=clipping_fn,
-                                        max_grad_norm=max_grad_norm, model=model)
+        self._names = {id(p): n for n, p in model.named_parameters()}
+        self.clipper = PerSampleClipper(layers, self.params, mode=clipping_mode,
+                                        clipping_fn=clipping_fn, max_grad_norm=max_grad_norm,
+                                        model=model, traced=scan.traced, fallbacks=scan.fallbacks)
         self._attached: List[_optim.PrivateStep] = []
         #: certified per-sample gradient norms ‖g_i‖ of the last clipped physical batch (None before
         #: the first)
@@ -167,6 +164,16 @@ class PrivacyEngine:
         #: construction (a diagnostic for the analyst: it depends on the data and is not part of the
         #: private release)
         self.dropped_samples = 0
+
+    @property
+    def noise_multiplier(self) -> float:
+        """σ: the noise's standard deviation is σ·R per coordinate."""
+        return self.noise.noise_multiplier
+
+    @property
+    def noise_generator(self) -> Optional[torch.Generator]:
+        """The generator the noise is drawn from (None in secure mode)."""
+        return self.noise.generator
 
     # -- optimizer ---------------------------------------------------------------------------
     def attach(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -181,25 +188,18 @@ class PrivacyEngine:
             raise RuntimeError("this optimizer is already attached to the engine.")
         self.clipper.install()  # hooks removed by detach() come back
         self.buffer_guard.install()
-        self._attached.append(_optim.attach(self, optimizer))
+        state = _optim.PrivateStep(optimizer, self.params, self.clip_batch,
+                                   lambda: self.clipper.max_grad_norm, self.noise, self._names,
+                                   step_hook=self._account_step)
+        self._attached.append(_optim.attach(state))
         return optimizer
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Refuse an optimizer that would update a trainable parameter the engine does not clip (one
         that is not the model's, or one unfrozen after the engine was built): its ``.grad`` would be
         released without clipping or noise. Run at ``attach`` and before every private step."""
-        mine = self._param_ids
-        foreign = [p for g in optimizer.param_groups for p in g["params"]
-                   if p.requires_grad and id(p) not in mine]
-        if foreign:
-            names = {id(p): n for n, p in self.model.named_parameters()}
-            shown = [names.get(id(p), f"a tensor of shape {tuple(p.shape)} not in the model")
-                     for p in foreign]
-            raise ValueError(
-                f"the optimizer updates trainable parameter(s) the engine does not clip: {shown}. "
-                "Their gradients would be released without privacy. Build the engine after "
-                "choosing what to train (parameters unfrozen later are not clipped), and the "
-                "optimizer from model.parameters(). Nothing was updated.")
+        _optim.PrivateStep(optimizer, self.params, self.clip_batch, lambda: 0.0, self.noise,
+                           self._names).check_params()
 
     def detach(self) -> None:
         """Remove the hooks and restore every attached optimizer's own ``step``."""
@@ -220,53 +220,21 @@ class PrivacyEngine:
         return sums.own_grads(), n
 
     def clipped_sums(self, loss: torch.Tensor):
-        """``(GradSums, B)``: :meth:`clipped_grad_sum` with the sums' flat buffers (:mod:`private_engine.grad_sums`),
-        which the private step noises and scales in one operation each."""
-        check_per_sample_loss(loss)
-        if loss.numel() == 0:  # an empty (Poisson) batch contributes nothing
-            self.clipper.release()
-            return GradSums.separate([torch.zeros_like(p) for p in self.params]), 0
-        walk = self.clipper.recorder.walk(loss, self.params)
-        outside = walk.outside
-        if outside:
-            self.clipper.release()
-            names = {id(p): n for n, p in self.model.named_parameters()}
-            raise ValueError(
-                f"the loss depends on trainable parameters {[names.get(id(p), tuple(p.shape)) for p in outside]} "
-                "other than through a recorded call of their layer, so their per-sample gradients would be missing "
-                "from the clipping norms. Causes: a weight used outside its module's forward (e.g. a tied weight in "
-                "F.linear(h, emb.weight): untie or freeze it); a forward pass run before the engine was built; or a "
-                "loss whose forward pass ran before the previous step/virtual_step (each clipping pass drops the "
-                "records of all earlier forward passes: run forward and step batch by batch). Nothing was updated."
-            )
-        scaling = self.loss_scaling
-        if scaling.enabled:  # float16: backward of S·Σ L_i, norms and sums unscaled in float32
-            loss_in, scale = scaling.scale(loss)
-        else:
-            loss_in, scale = loss, None
-        try:
-            norms = self.clipper.per_sample_norms(loss_in, walk)
-            if scale is not None:
-                norms = norms / scale.to(norms.dtype)
-            # a sample whose loss or certified norm is not finite is dropped (C_i = 0, rows zeroed)
-            # the step's one host sync
-            norms, factors, keep, dropped = self.clipper.finite_factors(norms, loss)
-        except BaseException:
-            self.clipper.release()
-            raise
-        self.last_norms = norms.detach()
-        self.dropped_samples += dropped
-        if dropped == loss.shape[0]:
-            warnings.warn(
-                f"every sample of this batch ({dropped}) had a non-finite loss or gradient norm "
-                "and was dropped (clip factor 0): the model may have diverged (lower the learning "
-                "rate; float16: pass grad_scaler=).", RuntimeWarning, stacklevel=4)
-        if scale is not None:
-            factors = factors / scale.to(factors.dtype)
-        grads = self.clipper.clipped_sums(loss_in, factors, keep=keep)
-        if scaling.enabled:
-            scaling.update(dropped)
-        return grads, loss.shape[0]
+        """``(GradSums, B)``: :meth:`clipped_grad_sum` with the sums' flat buffers
+        (:mod:`private_engine.clipping.grad_sums`), which the private step noises and scales in
+        one operation each."""
+        batch = self.clip_batch(loss)
+        return batch.sums, batch.size
+
+    def clip_batch(self, loss: torch.Tensor) -> ClippedBatch:
+        """One physical batch through the clipping core
+        (:func:`private_engine.clipping.batch.clip_batch`), with this engine's loss scaling; the
+        norms and dropped samples are recorded for :attr:`last_norms` / :attr:`dropped_samples`."""
+        batch = clip_batch(self.clipper, loss, loss_scaling=self.loss_scaling, names=self._names)
+        if batch.norms is not None:
+            self.last_norms = batch.norms
+        self.dropped_samples += batch.dropped
+        return batch
 
     @property
     def max_grad_norm(self) -> float:
@@ -293,6 +261,7 @@ class PrivacyEngine:
 
     # -- accounting ----------------------------------------------------------------------------
     def _account_step(self) -> None:
+        """The step hook of every attached optimizer: one Poisson-subsampled Gaussian release."""
         self.accountant.step(noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate)
 
     @property

@@ -1,7 +1,7 @@
 """Buffers updated from the data in training mode are releases without noise: refused.
 
 Static (engine construction, both doors): InstanceNorm with running statistics, timm's
-batch-statistic EvoNorms. Dynamic (``private_engine.buffers.BufferGuard``): any module whose
+batch-statistic EvoNorms. Dynamic (``private_engine.guards.buffers.BufferGuard``): any module whose
 training-mode forward modifies or re-assigns a buffer; evaluation and constant buffers (timm's
 position tables) raise nothing. ``fix_batchnorm`` turns InstanceNorm's tracking off.
 """
@@ -14,7 +14,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import private_engine as pe
-from private_engine.buffers import BufferGuard, drop_running_stats, running_stats_modules
+from private_engine import opacus_compat
+from private_engine.guards.buffers import BufferGuard, drop_running_stats, running_stats_modules
 
 timm = pytest.importorskip("timm")
 
@@ -34,7 +35,7 @@ def opacus_door(model):
     data = TensorDataset(torch.randn(8, 3, 8, 8), torch.randint(0, 2, (8,)))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Opacus' secure-RNG warning
-        return pe.PrivacyEngine(accountant="rdp").make_private(
+        return opacus_compat.PrivacyEngine(accountant="rdp").make_private(
             module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
             data_loader=DataLoader(data, batch_size=2), noise_multiplier=0.0, max_grad_norm=1.0)
 
@@ -267,7 +268,7 @@ def test_guard_runs_with_the_engine_and_the_fallback():
     """Engine hooks, a torch.func fallback module (replayed per sample) with a constant buffer,
     and a step: no false alarm; a buffer update still raises, before the step."""
 
-    @pe.fallback.register_fallback
+    @pe.layers.register_fallback
     class Scaled(nn.Module):
         def __init__(self):
             super().__init__()
@@ -300,7 +301,7 @@ def test_guard_runs_with_the_engine_and_the_fallback():
         guard.remove()
         engine.detach()
     finally:
-        pe.fallback.FALLBACK_CLASSES.discard(f"{Scaled.__module__}.{Scaled.__qualname__}")
+        pe.layers.unregister(Scaled)
 
 
 S = dict(img_size=32, num_classes=3, drop_path_rate=0.0)

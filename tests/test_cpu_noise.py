@@ -1,4 +1,4 @@
-"""private_engine.cpu_noise: the CPU noise drawn block by block by several threads, each block with a full-state
+"""private_engine.optim.cpu_noise: the CPU noise drawn block by block by several threads, each block with a full-state
 MT19937 generator keyed from the caller's generator. Every coordinate must be N(0, std²), independent of every
 other (no block reused within or across draws), reproducible from the generator whatever the thread count."""
 import math
@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from private_engine import cpu_noise
+from private_engine.optim import cpu_noise
 from private_engine import optim as pe_optim
 
 

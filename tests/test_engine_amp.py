@@ -222,7 +222,7 @@ def test_private_steps_under_autocast(amp, device):
 def test_autocast_records_the_operand_autograd_saved(shape, frozen_weight):
     """Under autocast a Linear's recorded activation is the bf16 operand of its matmul: the very tensor autograd
     saved (same storage, no second float32 copy kept alive) or, with nothing saved, one cast of the input."""
-    from private_engine.hooks import autocast_operand
+    from private_engine.capture.recorder import autocast_operand
 
     lin = nn.Linear(16, 8)
     lin.weight.requires_grad_(not frozen_weight)

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import private_engine as pe
+from private_engine.guards import model_check
 from engine_checks import MODES, check_against_reference, gen_for, make_engine, one_thread, target_like  # noqa: F401
 
 timm = pytest.importorskip("timm")
@@ -47,7 +48,7 @@ class WithRawParams(nn.Module):
 def test_raw_parameters_clipped_by_the_tracer():
     """Parameters without a layer rule (``x * scale``, ``x + shift``) go to the parameter-entry tracer."""
     model = WithRawParams().double()
-    assert sorted(pe.validation.traced_parameters(model)) == ["block.scale", "shift"]
+    assert sorted(model_check.traced_parameters(model)) == ["block.scale", "shift"]
     with torch.no_grad():
         model.block.scale.uniform_(0.5, 1.5)
         model.shift.uniform_(-0.5, 0.5)
@@ -59,7 +60,7 @@ def test_raw_parameters_clipped_by_the_tracer():
     assert {"block.scale", "shift"} <= {d.name for d in engine.layer_plan if d.layer_type == "param-entry"}
     model.block.scale.requires_grad_(False)  # frozen: not traced, not clipped
     model.shift.requires_grad_(False)
-    assert pe.validation.traced_parameters(model) == []
+    assert model_check.traced_parameters(model) == []
     for mode in MODES:
         check_against_reference(model, [x, y], ce_loss, mode=mode, clip="abadi")
 
@@ -74,7 +75,7 @@ def test_timm_vit_cls_token_and_pos_embed():
     """cls_token/pos_embed are clipped by the tracer; freezing them still works (tests/test_timm_families.py
     has the full matrix)."""
     model = _small_vit()
-    assert sorted(pe.validation.traced_parameters(model)) == ["cls_token", "pos_embed"]
+    assert sorted(model_check.traced_parameters(model)) == ["cls_token", "pos_embed"]
     inputs = _images(3, 3, 16, 16, 3)
     engine = check_against_reference(model, inputs, ce_loss, mode="mixed", clip="abadi")
     assert {"cls_token", "pos_embed"} <= {d.name for d in engine.layer_plan}

@@ -301,13 +301,13 @@ def test_book_keeping_runs_one_backward_and_forms_no_weight_gradient(mode, monke
 def test_add_gaussian_noise_chunks(monkeypatch, chunk):
     """Noise drawn in shared chunks: every coordinate N(0, std²), independent across tensors (no chunk reused),
     each tensor keeps its dtype, tensors larger than a chunk included."""
-    from private_engine import optim as pe_optim
+    from private_engine.optim import noise as pe_noise
 
-    monkeypatch.setattr(pe_optim, "NOISE_CHUNK", chunk)
+    monkeypatch.setattr(pe_noise, "NOISE_CHUNK", chunk)
     gen = torch.Generator().manual_seed(3)
     shapes = [(3,), (4, 5), (2000,), (1,), (0,), (30, 40)]
     tensors = [torch.zeros(s, dtype=torch.float64 if i % 2 else torch.float32) for i, s in enumerate(shapes)]
-    pe_optim.add_gaussian_noise(tensors, 2.5, gen)
+    pe_noise.add_gaussian_noise(tensors, 2.5, gen)
     assert [t.dtype for t in tensors] == [torch.float64 if i % 2 else torch.float32 for i in range(len(shapes))]
     flat = torch.cat([t.double().flatten() for t in tensors])
     _check_standard_normal(flat / 2.5)
@@ -316,5 +316,5 @@ def test_add_gaussian_noise_chunks(monkeypatch, chunk):
     assert len(firsts) == sum(t.numel() > 0 for t in tensors)
     # adds to what is there
     ones = [torch.ones(10)]
-    pe_optim.add_gaussian_noise(ones, 0.0, gen)
+    pe_noise.add_gaussian_noise(ones, 0.0, gen)
     assert torch.equal(ones[0], torch.ones(10))

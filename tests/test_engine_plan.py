@@ -1,5 +1,4 @@
 """layer_plan / format_plan: T, D, p, ghost_cost = 2T², instantiate_cost = pD, and eq. (4.1)."""
-import math
 
 import pytest
 import torch
@@ -185,10 +184,10 @@ def test_host_side_caches_keep_decisions_and_dims_exact(monkeypatch):
     """Per-step host work is cached where it is a pure function of shapes: a layer's LayerDims per pair of
     input/output shapes (rule.dims runs once per shape), the decision per (layer, dims, mode); a new shape
     gets new dims and a new decision; `cast` returns the tensor itself when the dtype already matches."""
-    from private_engine.hooks import LayerRecorder
+    from private_engine.capture.recorder import LayerRecorder
     from private_engine.layers.base import cast
     from private_engine.layers.linear import LinearRule
-    from private_engine.plan import decide
+    from private_engine.clipping.plan import decide
 
     lin = nn.Linear(6, 4)
     calls = []

@@ -1,4 +1,4 @@
-"""examples/finetune_timm_vit.py and private_engine.image_data: data sources, resizing, BatchNorm fix, AMP.
+"""examples/finetune_timm_vit.py and private_engine.demo.image_data: data sources, resizing, BatchNorm fix, AMP.
 
 Nothing is downloaded: image folders are written to tmp_path, CIFAR-10 is a fake torchvision
 layout (its md5 check patched out), ``--pretrained`` is checked up to the hub call.
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 import private_engine as pe
-from private_engine.image_data import image_transform, load_image_data, model_data_config, num_classes
+from private_engine.demo.image_data import image_transform, load_image_data, model_data_config, num_classes
 from reference import assert_close_rel, reference_clipped_sum
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,7 +78,7 @@ def test_model_config_follows_timm_and_the_size_override():
 def test_digits_use_the_model_normalisation():
     config = {"input_size": (3, 12, 12), "mean": (0.2, 0.4, 0.6), "std": (0.5, 0.5, 2.0), "interpolation": "bicubic"}
     train, test, classes = load_image_data("digits", config)
-    from private_engine.data import load_digits_images
+    from private_engine.demo.digits import load_digits_images
 
     raw_train, raw_test = load_digits_images(image_size=12, channels=3, normalize=False)
     assert classes == [str(k) for k in range(10)] and len(train) == len(raw_train) and len(test) == len(raw_test)

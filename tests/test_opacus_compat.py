@@ -10,7 +10,6 @@ plain and criterion flows are also checked against the float64 one-sample-at-a-t
 """
 from __future__ import annotations
 
-import warnings
 
 import opacus
 import pytest
@@ -21,7 +20,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import private_engine as pe
-from private_engine.opacus_compat import OpacusPrivacyEngine, PrivateModule
+from private_engine import opacus_compat
+from private_engine.opacus_compat import PrivateModule
 from reference import reference_clipped_sum
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -172,8 +172,8 @@ def train(engine_cls, name, *, mode="hooks", reduction="mean", noise=1.0, clippi
 
 def assert_same_run(name, **kw):
     a, eps_a, _, sizes_a = train(opacus.PrivacyEngine, name, **kw)
-    b, eps_b, engine, sizes_b = train(pe.PrivacyEngine, name, **kw)
-    assert isinstance(engine, OpacusPrivacyEngine)
+    b, eps_b, engine, sizes_b = train(opacus_compat.PrivacyEngine, name, **kw)
+    assert isinstance(engine, opacus_compat.PrivacyEngine)
     assert sizes_a == sizes_b
     diff = (a - b).abs().max().item()
     assert diff < TOL, f"{name} {kw}: parameters differ by {diff:.2e}"
@@ -213,8 +213,8 @@ def test_grad_clip_scheduler(mode):
     flows, as Opacus "hooks" does (Opacus "ghost" keeps clipping at the initial R while the noise
     follows the schedule, so both are compared with Opacus "hooks")."""
     theirs = train(opacus.PrivacyEngine, "mlp", mode="hooks", clip_gamma=0.5)
-    ours = train(pe.PrivacyEngine, "mlp", mode=mode, clip_gamma=0.5)
-    fixed = train(pe.PrivacyEngine, "mlp", mode=mode)
+    ours = train(opacus_compat.PrivacyEngine, "mlp", mode=mode, clip_gamma=0.5)
+    fixed = train(opacus_compat.PrivacyEngine, "mlp", mode=mode)
     assert (theirs[0] - ours[0]).abs().max().item() < TOL
     assert (fixed[0] - ours[0]).abs().max().item() > 100 * TOL  # the schedule mattered
 
@@ -259,14 +259,14 @@ def test_wrap_model_false(mode):
 def test_ghost_mode_plain_backward_without_the_wrapped_criterion():
     """A plain loss.backward() is clipped in ghost mode too (book-keeping), never left unclipped."""
     ref = train(opacus.PrivacyEngine, "cnn_gn", mode="hooks", momentum=0.5)[0]
-    got = train(pe.PrivacyEngine, "cnn_gn", mode="ghost", momentum=0.5, own_criterion=True)[0]
+    got = train(opacus_compat.PrivacyEngine, "cnn_gn", mode="ghost", momentum=0.5, own_criterion=True)[0]
     assert (ref - got).abs().max().item() < TOL
 
 
 @pytest.mark.parametrize("mode", sorted(set(pe.opacus_compat.GRAD_SAMPLE_MODES) - {"ghost_fsdp", "hooks", "ghost"}))
 def test_every_opacus_grad_sample_mode_gives_the_same_result(mode):
-    ref = train(pe.PrivacyEngine, "mlp", mode="hooks")[0]
-    got = train(pe.PrivacyEngine, "mlp", mode=mode)[0]
+    ref = train(opacus_compat.PrivacyEngine, "mlp", mode="hooks")[0]
+    got = train(opacus_compat.PrivacyEngine, "mlp", mode=mode)[0]
     assert torch.equal(ref, got)
 
 
@@ -289,7 +289,7 @@ def test_clipped_sum_matches_reference(name, mode, reduction):
     R = norms.median().item()
     expected, _ = reference_clipped_sum(model, [x, y], loss_fn, R, ref_abadi)
     before = [p.detach().clone() for p in model.parameters() if p.requires_grad]
-    engine = pe.PrivacyEngine()
+    engine = opacus_compat.PrivacyEngine()
     out = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
                               data_loader=DataLoader(TensorDataset(x, y), batch_size=6), noise_multiplier=0.0,
                               max_grad_norm=R, loss_reduction=reduction, poisson_sampling=False,
@@ -311,7 +311,7 @@ def _run_with_checkpoint(tmp_path, split, total, mode):
         torch.manual_seed(0)
         model = mlp().double()
         x, y = data_for("mlp")
-        engine = pe.PrivacyEngine(accountant="prv")
+        engine = opacus_compat.PrivacyEngine(accountant="prv")
         out = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9),
                                   data_loader=DataLoader(TensorDataset(x, y), batch_size=4), noise_multiplier=1.0,
                                   max_grad_norm=0.1, poisson_sampling=False, grad_sample_mode=mode,
@@ -355,11 +355,11 @@ def _make(model=None, **kw):
     args = dict(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                 data_loader=DataLoader(TensorDataset(x, y), batch_size=4), noise_multiplier=1.0, max_grad_norm=1.0)
     args.update(kw)
-    return pe.PrivacyEngine().make_private(**args)
+    return opacus_compat.PrivacyEngine().make_private(**args)
 
 
 def test_returns_like_opacus():
-    engine = pe.PrivacyEngine(accountant="gdp", secure_mode=False)
+    engine = opacus_compat.PrivacyEngine(accountant="gdp", secure_mode=False)
     assert isinstance(engine, opacus.PrivacyEngine) and engine.accountant.mechanism() == "gdp"
     model = mlp().double()
     module, optimizer, loader = _make(model)
@@ -376,7 +376,7 @@ def test_returns_like_opacus():
 def test_make_private_with_epsilon_same_noise_as_opacus():
     x, y = data_for("mlp")
     sigmas = []
-    for cls in (opacus.PrivacyEngine, pe.PrivacyEngine):
+    for cls in (opacus.PrivacyEngine, opacus_compat.PrivacyEngine):
         model = mlp()
         _, opt, _ = cls(accountant="rdp").make_private_with_epsilon(
             module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
@@ -456,7 +456,7 @@ def test_dropin_example_gives_opacus_results(monkeypatch):
     spec = importlib.util.spec_from_file_location("opacus_dropin", path)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    assert example.PrivacyEngine is pe.PrivacyEngine
+    assert example.PrivacyEngine is opacus_compat.PrivacyEngine
     secret = example.main(["--epochs", "1", "--samples", "192", "--accountant", "rdp"])
     monkeypatch.setattr(compat_engine, "entropy_seeded_generator",
                         lambda device="cpu": torch.default_generator)
@@ -516,7 +516,7 @@ class TokenModel(nn.Module):
 def test_ghost_criterion_shape_argument_and_loss_arithmetic(reduction):
     """``criterion(logits.view(-1, V), y.view(-1), shape=logits.shape)`` and ``2 * loss + 1`` as in Opacus."""
     results = []
-    for cls in (opacus.PrivacyEngine, pe.PrivacyEngine):
+    for cls in (opacus.PrivacyEngine, opacus_compat.PrivacyEngine):
         torch.manual_seed(0)
         model = TokenModel().double()
         g = torch.Generator().manual_seed(2)
@@ -613,8 +613,8 @@ def _mlp_private(cls, *, freeze_first=False, optimize_last_only=False, mode="hoo
 
 
 @pytest.mark.parametrize("when", ["before_backward", "after_backward", "add_param_group"])
-@pytest.mark.parametrize("cls, mode", [(opacus.PrivacyEngine, "hooks"), (pe.PrivacyEngine, "hooks"),
-                                       (pe.PrivacyEngine, "ghost")])
+@pytest.mark.parametrize("cls, mode", [(opacus.PrivacyEngine, "hooks"), (opacus_compat.PrivacyEngine, "hooks"),
+                                       (opacus_compat.PrivacyEngine, "ghost")])
 def test_parameter_made_trainable_after_make_private_is_refused(cls, mode, when):
     """Opacus' optimizer recomputes its trainable parameters each step (and finds no grad_sample for a new one);
     ours must not release the raw gradient of a parameter it does not clip."""
@@ -627,7 +627,7 @@ def test_parameter_made_trainable_after_make_private_is_refused(cls, mode, when)
         if when == "add_param_group":
             optimizer.add_param_group({"params": list(model[0].parameters())})
 
-    ours = cls is pe.PrivacyEngine
+    ours = cls is opacus_compat.PrivacyEngine
     match = "became trainable after make_private" if ours else None
     if when != "after_backward":
         unfreeze()
@@ -644,13 +644,13 @@ def test_parameter_made_trainable_after_make_private_is_refused(cls, mode, when)
     assert torch.equal(model[0].weight, before)
 
 
-@pytest.mark.parametrize("cls", [opacus.PrivacyEngine, pe.PrivacyEngine])
+@pytest.mark.parametrize("cls", [opacus.PrivacyEngine, opacus_compat.PrivacyEngine])
 def test_step_after_a_backward_with_hooks_disabled_is_refused(cls):
     model, module, optimizer, criterion, x, y = _mlp_private(cls)
     before = torch.cat([p.detach().flatten() for p in model.parameters()])
     module.disable_hooks()
     criterion(module(x), y).backward()
-    with pytest.raises(ValueError, match="unclipped" if cls is pe.PrivacyEngine else None):
+    with pytest.raises(ValueError, match="unclipped" if cls is opacus_compat.PrivacyEngine else None):
         optimizer.step()
     assert torch.equal(torch.cat([p.detach().flatten() for p in model.parameters()]), before)
     optimizer.zero_grad()  # the unclipped gradients are gone: private steps work again
@@ -660,7 +660,7 @@ def test_step_after_a_backward_with_hooks_disabled_is_refused(cls):
 
 
 def test_ghost_criterion_backward_keeps_hooks_the_user_disabled():
-    model, module, optimizer, criterion, x, y = _mlp_private(pe.PrivacyEngine, mode="ghost")
+    model, module, optimizer, criterion, x, y = _mlp_private(opacus_compat.PrivacyEngine, mode="ghost")
     module.disable_hooks()
     criterion(module(x), y).backward()  # the wrapped criterion clips regardless
     optimizer.step()
@@ -672,7 +672,7 @@ def test_ghost_criterion_backward_keeps_hooks_the_user_disabled():
 
 
 @pytest.mark.parametrize("how", ["backward_twice", "grad_then_backward", "eval_mode"])
-@pytest.mark.parametrize("cls", [opacus.PrivacyEngine, pe.PrivacyEngine])
+@pytest.mark.parametrize("cls", [opacus.PrivacyEngine, opacus_compat.PrivacyEngine])
 def test_backward_without_fresh_records_is_refused(cls, how):
     """A backward through records already used (retained graph, autograd.grad first) or never made (eval mode)
     is not a new batch: it must not count as an accumulated pass (mean over 2B, doubled sampling rate)."""
@@ -685,7 +685,7 @@ def test_backward_without_fresh_records_is_refused(cls, how):
         loss.backward(retain_graph=True)
     elif how == "grad_then_backward":
         torch.autograd.grad(loss, x, retain_graph=True)
-    ours = cls is pe.PrivacyEngine
+    ours = cls is opacus_compat.PrivacyEngine
     with pytest.raises(ValueError if ours else (ValueError, IndexError), match="no recorded layer call" if ours else None):
         loss.backward()
         optimizer.step()
@@ -698,7 +698,7 @@ def test_make_private_leaves_no_mark_on_sequence_bias():
     """The mark that lets SequenceBiasRule accept a module exists during make_private's check only: the native
     engine (which does not move SequenceBias' tensors to batch-first) still refuses the model afterwards."""
     from opacus.layers.dp_multihead_attention import SequenceBias
-    from private_engine.opacus_compat.rules import PREPARED
+    from private_engine.layers.sequence_bias import PREPARED
 
     model = TinyMHA(add_bias_kv=True).double()
     biases = [m for m in model.modules() if isinstance(m, SequenceBias)]
@@ -716,10 +716,32 @@ def test_make_private_leaves_no_mark_on_sequence_bias():
 def test_refused_backward_releases_its_records(mode):
     """A backward refused at its start (here: accumulation under Poisson sampling) drops every record, also
     those of calls it did not reach."""
-    model, module, optimizer, criterion, x, y = _mlp_private(pe.PrivacyEngine, mode=mode, poisson=True)
+    model, module, optimizer, criterion, x, y = _mlp_private(opacus_compat.PrivacyEngine, mode=mode, poisson=True)
     criterion(module(x), y).backward()
     out = module(x)
     module(x)  # a second forward, not used by the next loss
     with pytest.raises(ValueError, match="Poisson"):
         criterion(out, y).backward()
     assert all(not layer.calls for layer in module.recorder.layers)
+
+
+def test_opacus_door_is_opacus_class_in_every_class_level_respect():
+    """The name Opacus users import behaves as ``opacus.PrivacyEngine``: static methods,
+    ``isinstance``, subclassing, pickling; the native name always needs a model."""
+    import pickle
+
+    cls = opacus_compat.PrivacyEngine
+    assert issubclass(cls, opacus.PrivacyEngine) and isinstance(cls(), cls)
+    assert cls().is_compatible(module=mlp(), optimizer=None, data_loader=None)
+    assert isinstance(cls.get_compatible_module(mlp()), nn.Module)
+
+    class MyEngine(cls):
+        pass
+
+    mine = MyEngine(accountant="rdp")
+    assert isinstance(mine, cls) and mine.accountant.mechanism() == "rdp"
+    assert type(pickle.loads(pickle.dumps(cls(accountant="gdp")))) is cls
+    with pytest.raises(TypeError, match="private_engine.opacus_compat.PrivacyEngine"):
+        pe.PrivacyEngine()
+    with pytest.raises(TypeError, match="private_engine.opacus_compat.PrivacyEngine"):
+        pe.PrivacyEngine(accountant="rdp")

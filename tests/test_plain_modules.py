@@ -11,10 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import private_engine as pe
 from engine_checks import check_against_reference, make_engine, one_thread  # noqa: F401
-from private_engine.plain_modules import TRACED, plain_candidates
-from private_engine.tracer import ParamTracer
+from private_engine.capture.plain_modules import TRACED, plain_candidates
+from private_engine.capture.tracer import ParamTracer
 
 
 def tiny_vit():
@@ -264,7 +263,7 @@ def test_a_layer_taken_over_by_the_tracer_keeps_its_module_traced():
 
 
 def test_outputs_with_scalar_tuples_are_marked():
-    from private_engine.plain_modules import _output_tensors
+    from private_engine.capture.plain_modules import _output_tensors
 
     t = torch.zeros(2)
     assert _output_tensors((t, (3, 4))) == [t]

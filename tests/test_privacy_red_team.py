@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 import private_engine as pe
+from private_engine import opacus_compat
 from test_privacy_under_attack import (B, DOORS, DOOR_IDS, FLOWS, MODES, R, CapturingSGD, Case,
                                        Mixer, Refused, assert_bounded, honest_vectors,
                                        large_vector_case, mse, one_thread, opacus_objective,
@@ -177,7 +178,7 @@ def release_with_params(model: nn.Module, x, t, door: str, how: str,
                                       noise_multiplier=0.0, clipping_mode=how)
             engine.attach(opt)
         else:
-            out = opacus_private(pe.PrivacyEngine(accountant="rdp"), model, opt, how)
+            out = opacus_private(opacus_compat.PrivacyEngine(accountant="rdp"), model, opt, how)
             handle, dp_opt = out[0], out[1]
     except ValueError as e:
         return refused(e, "construction", opt)
@@ -238,7 +239,7 @@ def accumulate_then_lower_r(door: str, how: str, with_sample: bool) -> object:
             engine.max_grad_norm = R_LOW
             opt.step(loss=mse(model(hx), ht))
         else:
-            out = opacus_private(pe.PrivacyEngine(accountant="rdp"), model, opt, how)
+            out = opacus_private(opacus_compat.PrivacyEngine(accountant="rdp"), model, opt, how)
             handle, dp_opt = out[0], out[1]
             for i, (x, t) in enumerate([(x1, t1), (hx, ht)]):
                 if i == 1:

@@ -47,6 +47,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import private_engine as pe
+from private_engine import opacus_compat
 from engine_checks import one_thread  # noqa: F401  (autouse: samples were searched on 1 thread)
 from reference import reference_clipped_sum
 
@@ -200,7 +201,7 @@ def opacus_release(model: nn.Module, x: torch.Tensor, t: torch.Tensor, flow: str
     :class:`Refused` (then nothing was accounted either)."""
     model = copy.deepcopy(model)
     opt = CapturingSGD(model.parameters())
-    engine = pe.PrivacyEngine(accountant="rdp")
+    engine = opacus_compat.PrivacyEngine(accountant="rdp")
     try:
         out = opacus_private(engine, model, opt, flow, wrap_model=wrap_model)
     except ValueError as e:

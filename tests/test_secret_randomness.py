@@ -15,11 +15,11 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import private_engine as pe
+from private_engine import opacus_compat
 import private_engine.data
 from private_engine.data import poisson_loader
 from private_engine.heads.warmup import warmup_finetune
-from private_engine.noise import ReproducibleNoiseWarning
+from private_engine.optim.noise import ReproducibleNoiseWarning
 from engine_checks import one_thread  # noqa: F401  (autouse: one intra-op thread)
 
 N = 64
@@ -121,7 +121,7 @@ def _opacus_run(noise_generator=None, loader_generator=None):
                         generator=loader_generator)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # Opacus: "Secure RNG turned off"
-        module, optimizer, dp_loader = pe.PrivacyEngine(accountant="rdp").make_private(
+        module, optimizer, dp_loader = opacus_compat.PrivacyEngine(accountant="rdp").make_private(
             module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
             data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,
             noise_generator=noise_generator)
@@ -157,7 +157,7 @@ def test_checkpoint_keeps_the_state_of_a_given_generator_only(tmp_path):
     for given in (None, torch.Generator().manual_seed(3)):
         torch.manual_seed(0)
         model = nn.Linear(4, 3)
-        engine = pe.PrivacyEngine(accountant="rdp")
+        engine = opacus_compat.PrivacyEngine(accountant="rdp")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             module, optimizer, _ = engine.make_private(

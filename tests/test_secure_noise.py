@@ -1,4 +1,4 @@
-"""private_engine.noise: the engine's noise is never reproducible from a public seed unless the user
+"""private_engine.optim.noise: the engine's noise is never reproducible from a public seed unless the user
 asks for it (and is warned), secure_mode draws N(0, std²) from the OS generator, and the example
 seeds neither the noise nor the Poisson sampler.
 
@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import private_engine as pe
-from private_engine import cpu_noise, noise
-from private_engine.noise import ReproducibleNoiseWarning
+from private_engine.optim import cpu_noise, noise
+from private_engine.optim.noise import ReproducibleNoiseWarning
 from engine_checks import one_thread  # noqa: F401  (autouse: one intra-op thread)
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
-from private_engine import separability
-from private_engine.separability import BatchMixingError, SeparabilityProbe
+from private_engine.guards import separability
+from private_engine.guards.separability import BatchMixingError, SeparabilityProbe
 
 D, C = 6, 3
 

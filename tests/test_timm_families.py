@@ -18,8 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import private_engine as pe
+from private_engine.guards import model_check
 from engine_checks import MODES, check_against_reference, gen_for, make_engine, one_thread  # noqa: F401
-from reference import assert_close_rel, reference_clipped_sum
+from reference import assert_close_rel
 
 timm = pytest.importorskip("timm")
 
@@ -66,7 +67,7 @@ def _randomize_non_layer_params(model):
     """Order-one values for parameters that no layer rule covers (zeros/1e-5 at init would test little)."""
     gen = gen_for(1)
     with torch.no_grad():
-        for name in pe.validation.traced_parameters(model):
+        for name in model_check.traced_parameters(model):
             p = model.get_parameter(name)
             p.copy_(0.5 * torch.randn(p.shape, generator=gen, dtype=p.dtype) + (0.5 if "gamma" in name else 0.0))
         for m in model.modules():  # SwinV2 zero-initialises its post-norms (the blocks would add nothing)
@@ -112,9 +113,9 @@ def test_family_clipped_exactly_in_every_mode(family):
     for mode in MODES:
         engine = _check(model, inputs, mode)
     # the non-layer parameters have their own rows in the plan (always instantiated)
-    traced = set(pe.validation.traced_parameters(model))
+    traced = set(model_check.traced_parameters(model))
     rows = {d.name for d in engine.layer_plan if d.layer_type == "param-entry"}
-    assert traced <= rows | {n for n in traced if n.startswith(tuple(pe.validation.fallback_modules(model)))}, \
+    assert traced <= rows | {n for n in traced if n.startswith(tuple(model_check.fallback_modules(model)))}, \
         (traced, rows)
 
 
@@ -123,7 +124,7 @@ def test_qkv_weight_passed_to_f_linear_is_clipped_by_the_linear_rule(family):
     """``F.linear(x, self.qkv.weight, cat(q_bias, 0, v_bias))``: the qkv Linear never runs its forward; the
     tracer records the call for it (Linear rule, ghost or instantiated) and clips q_bias/v_bias as entries."""
     model, inputs = build(family)
-    assert pe.validation.fallback_modules(model) == []
+    assert model_check.fallback_modules(model) == []
     engine = make_engine(model, 3, mode="ghost")
     engine.clipped_grad_sum(ce_loss(model, *inputs))
     engine.detach()
@@ -143,7 +144,7 @@ def test_resnet_with_groupnorm():
     _every_param_gets_a_gradient(model, inputs)
     for mode in MODES:
         _check(model, inputs, mode)
-    assert not pe.validation.traced_parameters(model) and not pe.validation.fallback_modules(model)
+    assert not model_check.traced_parameters(model) and not model_check.fallback_modules(model)
 
 
 def test_vit_fused_attention_stays_fused():
@@ -192,7 +193,7 @@ def test_multihead_attention(need_weights):
     with pytest.warns(UserWarning, match="fallback") as rec:
         make_engine(model, 4).detach()
     assert sum("fallback" in str(w.message) for w in rec) == 1 and "attn" in str(rec[0].message)
-    assert pe.validation.fallback_modules(model) == ["attn"]
+    assert model_check.fallback_modules(model) == ["attn"]
     _every_param_gets_a_gradient(model, inputs)
     for mode in MODES:
         engine = _check(model, inputs, mode)
@@ -256,7 +257,7 @@ def test_unsupported_entry_is_refused_then_fallback_registered():
         for mode in MODES:
             _check(model, inputs, mode)
     finally:
-        pe.fallback.FALLBACK_CLASSES.discard(f"{MatmulParam.__module__}.{MatmulParam.__qualname__}")
+        pe.layers.unregister(MatmulParam)
 
 
 class Windows(nn.Module):
@@ -299,7 +300,7 @@ def test_fallback_unit_against_reference_with_rows_per_sample():
                 warnings.simplefilter("ignore")
                 check_against_reference(model, [x], loss_fn, mode=mode, clip="abadi", rtol=RTOL)
     finally:
-        pe.fallback.FALLBACK_CLASSES.discard(f"{Windows.__module__}.{Windows.__qualname__}")
+        pe.layers.unregister(Windows)
 
 
 def test_traced_parameter_used_outside_the_forward_is_refused():
@@ -323,6 +324,31 @@ def _reference_per_sample(model, inputs, loss_fn):
     return {n: torch.stack(v) for n, v in out.items()}
 
 
+def spy_extra_grads(engine) -> dict:
+    """``{parameter name: (B, *shape)}``: the per-sample gradients the clipper receives from the
+    parameter tracer and the fallback modules in the next norm pass (what it norms and sums)."""
+    got = {}
+    clipper = engine.clipper
+    if clipper.tracer is not None:
+        tracer_grads = clipper.tracer.per_sample_grads
+
+        def spied_tracer():
+            out = tracer_grads()
+            got.update(out)
+            return out
+
+        clipper.tracer.per_sample_grads = spied_tracer
+    for fb in clipper.fallbacks:
+        def spied_fallback(B, fb=fb, original=fb.per_sample_grads):
+            out = original(B)
+            prefix = f"{fb.name}." if fb.name else ""
+            got.update({prefix + n: g for n, g in out.items()})
+            return out
+
+        fb.per_sample_grads = spied_fallback
+    return got
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES) + ["mha"])
 def test_per_sample_grads_of_traced_and_fallback_params(family):
     """Per parameter, not only through the total norm: a small parameter (a bias table) attributed to the
@@ -337,14 +363,13 @@ def test_per_sample_grads_of_traced_and_fallback_params(family):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         engine = make_engine(model, B, R=1.0)
-    engine.clipper.keep_extra_grads = True
+    got = spy_extra_grads(engine)
     grads, _ = engine.clipped_grad_sum(ce_loss(model, *inputs))
-    got = engine.clipper.last_extra_grads
     factors = torch.linspace(0.2, 1.0, B, dtype=torch.float64)
-    all_weighted = engine.clipper.extra_weighted_grads(factors)
+    all_weighted = {n: torch.tensordot(factors.to(g.dtype), g, dims=1) for n, g in got.items()}
     engine.detach()
-    expected = set(pe.validation.traced_parameters(model))
-    for f in pe.validation.fallback_modules(model):
+    expected = set(model_check.traced_parameters(model))
+    for f in model_check.fallback_modules(model):
         expected |= {f"{f}.{n}" for n, p in model.get_submodule(f).named_parameters() if p.requires_grad}
     assert expected <= set(got), expected - set(got)
     ref = _reference_per_sample(model, inputs, ce_loss)
@@ -390,9 +415,9 @@ def test_pending_rows_entry_against_reference(via_sdpa):
     for mode in MODES:
         check_against_reference(model, [x], loss_fn, mode=mode, clip="abadi", rtol=RTOL)
     engine = make_engine(model, 3)
-    engine.clipper.keep_extra_grads = True
+    kept = spy_extra_grads(engine)
     engine.clipped_grad_sum(loss_fn(model, x))
-    got = engine.clipper.last_extra_grads["table"]
+    got = kept["table"]
     engine.detach()
     ref = _reference_per_sample(model, [x], loss_fn)["table"]
     assert_close_rel([got], [ref], 1e-9, ["table"])
@@ -558,4 +583,4 @@ def test_fallback_refuses_tensors_inside_a_list():
             m(torch.randn(4, 3, dtype=torch.float64))
         engine.detach()
     finally:
-        pe.fallback.FALLBACK_CLASSES.discard(f"{ListArg.__module__}.{ListArg.__qualname__}")
+        pe.layers.unregister(ListArg)

@@ -12,7 +12,7 @@ from torch import nn
 
 import private_engine as pe
 from engine_checks import check_against_reference, make_engine, one_thread  # noqa: F401
-from private_engine.tracer import UnsupportedEntryError
+from private_engine.capture.tracer import UnsupportedEntryError
 
 RTOL = 1e-6
 
@@ -275,7 +275,7 @@ def test_tensor_map_identity_and_weak_keys():
     import gc
     import weakref
 
-    from private_engine.tensor_map import TensorMap
+    from private_engine.capture.tensor_map import TensorMap
 
     m = TensorMap()
     a, b = torch.zeros(3), torch.zeros(3)

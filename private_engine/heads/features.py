@@ -199,7 +199,7 @@ def extract_features(model: Union[nn.Module, str], data: Any, batch_size: int = 
 
     Args:
         model: an ``nn.Module`` (timm, torchvision or any) or a model name, built with
-            ``private_engine.models.create_model(name, pretrained=pretrained)`` (no download unless
+            ``private_engine.demo.models.create_model(name, pretrained=pretrained)`` (no download unless
             ``pretrained=True``).
         data: inputs as a tensor/array (N, …), a Dataset (items ``x`` or ``(x, y, …)``) or a DataLoader.
         batch_size: inputs per forward pass.
@@ -223,7 +223,7 @@ def extract_features(model: Union[nn.Module, str], data: Any, batch_size: int = 
     from tqdm.auto import tqdm
 
     if isinstance(model, str):
-        from ..models import create_model
+        from ..demo.models import create_model
 
         model_name = model_name or model
         model = create_model(model, pretrained=pretrained)

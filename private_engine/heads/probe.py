@@ -104,7 +104,7 @@ def _synthetic(n: int, d: int, m: int, seed: int, spread: float = 1.6):
 
 
 def _backbone(args) -> torch.nn.Module:
-    from ..models import create_model
+    from ..demo.models import create_model
 
     kwargs = {}
     name = args.model.lower()
@@ -125,7 +125,7 @@ def load_probe_data(args) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
         n_test = int(round(args.test_fraction * len(y)))
         return X[n_test:], y[n_test:], X[:n_test], y[:n_test], (
             f"synthetic clusters: n={len(y)}, d={args.dim}, {args.n_classes} classes")
-    from ..data import load_digits_images
+    from ..demo.digits import load_digits_images
 
     if args.features == "raw":
         train, test = load_digits_images(image_size=8, channels=1, test_fraction=args.test_fraction,

@@ -1,7 +1,9 @@
-"""Registry of layer rules, looked up along the class hierarchy (subclasses inherit rules)."""
-from .base import LayerDims, LayerRule, find_rule, register_rule
-from . import conv, embedding, linear, normalization  # noqa: F401  (registers the rules)
+"""Per-layer rules: how a layer's recorded ``(a, g)`` become certified per-sample gradient norms and
+clipped sums; and the one registry that says how each module class is clipped."""
+from . import conv, embedding, linear, normalization, sequence_bias  # noqa: F401  (register rules)
+from .base import LayerDims, LayerRule
 from .conv import unfold_conv_input
-from ..fallback import register_fallback  # noqa: E402  (torch.func fallback for a module class)
+from .registry import REGISTRY, find_rule, register_fallback, register_rule, unregister
 
-__all__ = ["LayerDims", "LayerRule", "find_rule", "register_rule", "unfold_conv_input", "register_fallback"]
+__all__ = ["LayerDims", "LayerRule", "REGISTRY", "find_rule", "register_rule", "register_fallback",
+           "unregister", "unfold_conv_input"]

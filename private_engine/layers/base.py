@@ -141,53 +141,6 @@ class LayerRule:
         return certified_kept(list(grads.values()), calls[0][1])
 
 
-_RULES: Dict[Type[nn.Module], LayerRule] = {}
-
-
-def register_rule(rule: LayerRule, *module_types: Type[nn.Module]) -> LayerRule:
-    """Register ``rule`` for ``module_types`` (default: ``rule.module_types``)."""
-    for cls in module_types or rule.module_types:
-        _RULES[cls] = rule
-    return rule
-
-
-#: Subclasses that override ``forward`` without changing their registered parent's math (checked
-#: against the sample-by-sample reference in tests/test_engine_norms.py and test_engine_models.py).
-#: Qualified names, so that timm need not be imported.
-SAME_MATH_SUBCLASSES = frozenset({
-    "timm.layers.norm.LayerNorm",  # F.layer_norm (or its fused twin) with the same arguments
-    "timm.layers.norm.GroupNorm",
-    "timm.layers.norm.GroupNorm1",
-    "timm.layers.linear.Linear",  # F.linear; only TorchScript takes another branch
-})
-
-
-def find_rule(module: nn.Module) -> Optional[LayerRule]:
-    """The rule for ``module``: the registered class nearest along its MRO, or None.
-
-    A class on the way that defines its own ``forward`` ends the search with None (unless it is
-    registered itself or listed in ``SAME_MATH_SUBCLASSES``): a rule describes its class's forward,
-    and a subclass that permutes dimensions, adds an activation or transforms its weight (timm's
-    LayerNorm2d, GroupNormAct, StdConv2d) would get per-sample norms that are wrong without any
-    error — a sensitivity above max_grad_norm. Such a module is then reported as unsupported before
-    training; ``register_rule`` accepts it when its math is the parent's.
-    """
-    for cls in type(module).__mro__:
-        rule = _RULES.get(cls)
-        if rule is not None:
-            return rule
-        if "forward" in vars(cls) and f"{cls.__module__}.{cls.__qualname__}" not in SAME_MATH_SUBCLASSES:
-            return None
-    return None
-
-
-def overrides_ruled_class(module: nn.Module) -> bool:
-    """True for a module without a rule whose class derives from a class that has one (a subclass that
-    overrides ``forward``: timm's LayerNorm2d, GroupNormAct, StdConv2d). Its weights are used by a layer
-    op inside its own forward, so the engine clips it by the torch.func fallback."""
-    return find_rule(module) is None and any(cls in _RULES for cls in type(module).__mro__)
-
-
 def trainable(module: nn.Module, name: str) -> bool:
     """True when ``module.<name>`` is a parameter that requires a gradient."""
     param = getattr(module, name, None)

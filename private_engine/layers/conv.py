@@ -19,8 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import (LayerDims, LayerRule, accumulation_dtype, cast, certified_kept, compute_dtype,
-                   gram_inner, gram_unit, put_into, register_rule, row_norm_sq, scale_samples,
-                   trainable, weighted_sum_into, zeros_like_batch)
+                   gram_inner, gram_unit, put_into, row_norm_sq, scale_samples, trainable,
+                   weighted_sum_into, zeros_like_batch)
+from .registry import register_rule
 from .rounding import (certified_ghost, certified_instantiated, gamma, gram_coefficient,
                        instantiation_coefficient, release_coefficient, row_norms64, unit_roundoff)
 

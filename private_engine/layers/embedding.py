@@ -12,8 +12,9 @@ from typing import Dict
 import torch
 from torch import nn
 
-from .base import (LayerDims, LayerRule, accumulation_dtype, cast, put_into, register_rule,
-                   row_norm_sq, scale_samples, trainable, zeros_like_batch)
+from .base import (LayerDims, LayerRule, accumulation_dtype, cast, put_into, row_norm_sq,
+                   scale_samples, trainable, zeros_like_batch)
+from .registry import register_rule
 from .rounding import (certified_ghost, certified_instantiated, gamma, gram_coefficient,
                        instantiation_coefficient, release_coefficient, row_norms64, unit_roundoff)
 

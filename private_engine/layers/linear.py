@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from .base import (LayerDims, LayerRule, accumulation_dtype, cast, certified_kept, compute_dtype,
-                   flatten_positions, gram_inner, gram_unit, mm_into, register_rule, release_dtype,
-                   row_norm_sq, scale_samples, sum_into, trainable, weighted_sum_into,
-                   zeros_like_batch)
+                   flatten_positions, gram_inner, gram_unit, mm_into, release_dtype, row_norm_sq,
+                   scale_samples, sum_into, trainable, weighted_sum_into, zeros_like_batch)
+from .registry import register_rule
 from .rounding import (certified_ghost, certified_instantiated, gram_coefficient,
                        instantiation_coefficient, pair_mass, release_coefficient)
 

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import LayerDims, LayerRule, accumulation_dtype, cast, register_rule, trainable
+from .base import (LayerDims, LayerRule, accumulation_dtype, cast, trainable)
+from .registry import register_rule
 
 
 _UNIT_WEIGHTS: Dict[Tuple[Tuple[int, ...], torch.dtype, torch.device], torch.Tensor] = {}

@@ -1,6 +1,6 @@
 """``PrivacyEngine(accountant="prv", secure_mode=False)``: the Opacus 1.6 API on our clipping.
 
-:class:`OpacusPrivacyEngine` subclasses ``opacus.PrivacyEngine`` and replaces only what touches
+:class:`PrivacyEngine` subclasses ``opacus.PrivacyEngine`` and replaces only what touches
 per-sample gradients: ``_prepare_model`` returns a :class:`~.module.PrivateModule` (our hooks,
 mixed ghost clipping) instead of a ``GradSampleModule``; ``_prepare_optimizer`` returns Opacus'
 fast-gradient-clipping optimizer fed with our clipped sums; ``_prepare_criterion`` returns our
@@ -12,7 +12,7 @@ results and ε match Opacus for the same seeds.
 One default differs: with ``secure_mode=False`` and no ``noise_generator``, Opacus draws the noise
 and the Poisson sampling from torch's global generator, which scripts seed publicly
 (``torch.manual_seed``); whoever knows that seed can subtract the noise and knows each batch.
-Here both come from :func:`~private_engine.noise.entropy_seeded_generator` (state from OS
+Here both come from :func:`~private_engine.optim.noise.entropy_seeded_generator` (state from OS
 entropy): the noise from one on the parameters' device, the sampling from one on the CPU unless
 the data loader has its own ``generator``. A ``noise_generator`` given makes the run Opacus'
 reproducible run: noise from it, sampling from the loader's generator or torch's global one (as
@@ -40,18 +40,18 @@ from opacus.data_loader import DPDataLoader
 from opacus.optimizers import DPOptimizer
 from torch import nn, optim
 
-from ..noise import entropy_seeded_generator
-from ..validation import check_no_batchnorm, clipped_layers
+from ..optim.noise import entropy_seeded_generator
+from ..guards.model_check import check_no_batchnorm, clipped_layers, scan_model
 from .loss import PrivateLoss
 from .module import PrivateModule
 from .optimizer import ClippedSumOptimizer, PerLayerClippedSumOptimizer
-from .rules import PREPARED, SequenceBias
+from ..layers.sequence_bias import PREPARED, SequenceBias
 
 #: grad_sample_mode strings accepted by opacus 1.6 (what each runs: the table above)
 GRAD_SAMPLE_MODES = frozenset({"hooks", "functorch", "ew", "no_op", "ghost", "ghost_fsdp"})
 
 
-class OpacusPrivacyEngine(opacus.PrivacyEngine):
+class PrivacyEngine(opacus.PrivacyEngine):
     """Drop-in for ``opacus.PrivacyEngine``: same constructor, ``make_private``,
     ``make_private_with_epsilon``, ``get_epsilon(delta)``, ``accountant``, checkpoints.
 
@@ -293,9 +293,8 @@ def _refuse_traced_and_fallback(module: nn.Module) -> None:
     DP layers). Parameters the native engine clips by its parameter-entry tracer or torch.func fallback
     (timm ViT ``cls_token``/``pos_embed``, LayerScale gammas, ``nn.MultiheadAttention``, …) are refused
     here, at ``make_private`` time, naming them — never left unclipped in the middle of training."""
-    from ..validation import _scan
-
-    _, traced, fallbacks, _ = _scan(module)
+    scan = scan_model(module)
+    traced, fallbacks = scan.traced, scan.fallbacks
     missing = [f"{type(module.get_submodule(n.rpartition('.')[0]) if '.' in n else module).__name__}: {n}"
                for n, _ in traced]
     missing += [f"{type(m).__name__}: {n or '(the model)'} (torch.func fallback)" for n, m in fallbacks]

@@ -21,7 +21,8 @@ Two flows fill ``p.grad``:
 * **criterion flow** (``grad_sample_mode="ghost"``): the wrapped criterion's ``backward()`` runs
   the engine's activation-only norm pass on the per-sample losses, then forms ``Σ_i C_i ∂L_i/∂θ``
   by book-keeping from what that single backward kept (mode "bk_mixed";
-  :class:`private_engine.clipping.PerSampleClipper`).
+  :class:`private_engine.clipping.clipper.PerSampleClipper`, through
+  :func:`private_engine.clipping.batch.clip_batch`).
 * **plain backward** (every other mode, or any ``loss.backward()``): book-keeping (Bu et al. 2023)
   by the same clipper. During the ordinary backward each layer is handed to the clipper as soon as
   its output gradient arrives (certified per-sample norm by ghost norm or instantiation, per the
@@ -41,13 +42,14 @@ from opacus.layers.dp_multihead_attention import SequenceBias
 from opacus.layers.dp_rnn import RNNLinear
 from torch import nn
 
-from ..buffers import BufferGuard
-from ..clipping import PerSampleClipper, abadi_clip, check_per_sample_loss
-from ..layers.base import certified_kept
-from ..layers.rounding import cast_down
-from ..plan import is_book_keeping
-from ..separability import SeparabilityProbe
-from ..hooks import RecordedLayer
+from ..guards.buffers import BufferGuard
+from ..capture.graph_walk import outside_error
+from ..clipping.batch import check_per_sample_loss, clip_batch
+from ..clipping.clipper import PerSampleClipper
+from ..clipping.per_layer import per_layer_clipped_sums
+from ..clipping.plan import is_book_keeping
+from ..guards.separability import SeparabilityProbe
+from ..capture.recorder import RecordedLayer
 
 
 class PrivateModule(nn.Module):
@@ -182,11 +184,7 @@ class PrivateModule(nn.Module):
                 outside[id(p)] = self._names.get(id(p))
         if outside:
             self.recorder.reset()
-            raise ValueError(
-                f"trainable parameters {sorted(outside.values())} are used outside the forward of their own module "
-                "(e.g. a tied weight in F.linear(h, emb.weight)); their per-sample gradients would be missing from "
-                "the clipping norms. Untie them or freeze them (requires_grad_(False))."
-            )
+            raise outside_error(sorted(outside.values()))
         self._graph_checked = bool(tensors)
 
     def __getattr__(self, item):
@@ -352,7 +350,7 @@ class PrivateModule(nn.Module):
 
     def _on_layer_ready_criterion(self, layer: RecordedLayer) -> None:
         self._to_batch_first(layer)
-        self.clipper._on_layer_ready(layer)
+        self.clipper.on_layer_ready(layer)
 
     def _on_layer_ready_plain(self, layer: RecordedLayer) -> None:
         """One layer of a plain backward, handed to the clipper (certified norm, what the sum needs
@@ -372,7 +370,7 @@ class PrivateModule(nn.Module):
         if not self._started:
             self.clipper.start_pass(pairs[0][1].shape[0])
             self._started = True
-        self.clipper._on_layer_ready(layer)
+        self.clipper.on_layer_ready(layer)
 
     def _finish_plain(self) -> None:
         """End of a plain backward: certified norms from the clipper, clip factors, then
@@ -414,7 +412,7 @@ class PrivateModule(nn.Module):
 
     def _write_flat(self) -> None:
         clipper = self.clipper
-        batch = clipper._batch_size
+        batch = clipper.batch_size
         scale = self._mean_scale(batch)
         norms = clipper.end_norm_pass(self._params[0].device) * scale
         clipper.max_grad_norm = self.current_max_grad_norm()
@@ -426,74 +424,42 @@ class PrivateModule(nn.Module):
             _add_grad(p, g)
 
     def _write_per_layer(self) -> None:
-        """Per-layer clipping (Opacus' definition): ``C_{i,k} = min(1, R_k/(‖G̃_i^k‖ + 1e-6))`` for
-        each parameter tensor k, from its instantiated per-sample gradients ``G̃``, released as
-        ``Σ_i C_{i,k} G̃_i^k`` of those very tensors — so the certified norm is ``‖G̃_i^k‖`` summed
-        in float64 (:func:`private_engine.layers.base.certified_kept`)."""
-        batches = {g.shape[0] for _, pairs in self._stored for _, g in pairs}
-        if len(batches) != 1:
-            raise ValueError(
-                f"layers saw different batch sizes {sorted(batches)} in one backward; inputs must "
-                "be batch-first (batch dimension 0) and each backward must come from one forward "
-                "pass."
-            )
-        scale = self._mean_scale(batches.pop())
-        for layer, pairs in self._stored:
-            for name, grad in layer.rule.per_sample_grads(layer.module, pairs).items():
-                p = getattr(layer.module, name)
-                r = self._norms_by_param.get(id(p))
-                if r is None:
-                    raise RuntimeError(f"no per-layer max_grad_norm bound for parameter {self._names.get(id(p))}.")
-                norms = certified_kept([grad], grad).sqrt() * scale
-                ok = torch.isfinite(norms)
-                factors = torch.where(ok, abadi_clip(torch.where(ok, norms, 0.0), r), 0.0) * scale
-                grad = torch.where(ok.reshape(-1, *([1] * (grad.dim() - 1))), grad, 0.0)
-                _add_grad(p, torch.tensordot(cast_down(factors, grad.dtype), grad, dims=1))
+        """Per-layer clipping by the clipping core
+        (:func:`private_engine.clipping.per_layer.per_layer_clipped_sums`)."""
+        scale = self._mean_scale(self._stored[0][1][0][1].shape[0])
+        for p, g in per_layer_clipped_sums(self._stored, self._norms_by_param, scale, self._names):
+            _add_grad(p, g)
 
     # -- criterion flow ---------------------------------------------------------------------------
     def criterion_backward(self, loss_per_sample: torch.Tensor) -> None:
-        """``p.grad += Σ_i C_i ∂L_i/∂p`` from per-sample losses: the clipper's norm pass, then its clipped sum
-        (book-keeping: one backward)."""
+        """``p.grad += Σ_i C_i ∂L_i/∂p`` from per-sample losses: one physical batch through the
+        clipping core (:func:`private_engine.clipping.batch.clip_batch`; book-keeping, one
+        backward)."""
         try:
             check_per_sample_loss(loss_per_sample, name="the per-sample loss")
             self._start_backward()
             self._check_trainable(self._module.parameters())
             if self.per_layer:
-                raise ValueError("clipping='per_layer' is not supported with grad_sample_mode='ghost' (as in Opacus).")
+                raise ValueError("clipping='per_layer' is not supported with "
+                                 "grad_sample_mode='ghost' (as in Opacus).")
         except BaseException:
             self.recorder.reset()
             raise
-        if loss_per_sample.numel() == 0:  # an empty Poisson batch contributes nothing
-            self.recorder.reset()
-            self.backward_passes += 1
-            return
-        outside = self.recorder.params_reached_outside_calls(loss_per_sample, self._params)
-        if outside:
-            self.recorder.reset()
-            raise ValueError(
-                f"the loss depends on trainable parameters {[self._names.get(id(p)) for p in outside]} other than "
-                "through a recorded call of their layer (e.g. a tied weight used in F.linear outside its module, or a "
-                "forward pass run before make_private); their per-sample gradients would be missing from the norms."
-            )
         self.recorder.on_layer_ready = self._on_layer_ready_criterion
         self.clipper.max_grad_norm = self.current_max_grad_norm()
-        self._clipped_at.add(self.clipper.max_grad_norm)
-        capturing = self.recorder.capturing  # False after disable_hooks(): restored as the user left it
+        capturing = self.recorder.capturing  # False after disable_hooks(): restored as left
         self._in_criterion = True
         try:
-            norms = self.clipper.per_sample_norms(loss_per_sample)
-            norms, factors, keep, _ = self.clipper.finite_factors(norms, loss_per_sample)
-            self.last_norms = norms.detach()
-            grads = self.clipper.clipped_grad_sum(loss_per_sample, factors, keep)
-        except BaseException:
-            self.clipper.release()
-            raise
+            batch = clip_batch(self.clipper, loss_per_sample, names=self._names)
         finally:
             self.recorder.on_layer_ready = self._on_layer_ready_plain
             self.recorder.capturing = capturing
             self._in_criterion = False
-        for p, g in zip(self._params, grads):
-            _add_grad(p, g)
+        if batch.size:
+            self._clipped_at.add(self.clipper.max_grad_norm)
+            self.last_norms = batch.norms
+            for p, g in zip(self._params, batch.sums.own_grads()):
+                _add_grad(p, g)
         self.backward_passes += 1
 
 

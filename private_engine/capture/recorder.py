@@ -1,4 +1,4 @@
-"""Recording of layer inputs and output gradients — nothing else.
+"""Recording of layer inputs and output gradients.
 
 A forward hook on every clipped module keeps, for **each call**, the (detached) input
 activation and the layer dimensions; a tensor hook on the call's output catches the gradient
@@ -8,7 +8,8 @@ inputs), so later in-place ops on the output (``ReLU(inplace=True)``) do not hid
 hooks registered before an in-place op receive the gradient of the value before it.
 
 When all calls of a layer have their gradient, ``on_layer_ready(layer)`` is called and the
-layer's recorded tensors are released right after.
+layer's recorded tensors are released right after. A call on a batch-free constant is handed to
+the parameter-entry tracer (:mod:`.tracer`), which follows its parameters instead.
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
-from .layers import LayerDims, LayerRule
+from ..layers import LayerDims, LayerRule
+from .graph_walk import GraphWalk, walk_graph
 
 
 @dataclass
@@ -127,18 +129,6 @@ def _with_io_size(dims: LayerDims, activation: torch.Tensor, output: torch.Tenso
     return replace(dims, io_size=(activation.numel() + output.numel()) // rows)
 
 
-@dataclass
-class GraphWalk:
-    """What :meth:`LayerRecorder.walk` found in the autograd graph of a loss."""
-
-    #: trainable parameters reached other than through a recorded call (missing from the norms)
-    outside: list
-    #: output edges of the leading recorded calls (no recorded call below them)
-    leading_edges: list
-    #: autograd nodes reached from the loss (recorded calls are stepped over)
-    reached: set
-
-
 class LayerRecorder:
     """Installs the hooks on ``layers = [(name, module, rule)]`` and holds their records."""
 
@@ -151,7 +141,7 @@ class LayerRecorder:
         #: other recorders (parameter-entry tracer, fallback modules): objects with install/remove/reset
         #: and jumps() -> {output node: [input nodes]}; installed, reset and removed with this one
         self.extras: list = []
-        #: the parameter-entry tracer among ``extras`` (:class:`private_engine.tracer.ParamTracer`), or None: it
+        #: the parameter-entry tracer among ``extras`` (:class:`private_engine.capture.tracer.ParamTracer`), or None: it
         #: takes over calls on batch-free constants and tells where each call's input has its batch
         self.tracer = None
         self.install()
@@ -247,59 +237,13 @@ class LayerRecorder:
         return [layer for layer in self.layers if layer.calls]
 
     def params_reached_outside_calls(self, loss: torch.Tensor, params: Sequence[torch.Tensor]) -> list:
-        """Parameters of ``params`` that ``loss`` depends on other than through a recorded layer call.
+        """Parameters of ``params`` that ``loss`` depends on other than through a recorded call
+        (:func:`private_engine.capture.graph_walk.walk_graph`)."""
+        return walk_graph(self, loss, params).outside
 
-        A parameter still reached when every recorded call is stepped over (from its output node
-        straight to its input node) is used outside its layer's forward (e.g. a tied weight in
-        ``F.linear(h, emb.weight)``) or belongs to a call that was not recorded (a forward run before
-        the hooks were installed): its per-sample gradient would be missing from the norms.
-        """
-        return self.walk(loss, params).outside
-
-    def walk(self, loss: torch.Tensor, params: Sequence[torch.Tensor]) -> "GraphWalk":
-        """One pass over the autograd graph of ``loss`` (iterative post-order, each node once).
-
-        Steps over each recorded call (and each tracer entry / fallback call) from its output node to its
-        input nodes and finds (i) the parameters of ``params`` reached outside such calls, (ii) the
-        *leading* calls: reached from the loss with no other recorded call below them. Asking autograd for
-        the gradients at the leading calls' outputs (and the extras' edges) makes one backward run through
-        every reached call, computing activation gradients only — no second walk, no weight gradient.
-        """
-        wanted = {id(p) for p in params}
-        jumps: dict = {}
-        for layer in self.layers:
-            for c in layer.calls:
-                jumps.setdefault(c.edge.node, []).append(c.input_node)
-        for extra in self.extras:  # parameter entries and fallback calls: output node -> batched inputs
-            for node, inputs in extra.jumps().items():
-                jumps.setdefault(node, []).extend(inputs)
-        found: dict = {}
-        below: dict = {}  # node -> True when a jump node is this node or below it
-        kids: dict = {}
-        stack = [(loss.grad_fn, False)]
-        while stack:
-            node, done = stack.pop()
-            if done:
-                below[node] = node in jumps or any(below.get(k, False) for k in kids[node])
-                continue
-            if node is None or node in below or node in kids:
-                continue
-            if node in jumps:
-                children = [n for n in jumps[node] if n is not None]
-            else:
-                var = getattr(node, "variable", None)  # AccumulateGrad of a leaf
-                if var is not None:
-                    if id(var) in wanted:
-                        found[id(var)] = var
-                    below[node] = False
-                    continue
-                children = [n for n, _ in node.next_functions if n is not None]
-            kids[node] = children
-            stack.append((node, True))
-            stack.extend((k, False) for k in children if k not in below)
-        leading = {n for n in jumps if n in below and not any(below.get(k, False) for k in kids[n])}
-        edges = [c.edge for layer in self.layers for c in layer.calls if c.edge.node in leading]
-        return GraphWalk(outside=list(found.values()), leading_edges=edges, reached=set(below))
+    def walk(self, loss: torch.Tensor, params: Sequence[torch.Tensor]) -> GraphWalk:
+        """:func:`private_engine.capture.graph_walk.walk_graph` over this recorder's calls."""
+        return walk_graph(self, loss, params)
 
     def finish_unfired(self) -> None:
         """Mark calls the loss does not depend on as done (they contribute nothing)."""

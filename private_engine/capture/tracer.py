@@ -40,7 +40,7 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 from torch.overrides import TorchFunctionMode
 
-from .layers.base import accumulation_dtype
+from ..layers.base import accumulation_dtype
 from .plain_modules import PlainModules, plain_candidates
 from .tensor_map import TensorMap
 
@@ -122,7 +122,7 @@ class ParamTracer(TorchFunctionMode):
 
     ``opaque``: modules whose forwards must always be traced (torch.func fallback modules read the tracer); the
     forwards of other submodules that own no tracked parameter run without the mode once verified to need
-    nothing from it (:mod:`private_engine.plain_modules`; class attribute ``skip_plain_modules``).
+    nothing from it (:mod:`private_engine.capture.plain_modules`; class attribute ``skip_plain_modules``).
     """
 
     #: run verified plain submodules without the mode (host time); False traces every op of the forward
@@ -582,7 +582,7 @@ class ParamTracer(TorchFunctionMode):
         y = F.linear(x, W, None)
         layer = self.linear_layers.get(id(W))
         if layer is not None:
-            from .layers.base import trainable
+            from ..layers.base import trainable
 
             if trainable(layer.module, "bias"):
                 self._fail(F.linear, tracked, f"the Linear {layer.name} owning the weight has a trainable bias that "

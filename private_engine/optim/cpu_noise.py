@@ -78,9 +78,9 @@ def block_generators(parent: torch.Generator, n: int, template: Optional[torch.T
     drawn from ``parent`` (which advances). Raises if the state layout is not the checked one (see :func:`parallel_draw_available`)."""
     template = _checked_template() if template is None else template
     if template is None:
-        raise RuntimeError("this torch's CPU generator state layout is not the one private_engine.cpu_noise checks.")
+        raise RuntimeError("this torch's CPU generator state layout is not the one private_engine.optim.cpu_noise checks.")
     key = torch.randint(0, 1 << 31, (9,), generator=parent, dtype=torch.int64, device="cpu").tolist()
-    stream = hashlib.shake_256(b"private_engine.cpu_noise" + b"".join(v.to_bytes(4, "little") for v in key))
+    stream = hashlib.shake_256(b"private_engine.optim.cpu_noise" + b"".join(v.to_bytes(4, "little") for v in key))
     words = torch.frombuffer(bytearray(stream.digest(4 * _MT_N * n)), dtype=torch.int32).view(n, _MT_N)
     return [_generator_from_words(template, w.to(torch.int64) & 0xFFFFFFFF) for w in words]
 

@@ -92,7 +92,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
-from .fallback import replaying
+from ..capture.fallback import replaying
 
 #: probed input signatures kept (least recently used dropped first), as ``hooks.py`` caps dims
 MAX_SIGNATURES = 256

@@ -6,7 +6,7 @@
 * ``num_classes``: the number of classes of a source, before any image is loaded.
 * ``load_image_data``: train/test datasets and class names from one of ``SOURCES``:
 
-  ``digits``    scikit-learn's embedded 8×8 handwritten digits (no download; ``data.load_digits_images``)
+  ``digits``    scikit-learn's embedded 8×8 handwritten digits (no download; ``demo.digits.load_digits_images``)
   ``folder``    an image folder: ``ROOT/train/<class>/*`` (+ ``ROOT/val`` or ``ROOT/test``), or
                 ``ROOT/<class>/*`` split 80/20 by a seeded permutation
   ``cifar10``   torchvision's CIFAR-10 already on disk (``ROOT/cifar-10-batches-py``); never downloaded
@@ -104,7 +104,7 @@ def _normalize(x: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> 
 
 
 def _digits(config, seed, test_fraction):
-    from .data import load_digits_images
+    from .digits import load_digits_images
 
     c, h, w = config["input_size"]
     if h != w:

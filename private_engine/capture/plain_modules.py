@@ -1,6 +1,6 @@
 """Submodules the parameter-entry tracer does not need to follow: their forwards run without its mode.
 
-The tracer (:mod:`private_engine.tracer`) is a ``TorchFunctionMode`` over the model's forward: every op
+The tracer (:mod:`private_engine.capture.tracer`) is a ``TorchFunctionMode`` over the model's forward: every op
 of the forward costs a Python call that looks its operands up, whether or not a tracked parameter is
 anywhere near. In a timm ViT the tracked parameters (``cls_token``, ``pos_embed``) enter before the
 first block, and the blocks are most of the ops: on the ViT-B structure at tiny size

@@ -22,7 +22,7 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from .fallback import replaying
+from ..capture.fallback import replaying
 
 #: classes (qualified names, so that timm need not be imported) that normalise by batch
 #: statistics in training mode and keep running estimates of them, as BatchNorm does

@@ -1,14 +1,16 @@
 """Model checks done before training starts, and the BatchNorm fix helper."""
 from __future__ import annotations
 
+import inspect
 import math
-from typing import List, Tuple
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
 
 from torch import nn
 
 from .buffers import check_no_running_stats, drop_running_stats
-from .layers import LayerRule, find_rule
-from .layers.base import overrides_ruled_class
+from ..layers.base import LayerRule
+from ..layers.registry import find_rule, overrides_ruled_class, uses_fallback
 
 
 def batchnorm_modules(model: nn.Module) -> List[str]:
@@ -21,7 +23,7 @@ def check_no_batchnorm(model: nn.Module) -> None:
     """Refuse BatchNorm, then every other module whose buffers track statistics of the data.
 
     BatchNorm mixes samples (no per-sample gradient exists); the others (InstanceNorm with
-    ``track_running_stats=True``, …: ``private_engine.buffers.check_no_running_stats``) would
+    ``track_running_stats=True``, …: ``private_engine.guards.buffers.check_no_running_stats``) would
     release running statistics of the private batches without noise in the ``state_dict``.
     """
     bns = batchnorm_modules(model)
@@ -48,7 +50,7 @@ def fix_batchnorm(model: nn.Module, num_groups: int = 32) -> nn.Module:
     not hold for it).
 
     InstanceNorm with ``track_running_stats=True`` becomes ``track_running_stats=False``, its
-    running buffers removed (``private_engine.buffers.drop_running_stats``): training is unchanged
+    running buffers removed (``private_engine.guards.buffers.drop_running_stats``): training is unchanged
     (in training mode it normalises each sample by its own statistics anyway), but in eval mode it
     then normalises by the sample's own statistics too, not by running estimates.
     """
@@ -100,17 +102,30 @@ def _renamed_aliases(module: nn.Module) -> frozenset:
     return frozenset()
 
 
-def _scan(model: nn.Module):
-    """Who clips each trainable parameter: ``(layers, traced, fallbacks, owners)``.
+@dataclass
+class ModelScan:
+    """Who clips each trainable parameter of a model (:func:`scan_model`)."""
+
+    #: ``[(name, module, rule)]``: modules whose direct trainable parameters a layer rule covers
+    layers: List[Tuple[str, nn.Module, LayerRule]]
+    #: ``[(qualified name, parameter)]``: parameters clipped by the parameter-entry tracer
+    traced: List[Tuple[str, nn.Parameter]]
+    #: ``[(name, module)]``: modules clipped by the torch.func fallback (their whole subtree)
+    fallbacks: List[Tuple[str, nn.Module]]
+    #: ``{id(parameter): [qualified names]}``: more than one name means a shared parameter
+    owners: Dict[int, List[str]]
+
+
+def scan_model(model: nn.Module) -> ModelScan:
+    """Who clips each trainable parameter.
 
     * ``layers = [(name, module, rule)]``: modules whose direct trainable parameters a layer rule covers;
     * ``traced = [(qualified name, param)]``: other direct parameters (tokens, pos_embed, gammas, bias
-      tables, …), clipped by the parameter-entry tracer (private_engine.tracer);
+      tables, …), clipped by the parameter-entry tracer (private_engine.capture.tracer);
     * ``fallbacks = [(name, module)]``: modules of a class registered for the torch.func fallback
-      (private_engine.fallback), and subclasses of a ruled layer that override its forward (timm's
+      (private_engine.capture.fallback), and subclasses of a ruled layer that override its forward (timm's
       LayerNorm2d, StdConv2d, …); they clip every trainable parameter of their subtree.
     """
-    from .fallback import uses_fallback
 
     layers, traced, fallbacks, owners = [], [], [], {}
     inside = []  # prefixes of fallback subtrees
@@ -139,7 +154,7 @@ def _scan(model: nn.Module):
         traced.extend(missing)
         if len(missing) < len(own):
             layers.append((name, module, rule))
-    return layers, traced, fallbacks, owners
+    return ModelScan(layers, traced, fallbacks, owners)
 
 
 def check_certifiable(name: str, module: nn.Module, rule: LayerRule) -> None:
@@ -161,29 +176,47 @@ def check_certifiable(name: str, module: nn.Module, rule: LayerRule) -> None:
             "included; see private_engine.layers.rounding) or drop the weighted_grads override.")
 
 
+def check_rule_signature(name: str, module: nn.Module, rule: LayerRule) -> None:
+    """A rule's ``weighted_grads(module, calls, factors, out=None)`` must accept ``out=``: the
+    clipped sums are written straight into the flat buffers the private step noises."""
+    try:
+        params = inspect.signature(type(rule).weighted_grads).parameters
+    except (TypeError, ValueError):
+        params = {"out": None}
+    if "out" not in params:
+        raise ValueError(
+            f"the layer rule {type(rule).__name__} (for {name or type(module).__name__}) defines "
+            "weighted_grads without the out= argument; write it as weighted_grads(self, module, "
+            "calls, factors, out=None) and write each sum into out[name] when it is given "
+            "(see private_engine.layers.base.LayerRule).")
+
+
 def traced_parameters(model: nn.Module) -> List[str]:
     """Names of trainable parameters clipped by the parameter-entry tracer (no layer rule covers them)."""
-    return [n for n, _ in _scan(model)[1]]
+    return [n for n, _ in scan_model(model).traced]
 
 
 def fallback_modules(model: nn.Module) -> List[str]:
     """Names of modules clipped by the torch.func fallback."""
-    return [n or type(model).__name__ for n, _ in _scan(model)[2]]
+    return [n or type(model).__name__ for n, _ in scan_model(model).fallbacks]
 
 
-def clipped_layers(model: nn.Module, strict: bool = True) -> List[Tuple[str, nn.Module, LayerRule]]:
+def clipped_layers(model: nn.Module, strict: bool = True,
+                   scan: Optional[ModelScan] = None) -> List[Tuple[str, nn.Module, LayerRule]]:
     """``[(name, module, rule)]`` for every module whose direct trainable parameters a rule covers.
 
     With ``strict``, rules check their module and a parameter shared between modules raises
     (never silently clipped twice or left unclipped). Parameters without a rule are not listed
-    here: see ``_scan`` (tracer and fallback).
+    here: see :func:`scan_model` (tracer and fallback); pass its ``scan`` to avoid a second scan.
     """
-    layers, _, _, owners = _scan(model)
+    scan = scan_model(model) if scan is None else scan
+    layers, owners = scan.layers, scan.owners
     if not strict:
         return layers
     for name, module, rule in layers:
         rule.check(module)
         check_certifiable(name, module, rule)
+        check_rule_signature(name, module, rule)
     shared = [names for names in owners.values() if len(names) > 1]
     if shared:
         raise ValueError(

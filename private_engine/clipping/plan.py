@@ -20,7 +20,7 @@ from typing import List, Optional, Sequence
 import torch
 from torch import nn
 
-from .layers import LayerDims
+from ..layers import LayerDims
 
 CLIPPING_MODES = ("mixed", "ghost", "per_sample", "bk", "bk_mixed", "bk_mixopt")
 #: the single-backward (book-keeping) modes
@@ -130,8 +130,8 @@ def layer_plan(model: nn.Module, example_input, mode: str = DEFAULT_CLIPPING_MOD
     eq. (4.1) of seed 002 to every trainable layer that has a rule. ``example_input`` is a tensor
     or a tuple of positional inputs, batch-first.
     """
-    from .hooks import LayerRecorder
-    from .validation import clipped_layers
+    from ..capture.recorder import LayerRecorder
+    from ..guards.model_check import clipped_layers
 
     check_mode(mode)
 

@@ -17,32 +17,16 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence
 
 import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 from torch.func import functional_call, grad, vmap
 
-from .layers.base import accumulation_dtype
-
-#: module classes clipped by the fallback (qualified names, so that timm need not be imported)
-FALLBACK_CLASSES = {
-    "torch.nn.modules.activation.MultiheadAttention",  # weights used inside F.multi_head_attention_forward
-}
+from ..layers.base import accumulation_dtype
 
 _REPLAYING = [False]
-
-
-def register_fallback(cls: type) -> type:
-    """Clip every module of class ``cls`` (and its whole subtree) by the ``torch.func`` fallback."""
-    FALLBACK_CLASSES.add(f"{cls.__module__}.{cls.__qualname__}")
-    return cls
-
-
-def uses_fallback(module: nn.Module) -> bool:
-    """True when ``module``'s class (or a parent class) is registered for the fallback."""
-    return any(f"{c.__module__}.{c.__qualname__}" in FALLBACK_CLASSES for c in type(module).__mro__)
 
 
 def replaying() -> bool:

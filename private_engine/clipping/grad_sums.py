@@ -21,7 +21,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .layers.base import accumulation_dtype
+from ..layers.base import accumulation_dtype
 
 
 @dataclass

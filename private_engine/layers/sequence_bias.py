@@ -17,7 +17,8 @@ from typing import Dict
 import torch
 from opacus.layers.dp_multihead_attention import SequenceBias
 
-from ..layers.base import LayerDims, LayerRule, accumulation_dtype, register_rule, trainable
+from .base import LayerDims, LayerRule, accumulation_dtype, trainable
+from .registry import register_rule
 
 #: attribute make_private sets on SequenceBias modules for the duration of its validation only (the
 #: native engine, which does not move their tensors to batch-first, keeps refusing them)
@@ -32,7 +33,7 @@ class SequenceBiasRule(LayerRule):
         if not getattr(module, PREPARED, False):
             raise ValueError(
                 "opacus' SequenceBias (DPMultiheadAttention(add_bias_kv=True)) is supported through the "
-                "Opacus-compatible API only: private_engine.PrivacyEngine(accountant=...).make_private(...)."
+                "Opacus-compatible API only: private_engine.opacus_compat.PrivacyEngine(accountant=...).make_private(...)."
             )
 
     def dims(self, module, activation, output):

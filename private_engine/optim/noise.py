@@ -10,7 +10,7 @@ and the difference of the two releases is the difference of the clipped gradient
   entropy (``os.urandom``) — on the CPU the whole 19,968-bit MT19937 state, elsewhere the 64-bit
   seed the generator keeps (Philox on CUDA) — never from torch's global generator, which user
   code seeds (``torch.manual_seed``) for reproducible initialisation. The draw is the fast one
-  (:mod:`private_engine.cpu_noise` on the CPU, one ``normal_`` per chunk elsewhere).
+  (:mod:`private_engine.optim.cpu_noise` on the CPU, one ``normal_`` per chunk elsewhere).
 * ``secure_mode=True`` follows Opacus' ``secure_mode``: every bit comes from the OS
   cryptographically secure generator (``os.urandom``), so there is no generator state that an
   observer of the noise could recover (MT19937 and Philox are not cryptographic generators),
@@ -34,7 +34,7 @@ import math
 import os
 import secrets
 import warnings
-from typing import Optional, Union
+from typing import List, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -62,7 +62,7 @@ def entropy_seeded_generator(device: DeviceLike = "cpu") -> torch.Generator:
     624 words of 32 bits, 19,968 bits — is written from OS entropy: ``manual_seed`` would keep
     only the low 32 bits of any seed (``manual_seed(s)`` and ``manual_seed(s + 2**32)`` draw the
     same numbers), few enough to enumerate. If this torch's state layout is not the one
-    :mod:`private_engine.cpu_noise` checks, it falls back to ``manual_seed`` of 64 random bits,
+    :mod:`private_engine.optim.cpu_noise` checks, it falls back to ``manual_seed`` of 64 random bits,
     with a warning. On other devices (CUDA's Philox) ``manual_seed`` keeps all 64 bits, so the
     seed is 64 bits from ``secrets``. The result is unpredictable but not a cryptographic
     generator; ``secure_mode=True`` draws from the OS generator itself.
@@ -121,7 +121,7 @@ def gaussian_noise_(t: torch.Tensor, std: float, generator: Optional[torch.Gener
                     secure_mode: bool = False) -> torch.Tensor:
     """``t ← std·ξ`` in place (``t`` is overwritten), ξ ~ N(0, I); returns ``t``.
 
-    Default mode: :func:`private_engine.cpu_noise.fill_normal_` from ``generator`` (several
+    Default mode: :func:`private_engine.optim.cpu_noise.fill_normal_` from ``generator`` (several
     threads on the CPU, one ``normal_`` elsewhere; torch's global generator if ``generator`` is
     None — the engine always passes its own). A generator on another device than ``t`` keys a
     fresh one on ``t``'s device from its own draws (:func:`generator_on`). ``secure_mode``:
@@ -229,3 +229,52 @@ def _os_random_words(n: int) -> torch.Tensor:
 
 __all__ = ["ReproducibleNoiseWarning", "entropy_seeded_generator", "engine_noise_generator",
            "gaussian_noise_", "secure_normal_", "generator_on", "parameters_device"]
+
+
+#: elements drawn by one ``normal_`` call in ``add_gaussian_noise`` (64 MiB of float32)
+NOISE_CHUNK = 1 << 24
+
+
+def add_gaussian_noise(tensors: Sequence[torch.Tensor], std: float,
+                       generator: Optional[torch.Generator] = None,
+                       secure_mode: bool = False) -> None:
+    """``t ← t + std·ξ_t`` in place for every tensor, ξ ~ N(0, I) independent across all coordinates (the
+    Gaussian mechanism's noise, Abadi et al. 2016; seed 002, Alg. 1). The tensors must not overlap.
+
+    Consecutive tensors of one device and dtype share one ``normal_`` draw of at most ``NOISE_CHUNK``
+    elements, added by one ``_foreach_add_``; a contiguous tensor larger than that (a flat buffer of clipped
+    sums) is noised chunk by chunk. So a step costs a few kernel launches here, not two per parameter tensor,
+    and at most one chunk of noise is alive at a time. On the CPU a chunk is drawn by several threads, each
+    block of it by its own generator keyed from ``generator`` (:mod:`private_engine.optim.cpu_noise`).
+    ``secure_mode``: each chunk from the OS cryptographic generator instead, as the sum of four
+    draws over two (:func:`private_engine.optim.noise.gaussian_noise_`); ``generator`` must be None.
+    """
+    group: List[torch.Tensor] = []
+    size = 0
+
+    def flush():
+        if not group:
+            return
+        first = group[0]
+        noise = gaussian_noise_(torch.empty(size, device=first.device, dtype=first.dtype), std,
+                                generator, secure_mode)
+        views, offset = [], 0
+        for t in group:
+            views.append(noise[offset:offset + t.numel()].view(t.shape))
+            offset += t.numel()
+        torch._foreach_add_(group, views)
+        group.clear()
+
+    pieces: List[torch.Tensor] = []
+    for t in tensors:
+        if t.numel() > NOISE_CHUNK and t.is_contiguous():
+            pieces.extend(t.view(-1).split(NOISE_CHUNK))
+        else:
+            pieces.append(t)
+    for t in pieces:
+        if group and (t.device != group[0].device or t.dtype != group[0].dtype or size + t.numel() > NOISE_CHUNK):
+            flush()
+            size = 0
+        group.append(t)
+        size += t.numel()
+    flush()

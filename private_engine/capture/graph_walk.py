@@ -1,0 +1,83 @@
+"""The autograd graph of a loss, walked once before the norm pass.
+
+It finds the trainable parameters the loss reaches other than through a recorded call (their
+per-sample gradients would be missing from the norms: refused with :func:`outside_error`) and the
+*leading* recorded calls, at whose outputs the norm pass asks autograd for gradients.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+
+@dataclass
+class GraphWalk:
+    """What :meth:`LayerRecorder.walk` found in the autograd graph of a loss."""
+
+    #: trainable parameters reached other than through a recorded call (missing from the norms)
+    outside: list
+    #: output edges of the leading recorded calls (no recorded call below them)
+    leading_edges: list
+    #: autograd nodes reached from the loss (recorded calls are stepped over)
+    reached: set
+
+
+def walk_graph(recorder, loss: torch.Tensor, params: Sequence[torch.Tensor]) -> GraphWalk:
+    """One pass over the autograd graph of ``loss`` (iterative post-order, each node once).
+
+    Steps over each recorded call (and each tracer entry / fallback call) from its output node to its
+    input nodes and finds (i) the parameters of ``params`` reached outside such calls, (ii) the
+    *leading* calls: reached from the loss with no other recorded call below them. Asking autograd for
+    the gradients at the leading calls' outputs (and the extras' edges) makes one backward run through
+    every reached call, computing activation gradients only — no second walk, no weight gradient.
+    """
+    wanted = {id(p) for p in params}
+    jumps: dict = {}
+    for layer in recorder.layers:
+        for c in layer.calls:
+            jumps.setdefault(c.edge.node, []).append(c.input_node)
+    for extra in recorder.extras:  # parameter entries and fallback calls: output node -> batched inputs
+        for node, inputs in extra.jumps().items():
+            jumps.setdefault(node, []).extend(inputs)
+    found: dict = {}
+    below: dict = {}  # node -> True when a jump node is this node or below it
+    kids: dict = {}
+    stack = [(loss.grad_fn, False)]
+    while stack:
+        node, done = stack.pop()
+        if done:
+            below[node] = node in jumps or any(below.get(k, False) for k in kids[node])
+            continue
+        if node is None or node in below or node in kids:
+            continue
+        if node in jumps:
+            children = [n for n in jumps[node] if n is not None]
+        else:
+            var = getattr(node, "variable", None)  # AccumulateGrad of a leaf
+            if var is not None:
+                if id(var) in wanted:
+                    found[id(var)] = var
+                below[node] = False
+                continue
+            children = [n for n, _ in node.next_functions if n is not None]
+        kids[node] = children
+        stack.append((node, True))
+        stack.extend((k, False) for k in children if k not in below)
+    leading = {n for n in jumps if n in below and not any(below.get(k, False) for k in kids[n])}
+    edges = [c.edge for layer in recorder.layers for c in layer.calls if c.edge.node in leading]
+    return GraphWalk(outside=list(found.values()), leading_edges=edges, reached=set(below))
+
+
+def outside_error(names: Sequence[object]) -> ValueError:
+    """The error for trainable parameters the loss reaches outside a recorded call of their layer
+    (one text for every door)."""
+    return ValueError(
+        f"the loss depends on trainable parameters {list(names)} other than through a recorded "
+        "call of their layer, so their per-sample gradients would be missing from the clipping "
+        "norms. Causes: a weight used outside its module's forward (e.g. a tied weight in "
+        "F.linear(h, emb.weight): untie or freeze it); a forward pass run before the engine was "
+        "built (or before make_private); or a loss whose forward pass ran before the previous "
+        "step (each clipping pass drops the records of all earlier forward passes: run forward "
+        "and step batch by batch). Nothing was updated.")

@@ -1,0 +1,90 @@
+"""One physical batch through the clipping core: the per-sample loss checked, the graph walked
+(parameters reached outside their layer refused), loss scaling applied, certified norms, clip
+factors with non-finite samples dropped, and the clipped sums."""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+import torch
+
+from ..capture.graph_walk import outside_error
+from .clipper import PerSampleClipper
+from .grad_sums import GradSums
+from .loss_scaling import LossScaling
+
+
+def check_per_sample_loss(loss, *, name: str = "loss") -> torch.Tensor:
+    """Validate a per-sample loss vector ``(B,)`` (reduction="none")."""
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor of per-sample losses, got {type(loss).__name__}.")
+    if loss.dim() != 1:
+        raise ValueError(
+            f"{name} must hold one value per sample (shape (B,)); got shape "
+            f"{tuple(loss.shape)}. Compute it with reduction=\"none\", e.g. "
+            'F.cross_entropy(logits, y, reduction="none").'
+        )
+    if loss.numel() and not loss.requires_grad:
+        raise ValueError(f"{name} does not require grad: it must come from the model's forward "
+                         "pass with grad enabled.")
+    return loss
+
+
+@dataclass
+class ClippedBatch:
+    """What clipping one physical batch gives."""
+
+    #: ``Σ_i C_i ∂L_i/∂θ`` per parameter, in flat buffers
+    sums: GradSums
+    #: B, the number of per-sample losses
+    size: int
+    #: certified ``‖g_i‖`` (None for an empty batch)
+    norms: Optional[torch.Tensor]
+    #: samples dropped (``C_i = 0``) because their loss or norm was not finite
+    dropped: int
+
+
+def clip_batch(clipper: PerSampleClipper, loss: torch.Tensor, *,
+               loss_scaling: Optional[LossScaling] = None,
+               names: Optional[Dict[int, str]] = None) -> ClippedBatch:
+    """Clip one physical batch of per-sample losses ``loss`` (shape ``(B,)``).
+
+    Raises on a malformed loss, or one that reaches a trainable parameter outside a recorded call
+    of its layer, before anything is modified. With ``loss_scaling`` (float16), the backward runs
+    on ``S·Σ L_i`` and norms and factors are unscaled in float32. A sample whose loss or certified
+    norm is not finite is dropped (``C_i = 0``, its rows zeroed). ``names``: ``{id(param): name}``
+    for messages.
+    """
+    check_per_sample_loss(loss)
+    if loss.numel() == 0:  # an empty (Poisson) batch contributes nothing
+        clipper.release()
+        zeros = [torch.zeros_like(p) for p in clipper.params]
+        return ClippedBatch(GradSums.separate(zeros), 0, None, 0)
+    walk = clipper.recorder.walk(loss, clipper.params)
+    if walk.outside:
+        clipper.release()
+        names = names or {}
+        raise outside_error([names.get(id(p), tuple(p.shape)) for p in walk.outside])
+    scaling = loss_scaling if loss_scaling is not None and loss_scaling.enabled else None
+    loss_in, scale = scaling.scale(loss) if scaling is not None else (loss, None)
+    try:
+        norms = clipper.per_sample_norms(loss_in, walk)
+        if scale is not None:
+            norms = norms / scale.to(norms.dtype)
+        # the step's one host sync
+        norms, factors, keep, dropped = clipper.finite_factors(norms, loss)
+    except BaseException:
+        clipper.release()
+        raise
+    if dropped == loss.shape[0]:
+        warnings.warn(
+            f"every sample of this batch ({dropped}) had a non-finite loss or gradient norm "
+            "and was dropped (clip factor 0): the model may have diverged (lower the learning "
+            "rate; float16: pass grad_scaler=).", RuntimeWarning, stacklevel=4)
+    if scale is not None:
+        factors = factors / scale.to(factors.dtype)
+    sums = clipper.clipped_sums(loss_in, factors, keep=keep)
+    if scaling is not None:
+        scaling.update(dropped)
+    return ClippedBatch(sums, loss.shape[0], norms.detach(), dropped)

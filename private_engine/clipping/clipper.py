@@ -1,0 +1,434 @@
+"""The clipping core: certified per-sample norms over all layers, and the clipped sums.
+
+Algorithm (Bu, Mao & Xu 2022, "Scalable and Efficient Training of Large Convolutional Neural
+Networks with Differential Privacy", Algorithm 1, "mixed ghost clipping"):
+
+1. **Norm pass.** Backpropagate ``Σ_i L_i`` computing *activation* gradients only (autograd is
+   asked for the gradients at the first trainable layers' outputs, so no weight gradient is
+   formed). At each layer, from the recorded input ``a`` and output gradient ``g``, add the
+   layer's per-sample ``‖∂L_i/∂θ_l‖²`` (ghost norm or instantiation, per the plan) to
+   ``‖g_i‖² = Σ_l ‖∂L_i/∂θ_l‖²``. Every term is a *certified upper bound* of the squared norm of
+   what the clipped sum releases for the sample, rounding included
+   (:mod:`private_engine.layers.rounding`), summed in float64.
+2. **Clip factors** ``C_i = C(‖g_i‖, R)`` from a clipping function (:mod:`.functions`).
+3. **Clipped sum** ``Σ_i C_i·g_i``, layer by layer, from the very ``(a, g)`` the norms came from:
+   ``gᵀ·diag(C)·a`` (one matmul per layer, ``LayerRule.weighted_grads``) or ``Σ_i C_i G_i`` of
+   instantiated per-sample gradients; when, depends on the release strategy (:mod:`.release`:
+   book-keeping, one backward; or a second backward).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+
+from ..capture.graph_walk import GraphWalk
+from ..capture.recorder import LayerRecorder, RecordedLayer
+from ..capture.setup import build_capture
+from ..guards.separability import SeparabilityProbe
+from ..layers.base import sum_per_sample, weighted_sum_into
+from ..layers.linear import LinearRule
+from ..layers.rounding import gamma
+from .functions import ClipFn, clip_factors, resolve_clipping_fn
+from .grad_sums import FlatLayout, GradSums
+from .kept import group_kept_grads, kept_pair_params, per_sample_numel, rows_kept
+from .plan import DEFAULT_CLIPPING_MODE, LayerDecision, check_mode, decide, is_book_keeping
+from .release import strategy_for
+
+
+class PerSampleClipper:
+    """Certified per-sample gradient norms and the clipped gradient sum of one physical batch.
+
+    Args:
+        layers: ``[(name, module, rule)]`` recorded by the layer rules.
+        params: every parameter whose clipped sum is formed (in this order).
+        mode: the clipping mode (:data:`private_engine.clipping.plan.CLIPPING_MODES`).
+        clipping_fn: a name or a callable ``(norms, R) -> factors`` (:mod:`.functions`).
+        max_grad_norm: R.
+        model: the model, for the separability probe, the parameter tracer and the fallbacks.
+        traced / fallbacks: parameters clipped by the tracer and modules clipped by ``torch.func``
+            (:func:`private_engine.guards.model_check.scan_model`).
+    """
+
+    def __init__(self, layers: Sequence[Tuple[str, nn.Module, object]],
+                 params: Sequence[nn.Parameter], *, mode: str = DEFAULT_CLIPPING_MODE,
+                 clipping_fn: Union[str, ClipFn] = "abadi", max_grad_norm: float = 1.0,
+                 model: Optional[nn.Module] = None,
+                 traced: Sequence[Tuple[str, nn.Parameter]] = (),
+                 fallbacks: Sequence[Tuple[str, nn.Module]] = ()):
+        self.mode = check_mode(mode)
+        self.clip_fn, self.user_clip_fn = resolve_clipping_fn(clipping_fn)
+        if not 0 < max_grad_norm < float("inf"):
+            raise ValueError(f"max_grad_norm must be a finite number > 0, got {max_grad_norm}.")
+        self.max_grad_norm = float(max_grad_norm)
+        self.params = list(params)
+        self._param_ids = {id(p) for p in self.params}
+        self.recorder: LayerRecorder = build_capture(layers, model, traced, fallbacks,
+                                                     on_layer_ready=self.on_layer_ready)
+        #: the parameter-entry tracer and the torch.func fallback modules (None / empty when the
+        #: layer rules cover every parameter)
+        self.tracer = self.recorder.tracer
+        self.fallbacks = [e for e in self.recorder.extras if e is not self.tracer]
+        #: checks that the model and loss are sample-separable at the first step of each input
+        #: signature
+        self.probe: Optional[SeparabilityProbe] = None
+        if model is not None:
+            self.probe = SeparabilityProbe(model)
+            self.probe.install()
+        #: book-keeping (one backward) or two passes (:mod:`.release`)
+        self.book_keeping = is_book_keeping(self.mode)
+        self.strategy = strategy_for(self.mode, self.book_keeping)
+        self.last_plan: List[LayerDecision] = []
+        self.batch_size = 0
+        #: per-layer (B,) certified squared norms (float64) of the running norm pass
+        self._norm_terms: List[torch.Tensor] = []
+        self._plan: List[LayerDecision] = []
+        #: kept by the norm pass for the clipped sums: [(module, rule, [(a, g)])] and
+        #: [(parameter, G (B, *shape))], then the latter side by side: [([parameters], (B, n))]
+        self._kept_pairs: list = []
+        self._kept_grads: list = []
+        self._kept_groups: list = []
+        #: where the clipped sums of a step live (rebuilt when which parameters are kept how
+        #: changes)
+        self._layout: Optional[FlatLayout] = None
+        self._layout_key: tuple = ()
+
+    # -- norm pass ---------------------------------------------------------------------------
+    def start_pass(self, batch_size: int) -> None:
+        """Begin the norm pass of a physical batch of ``batch_size`` samples (drops what an earlier
+        one kept)."""
+        self.batch_size = batch_size
+        self._norm_terms = []
+        self._plan = []
+        self._kept_pairs, self._kept_grads, self._kept_groups = [], [], []
+        self.strategy.start()
+
+    def keep_pairs(self, module: nn.Module, rule, pairs) -> None:
+        """Keep a layer's ``(a, g)`` for its clipped sum ``gᵀ·diag(C)·a``."""
+        self._kept_pairs.append((module, rule, pairs))
+
+    def keep_grads(self, module: nn.Module, grads: Dict[str, torch.Tensor]) -> None:
+        """Keep a layer's per-sample gradients for their norm and clipped sum ``Σ_i C_i G_i``."""
+        self._kept_grads.extend((getattr(module, name), g) for name, g in grads.items())
+
+    def _check_rows(self, layer: RecordedLayer, pairs) -> None:
+        B = self.batch_size
+        for a, g in pairs:
+            if a.shape[0] != g.shape[0] or a.shape[0] % max(B, 1) or B == 0 or \
+                    (a.shape[0] != B and not layer.rows_ok()) or layer.batch_moved():
+                raise ValueError(
+                    f"layer {layer.name} saw a batch of {a.shape[0]} but the loss has {B} values; "
+                    'the loss must have one value per sample: compute it with reduction="none" '
+                    "and sum per-token or per-element losses per sample (e.g. "
+                    "loss.view(B, -1).sum(1)). Inputs must be batch-first (batch dimension 0); a "
+                    "layer may see k·B rows (Swin windows) only when they come from batch-first "
+                    "tensors without moving dim 0."
+                )
+
+    def _merged(self, layer: RecordedLayer, pairs) -> Tuple[list, int]:
+        """A Linear seeing k·B rows, k consecutive per sample (Swin windows): the rows merged into
+        positions, ``(k·B, T, d) -> (B, k·T, d)``, exact for ghost norm, instantiation and clipped
+        sum. ``(pairs, k)``."""
+        B = self.batch_size
+        if not (isinstance(layer.rule, LinearRule) and any(a.shape[0] != B for a, _ in pairs)):
+            return pairs, 1
+        k = pairs[0][0].shape[0] // B
+        return [(a.reshape(B, -1, a.shape[-1]), g.reshape(B, -1, g.shape[-1]))
+                for a, g in pairs], k
+
+    def on_layer_ready(self, layer: RecordedLayer) -> None:
+        """One recorded layer's output gradients have all arrived: its certified per-sample norm
+        term, and what its clipped sum needs kept (per the release strategy)."""
+        pairs = layer.pairs()
+        B = self.batch_size
+        keep_calls = False
+        try:
+            self._check_rows(layer, pairs)
+            dims = [c.dims for c in layer.calls if c.fired and c.grad is not None]
+            pairs, k = self._merged(layer, pairs)
+            if k > 1:
+                dims = [replace(d, T=d.T * k, io_size=d.io_size * k) for d in dims]
+            if any(a.shape[0] != B for a, _ in pairs):
+                # instantiated per row and summed per sample, kept for the clipped sum
+                grads, dims = self._rows_grads(layer, pairs, dims)
+                decision = decide(layer.name, layer.module, dims, self.mode)
+                self.keep_grads(layer.module, grads)
+                contrib = None
+                keep_calls = self.strategy.rows_layer(layer)
+            else:
+                decision, contrib, keep_calls = self.strategy.layer_norm(self, layer, pairs,
+                                                                         dims, k)
+            self._plan.append(decision)
+            if contrib is not None:
+                self._norm_terms.append(contrib)
+        finally:
+            if keep_calls:  # the second pass needs the activations and edges, not this gradient
+                layer.clear_grads()
+            else:
+                layer.release()
+
+    def _rows_grads(self, layer: RecordedLayer, pairs, dims):
+        """Per-sample gradients of a (non-Linear) layer that sees ``k·B`` rows, k consecutive rows
+        per sample (LeViT's ``flatten(0, 1)`` tokens): instantiated per row, the k rows of each
+        sample summed, ``∂L_i/∂θ = Σ_{r ∈ rows(i)} G_r``."""
+        B = self.batch_size
+        total = {}
+        for a, g in pairs:
+            for name, grad in layer.rule.per_sample_grads(layer.module, [(a, g)]).items():
+                grad = grad.reshape(B, grad.shape[0] // B, *grad.shape[1:]).sum(1)
+                total[name] = grad if name not in total else total[name] + grad
+        return total, [replace(d, ghost_capable=False) for d in dims]
+
+    def per_sample_norms(self, loss: torch.Tensor,
+                         walk: Optional[GraphWalk] = None) -> torch.Tensor:
+        """Certified ``‖g_i‖ ≥ (Σ_l ‖release_i^l‖²)^{1/2}`` for every sample (float64), from one
+        activation-only backward.
+
+        Autograd is asked for the gradients at the outputs of the leading recorded calls (no
+        recorded call below them; :func:`private_engine.capture.graph_walk.walk_graph`) and at the
+        tracer's entries and fallback outputs, so the backward runs through every recorded call
+        computing activation gradients only. The graph is retained when the release strategy
+        needs a second backward.
+        """
+        self.start_pass(loss.shape[0])
+        if walk is None:
+            walk = self.recorder.walk(loss, self.params)
+        if self.probe is not None and self.probe.pending:  # first step of an input signature
+            self._set_capturing(False)  # the probe's backward passes are not recorded
+            try:
+                self.probe.check(loss, self.probe_targets())
+            except BaseException:
+                self.recorder.reset()
+                raise
+        total = loss.sum()
+        self._set_capturing(True)
+        ok = False
+        inputs: list = []
+        try:
+            inputs = list(walk.leading_edges)
+            if self.tracer is not None:  # off the data path: ask for them explicitly
+                inputs += self.tracer.entry_edges()
+                inputs += [e for fb in self.fallbacks for e in fb.out_edges()]
+            if inputs:
+                torch.autograd.grad(total, inputs=inputs,
+                                    retain_graph=self.strategy.retain_graph, allow_unused=True)
+            missed = [layer.name for layer in self.recorder.layers for c in layer.calls
+                      if not c.fired and c.edge.node in walk.reached]
+            if missed:  # would leave their gradients out of norms and sums: never silently
+                raise RuntimeError(
+                    f"internal error: the norm pass did not reach recorded calls of {missed}.")
+            self.recorder.finish_unfired()  # calls the loss does not depend on contribute nothing
+            norms = self.end_norm_pass(loss.device)
+            ok = True
+        finally:
+            self._set_capturing(False)
+            if not ok:
+                self._kept_pairs, self._kept_grads, self._kept_groups = [], [], []
+            self.strategy.norm_pass_done(self, inputs, ok)
+        return norms
+
+    def probe_targets(self, layout=None) -> list:
+        """The recorded outputs the separability probe compares row by row: every recorded layer
+        call, tracer entry and fallback output, ``(name, edge)``; with ``layout(layer) -> batch
+        dim`` (the Opacus door's sequence-first layers), ``(name, edge, batch dim, output shape)``
+        for the layer calls."""
+        targets = []
+        for layer in self.recorder.layers:
+            for c in layer.calls:
+                if c.edge is not None:
+                    targets.append((layer.name, c.edge) if layout is None else
+                                   (layer.name, c.edge, layout(layer), c.output_shape))
+        if self.tracer is not None:
+            targets += [(e.name, e.edge) for e in self.tracer.entries if e.edge is not None]
+            targets += [(fb.name, e) for fb in self.fallbacks for e in fb.out_edges()]
+        return targets
+
+    def end_norm_pass(self, device: torch.device) -> torch.Tensor:
+        """Finish a norm pass whose layers have all been handed to :meth:`on_layer_ready`: the
+        traced parameters' and fallback modules' norms, the kept per-sample gradients grouped, and
+        ``‖g_i‖ = (Σ_l N_l²)^{1/2}``: the sum in float64 raised by ``γ^{(64)}_{L+2}`` (L terms, any
+        order), the square root by one more ulp."""
+        self._keep_extra_grads()
+        items, self._kept_grads = self._kept_grads, []
+        self._kept_groups, terms = group_kept_grads(items, self.batch_size)
+        self._norm_terms.extend(terms)
+        self.last_plan = list(reversed(self._plan))
+        B = self.batch_size
+        if not self._norm_terms:
+            return torch.zeros(B, dtype=torch.float64, device=device)
+        terms, self._norm_terms = self._norm_terms, []
+        norm_sq = sum_per_sample(terms, terms[0]) * (1 + gamma(len(terms) + 2, 2.0 ** -53))
+        return norm_sq.sqrt() * (1 + 2.0 ** -51)
+
+    def _set_capturing(self, on: bool) -> None:
+        self.recorder.capturing = on
+        for extra in self.recorder.extras:
+            extra.capturing = on
+
+    def _keep_extra_grads(self) -> None:
+        """Keep the per-sample gradients of traced parameters and fallback modules (always
+        instantiated; their norm is taken with the other kept gradients, their clipped sum is
+        ``Σ_i C_i G_i`` of these very tensors, in every mode)."""
+        if self.tracer is None:
+            return
+        params = {name: p for name, p in self.tracer.tracked.values()}
+        for name, g in self.tracer.per_sample_grads().items():
+            self._keep_extra(name, "param-entry", [g], [params[name]])
+        for fb in self.fallbacks:
+            if not fb.calls:
+                continue
+            grads = fb.per_sample_grads(self.batch_size)
+            if grads:
+                owned = dict(fb.params)
+                self._keep_extra(fb.name, f"fallback:{type(fb.module).__name__}",
+                                 list(grads.values()), [owned[n] for n in grads])
+
+    def _keep_extra(self, name: str, layer_type: str, grads: Sequence[torch.Tensor],
+                    params: Sequence[nn.Parameter]) -> None:
+        rows = grads[0].shape[0]
+        if rows != self.batch_size:
+            raise ValueError(
+                f"{name} saw a batch of {rows} but the loss has {self.batch_size} values; the "
+                "loss must have one value per sample (batch-first inputs).")
+        numel = sum(per_sample_numel(g) for g in grads)
+        self._plan.append(LayerDecision(name=name, layer_type=layer_type, T=1, D=1, p=numel,
+                                        ghost_cost=0, instantiate_cost=numel, use_ghost=False,
+                                        ghost_capable=False))
+        self._kept_grads.extend(zip(params, grads))
+
+    # -- clip factors ------------------------------------------------------------------------
+    def clip_factors(self, norms: torch.Tensor) -> torch.Tensor:
+        """``C_i = C(‖g_i‖, R)`` (:func:`private_engine.clipping.functions.clip_factors`)."""
+        return clip_factors(self.clip_fn, norms, self.max_grad_norm, checked=self.user_clip_fn)
+
+    def finite_factors(self, norms: torch.Tensor, loss: Optional[torch.Tensor] = None):
+        """``(norms, factors, keep, dropped)``: clip factors for certified ``norms``, with every
+        sample whose norm (or loss) is not finite dropped — ``C_i = 0``, and ``keep`` (bool
+        ``(B,)``, None when nothing was dropped) tells :meth:`clipped_sums` to zero its rows. A
+        per-sample decision: one sample (a crafted value that overflows the forward, a float16
+        overflow) never makes the step fail. ``dropped`` is a Python int (one host sync)."""
+        ok = torch.isfinite(norms)
+        if loss is not None:
+            ok = ok & torch.isfinite(loss.detach())
+        dropped = int((~ok).sum())
+        if not dropped:
+            return norms, self.clip_factors(norms), None, 0
+        norms = torch.where(ok, norms, torch.zeros_like(norms))
+        factors = torch.where(ok, self.clip_factors(norms), torch.zeros_like(norms))
+        return norms, factors, ok, dropped
+
+    # -- clipped sums ------------------------------------------------------------------------
+    def clipped_grad_sum(self, loss: torch.Tensor, factors: torch.Tensor,
+                         keep: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
+        """``[Σ_i C_i·∂L_i/∂θ for θ in params]`` (:meth:`clipped_sums`; one tensor of its own per
+        parameter)."""
+        return self.clipped_sums(loss, factors, keep).own_grads()
+
+    def clipped_sums(self, loss: Optional[torch.Tensor], factors: torch.Tensor,
+                     keep: Optional[torch.Tensor] = None) -> GradSums:
+        """``Σ_i C_i·∂L_i/∂θ`` for every parameter, in flat buffers
+        (:mod:`private_engine.clipping.grad_sums`).
+
+        From what the norm pass kept: ``gᵀ·diag(C)·a`` per kept layer
+        (``LayerRule.weighted_grads``, written by its matmul straight into the parameter's view
+        of a flat buffer) and ``Gᵀ C`` per group of kept per-sample gradients (one matrix-vector
+        product into the group's contiguous segment); each kept tensor is released as soon as its
+        term is formed. Then the release strategy writes what it holds back (two-pass modes: the
+        recorded layers' sums during a second backward of ``loss``). ``keep`` (bool ``(B,)``):
+        samples whose rows take part; the others are zeroed first, so that an inf/NaN row cannot
+        reach the sum through ``0·inf``.
+        """
+        factors = factors.detach()
+        try:
+            layout = self._flat_layout()
+            buffers, views = layout.allocate(layout.params)
+            view_of = {id(p): v for p, v in zip(layout.params, views)}
+            written: set = set()
+
+            def put(p, g):  # a term computed outside the buffer (a parameter kept twice)
+                v = view_of[id(p)]
+                if id(p) in written:
+                    v.add_(g.reshape(v.shape))
+                else:
+                    v.copy_(g.reshape(v.shape))
+                    written.add(id(p))
+
+            def write(module, rule, pairs, weights):
+                if keep is not None:
+                    pairs = [(rows_kept(a, keep), rows_kept(g, keep)) for a, g in pairs]
+                targets = {}
+                for name in rule.param_names:
+                    p = getattr(module, name, None)
+                    if isinstance(p, nn.Parameter) and id(p) in view_of and id(p) not in written:
+                        targets[name] = view_of[id(p)]
+                for name, g in rule.weighted_grads(module, pairs, weights, out=targets).items():
+                    p = getattr(module, name)
+                    if targets.get(name) is g:
+                        written.add(id(p))
+                    else:
+                        put(p, g)
+
+            while self._kept_groups:
+                params, mat = self._kept_groups.pop(0)
+                if keep is not None:
+                    mat = rows_kept(mat, keep)
+                seg = layout.segment(buffers, params)
+                if seg is not None and not any(id(p) in written for p in params):
+                    weighted_sum_into(seg, mat, factors)
+                    written.update(id(p) for p in params)
+                else:
+                    sums = weighted_sum_into(None, mat, factors)
+                    offset = 0
+                    for p in params:
+                        put(p, sums[offset:offset + p.numel()])
+                        offset += p.numel()
+                del mat
+            while self._kept_pairs:
+                module, rule, pairs = self._kept_pairs.pop()
+                write(module, rule, pairs, factors)
+                del pairs
+            self.strategy.release(self, loss, factors, keep, write)
+            unwritten = [p for p in layout.params if id(p) not in written]
+            for seg in layout.segments(buffers, unwritten):
+                seg.zero_()  # parameters the loss does not reach
+        finally:
+            self.release()
+        return GradSums(grads=[view_of[id(p)] for p in self.params], buffers=buffers,
+                        layout=layout)
+
+    def _flat_layout(self) -> FlatLayout:
+        """The flat-buffer layout for what this norm pass kept: the parameters of the kept
+        per-sample gradient groups first, in group order (each group's sums are then one
+        contiguous segment), then those of the kept ``(a, g)`` pairs in the order they are
+        summed, then the rest (zeroed together). The same kinds of layers kept the same way at
+        every step give the same layout object, so accumulated sums add buffer by buffer."""
+        order = [p for params, _ in self._kept_groups for p in params]
+        order += kept_pair_params(list(reversed(self._kept_pairs)))
+        seen: set = set()
+        order = [p for p in order
+                 if id(p) in self._param_ids and not (id(p) in seen or seen.add(id(p)))]
+        key = tuple(id(p) for p in order)
+        if self._layout is None or key != self._layout_key:
+            rest = [p for p in self.params if id(p) not in seen]
+            self._layout, self._layout_key = FlatLayout(order + rest), key
+        return self._layout
+
+    def release(self) -> None:
+        """Drop every record and everything a norm pass kept (after an error, or when done)."""
+        self._kept_pairs, self._kept_grads, self._kept_groups = [], [], []
+        self.strategy.reset()
+        self.recorder.reset()
+
+    def install(self) -> None:
+        """(Re-)install the recording hooks and the separability probe."""
+        self.recorder.install()
+        if self.probe is not None:
+            self.probe.install()
+
+    def remove(self) -> None:
+        """Remove the recording hooks and the separability probe."""
+        self.recorder.remove()
+        if self.probe is not None:
+            self.probe.remove()

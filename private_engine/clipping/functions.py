@@ -1,0 +1,74 @@
+"""Clipping functions ``C_i = C(‖g_i‖, R)``: each keeps ``‖C_i g_i‖ ≤ R`` for every norm ≥ 0."""
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional, Tuple, Union
+
+import torch
+
+ClipFn = Callable[[torch.Tensor, float], torch.Tensor]
+
+ABADI_EPS = 1e-6
+AUTOMATIC_GAMMA = 0.01
+
+
+def abadi_clip(norms: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
+    """Abadi et al. (2016) clipping: ``C_i = min(1, R / (‖g_i‖ + 1e-6))``.
+
+    The 1e-6 guard matches Opacus, so ``‖C_i g_i‖ ≤ R`` and results agree with it exactly.
+    """
+    return (max_grad_norm / (norms + ABADI_EPS)).clamp(max=1.0)
+
+
+def automatic_clip(norms: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
+    """Automatic clipping (Bu et al., 2022, "Automatic clipping"): ``C_i = R / (‖g_i‖ + γ)``, γ = 0.01.
+
+    Every sample is normalised; ``‖C_i g_i‖ = R·‖g_i‖/(‖g_i‖+γ) < R``.
+    """
+    return max_grad_norm / (norms + AUTOMATIC_GAMMA)
+
+
+def global_clip(norms: torch.Tensor, max_grad_norm: float,
+                threshold: Optional[float] = None) -> torch.Tensor:
+    """Global clipping (Bu et al., 2021): ``C_i = (R / Z)·1{‖g_i‖ < Z}`` with threshold Z
+    (default Z = R).
+
+    Samples with norm below Z are kept, rescaled by R/Z; others are dropped, so ``‖C_i g_i‖ < R``.
+    """
+    z = max_grad_norm if threshold is None else threshold
+    return (norms < z).to(norms.dtype) * (max_grad_norm / z)
+
+
+CLIPPING_FUNCTIONS: Dict[str, ClipFn] = {"abadi": abadi_clip, "automatic": automatic_clip, "global": global_clip}
+
+
+def resolve_clipping_fn(clipping_fn: Union[str, ClipFn]) -> Tuple[ClipFn, bool]:
+    """The clip function for a name or callable, and whether it is user-supplied (then checked)."""
+    if callable(clipping_fn):
+        return clipping_fn, True
+    if clipping_fn not in CLIPPING_FUNCTIONS:
+        raise ValueError(
+            f"clipping_fn must be one of {sorted(CLIPPING_FUNCTIONS)} or a callable (norms, max_grad_norm) -> "
+            f"factors; got {clipping_fn!r}."
+        )
+    return CLIPPING_FUNCTIONS[clipping_fn], False
+
+
+def clip_factors(clip_fn: ClipFn, norms: torch.Tensor, max_grad_norm: float,
+                 checked: bool = False) -> torch.Tensor:
+    """``C_i = clip_fn(‖g_i‖, R)``. ``checked`` (a user's function): the factors must be finite,
+    ``≥ 0`` and keep ``C_i·‖g_i‖ ≤ R`` (to a relative 1e-6), or a ValueError is raised before
+    anything is released."""
+    factors = clip_fn(norms, max_grad_norm)
+    if checked:
+        if not isinstance(factors, torch.Tensor) or factors.shape != norms.shape:
+            raise ValueError("a custom clipping_fn must return one factor per sample (same shape "
+                             "as norms).")
+        too_big = factors * norms > max_grad_norm * (1 + 1e-6)
+        bad = ~torch.isfinite(factors) | (factors < 0) | too_big
+        if bool(bad.any()):
+            raise ValueError(
+                "the custom clipping_fn returned factors that are not finite, or with C_i < 0 "
+                "or C_i·‖g_i‖ > max_grad_norm (norms are ≥ 0, possibly 0); the sensitivity "
+                "would exceed max_grad_norm and the privacy guarantee would not hold."
+            )
+    return factors

@@ -1,0 +1,196 @@
+"""How the clipped sum of a physical batch is released: the two strategies of the clipping core.
+
+* :class:`BookKeeping` (modes "bk", "bk_mixed", "bk_mixopt"; Bu, Mao & Xu 2023, "Differentially
+  Private Optimization on Large Model at Small Cost"): the norm pass keeps, per layer, either the
+  recorded ``(a, g)`` or the instantiated per-sample gradients ``G_i``, and the clipped sums are
+  formed from them at its end — one backward in all.
+* :class:`TwoPass` (modes "mixed", "ghost", "per_sample"; Bu, Mao & Xu 2022, "Scalable and
+  Efficient Training of Large Convolutional Neural Networks with Differential Privacy"): the norm
+  pass keeps only the norms; a second activation-only backward recomputes each layer's output
+  gradient and writes its clipped sum as soon as it arrives. The second backward must reproduce
+  each layer's output gradient bit for bit (a float64 fingerprint per layer); where a
+  non-deterministic kernel changed it, that layer's factors are lowered to its recomputed bound,
+  so the certificate still holds.
+
+Either way a sample's clip factor multiplies that sample's rows at every layer, and what is
+released is what was normed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from ..capture.recorder import RecordedLayer
+from .kept import per_sample_numel
+from .plan import decide
+
+
+@dataclass
+class FirstPass:
+    """What a two-pass norm pass remembers of one layer for the second pass."""
+
+    use_ghost: bool
+    #: k of a Linear seeing k·B rows, merged into positions (1 otherwise)
+    merged: int
+    fingerprints: List[torch.Tensor]
+    #: the certified squared norms the clip factors were computed from (None: per-sample
+    #: gradients kept, released as such)
+    bound: Optional[torch.Tensor]
+
+
+def fingerprints(pairs) -> List[torch.Tensor]:
+    """Per call, ``Σ_j g_{r,j}`` of every row r of the output gradient in float64: what a second
+    backward must reproduce for the first pass's norms to certify its release."""
+    return [g.reshape(g.shape[0], -1).sum(1, dtype=torch.float64) for _, g in pairs]
+
+
+def same_tensors(xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor]) -> bool:
+    """Bitwise equality of two lists of tensors (NaN equal to NaN)."""
+    def equal(x, y):
+        return x.shape == y.shape and bool(
+            torch.equal(x, y) or torch.allclose(x, y, rtol=0.0, atol=0.0, equal_nan=True))
+
+    return len(xs) == len(ys) and all(equal(x, y) for x, y in zip(xs, ys))
+
+
+class BookKeeping:
+    """One backward: what each layer's clipped sum needs is kept by the norm pass."""
+
+    #: the norm pass frees the graph as it goes: nothing needs it afterwards
+    retain_graph = False
+
+    def __init__(self, mode: str):
+        self.mode = mode
+
+    def start(self) -> None:
+        """A new norm pass begins."""
+
+    def layer_norm(self, clipper, layer: RecordedLayer, pairs, dims, merged: int):
+        """``(decision, certified ‖∂L_i/∂θ‖² or None, keep the calls)`` of one layer, keeping what
+        its clipped sum needs: ``(a, g)`` for a ghost layer; for an instantiated one the per-sample
+        gradients ``G_i`` when they are no larger than ``(a, g)`` per sample (always in
+        "bk_mixopt", which puts time first) — their norm is then taken at the end of the pass with
+        the other kept gradients (None) — else ``(a, g)`` again (one matmul ``gᵀ·diag(C)·a`` at
+        the end instead of a contraction of ``G``)."""
+        module, rule = layer.module, layer.rule
+        decision = decide(layer.name, module, dims, self.mode)
+        if decision.use_ghost:
+            clipper.keep_pairs(module, rule, pairs)
+            return decision, rule.certified_norm_sq(module, pairs, True), False
+        grads = rule.per_sample_grads(module, pairs)
+        grad_size = sum(per_sample_numel(g) for g in grads.values())
+        pair_size = sum(per_sample_numel(a) + per_sample_numel(g) for a, g in pairs)
+        if self.mode == "bk_mixopt" or grad_size <= pair_size:
+            clipper.keep_grads(module, grads)
+            return decision, None, False
+        contrib = rule.certified_norm_sq(module, pairs, False, grads=grads)
+        del grads
+        clipper.keep_pairs(module, rule, pairs)
+        return decision, contrib, False
+
+    def rows_layer(self, layer: RecordedLayer) -> bool:
+        """A layer seeing k·B rows whose per-sample gradients were kept: keep its calls?"""
+        return False
+
+    def norm_pass_done(self, clipper, inputs: list, ok: bool) -> None:
+        clipper.recorder.reset()
+
+    def release(self, clipper, loss, factors, keep, write) -> None:
+        """Nothing left to release: every kept term was written by the clipper."""
+
+    def reset(self) -> None:
+        """Drop what a norm pass left."""
+
+
+class TwoPass:
+    """Norms first; the clipped sums during a second activation-only backward."""
+
+    #: the graph is kept for the second backward
+    retain_graph = True
+
+    def __init__(self, mode: str):
+        self.mode = mode
+        #: per recorded layer (keyed by id), what the second pass needs
+        self.first: Dict[int, FirstPass] = {}
+        #: the edges the norm pass asked autograd for (asked for again by the second pass)
+        self.leading: list = []
+        #: while the second pass runs: (clipper, factors, write)
+        self._second = None
+
+    def start(self) -> None:
+        self.first, self.leading = {}, []
+
+    def layer_norm(self, clipper, layer: RecordedLayer, pairs, dims, merged: int):
+        decision = decide(layer.name, layer.module, dims, self.mode)
+        contrib = layer.rule.certified_norm_sq(layer.module, pairs, decision.use_ghost)
+        self.first[id(layer)] = FirstPass(decision.use_ghost, merged, fingerprints(pairs),
+                                          contrib)
+        return decision, contrib, True
+
+    def rows_layer(self, layer: RecordedLayer) -> bool:
+        self.first[id(layer)] = FirstPass(False, 1, [], None)
+        return True
+
+    def norm_pass_done(self, clipper, inputs: list, ok: bool) -> None:
+        if ok:
+            self.leading = inputs
+            for extra in clipper.recorder.extras:  # their per-sample gradients are kept
+                extra.reset()
+        else:
+            self.reset()
+            clipper.recorder.reset()
+
+    def release(self, clipper, loss, factors, keep, write) -> None:
+        """Backpropagate ``Σ_i L_i`` again, activation gradients only, and write each recorded
+        layer's clipped sum from ``(a, g)`` as its output gradient arrives."""
+        recorder = clipper.recorder
+        saved = recorder.on_layer_ready
+        recorder.on_layer_ready = self._on_layer_released
+        self._second = (clipper, factors, write)
+        recorder.rearm()
+        recorder.capturing = True
+        try:
+            if self.leading:
+                if loss is None:
+                    raise RuntimeError("internal error: the second pass needs the loss.")
+                torch.autograd.grad(loss.sum(), inputs=self.leading, allow_unused=True)
+            recorder.finish_unfired()
+        finally:
+            recorder.capturing = False
+            recorder.on_layer_ready = saved
+            self._second = None
+
+    def _on_layer_released(self, layer: RecordedLayer) -> None:
+        """One layer's clipped sum ``gᵀ·diag(C)·a``. The output gradient must be the norm pass's,
+        bit for bit; if a non-deterministic kernel changed it, the layer's certified bound is
+        computed again and its factors lowered to ``C_i·min(1, N_i/N'_i)`` for this layer, so that
+        its release stays within what the clip factors were computed for."""
+        clipper, factors, write = self._second
+        try:
+            first = self.first.get(id(layer))
+            if first is None or first.bound is None:  # per-sample gradients kept: released so
+                return
+            pairs = layer.pairs()
+            if first.merged > 1:
+                B = clipper.batch_size
+                pairs = [(a.reshape(B, -1, a.shape[-1]), g.reshape(B, -1, g.shape[-1]))
+                         for a, g in pairs]
+            weights = factors
+            if not same_tensors(fingerprints(pairs), first.fingerprints):
+                again = layer.rule.certified_norm_sq(layer.module, pairs, first.use_ghost)
+                ratio = torch.where(again > first.bound, (first.bound / again).sqrt(),
+                                    torch.ones_like(again))
+                weights = factors * ratio.to(factors.dtype)
+            write(layer.module, layer.rule, pairs, weights)
+        finally:
+            layer.release()
+
+    def reset(self) -> None:
+        self.first, self.leading = {}, []
+
+
+def strategy_for(mode: str, book_keeping: bool):
+    """The release strategy of a clipping mode."""
+    return BookKeeping(mode) if book_keeping else TwoPass(mode)

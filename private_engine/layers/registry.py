@@ -1,0 +1,91 @@
+"""The one registry of how each module class is clipped: by a layer rule, or by the ``torch.func``
+fallback, and which subclasses keep their ruled parent's math.
+
+Lookups walk the class hierarchy (a subclass inherits its parent's rule unless it redefines
+``forward``). Classes named by their qualified name are matched without importing their library
+(timm, opacus).
+"""
+from __future__ import annotations
+
+from typing import Dict, Set, Type
+
+from torch import nn
+
+
+def qualified_name(cls: type) -> str:
+    """``module.QualName`` of a class: how the registry names classes it need not import."""
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+class Registry:
+    """Rules by module class, the fallback's classes, and subclasses with their parent's math."""
+
+    def __init__(self) -> None:
+        self.rules: Dict[Type[nn.Module], object] = {}
+        #: module classes clipped by the torch.func fallback (qualified names)
+        self.fallback_classes: Set[str] = {
+            # weights used inside F.multi_head_attention_forward
+            "torch.nn.modules.activation.MultiheadAttention",
+        }
+        #: subclasses that override ``forward`` without changing their registered parent's math
+        #: (checked against the sample-by-sample reference in the tests)
+        self.same_math_subclasses: Set[str] = {
+            "timm.layers.norm.LayerNorm",  # F.layer_norm (or its fused twin), same arguments
+            "timm.layers.norm.GroupNorm",
+            "timm.layers.norm.GroupNorm1",
+            "timm.layers.linear.Linear",  # F.linear; only TorchScript takes another branch
+        }
+
+    def register_rule(self, rule, *module_types: Type[nn.Module]):
+        """Clip ``module_types`` (default: ``rule.module_types``) by ``rule``."""
+        for cls in module_types or rule.module_types:
+            self.rules[cls] = rule
+        return rule
+
+    def register_fallback(self, cls: type) -> type:
+        """Clip every module of class ``cls`` (and its subtree) by the ``torch.func`` fallback."""
+        self.fallback_classes.add(qualified_name(cls))
+        return cls
+
+    def unregister(self, cls: type) -> None:
+        """Forget whatever was registered for ``cls`` (a rule or the fallback)."""
+        self.rules.pop(cls, None)
+        self.fallback_classes.discard(qualified_name(cls))
+
+    def find_rule(self, module: nn.Module):
+        """The rule for ``module``: the registered class nearest along its MRO, or None.
+
+        A class on the way that defines its own ``forward`` ends the search with None (unless it
+        is registered itself or keeps its parent's math): a rule describes its class's forward,
+        and a subclass that permutes dimensions, adds an activation or transforms its weight
+        (timm's LayerNorm2d, GroupNormAct, StdConv2d) would get per-sample norms that are wrong
+        without any error — a sensitivity above max_grad_norm. Such a module is reported as
+        unsupported before training (or clipped by the fallback: :meth:`overrides_ruled_class`).
+        """
+        for cls in type(module).__mro__:
+            rule = self.rules.get(cls)
+            if rule is not None:
+                return rule
+            if "forward" in vars(cls) and qualified_name(cls) not in self.same_math_subclasses:
+                return None
+        return None
+
+    def uses_fallback(self, module: nn.Module) -> bool:
+        """True when ``module``'s class (or a parent class) is registered for the fallback."""
+        return any(qualified_name(c) in self.fallback_classes for c in type(module).__mro__)
+
+    def overrides_ruled_class(self, module: nn.Module) -> bool:
+        """True for a module without a rule whose class derives from one that has a rule (a
+        subclass that overrides ``forward``): it is clipped by the torch.func fallback."""
+        return self.find_rule(module) is None and \
+            any(cls in self.rules for cls in type(module).__mro__)
+
+
+REGISTRY = Registry()
+register_rule = REGISTRY.register_rule
+register_fallback = REGISTRY.register_fallback
+unregister = REGISTRY.unregister
+find_rule = REGISTRY.find_rule
+uses_fallback = REGISTRY.uses_fallback
+overrides_ruled_class = REGISTRY.overrides_ruled_class
+

@@ -1,0 +1,218 @@
+"""Privatising torch optimizers: accumulation of clipped sums, Gaussian noise, scaling, step.
+
+After ``k`` virtual steps and one step over physical batches B_1..B_{k+1} (a logical batch), the
+parameters are updated by the wrapped optimizer with
+
+    ĝ = ( Σ_{i ∈ B_1 ∪ … ∪ B_{k+1}} C_i·g_i  +  N(0, σ²R²·I) ) / B_expected,
+
+noise drawn once per logical batch (Abadi et al. 2016, "Deep Learning with Differential Privacy";
+Bu, Mao & Xu 2022, Appendix E). ``B_expected`` is the declared (expected) logical batch size.
+DP-SGD, DP-Adam and DP-AdamW are the torch optimizers with this gradient.
+
+The stages are named as in Opacus' ``DPOptimizer``: :meth:`PrivateStep.clip_and_accumulate`,
+:meth:`PrivateStep.add_noise`, :meth:`PrivateStep.scale_grad`, then the wrapped optimizer's own
+step, and the ``step_hook`` (the accountant) after a step that succeeded.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from ..clipping.batch import ClippedBatch
+from ..clipping.grad_sums import GradSums
+from ..layers.base import cast
+from .noise import add_gaussian_noise
+
+
+@dataclass
+class NoiseSpec:
+    """The noise of a private step: ``N(0, σ²R²I)`` once per logical batch, divided by the
+    expected batch size. ``R`` is the clipper's (the clip threshold and the noise scale never
+    drift apart)."""
+
+    noise_multiplier: float
+    expected_batch_size: int
+    generator: Optional[torch.Generator] = None
+    secure_mode: bool = False
+
+
+class PrivateStep:
+    """A privatised optimizer's state and stages: the clipped-gradient sums of the current logical
+    batch, the noise, the scaling and the step.
+
+    Args:
+        optimizer: the torch optimizer whose ``step`` is replaced.
+        params: the clipped parameters, in the order of the clipped sums.
+        clip: clips one physical batch of per-sample losses
+            (:func:`private_engine.clipping.batch.clip_batch` bound to a clipper).
+        max_grad_norm: the current R (the clipper's).
+        noise: σ, the expected batch size, the generator.
+        names: ``{id(param): name}`` for messages.
+        step_hook: called after each successful step (accounting).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter],
+                 clip: Callable[[torch.Tensor], ClippedBatch], max_grad_norm: Callable[[], float],
+                 noise: NoiseSpec, names: Dict[int, str],
+                 step_hook: Optional[Callable[[], None]] = None):
+        self.optimizer = optimizer
+        self.params = list(params)
+        self._param_ids = frozenset(id(p) for p in self.params)
+        self.clip = clip
+        self.max_grad_norm = max_grad_norm
+        self.noise = noise
+        self.names = names
+        self.step_hook = step_hook
+        self.original_step = optimizer.step
+        self.grad_sums: Optional[GradSums] = None
+        self.samples = 0
+        self.attached = True
+
+    # -- stages ------------------------------------------------------------------------------
+    def check_params(self) -> None:
+        """Refuse an optimizer that would update a trainable parameter that is not clipped (not
+        the model's, or unfrozen after the engine was built): its ``.grad`` would be released
+        without clipping or noise."""
+        foreign = [p for g in self.optimizer.param_groups for p in g["params"]
+                   if p.requires_grad and id(p) not in self._param_ids]
+        if foreign:
+            shown = [self.names.get(id(p), f"a tensor of shape {tuple(p.shape)} not in the model")
+                     for p in foreign]
+            raise ValueError(
+                f"the optimizer updates trainable parameter(s) the engine does not clip: {shown}. "
+                "Their gradients would be released without privacy. Build the engine after "
+                "choosing what to train (parameters unfrozen later are not clipped), and the "
+                "optimizer from model.parameters(). Nothing was updated.")
+
+    def clip_and_accumulate(self, loss) -> None:
+        """Clip this physical batch and add ``Σ_i C_i g_i`` to the running sums (no parameter
+        change)."""
+        batch = self.clip(loss)
+        if self.grad_sums is None:
+            self.grad_sums = batch.sums
+        else:
+            self.grad_sums.add_(batch.sums)
+        self.samples += batch.size
+
+    def add_noise(self, sums: GradSums) -> None:
+        """``sums ← sums + σR·ξ``, ξ ~ N(0, I) over every coordinate, drawn once per logical
+        batch."""
+        std = self.noise.noise_multiplier * self.max_grad_norm()
+        if std > 0:
+            add_gaussian_noise(sums.buffers, std, self.noise.generator, self.noise.secure_mode)
+
+    def scale_grad(self, sums: GradSums) -> List[torch.Tensor]:
+        """``sums / B_expected`` per parameter, each a tensor of its own in the parameter's
+        dtype (one multi-tensor division out of the flat buffers)."""
+        grads = sums.own_grads(float(self.noise.expected_batch_size))
+        return [cast(g, p.dtype) for p, g in zip(self.params, grads)]
+
+    def noisy_gradients(self, loss) -> list:
+        """``(Σ_{logical batch} C_i g_i + σR·ξ) / B_expected`` per parameter, with this physical
+        batch's clipped sum included. Built in place in this batch's fresh sums, so the running
+        sums and the state stay untouched until the step succeeds."""
+        sums = self.clip(loss).sums  # validates and clips; raises before anything changes
+        if self.grad_sums is not None:
+            sums.add_(self.grad_sums)
+        self.add_noise(sums)
+        return self.scale_grad(sums)
+
+    def step(self, loss):
+        """Clip ``loss`` (per-sample), add noise once, average, and update the parameters with
+        the wrapped optimizer; then the step hook."""
+        self.check_params()  # every parameter it updates must be clipped
+        noisy = self.noisy_gradients(loss)  # validates and clips; state untouched on error
+        saved = [p.grad for p in self.params]
+        for p, g in zip(self.params, noisy):
+            p.grad = g
+        try:
+            result = self.original_step()
+        except Exception:
+            for p, g in zip(self.params, saved):
+                p.grad = g
+            raise
+        if self.step_hook is not None:
+            self.step_hook()
+        self.reset()
+        return result
+
+    def reset(self) -> None:
+        self.grad_sums = None
+        self.samples = 0
+
+
+def attach(state: PrivateStep) -> PrivateStep:
+    """Replace ``state.optimizer.step`` by the private step and add ``virtual_step``."""
+
+    def virtual_step(loss=None):
+        """Clip the per-sample ``loss`` of this physical batch and accumulate (gradient
+        accumulation)."""
+        if not state.attached:
+            raise RuntimeError(_DETACHED)
+        if loss is None:
+            raise ValueError("virtual_step needs loss=<per-sample losses, shape (B,)>.")
+        state.clip_and_accumulate(loss)
+
+    def step(loss=None, closure=None):
+        """Clip ``loss`` (per-sample), add noise once, average, and update the parameters."""
+        if not state.attached:
+            raise RuntimeError(_DETACHED)
+        if closure is not None:
+            raise ValueError("closures are not supported by private steps; pass "
+                             "loss=<per-sample losses>.")
+        if loss is None:
+            raise ValueError(
+                "optimizer.step() needs loss=<per-sample losses, shape (B,)> (reduction='none'): "
+                "the engine clips each sample's gradient from it. Use "
+                "optimizer.virtual_step(loss=...) to accumulate."
+            )
+        return state.step(loss)
+
+    state.optimizer.step = step
+    state.optimizer.virtual_step = virtual_step
+    return state
+
+
+_DETACHED = ("the privacy engine was detached from this optimizer; call engine.attach(optimizer) "
+             "again.")
+
+
+def detach(state: PrivateStep) -> None:
+    """Restore the optimizer's own (non-private) step; private calls then raise a clear error."""
+    opt = state.optimizer
+    original = state.original_step
+    state.attached = False
+    state.reset()
+
+    def step(*args, loss=None, **kwargs):
+        if loss is not None:
+            raise RuntimeError(_DETACHED)
+        return original(*args, **kwargs)
+
+    def virtual_step(loss=None):
+        raise RuntimeError(_DETACHED)
+
+    opt.step = step
+    opt.virtual_step = virtual_step
+
+
+def _dp_optimizer(base: type, formula: str) -> type:
+    def __init__(self, params, *args, privacy_engine, **kwargs):
+        base.__init__(self, params, *args, **kwargs)
+        privacy_engine.attach(self)
+
+    doc = (f"{base.__name__} on the private gradient ĝ = (Σ_i C_i g_i + N(0, σ²R²I)) / B (Abadi et al. 2016); "
+           f"{formula}\n\nConstruct with the same arguments as ``torch.optim.{base.__name__}`` plus "
+           "``privacy_engine=``; then call ``step(loss=per_sample_losses)`` / ``virtual_step(loss=...)``.")
+    return type("DP" + base.__name__, (base,), {"__init__": __init__, "__doc__": doc})
+
+
+DPSGD = _dp_optimizer(torch.optim.SGD, "update θ ← θ − η·ĝ (with the SGD options given).")
+DPAdam = _dp_optimizer(torch.optim.Adam, "Adam moments m, v of ĝ; θ ← θ − η·m̂/(√v̂ + ε).")
+DPAdamW = _dp_optimizer(torch.optim.AdamW, "Adam on ĝ with decoupled weight decay θ ← θ − ηλθ.")
+
+__all__ = ["DPSGD", "DPAdam", "DPAdamW", "NoiseSpec", "PrivateStep", "add_gaussian_noise",
+           "attach", "detach"]
