@@ -1,0 +1,93 @@
+"""The shape of the package: no import circle between its modules (counting module-level and
+deferred imports alike), and every module opens with a docstring that says its job."""
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "private_engine"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, modules: set) -> set:
+    """The package's modules that ``path`` imports anywhere in its body (not for type checking)."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = set()
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            node.body = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            candidates = [target] + [f"{target}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            candidates = [a.name for a in node.names]
+        else:
+            continue
+        for c in candidates:
+            while c and c not in modules:
+                c = c.rpartition(".")[0]
+            # importing a.b.c runs the packages a.b and a first: arrows to them too (but not to
+            # the top package, nor to the importing module's own packages)
+            while c.count("."):
+                if c != name and not name.startswith(c + "."):
+                    found.add(c)
+                c = c.rpartition(".")[0]
+    return found
+
+
+def _graph():
+    paths = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    return {m: _imports(p, set(paths)) for m, p in paths.items()}
+
+
+def test_no_import_circle():
+    graph = _graph()
+    state, stack, cycles = {}, [], []
+
+    def visit(m):
+        state[m] = "open"
+        stack.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == "open":
+                cycles.append(stack[stack.index(n):] + [n])
+            elif n not in state:
+                visit(n)
+        stack.pop()
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+    # a package's __init__ re-exporting its modules is not a circle; only module-to-module arrows
+    cycles = [c for c in cycles if not any(_is_init_edge(a, b) for a, b in zip(c, c[1:]))]
+    assert not cycles, "import circles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def _is_init_edge(a: str, b: str) -> bool:
+    """``b`` is ``a``'s own package (``__init__``) or the reverse."""
+    return a.startswith(b + ".") or b.startswith(a + ".")
+
+
+def test_the_engine_core_never_imports_the_demo_or_the_opacus_door():
+    graph = _graph()
+    layers = {"capture", "layers", "clipping", "optim", "guards", "accounting", "engine"}
+    core = [m for m in graph if m.split(".")[1:2] and m.split(".")[1] in layers]
+    for m in core:
+        bad = {n for n in graph[m] if n.split(".")[1:2] in (["demo"], ["opacus_compat"])}
+        assert not bad, f"{m} imports {bad}"
+
+
+def test_every_module_says_its_job():
+    missing = [str(p.relative_to(PACKAGE.parent)) for p in PACKAGE.rglob("*.py")
+               if not ast.get_docstring(ast.parse(p.read_text()))]
+    assert not missing, missing
