@@ -34,38 +34,39 @@ from .optim import noise as _noise
 class PrivacyEngine:
     """Differentially private training of ``model`` by per-sample clipping and Gaussian noise.
 
-    Each logical batch releases ``Σ_i C_i·g_i + N(0, σ²R²I)`` (divided by the expected batch
-    size), where ``g_i`` is sample i's gradient over every trainable parameter, ``C_i`` its clip
-    factor and ``R = max_grad_norm``. Per-sample norms come from ghost norms or instantiated
-    per-sample gradients, chosen per layer (seed 002, "mixed ghost clipping"); the clipped sum comes,
-    in the book-keeping modes (default), from the same single backward (``gᵀ·diag(C)·a`` per layer or
-    kept per-sample gradients, Bu et al. 2023), or from the same per-layer formulas during a second,
-    activation-only backward. Every norm is a certified upper bound of what is released for the
-    sample, rounding included (docs/engine.md, "Privacy guarantees").
+    Each logical batch releases ``Σ_i C_i·g_i + N(0, σ²R²I)`` (divided by the expected batch size),
+    where ``g_i`` is sample i's gradient over every trainable parameter, ``C_i`` its clip factor and
+    ``R = max_grad_norm``. Per-sample norms come from ghost norms or instantiated per-sample
+    gradients, chosen per layer (Bu, Mao & Xu 2022, "Scalable and Efficient Training of Large
+    Convolutional Neural Networks with Differential Privacy": mixed ghost clipping); the clipped sum
+    comes, in the book-keeping modes (default), from the same single backward (``gᵀ·diag(C)·a`` per
+    layer or kept per-sample gradients, Bu et al. 2023), or from the same per-layer formulas during
+    a second, activation-only backward. Every norm is a certified upper bound of what is released
+    for the sample, rounding included (docs/engine.md, "Privacy guarantees").
 
     Args:
         model: the ``nn.Module`` to train; every trainable parameter is clipped by a layer rule, the
-            parameter-entry tracer or the torch.func fallback (docs/engine.md; a use none of them can
-            clip raises a ValueError naming it). BatchNorm is rejected (see ``fix_batchnorm``).
+            parameter-entry tracer or the torch.func fallback (docs/engine.md; a use none of them
+            can clip raises a ValueError naming it). BatchNorm is rejected (see ``fix_batchnorm``).
         batch_size: expected logical batch size B (the divisor of the noisy sum).
         sample_size: number of training examples n; the sampling rate is ``q = B / n``.
         epochs / steps: training length, needed when calibrating σ from ``target_epsilon``.
         max_grad_norm: clipping threshold R.
         noise_multiplier: σ; or give ``target_epsilon`` (and epochs/steps) to calibrate it.
         target_delta: δ; default ``1 / (2·sample_size)``.
-        clipping_mode: the single-backward book-keeping modes (Bu et al. 2023) "bk_mixed" (default; seed 002's
-            memory rule applied to what book-keeping keeps), "bk" (ghost norms) and "bk_mixopt"
-            (time rule, ghost iff ``T²(D+p) < pD``), or the two-pass modes "mixed" (seed 002 eq. 4.1
-            per layer), "ghost", "per_sample" (norm pass + a second activation-only backward that
-            writes the sums); every mode gives the same clipped gradient (docs/engine.md, "Clipping
-            modes").
+        clipping_mode: the single-backward book-keeping modes (Bu et al. 2023) "bk_mixed" (default;
+            the memory rule of Bu, Mao & Xu 2022 applied to what book-keeping keeps), "bk" (ghost
+            norms) and "bk_mixopt" (time rule, ghost iff ``T²(D+p) < pD``), or the two-pass modes
+            "mixed" (Bu, Mao & Xu 2022, eq. 4.1 per layer), "ghost", "per_sample" (norm pass + a
+            second activation-only backward that writes the sums); every mode gives the same clipped
+            gradient (docs/engine.md, "Clipping modes").
         clipping_fn: "abadi", "automatic", "global" or a callable ``(norms, R) -> factors``.
         accountant: "rdp", "prv" or "gdp" (Opacus' accountants).
         noise_generator: optional ``torch.Generator`` for the noise. By default (None) the noise
             comes from a generator on the parameters' device whose state is drawn from OS entropy
-            (``private_engine.optim.noise.entropy_seeded_generator``), never from torch's global one, so
-            ``torch.manual_seed`` does not make it reproducible. A generator given here is used as
-            is and warns once (``ReproducibleNoiseWarning``): anyone who knows its seed can
+            (``private_engine.optim.noise.entropy_seeded_generator``), never from torch's global
+            one, so ``torch.manual_seed`` does not make it reproducible. A generator given here is
+            used as is and warns once (``ReproducibleNoiseWarning``): anyone who knows its seed can
             subtract the noise.
         secure_mode: draw every noise coordinate from the OS cryptographic generator as
             ``(z₁ + z₂ + z₃ + z₄)/2``, ``z_k`` i.i.d. N(0, σ²R²), against floating-point attacks on
@@ -76,10 +77,11 @@ class PrivacyEngine:
             during a training forward because they depend on shapes only (a lazily built cache); any
             other buffer written from the data is refused
             (:class:`private_engine.guards.buffers.BufferGuard`).
-        grad_scaler: a ``torch.amp.GradScaler`` for float16 autocast (book-keeping modes): the engine scales
-            the loss, unscales norms and sums in float32, drops samples that overflow (``C_i = 0``)
-            and keeps the scale fixed at the scaler's (private_engine/amp.py). bfloat16 autocast
-            needs none.
+        grad_scaler: a ``torch.amp.GradScaler`` for float16 autocast (book-keeping modes): the
+            engine scales the loss, unscales norms and sums in float32, drops samples that overflow
+            (``C_i = 0``) and keeps the scale fixed at the scaler's
+            (:mod:`private_engine.clipping.loss_scaling`).
+            bfloat16 autocast needs none.
         dynamic_loss_scale: move the scale by GradScaler's schedule (backoff after an overflow,
             growth after clean batches); the scale then depends on whether private samples
             overflowed — public state outside the DP guarantee — so it is off by default.
@@ -97,23 +99,28 @@ class PrivacyEngine:
                  dynamic_loss_scale: bool = False):
         if model is None:
             raise TypeError(
-                "private_engine.PrivacyEngine needs the model: PrivacyEngine(model, batch_size=..., "
+                "private_engine.PrivacyEngine needs the model: PrivacyEngine(model, "
+                "batch_size=..., "
                 "sample_size=..., max_grad_norm=..., noise_multiplier=... or target_epsilon=...). "
                 "For Opacus' API (PrivacyEngine().make_private(...)) import "
-                "private_engine.opacus_compat.PrivacyEngine.")
+                "private_engine.opacus_compat.PrivacyEngine."
+            )
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}.")
         if not (isinstance(batch_size, int) and batch_size > 0):
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}.")
         if not (isinstance(sample_size, int) and sample_size >= batch_size):
-            raise ValueError(f"sample_size must be an integer ≥ batch_size ({batch_size}), got {sample_size!r}.")
+            raise ValueError(
+                f"sample_size must be an integer ≥ batch_size ({batch_size}), got {sample_size!r}."
+            )
         if (noise_multiplier is None) == (target_epsilon is None):
             raise ValueError("give exactly one of noise_multiplier or target_epsilon.")
         check_mode(clipping_mode)
         self.loss_scaling = LossScaling(grad_scaler, dynamic=dynamic_loss_scale)
         if self.loss_scaling.enabled and not is_book_keeping(clipping_mode):
             raise ValueError(
-                f"grad_scaler needs a book-keeping clipping_mode ('bk', 'bk_mixed' or 'bk_mixopt'), not "
+                "grad_scaler needs a book-keeping clipping_mode ('bk', 'bk_mixed' or "
+                f"'bk_mixopt'), not "
                 f"{clipping_mode!r}: the two-pass modes would backpropagate a float16 graph in "
                 "which samples overflowed twice; book-keeping runs one backward and drops each "
                 "overflowing sample alone."
@@ -124,7 +131,9 @@ class PrivacyEngine:
         self.sample_rate = batch_size / sample_size
         if not (isinstance(max_grad_norm, (int, float)) and 0 < max_grad_norm < math.inf):
             raise ValueError(f"max_grad_norm must be a finite number > 0, got {max_grad_norm!r}.")
-        self.target_delta = float(target_delta) if target_delta is not None else 1.0 / (2 * sample_size)
+        self.target_delta = (
+            float(target_delta) if target_delta is not None else 1.0 / (2 * sample_size)
+        )
         self.target_epsilon = target_epsilon
         self.accountant_name = accountant
         self.accountant = make_accountant(accountant)
@@ -134,10 +143,13 @@ class PrivacyEngine:
         if target_epsilon is not None:
             self.steps = steps_for(epochs, steps, self.sample_rate)
             sigma = calibrate_noise_multiplier(
-                target_epsilon, self.target_delta, self.sample_rate, self.steps, accountant)
+                target_epsilon, self.target_delta, self.sample_rate, self.steps, accountant
+            )
         else:
             if noise_multiplier < 0 or not math.isfinite(noise_multiplier):
-                raise ValueError(f"noise_multiplier must be a finite number ≥ 0, got {noise_multiplier}.")
+                raise ValueError(
+                    f"noise_multiplier must be a finite number ≥ 0, got {noise_multiplier}."
+                )
             sigma = float(noise_multiplier)
             self.steps = steps_for(epochs, steps, self.sample_rate) if (epochs or steps) else None
 
@@ -153,9 +165,16 @@ class PrivacyEngine:
         if not self.params:
             raise ValueError("the model has no trainable parameters (requires_grad=True).")
         self._names = {id(p): n for n, p in model.named_parameters()}
-        self.clipper = PerSampleClipper(layers, self.params, mode=clipping_mode,
-                                        clipping_fn=clipping_fn, max_grad_norm=max_grad_norm,
-                                        model=model, traced=scan.traced, fallbacks=scan.fallbacks)
+        self.clipper = PerSampleClipper(
+            layers,
+            self.params,
+            mode=clipping_mode,
+            clipping_fn=clipping_fn,
+            max_grad_norm=max_grad_norm,
+            model=model,
+            traced=scan.traced,
+            fallbacks=scan.fallbacks,
+        )
         self._attached: List[_optim.PrivateStep] = []
         #: certified per-sample gradient norms ‖g_i‖ of the last clipped physical batch (None before
         #: the first)
@@ -182,15 +201,23 @@ class PrivacyEngine:
         Every parameter the optimizer updates must be a trainable parameter of the model.
         """
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"attach expects a torch.optim.Optimizer, got {type(optimizer).__name__}.")
+            raise TypeError(
+                f"attach expects a torch.optim.Optimizer, got {type(optimizer).__name__}."
+            )
         self.check_optimizer(optimizer)
         if any(s.optimizer is optimizer and s.attached for s in self._attached):
             raise RuntimeError("this optimizer is already attached to the engine.")
         self.clipper.install()  # hooks removed by detach() come back
         self.buffer_guard.install()
-        state = _optim.PrivateStep(optimizer, self.params, self.clip_batch,
-                                   lambda: self.clipper.max_grad_norm, self.noise, self._names,
-                                   step_hook=self._account_step)
+        state = _optim.PrivateStep(
+            optimizer,
+            self.params,
+            self.clip_batch,
+            lambda: self.clipper.max_grad_norm,
+            self.noise,
+            self._names,
+            step_hook=self._account_step,
+        )
         self._attached.append(_optim.attach(state))
         return optimizer
 
@@ -198,8 +225,9 @@ class PrivacyEngine:
         """Refuse an optimizer that would update a trainable parameter the engine does not clip (one
         that is not the model's, or one unfrozen after the engine was built): its ``.grad`` would be
         released without clipping or noise. Run at ``attach`` and before every private step."""
-        _optim.PrivateStep(optimizer, self.params, self.clip_batch, lambda: 0.0, self.noise,
-                           self._names).check_params()
+        _optim.PrivateStep(
+            optimizer, self.params, self.clip_batch, lambda: 0.0, self.noise, self._names
+        ).check_params()
 
     def detach(self) -> None:
         """Remove the hooks and restore every attached optimizer's own ``step``."""
@@ -246,12 +274,14 @@ class PrivacyEngine:
     def max_grad_norm(self, value: float) -> None:
         if not (isinstance(value, (int, float)) and 0 < value < math.inf):
             raise ValueError(f"max_grad_norm must be a finite number > 0, got {value!r}.")
-        if float(value) != self.clipper.max_grad_norm and \
-                any(s.attached and s.grad_sums is not None for s in self._attached):
+        if float(value) != self.clipper.max_grad_norm and any(
+            s.attached and s.grad_sums is not None for s in self._attached
+        ):
             raise ValueError(
                 "max_grad_norm cannot change while a logical batch is being accumulated "
                 "(virtual_step): its physical batches would be clipped at another R than the noise "
-                "is drawn for. Change it after optimizer.step().")
+                "is drawn for. Change it after optimizer.step()."
+            )
         self.clipper.max_grad_norm = float(value)
 
     @property
@@ -272,4 +302,6 @@ class PrivacyEngine:
         """ε spent so far at ``delta`` (default ``target_delta``) by the engine's accountant."""
         if not self.accountant.history:
             return 0.0
-        return float(self.accountant.get_epsilon(delta=self.target_delta if delta is None else delta))
+        return float(
+            self.accountant.get_epsilon(delta=self.target_delta if delta is None else delta)
+        )

@@ -20,7 +20,8 @@ def abadi_clip(norms: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
 
 
 def automatic_clip(norms: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
-    """Automatic clipping (Bu et al., 2022, "Automatic clipping"): ``C_i = R / (‖g_i‖ + γ)``, γ = 0.01.
+    """Automatic clipping (Bu et al., 2022, "Automatic clipping"): ``C_i = R / (‖g_i‖ + γ)``, γ =
+    0.01.
 
     Every sample is normalised; ``‖C_i g_i‖ = R·‖g_i‖/(‖g_i‖+γ) < R``.
     """
@@ -38,7 +39,11 @@ def global_clip(norms: torch.Tensor, max_grad_norm: float,
     return (norms < z).to(norms.dtype) * (max_grad_norm / z)
 
 
-CLIPPING_FUNCTIONS: Dict[str, ClipFn] = {"abadi": abadi_clip, "automatic": automatic_clip, "global": global_clip}
+CLIPPING_FUNCTIONS: Dict[str, ClipFn] = {
+    "abadi": abadi_clip,
+    "automatic": automatic_clip,
+    "global": global_clip,
+}
 
 
 def resolve_clipping_fn(clipping_fn: Union[str, ClipFn]) -> Tuple[ClipFn, bool]:
@@ -47,22 +52,25 @@ def resolve_clipping_fn(clipping_fn: Union[str, ClipFn]) -> Tuple[ClipFn, bool]:
         return clipping_fn, True
     if clipping_fn not in CLIPPING_FUNCTIONS:
         raise ValueError(
-            f"clipping_fn must be one of {sorted(CLIPPING_FUNCTIONS)} or a callable (norms, max_grad_norm) -> "
+            f"clipping_fn must be one of {sorted(CLIPPING_FUNCTIONS)} or a callable "
+            "(norms, max_grad_norm) -> "
             f"factors; got {clipping_fn!r}."
         )
     return CLIPPING_FUNCTIONS[clipping_fn], False
 
 
-def clip_factors(clip_fn: ClipFn, norms: torch.Tensor, max_grad_norm: float,
-                 checked: bool = False) -> torch.Tensor:
+def clip_factors(
+    clip_fn: ClipFn, norms: torch.Tensor, max_grad_norm: float, checked: bool = False
+) -> torch.Tensor:
     """``C_i = clip_fn(‖g_i‖, R)``. ``checked`` (a user's function): the factors must be finite,
     ``≥ 0`` and keep ``C_i·‖g_i‖ ≤ R`` (to a relative 1e-6), or a ValueError is raised before
     anything is released."""
     factors = clip_fn(norms, max_grad_norm)
     if checked:
         if not isinstance(factors, torch.Tensor) or factors.shape != norms.shape:
-            raise ValueError("a custom clipping_fn must return one factor per sample (same shape "
-                             "as norms).")
+            raise ValueError(
+                "a custom clipping_fn must return one factor per sample (same shape as norms)."
+            )
         too_big = factors * norms > max_grad_norm * (1 + 1e-6)
         bad = ~torch.isfinite(factors) | (factors < 0) | too_big
         if bool(bad.any()):

@@ -1,18 +1,19 @@
 """Clipped-gradient sums of all parameters, held as views of a few flat buffers.
 
-A private step releases, for every trainable parameter θ, ``(Σ_i C_i ∂L_i/∂θ + σR·ξ_θ) / B`` (Abadi et al.
-2016; seed 002, Alg. 1). Held parameter by parameter, each of its stages (accumulation over physical
-batches, the noise, the division by B) costs one operation — one kernel launch on a GPU — per
-parameter tensor: 150–300 per stage for a ViT. Held as views of one flat buffer per (device, dtype), each
-stage is one operation on the buffer, and book-keeping writes each layer's clipped sum straight into its
-parameter's view (``out=`` of the layer's matmul), with no per-parameter copies.
+A private step releases, for every trainable parameter θ, ``(Σ_i C_i ∂L_i/∂θ + σR·ξ_θ) / B`` (Abadi
+et al. 2016; Bu, Mao & Xu 2022, Alg. 1). Held parameter by parameter, each of its stages
+(accumulation over physical batches, the noise, the division by B) costs one operation — one kernel
+launch on a GPU — per parameter tensor: 150–300 per stage for a ViT. Held as views of one flat
+buffer per (device, dtype), each stage is one operation on the buffer, and book-keeping writes each
+layer's clipped sum straight into its parameter's view (``out=`` of the layer's matmul), with no
+per-parameter copies.
 
-:class:`FlatLayout` fixes where each parameter's sum lives; :class:`GradSums` is one physical batch's sums:
-``grads`` (one tensor per parameter, in the engine's order) and ``buffers``, disjoint tensors that cover
-every element of ``grads`` exactly once (the flat buffers, or the ``grads`` themselves when the sums came
-from autograd). Two sums of the same layout add buffer by buffer. What leaves the engine (``.grad``,
-``clipped_grad_sum``) are tensors of their own (:meth:`GradSums.own_grads`): the division by the batch size
-writes them.
+:class:`FlatLayout` fixes where each parameter's sum lives; :class:`GradSums` is one physical
+batch's sums: ``grads`` (one tensor per parameter, in the engine's order) and ``buffers``, disjoint
+tensors that cover every element of ``grads`` exactly once (the flat buffers, or the ``grads``
+themselves when the sums came from autograd). Two sums of the same layout add buffer by buffer. What
+leaves the engine (``.grad``, ``clipped_grad_sum``) are tensors of their own
+(:meth:`GradSums.own_grads`): the division by the batch size writes them.
 """
 from __future__ import annotations
 
@@ -28,9 +29,10 @@ from ..layers.base import accumulation_dtype
 class GradSums:
     """Clipped-gradient sums of one (or more, accumulated) physical batches.
 
-    ``grads[k]`` is parameter k's sum (views into ``buffers`` or tensors of their own); ``buffers`` cover
-    the elements of ``grads`` exactly once, so an elementwise operation on every buffer (noise, scaling)
-    acts on every parameter's sum exactly once; ``layout`` identifies how ``grads`` sit in ``buffers``.
+    ``grads[k]`` is parameter k's sum (views into ``buffers`` or tensors of their own); ``buffers``
+    cover the elements of ``grads`` exactly once, so an elementwise operation on every buffer
+    (noise, scaling) acts on every parameter's sum exactly once; ``layout`` identifies how ``grads``
+    sit in ``buffers``.
     """
 
     grads: List[torch.Tensor]
@@ -39,14 +41,16 @@ class GradSums:
 
     @classmethod
     def separate(cls, grads: Sequence[torch.Tensor]) -> "GradSums":
-        """Sums held in tensors of their own (autograd's result, zeros): each one is its own buffer."""
+        """Sums held in tensors of their own (autograd's result, zeros): each one is its own
+        buffer."""
         grads = list(grads)
         return cls(grads=grads, buffers=grads, layout=None)
 
     def own_grads(self, divisor: float = 1.0) -> List[torch.Tensor]:
-        """``grads / divisor`` as tensors of their own (storage of exactly their size), by one multi-tensor
-        operation. Views of a flat buffer must not be handed out as ``.grad``: code that copies a gradient
-        (``copy.deepcopy(p.grad)``, as Opacus' optimizer does, or ``torch.save``) would copy the whole buffer."""
+        """``grads / divisor`` as tensors of their own (storage of exactly their size), by one
+        multi-tensor operation. Views of a flat buffer must not be handed out as ``.grad``: code
+        that copies a gradient (``copy.deepcopy(p.grad)``, as Opacus' optimizer does, or
+        ``torch.save``) would copy the whole buffer."""
         if self.layout is None:  # already tensors of their own: divided in place
             if divisor != 1.0:
                 torch._foreach_div_(self.grads, divisor)
@@ -54,7 +58,8 @@ class GradSums:
         return torch._foreach_div(self.grads, divisor)
 
     def add_(self, other: "GradSums") -> "GradSums":
-        """``self += other`` in place: one operation per buffer when both share a layout, else per parameter."""
+        """``self += other`` in place: one operation per buffer when both share a layout, else per
+        parameter."""
         if self.layout is not None and self.layout is other.layout:
             torch._foreach_add_(self.buffers, other.buffers)
         else:
@@ -63,12 +68,13 @@ class GradSums:
 
 
 class FlatLayout:
-    """Offsets of parameters in flat buffers: one buffer per (device, accumulation dtype), parameters in the
-    given order, so consecutive parameters of one buffer form one contiguous segment.
+    """Offsets of parameters in flat buffers: one buffer per (device, accumulation dtype),
+    parameters in the given order, so consecutive parameters of one buffer form one contiguous
+    segment.
 
-    The buffer of a parameter has its accumulation dtype (float32 for float32/bfloat16/float16 parameters,
-    float64 for float64): clipped sums are accumulated in at least float32 and cast to the parameter's
-    dtype only when written to ``.grad``.
+    The buffer of a parameter has its accumulation dtype (float32 for float32/bfloat16/float16
+    parameters, float64 for float64): clipped sums are accumulated in at least float32 and cast to
+    the parameter's dtype only when written to ``.grad``.
     """
 
     def __init__(self, params: Sequence[torch.Tensor]):
@@ -88,26 +94,33 @@ class FlatLayout:
             self.slots[id(p)] = (b, self._sizes[b], p.numel(), p.shape)
             self._sizes[b] += p.numel()
 
-    def allocate(self, order: Sequence[torch.Tensor]) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
-        """``(buffers, views)``: uninitialised flat buffers and one view per parameter of ``order`` (a
-        permutation of this layout's parameters or a subset of it)."""
+    def allocate(
+        self, order: Sequence[torch.Tensor]
+    ) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+        """``(buffers, views)``: uninitialised flat buffers and one view per parameter of ``order``
+        (a permutation of this layout's parameters or a subset of it)."""
         buffers = [torch.empty(n, device=d, dtype=t) for (d, t), n in zip(self._keys, self._sizes)]
         views = []
         for p in order:
             b, off, n, shape = self.slots[id(p)]
-            views.append(buffers[b][off:off + n].view(shape))
+            views.append(buffers[b][off : off + n].view(shape))
         return buffers, views
 
-    def segment(self, buffers: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
-        """The 1-D view of ``buffers`` holding ``params``' sums back to back, or None when they are not
-        consecutive in one buffer."""
+    def segment(
+        self, buffers: Sequence[torch.Tensor], params: Sequence[torch.Tensor]
+    ) -> Optional[torch.Tensor]:
+        """The 1-D view of ``buffers`` holding ``params``' sums back to back, or None when they are
+        not consecutive in one buffer."""
         if not params or any(id(p) not in self.slots for p in params):
             return None
         views = self.segments(buffers, params)
         return views[0] if len(views) == 1 else None
 
-    def segments(self, buffers: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-        """1-D views covering ``params`` in as few contiguous segments as their slots allow (one pass)."""
+    def segments(
+        self, buffers: Sequence[torch.Tensor], params: Sequence[torch.Tensor]
+    ) -> List[torch.Tensor]:
+        """1-D views covering ``params`` in as few contiguous segments as their slots allow (one
+        pass)."""
         out: List[torch.Tensor] = []
         run = None  # (buffer, start, end) of the current segment
         for p in params:
@@ -116,8 +129,8 @@ class FlatLayout:
                 run = (b, run[1], off + n)
                 continue
             if run is not None:
-                out.append(buffers[run[0]][run[1]:run[2]])
+                out.append(buffers[run[0]][run[1] : run[2]])
             run = (b, off, off + n)
         if run is not None:
-            out.append(buffers[run[0]][run[1]:run[2]])
+            out.append(buffers[run[0]][run[1] : run[2]])
         return out

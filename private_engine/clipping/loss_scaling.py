@@ -1,8 +1,8 @@
 """Mixed precision: float16 loss scaling with a ``torch.amp.GradScaler`` for the book-keeping modes.
 
-Under ``torch.autocast(dtype=torch.float16)`` small output gradients underflow; a GradScaler multiplies
-the loss by S before the backward. The engine then sees ``S·g`` at every layer, so per-sample norms and
-clipped sums are divided by S (in float32)::
+Under ``torch.autocast(dtype=torch.float16)`` small output gradients underflow; a GradScaler
+multiplies the loss by S before the backward. The engine then sees ``S·g`` at every layer, so
+per-sample norms and clipped sums are divided by S (in float32)::
 
     ‖g_i‖ = ‖S·g_i‖ / S,       Σ_i C_i g_i = Σ_i (C_i / S)·(S·g_i).
 
@@ -31,14 +31,16 @@ class LossScaling:
     def __init__(self, scaler: Optional["torch.amp.GradScaler"], dynamic: bool = False):
         if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
             raise TypeError(
-                f"grad_scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}. Build it with "
+                f"grad_scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}. "
+                "Build it with "
                 "torch.amp.GradScaler('cuda') (or 'cpu')."
             )
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
         #: follow GradScaler's data-dependent schedule (False: the scale stays fixed)
         self.dynamic = bool(dynamic)
         self._good_batches = 0
-        #: physical batches in which at least one sample overflowed, and samples dropped (C_i = 0) in total
+        #: physical batches in which at least one sample overflowed, and samples dropped (C_i = 0)
+        #: in total
         self.overflow_batches = 0
         self.dropped_samples = 0
 
@@ -47,7 +49,8 @@ class LossScaling:
         return self.scaler is not None
 
     def scale(self, loss: torch.Tensor):
-        """``(S·loss, S)`` with S the scaler's current scale as a 0-dim float32 tensor (no host sync)."""
+        """``(S·loss, S)`` with S the scaler's current scale as a 0-dim float32 tensor (no host
+        sync)."""
         one = torch.ones((), dtype=torch.float32, device=loss.device)
         self._scale = self.scaler.scale(one)
         return loss * self._scale.to(loss.dtype), self._scale

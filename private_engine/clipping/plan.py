@@ -1,10 +1,12 @@
-"""The layerwise decision of mixed ghost clipping (seed 002, Algorithm 1, eq. 4.1) and its report.
+"""The layerwise decision of mixed ghost clipping and its report (Bu, Mao & Xu 2022, "Scalable and
+Efficient Training of Large Convolutional Neural Networks with Differential Privacy", Algorithm 1,
+eq. 4.1).
 
-Per layer and per batch: use the ghost norm iff ``2·T² < p·D`` (mode "mixed", the memory rule of
-seed 002; mode "bk_mixed" applies it to what book-keeping keeps), iff ``T²·(D + p) < p·D`` (mode
-"bk_mixopt", the time rule of book-keeping; see :func:`use_ghost`), always (modes "ghost" and
-"bk"), or never (mode "per_sample"). Layers whose per-sample gradient is no larger than an activation row (affine
-parameters of LayerNorm/GroupNorm) are always instantiated.
+Per layer and per batch: use the ghost norm iff ``2·T² < p·D`` (mode "mixed", the memory rule of Bu,
+Mao & Xu 2022; mode "bk_mixed" applies it to what book-keeping keeps), iff ``T²·(D + p) < p·D``
+(mode "bk_mixopt", the time rule of book-keeping; see :func:`use_ghost`), always (modes "ghost" and
+"bk"), or never (mode "per_sample"). Layers whose per-sample gradient is no larger than an
+activation row (affine parameters of LayerNorm/GroupNorm) are always instantiated.
 
 Modes starting with ``bk`` are *book-keeping* (Bu et al. 2023, "Differentially Private Optimization
 on Large Model at Small Cost"): one backward pass; the clipped gradient is formed from the kept
@@ -26,7 +28,8 @@ CLIPPING_MODES = ("mixed", "ghost", "per_sample", "bk", "bk_mixed", "bk_mixopt")
 #: the single-backward (book-keeping) modes
 BOOK_KEEPING_MODES = ("bk", "bk_mixed", "bk_mixopt")
 #: the default of PrivacyEngine, layer_plan and the commands: chosen from the measurements in
-#: docs/benchmarks.md (fastest or tied for fastest on every model measured, ≈ non-DP peak memory; docs/engine.md)
+#: docs/benchmarks.md (fastest or tied for fastest on every model measured, ≈ non-DP peak memory;
+#: docs/engine.md)
 DEFAULT_CLIPPING_MODE = "bk_mixed"
 
 
@@ -35,7 +38,7 @@ class LayerDecision:
     """One row of the layer plan.
 
     ``ghost_cost = 2·T²`` (times the number of groups for grouped convolutions) and
-    ``instantiate_cost = p·D`` are per-sample memory in elements (seed 002, Table 1).
+    ``instantiate_cost = p·D`` are per-sample memory in elements (Bu, Mao & Xu 2022, Table 1).
     ``calls`` counts the layer's calls in the forward pass (their positions are concatenated).
     """
 
@@ -50,14 +53,16 @@ class LayerDecision:
     groups: int = 1
     calls: int = 1
     ghost_capable: bool = True
-    #: elements per sample of the layer's inputs and outputs (all calls): what book-keeping keeps for it
+    #: elements per sample of the layer's inputs and outputs (all calls): what book-keeping keeps
+    #: for it
     io_size: int = 0
 
 
 def check_mode(mode: str) -> str:
     if mode not in CLIPPING_MODES:
         raise ValueError(
-            f"clipping_mode must be one of {CLIPPING_MODES}, got {mode!r}: 'mixed'/'ghost'/'per_sample' run a "
+            f"clipping_mode must be one of {CLIPPING_MODES}, got {mode!r}: "
+            "'mixed'/'ghost'/'per_sample' run a "
             "norm pass and a second backward; 'bk'/'bk_mixed'/'bk_mixopt' one backward "
             "(book-keeping)."
         )
@@ -72,25 +77,34 @@ def is_book_keeping(mode: str) -> bool:
 def merge_dims(dims: Sequence[LayerDims]) -> LayerDims:
     """Dimensions of a layer called several times: positions of all calls concatenated."""
     first = dims[0]
-    return LayerDims(T=sum(d.T for d in dims), D=first.D, p=first.p, groups=first.groups,
-                     ghost_capable=first.ghost_capable, gram_D=first.gram_D, io_size=sum(d.io_size for d in dims))
+    return LayerDims(
+        T=sum(d.T for d in dims),
+        D=first.D,
+        p=first.p,
+        groups=first.groups,
+        ghost_capable=first.ghost_capable,
+        gram_D=first.gram_D,
+        io_size=sum(d.io_size for d in dims),
+    )
 
 
 def use_ghost(dims: LayerDims, mode: str) -> bool:
     """Ghost norm (True) or instantiation (False) for one layer.
 
-    * "mixed": seed 002, eq. (4.1), the memory rule: ghost iff ``2·T² < p·D`` (per-sample memory of two
-      T×T Gram matrices vs one p×D gradient).
+    * "mixed": Bu, Mao & Xu 2022, eq. (4.1), the memory rule: ghost iff ``2·T² < p·D`` (per-sample
+      memory of two T×T Gram matrices vs one p×D gradient).
     * "bk_mixed": the same memory rule for what book-keeping must *keep* until the clip factors are
-      known. A ghost layer keeps its input and output gradient (``io_size`` per sample, ``T·(D + p)`` for a
-      Linear); an instantiated one keeps the smaller of that and its per-sample gradient ``p·D``. So
-      instantiate when ``p·D ≤ io_size`` (it keeps less and is also faster: no Gram matrices, no matmul at
-      the end); otherwise both keep ``(a, g)`` and eq. (4.1), ``2·T² < p·D``, picks the cheaper transient.
-    * "bk_mixopt": the time rule of book-keeping. Per sample, the ghost path costs the two Gram matrices
-      ``T²(D + p)`` multiply-adds plus, at the end, its share of ``aᵀ·diag(C)·g`` (``TpD``); instantiation
-      costs ``G_i = g_iᵀ a_i`` (``TpD``) and, kept, gives ``Σ_i C_i G_i`` for ``pD``. Ghost iff
-      ``T²(D + p) < p·D`` (``LayerDims.ghost_time < LayerDims.instantiate_time``): in practice only for
-      short inputs (T = 1); instantiated gradients are always kept, whatever their size.
+      known. A ghost layer keeps its input and output gradient (``io_size`` per sample, ``T·(D +
+      p)`` for a Linear); an instantiated one keeps the smaller of that and its per-sample gradient
+      ``p·D``. So instantiate when ``p·D ≤ io_size`` (it keeps less and is also faster: no Gram
+      matrices, no matmul at the end); otherwise both keep ``(a, g)`` and eq. (4.1), ``2·T² < p·D``,
+      picks the cheaper transient.
+    * "bk_mixopt": the time rule of book-keeping. Per sample, the ghost path costs the two Gram
+      matrices ``T²(D + p)`` multiply-adds plus, at the end, its share of ``aᵀ·diag(C)·g``
+      (``TpD``); instantiation costs ``G_i = g_iᵀ a_i`` (``TpD``) and, kept, gives ``Σ_i C_i G_i``
+      for ``pD``. Ghost iff ``T²(D + p) < p·D`` (``LayerDims.ghost_time <
+      LayerDims.instantiate_time``): in practice only for short inputs (T = 1); instantiated
+      gradients are always kept, whatever their size.
     * "ghost", "bk": always ghost; "per_sample": never.
     """
     if not dims.ghost_capable:
@@ -107,8 +121,8 @@ def use_ghost(dims: LayerDims, mode: str) -> bool:
 
 
 def decide(name: str, module: nn.Module, dims: Sequence[LayerDims], mode: str) -> LayerDecision:
-    """The decision for one layer given the dimensions of its calls in this batch (a pure function of
-    its arguments: cached, since the same shapes come back at every step)."""
+    """The decision for one layer given the dimensions of its calls in this batch (a pure function
+    of its arguments: cached, since the same shapes come back at every step)."""
     return _decide(name, type(module).__name__, tuple(dims), mode)
 
 
@@ -116,19 +130,30 @@ def decide(name: str, module: nn.Module, dims: Sequence[LayerDims], mode: str) -
 def _decide(name: str, layer_type: str, dims: tuple, mode: str) -> LayerDecision:
     merged = merge_dims(dims)
     return LayerDecision(
-        name=name, layer_type=layer_type, T=merged.T, D=merged.D, p=merged.p,
-        ghost_cost=merged.ghost_cost, instantiate_cost=merged.instantiate_cost,
-        use_ghost=use_ghost(merged, mode), groups=merged.groups, calls=len(dims),
-        ghost_capable=merged.ghost_capable, io_size=merged.io_size,
+        name=name,
+        layer_type=layer_type,
+        T=merged.T,
+        D=merged.D,
+        p=merged.p,
+        ghost_cost=merged.ghost_cost,
+        instantiate_cost=merged.instantiate_cost,
+        use_ghost=use_ghost(merged, mode),
+        groups=merged.groups,
+        calls=len(dims),
+        ghost_capable=merged.ghost_capable,
+        io_size=merged.io_size,
     )
 
 
-def layer_plan(model: nn.Module, example_input, mode: str = DEFAULT_CLIPPING_MODE) -> List[LayerDecision]:
-    """The per-layer ghost/instantiate decision for ``model`` on ``example_input``, without training.
+def layer_plan(
+    model: nn.Module, example_input, mode: str = DEFAULT_CLIPPING_MODE
+) -> List[LayerDecision]:
+    """The per-layer ghost/instantiate decision for ``model`` on ``example_input``, without
+    training.
 
-    Runs one forward pass with recording hooks (no backward, no parameter change) and applies
-    eq. (4.1) of seed 002 to every trainable layer that has a rule. ``example_input`` is a tensor
-    or a tuple of positional inputs, batch-first.
+    Runs one forward pass with recording hooks (no backward, no parameter change) and applies eq.
+    (4.1) of Bu, Mao & Xu 2022 to every trainable layer that has a rule. ``example_input`` is a
+    tensor or a tuple of positional inputs, batch-first.
     """
     from ..capture.recorder import LayerRecorder
     from ..guards.model_check import clipped_layers
@@ -140,7 +165,10 @@ def layer_plan(model: nn.Module, example_input, mode: str = DEFAULT_CLIPPING_MOD
         with torch.enable_grad():
             args = example_input if isinstance(example_input, tuple) else (example_input,)
             model(*args)
-        return [decide(l.name, l.module, [c.dims for c in l.calls], mode) for l in recorder.active_layers()]
+        return [
+            decide(l.name, l.module, [c.dims for c in l.calls], mode)
+            for l in recorder.active_layers()
+        ]
     finally:
         recorder.remove()
 
@@ -157,11 +185,24 @@ def format_plan(plan: Sequence[LayerDecision], title: Optional[str] = None) -> s
     headers = ["layer", "type", "T", "D", "p", "2T²", "pD", "choice"]
     rows = []
     for d in plan:
-        rows.append([d.name + (f" (x{d.calls})" if d.calls > 1 else ""), d.layer_type, _fmt(d.T), _fmt(d.D),
-                     _fmt(d.p), _fmt(d.ghost_cost) if d.ghost_capable else "-", _fmt(d.instantiate_cost),
-                     "ghost" if d.use_ghost else "instantiate"])
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
-    line = lambda r: "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+        rows.append(
+            [
+                d.name + (f" (x{d.calls})" if d.calls > 1 else ""),
+                d.layer_type,
+                _fmt(d.T),
+                _fmt(d.D),
+                _fmt(d.p),
+                _fmt(d.ghost_cost) if d.ghost_capable else "-",
+                _fmt(d.instantiate_cost),
+                "ghost" if d.use_ghost else "instantiate",
+            ]
+        )
+    widths = [
+        max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)
+    ]
+    line = lambda r: "  ".join(
+        c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))
+    )
     out = [title] if title else []
     out += [line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows]
     ghost_total = sum(d.ghost_cost if d.ghost_capable else d.instantiate_cost for d in plan)
@@ -169,6 +210,9 @@ def format_plan(plan: Sequence[LayerDecision], title: Optional[str] = None) -> s
     mixed_total = sum(d.ghost_cost if d.use_ghost else d.instantiate_cost for d in plan)
     n_ghost = sum(d.use_ghost for d in plan)
     out.append("")
-    out.append(f"per-sample memory (elements): all ghost {_fmt(ghost_total)} | all instantiate {_fmt(inst_total)} "
-               f"| this plan {_fmt(mixed_total)} ({n_ghost} ghost, {len(plan) - n_ghost} instantiate)")
+    out.append(
+        f"per-sample memory (elements): all ghost {_fmt(ghost_total)} "
+        f"| all instantiate {_fmt(inst_total)} | this plan {_fmt(mixed_total)} "
+        f"({n_ghost} ghost, {len(plan) - n_ghost} instantiate)"
+    )
     return "\n".join(out)

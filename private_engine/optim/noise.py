@@ -59,13 +59,13 @@ def entropy_seeded_generator(device: DeviceLike = "cpu") -> torch.Generator:
     """A ``torch.Generator`` on ``device`` whose state is drawn from OS entropy (``os.urandom``).
 
     On the CPU the generator is torch's MT19937 (Matsumoto & Nishimura 1998) and its full state —
-    624 words of 32 bits, 19,968 bits — is written from OS entropy: ``manual_seed`` would keep
-    only the low 32 bits of any seed (``manual_seed(s)`` and ``manual_seed(s + 2**32)`` draw the
-    same numbers), few enough to enumerate. If this torch's state layout is not the one
-    :mod:`private_engine.optim.cpu_noise` checks, it falls back to ``manual_seed`` of 64 random bits,
-    with a warning. On other devices (CUDA's Philox) ``manual_seed`` keeps all 64 bits, so the
-    seed is 64 bits from ``secrets``. The result is unpredictable but not a cryptographic
-    generator; ``secure_mode=True`` draws from the OS generator itself.
+    624 words of 32 bits, 19,968 bits — is written from OS entropy: ``manual_seed`` would keep only
+    the low 32 bits of any seed (``manual_seed(s)`` and ``manual_seed(s + 2**32)`` draw the same
+    numbers), few enough to enumerate. If this torch's state layout is not the one
+    :mod:`private_engine.optim.cpu_noise` checks, it falls back to ``manual_seed`` of 64 random
+    bits, with a warning. On other devices (CUDA's Philox) ``manual_seed`` keeps all 64 bits, so the
+    seed is 64 bits from ``secrets``. The result is unpredictable but not a cryptographic generator;
+    ``secure_mode=True`` draws from the OS generator itself.
     """
     device = torch.device(device)
     if device.type == "cpu":
@@ -238,16 +238,18 @@ NOISE_CHUNK = 1 << 24
 def add_gaussian_noise(tensors: Sequence[torch.Tensor], std: float,
                        generator: Optional[torch.Generator] = None,
                        secure_mode: bool = False) -> None:
-    """``t ← t + std·ξ_t`` in place for every tensor, ξ ~ N(0, I) independent across all coordinates (the
-    Gaussian mechanism's noise, Abadi et al. 2016; seed 002, Alg. 1). The tensors must not overlap.
+    """``t ← t + std·ξ_t`` in place for every tensor, ξ ~ N(0, I) independent across all coordinates
+    (the Gaussian mechanism's noise, Abadi et al. 2016; Bu, Mao & Xu 2022, Alg. 1). The tensors must
+    not overlap.
 
-    Consecutive tensors of one device and dtype share one ``normal_`` draw of at most ``NOISE_CHUNK``
-    elements, added by one ``_foreach_add_``; a contiguous tensor larger than that (a flat buffer of clipped
-    sums) is noised chunk by chunk. So a step costs a few kernel launches here, not two per parameter tensor,
-    and at most one chunk of noise is alive at a time. On the CPU a chunk is drawn by several threads, each
-    block of it by its own generator keyed from ``generator`` (:mod:`private_engine.optim.cpu_noise`).
-    ``secure_mode``: each chunk from the OS cryptographic generator instead, as the sum of four
-    draws over two (:func:`private_engine.optim.noise.gaussian_noise_`); ``generator`` must be None.
+    Consecutive tensors of one device and dtype share one ``normal_`` draw of at most
+    ``NOISE_CHUNK`` elements, added by one ``_foreach_add_``; a contiguous tensor larger than that
+    (a flat buffer of clipped sums) is noised chunk by chunk. So a step costs a few kernel launches
+    here, not two per parameter tensor, and at most one chunk of noise is alive at a time. On the
+    CPU a chunk is drawn by several threads, each block of it by its own generator keyed from
+    ``generator`` (:mod:`private_engine.optim.cpu_noise`). ``secure_mode``: each chunk from the OS
+    cryptographic generator instead, as the sum of four draws over two
+    (:func:`private_engine.optim.noise.gaussian_noise_`); ``generator`` must be None.
     """
     group: List[torch.Tensor] = []
     size = 0
@@ -272,7 +274,8 @@ def add_gaussian_noise(tensors: Sequence[torch.Tensor], std: float,
         else:
             pieces.append(t)
     for t in pieces:
-        if group and (t.device != group[0].device or t.dtype != group[0].dtype or size + t.numel() > NOISE_CHUNK):
+        if group and (t.device != group[0].device or t.dtype != group[0].dtype
+                      or size + t.numel() > NOISE_CHUNK):
             flush()
             size = 0
         group.append(t)

@@ -204,9 +204,13 @@ def _dp_optimizer(base: type, formula: str) -> type:
         base.__init__(self, params, *args, **kwargs)
         privacy_engine.attach(self)
 
-    doc = (f"{base.__name__} on the private gradient ĝ = (Σ_i C_i g_i + N(0, σ²R²I)) / B (Abadi et al. 2016); "
-           f"{formula}\n\nConstruct with the same arguments as ``torch.optim.{base.__name__}`` plus "
-           "``privacy_engine=``; then call ``step(loss=per_sample_losses)`` / ``virtual_step(loss=...)``.")
+    doc = (
+        f"{base.__name__} on the private gradient ĝ = (Σ_i C_i g_i + N(0, σ²R²I)) / B "
+        "(Abadi et al. 2016); "
+        f"{formula}\n\nConstruct with the same arguments as ``torch.optim.{base.__name__}`` plus "
+        "``privacy_engine=``; then call ``step(loss=per_sample_losses)`` / "
+        "``virtual_step(loss=...)``."
+    )
     return type("DP" + base.__name__, (base,), {"__init__": __init__, "__doc__": doc})
 
 
@@ -214,5 +218,13 @@ DPSGD = _dp_optimizer(torch.optim.SGD, "update θ ← θ − η·ĝ (with the SG
 DPAdam = _dp_optimizer(torch.optim.Adam, "Adam moments m, v of ĝ; θ ← θ − η·m̂/(√v̂ + ε).")
 DPAdamW = _dp_optimizer(torch.optim.AdamW, "Adam on ĝ with decoupled weight decay θ ← θ − ηλθ.")
 
-__all__ = ["DPSGD", "DPAdam", "DPAdamW", "NoiseSpec", "PrivateStep", "add_gaussian_noise",
-           "attach", "detach"]
+__all__ = [
+    "DPSGD",
+    "DPAdam",
+    "DPAdamW",
+    "NoiseSpec",
+    "PrivateStep",
+    "add_gaussian_noise",
+    "attach",
+    "detach",
+]
