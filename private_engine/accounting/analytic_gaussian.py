@@ -32,7 +32,8 @@ import math
 import numpy as np
 from scipy.special import log_ndtr, ndtr
 
-__all__ = ["gaussian_delta", "gaussian_epsilon", "analytic_gaussian_sigma", "classical_gaussian_sigma"]
+__all__ = ["gaussian_delta", "gaussian_epsilon", "analytic_gaussian_sigma",
+           "classical_gaussian_sigma"]
 
 
 def _check_eps_delta(epsilon: float, delta: float) -> None:
@@ -75,7 +76,8 @@ def gaussian_delta(epsilon: float, noise_std: float, sensitivity: float = 1.0) -
     return _profile(float(epsilon), float(sensitivity) / float(noise_std))
 
 
-def gaussian_epsilon(delta: float, noise_std: float, sensitivity: float = 1.0, rtol: float = 1e-12) -> float:
+def gaussian_epsilon(delta: float, noise_std: float, sensitivity: float = 1.0,
+                     rtol: float = 1e-12) -> float:
     """Smallest ε ≥ 0 such that the Gaussian mechanism is (ε, δ)-DP (inverse of BW-8 in ε).
 
     δ(ε) is strictly decreasing in ε, so the root is found by bracketing and bisection in ε to
@@ -122,8 +124,10 @@ def _bisect_increasing(fn, target: float, lo: float, hi: float, rtol: float) -> 
     return lo
 
 
-def analytic_gaussian_sigma(epsilon: float, delta: float, sensitivity: float = 1.0, rtol: float = 1e-12) -> float:
-    """Smallest noise std ``s`` for which ``f(D) + N(0, s²I)`` is (ε, δ)-DP — Balle & Wang 2018, Algorithm 1.
+def analytic_gaussian_sigma(epsilon: float, delta: float, sensitivity: float = 1.0,
+                            rtol: float = 1e-12) -> float:
+    """Smallest noise std ``s`` for which ``f(D) + N(0, s²I)`` is (ε, δ)-DP — Balle & Wang 2018,
+    Algorithm 1.
 
     With ``δ₀ = Φ(0) − e^ε Φ(−sqrt(2ε))`` (the profile at ``s = Δ/sqrt(2ε)``):
 
@@ -148,10 +152,12 @@ def analytic_gaussian_sigma(epsilon: float, delta: float, sensitivity: float = 1
         return math.exp(log_a) * -math.expm1(log_b - log_a)
 
     def b_minus(v: float) -> float:
-        return float(ndtr(math.sqrt(eps * v))) - math.exp(eps + float(log_ndtr(-math.sqrt(eps * (v + 2.0)))))
+        return (float(ndtr(math.sqrt(eps * v)))
+                - math.exp(eps + float(log_ndtr(-math.sqrt(eps * (v + 2.0))))))
 
     def b_plus(u: float) -> float:
-        return diff(float(log_ndtr(-math.sqrt(eps * u))), eps + float(log_ndtr(-math.sqrt(eps * (u + 2.0)))))
+        return diff(float(log_ndtr(-math.sqrt(eps * u))),
+                    eps + float(log_ndtr(-math.sqrt(eps * (u + 2.0)))))
 
     delta0 = b_plus(0.0)  # = Φ(0) − e^ε Φ(−sqrt(2ε)) = B⁻(0)
     if delta >= delta0:

@@ -15,7 +15,8 @@ ACCOUNTANTS = ("rdp", "prv", "gdp")
 
 
 def make_accountant(name: str) -> IAccountant:
-    """An Opacus accountant by name: "rdp" (Mironov 2017), "prv" (Gopi et al. 2021), "gdp" (Dong et al. 2019)."""
+    """An Opacus accountant by name: "rdp" (Mironov 2017), "prv" (Gopi et al. 2021), "gdp" (Dong et
+    al. 2019)."""
     if name not in ACCOUNTANTS:
         raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {name!r}.")
     return create_accountant(mechanism=name)
@@ -28,24 +29,30 @@ def steps_for(epochs: Optional[float], steps: Optional[int], sample_rate: float)
             raise ValueError(f"steps must be positive, got {steps}.")
         return int(steps)
     if epochs is None or epochs <= 0:
-        raise ValueError("give epochs (> 0) or steps so that the noise can be calibrated to target_epsilon.")
+        raise ValueError("give epochs (> 0) or steps so that the noise can be calibrated to "
+                         "target_epsilon.")
     return int(epochs / sample_rate)
 
 
-def calibrate_noise_multiplier(target_epsilon: float, target_delta: float, sample_rate: float, steps: int,
-                               accountant: str = "rdp", epsilon_tolerance: float = 0.01) -> float:
+def calibrate_noise_multiplier(target_epsilon: float, target_delta: float, sample_rate: float,
+                               steps: int, accountant: str = "rdp",
+                               epsilon_tolerance: float = 0.01) -> float:
     """The smallest σ (within tolerance) such that ``steps`` subsampled-Gaussian steps at rate q
     spend at most ``target_epsilon`` at ``target_delta`` — Opacus' ``get_noise_multiplier``."""
     if not target_epsilon > 0 or math.isinf(target_epsilon):
-        raise ValueError(f"target_epsilon must be a positive finite number, got {target_epsilon}.")
+        raise ValueError(
+            f"target_epsilon must be a positive finite number, got {target_epsilon}.")
     if not 0 < target_delta < 1:
         raise ValueError(f"target_delta must be in (0, 1), got {target_delta}.")
-    return get_noise_multiplier(target_epsilon=target_epsilon, target_delta=target_delta, sample_rate=sample_rate,
-                                steps=steps, accountant=accountant, epsilon_tolerance=epsilon_tolerance)
+    return get_noise_multiplier(target_epsilon=target_epsilon, target_delta=target_delta,
+                                sample_rate=sample_rate, steps=steps, accountant=accountant,
+                                epsilon_tolerance=epsilon_tolerance)
 
 
-def epsilon_for(noise_multiplier: float, sample_rate: float, steps: int, delta: float, accountant: str = "rdp") -> float:
-    """ε spent by ``steps`` subsampled-Gaussian steps (σ, q) at δ, by the named Opacus accountant."""
+def epsilon_for(noise_multiplier: float, sample_rate: float, steps: int, delta: float,
+                accountant: str = "rdp") -> float:
+    """ε spent by ``steps`` subsampled-Gaussian steps (σ, q) at δ, by the named Opacus
+    accountant."""
     acc = make_accountant(accountant)
     acc.history = [(noise_multiplier, sample_rate, steps)]
     return float(acc.get_epsilon(delta=delta))

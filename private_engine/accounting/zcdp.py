@@ -69,7 +69,8 @@ def _check_method(method: str) -> str:
 
 def _check_delta(delta: float) -> float:
     if delta is None:
-        raise ValueError("delta is required to convert zCDP to (ε, δ)-DP; pass e.g. delta=1e-5 (below 1/n).")
+        raise ValueError("delta is required to convert zCDP to (ε, δ)-DP; pass e.g. delta=1e-5 "
+                         "(below 1/n).")
     delta = float(delta)
     if not (0 < delta < 1):
         raise ValueError(f"delta must be in (0, 1), got {delta!r}.")
@@ -77,7 +78,8 @@ def _check_delta(delta: float) -> float:
 
 
 def gaussian_rho(sensitivity: float, noise_std: float, count: int = 1) -> float:
-    """zCDP of ``count`` Gaussian mechanisms with L2 sensitivity Δ and noise std s: ``count·Δ²/(2s²)``.
+    """zCDP of ``count`` Gaussian mechanisms with L2 sensitivity Δ and noise std s:
+    ``count·Δ²/(2s²)``.
 
     Bun & Steinke 2016, Prop. 1.6 (+ Lemma 2.3 for the count). ``noise_std = 0`` gives ``inf``.
     """
@@ -119,7 +121,8 @@ def _rdp_epsilon(rho: float, delta: float) -> Tuple[float, float]:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        eps_grid, best = get_privacy_spent(orders=_GRID_ORDERS, rdp=rho_to_rdp(rho, _GRID_ORDERS), delta=delta)
+        eps_grid, best = get_privacy_spent(orders=_GRID_ORDERS, rdp=rho_to_rdp(rho, _GRID_ORDERS),
+                                           delta=delta)
     i = int(np.searchsorted(_GRID_ORDERS, best))
     lo = math.log(_GRID_A[max(i - 1, 0)])
     hi = math.log(_GRID_A[min(i + 1, len(_GRID_A) - 1)])
@@ -136,7 +139,8 @@ def rho_to_epsilon(rho: float, delta: float, method: str = "rdp") -> float:
 
     ``"rdp"``: ``min_α ρα + log((α−1)/α) − (log δ + log α)/(α−1)`` (Balle et al. 2020, Thm 21);
     ``"classical"``: ``ρ + 2 sqrt(ρ log(1/δ))`` (Bun & Steinke 2016, Prop. 1.3);
-    ``"gdp"``: exact profile of a composition of Gaussians, μ = sqrt(2ρ) (Balle & Wang 2018, Thm 8).
+    ``"gdp"``: exact profile of a composition of Gaussians, μ = sqrt(2ρ) (Balle & Wang 2018,
+    Thm 8).
     ``rho = inf`` gives ``inf``; ``rho = 0`` gives 0.
     """
     _check_method(method)
@@ -192,11 +196,14 @@ def epsilon_to_rho(epsilon: float, delta: float, method: str = "rdp", rtol: floa
     return lo
 
 
-def noise_multiplier_for_epsilon(epsilon: float, delta: float, rho_sigma2: float, method: str = "rdp") -> float:
-    """σ for a mechanism that is ``(rho_sigma2/σ²)``-zCDP to be (ε, δ)-DP: ``σ = sqrt(rho_sigma2/ρ*)``.
+def noise_multiplier_for_epsilon(epsilon: float, delta: float, rho_sigma2: float,
+                                 method: str = "rdp") -> float:
+    """σ for a mechanism that is ``(rho_sigma2/σ²)``-zCDP to be (ε, δ)-DP:
+    ``σ = sqrt(rho_sigma2/ρ*)``.
 
     ``ρ* = epsilon_to_rho(epsilon, delta, method)``; e.g. ``rho_sigma2 = 3/2`` for DP-LS
-    (seed 000, Thm 2.2), ``T`` for DP-Newton (Thm 2.1), ``(T+1)/2`` for DP-FC (Thm 2.3).
+    (Mehta, Krichene, Thakurta, Kurakin & Cutkosky, "Differentially Private Image Classification
+    from Features", Thm 2.2), ``T`` for DP-Newton (Thm 2.1), ``(T+1)/2`` for DP-FC (Thm 2.3).
     ``epsilon = inf`` gives σ = 0.
     """
     if rho_sigma2 <= 0:
@@ -207,8 +214,10 @@ def noise_multiplier_for_epsilon(epsilon: float, delta: float, rho_sigma2: float
     return math.sqrt(rho_sigma2 / rho)
 
 
-def epsilon_for_noise_multiplier(noise_multiplier: float, delta: float, rho_sigma2: float, method: str = "rdp") -> float:
-    """ε spent by a ``(rho_sigma2/σ²)``-zCDP mechanism at noise multiplier σ (inverse of the above)."""
+def epsilon_for_noise_multiplier(noise_multiplier: float, delta: float, rho_sigma2: float,
+                                 method: str = "rdp") -> float:
+    """ε spent by a ``(rho_sigma2/σ²)``-zCDP mechanism at noise multiplier σ (inverse of the
+    above)."""
     if noise_multiplier < 0:
         raise ValueError(f"noise_multiplier must be ≥ 0, got {noise_multiplier}.")
     rho = math.inf if noise_multiplier == 0 else rho_sigma2 / noise_multiplier ** 2
@@ -249,7 +258,8 @@ class ZCDPLedger:
 
     def add(self, name: str, sensitivity: float, noise_std: float, count: int = 1,
             shape: Tuple[int, ...] = ()) -> GaussianRelease:
-        """Record ``count`` Gaussian mechanisms of L2 sensitivity ``sensitivity`` and noise std ``noise_std``."""
+        """Record ``count`` Gaussian mechanisms of L2 sensitivity ``sensitivity`` and noise std
+        ``noise_std``."""
         rel = GaussianRelease(name, float(sensitivity), float(noise_std), int(count), tuple(shape))
         self.releases.append(rel)
         return rel
@@ -267,6 +277,7 @@ class ZCDPLedger:
         """A table of the releases (count, sensitivity, noise std, ρ) and the total ρ."""
         lines = [f"{'release':<24}{'count':>7}{'sensitivity':>14}{'noise std':>14}{'rho':>12}"]
         for r in self.releases:
-            lines.append(f"{r.name:<24}{r.count:>7}{r.sensitivity:>14.4g}{r.noise_std:>14.4g}{r.rho:>12.4g}")
+            lines.append(f"{r.name:<24}{r.count:>7}{r.sensitivity:>14.4g}"
+                         f"{r.noise_std:>14.4g}{r.rho:>12.4g}")
         lines.append(f"{'total':<24}{'':>7}{'':>14}{'':>14}{self.rho:>12.4g}")
         return "\n".join(lines)

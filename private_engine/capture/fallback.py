@@ -37,8 +37,9 @@ def replaying() -> bool:
 def warn_fallback(names: Sequence[str]) -> None:
     if names:
         warnings.warn(
-            "these modules are clipped by the torch.func fallback (per-sample gradients by vmap over the module's "
-            f"own forward; exact but slower than a rule): {', '.join(names)}", stacklevel=3)
+            "these modules are clipped by the torch.func fallback (per-sample gradients by vmap "
+            "over the module's own forward; exact but slower than a rule): "
+            f"{', '.join(names)}", stacklevel=3)
 
 
 @dataclass
@@ -82,26 +83,30 @@ class FallbackModule:
     def _is_batched(self, t: torch.Tensor) -> bool:
         B = self.tracer.batch_size
         major = self.tracer.sample_major(t)
-        if major is None:  # not computed from the inputs (a buffer, a constant) or called outside the model
+        # not computed from the inputs (a buffer, a constant) or called outside the model
+        if major is None:
             if not self.tracer.active:
                 return t.dim() > 0 and t.shape[0] == B
             if t.dim() > 0 and B > 1 and t.shape[0] == B and not self._is_state(t):
                 raise ValueError(
-                    f"{self.name} ({type(self.module).__name__}) is called with a tensor of shape {tuple(t.shape)} "
-                    f"(leading size = the batch size {B}) that the tracer did not see computed from the model's "
-                    "inputs; the torch.func fallback would hand the whole tensor to every sample. Compute per-sample "
-                    "inputs of this module with torch ops inside the model's forward (not through numpy/.tolist()), "
-                    "or make a constant's leading dimension differ from the batch size.")
+                    f"{self.name} ({type(self.module).__name__}) is called with a tensor of shape "
+                    f"{tuple(t.shape)} (leading size = the batch size {B}) that the tracer did not "
+                    "see computed from the model's inputs; the torch.func fallback would hand the "
+                    "whole tensor to every sample. Compute per-sample inputs of this module with "
+                    "torch ops inside the model's forward (not through numpy/.tolist()), or make a "
+                    "constant's leading dimension differ from the batch size.")
             return False
         if not major or t.dim() == 0 or t.shape[0] % B:
             raise ValueError(
-                f"{self.name} ({type(self.module).__name__}) is called with a batched input of shape "
-                f"{tuple(t.shape)} whose batch is not in dim 0 (sample-major); the torch.func fallback slices "
-                "samples along dim 0. Use a batch-first layout (e.g. nn.MultiheadAttention(batch_first=True)).")
+                f"{self.name} ({type(self.module).__name__}) is called with a batched input of "
+                f"shape {tuple(t.shape)} whose batch is not in dim 0 (sample-major); the "
+                "torch.func fallback slices samples along dim 0. Use a batch-first layout (e.g. "
+                "nn.MultiheadAttention(batch_first=True)).")
         return True
 
     def _is_state(self, t: torch.Tensor) -> bool:
-        """True when ``t`` is a parameter or buffer of the model (a constant, whatever its shape)."""
+        """True when ``t`` is a parameter or buffer of the model (a constant, whatever its
+        shape)."""
         model = getattr(self.tracer, "model", None)
         if model is None:
             return False
@@ -116,10 +121,13 @@ class FallbackModule:
         if not outs:
             return None
         ins = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
-        with torch._C.DisableTorchFunction():  # book-keeping: not through the tracer's mode (speed only)
+        # book-keeping: not through the tracer's mode (speed only)
+        with torch._C.DisableTorchFunction():
             call = FallbackCall(
-                args=tuple(self._wrap(a) for a in args), kwargs={k: self._wrap(v) for k, v in kwargs.items()},
-                out_edges=[get_gradient_edge(o) for o in outs], out_nodes=[get_gradient_edge(o).node for o in outs],
+                args=tuple(self._wrap(a) for a in args),
+                kwargs={k: self._wrap(v) for k, v in kwargs.items()},
+                out_edges=[get_gradient_edge(o) for o in outs],
+                out_nodes=[get_gradient_edge(o).node for o in outs],
                 in_nodes=[get_gradient_edge(t).node for t in ins if t.requires_grad],
                 out_shapes=[o.shape for o in outs], out_index=index, grads=[None] * len(outs))
             for k, o in enumerate(outs):
@@ -130,11 +138,12 @@ class FallbackModule:
     def _wrap(self, a):
         if isinstance(a, torch.Tensor):
             return ("batched" if self._is_batched(a) else "const", a.detach())
-        if isinstance(a, (list, tuple, dict)) and any(isinstance(t, torch.Tensor)
-                                                       for t in (a.values() if isinstance(a, dict) else a)):
+        if isinstance(a, (list, tuple, dict)) and any(
+                isinstance(t, torch.Tensor) for t in (a.values() if isinstance(a, dict) else a)):
             raise TypeError(
-                f"{self.name} ({type(self.module).__name__}) is called with tensors inside a list/tuple/dict; the "
-                "torch.func fallback slices only tensor arguments per sample. Pass tensors as separate arguments.")
+                f"{self.name} ({type(self.module).__name__}) is called with tensors inside a "
+                "list/tuple/dict; the torch.func fallback slices only tensor arguments per sample. "
+                "Pass tensors as separate arguments.")
         return ("value", a)
 
     def _make_grad_hook(self, call: FallbackCall, k: int):
@@ -185,7 +194,8 @@ class FallbackModule:
         def rebuild(xs):
             it = iter(xs)
             args = tuple(next(it) if kind == "batched" else v for kind, v in call.args)
-            kwargs = {k: (next(it) if kind == "batched" else v) for k, (kind, v) in call.kwargs.items()}
+            kwargs = {k: (next(it) if kind == "batched" else v)
+                      for k, (kind, v) in call.kwargs.items()}
             return args, kwargs
 
         def inner(params, xs, g_used):
@@ -197,7 +207,8 @@ class FallbackModule:
         _REPLAYING[0] = True
         try:
             with torch.enable_grad():
-                grads = vmap(grad(inner), in_dims=(None, 0, 0))(trainable, batched, [g for g in gs if g is not None])
+                grads = vmap(grad(inner), in_dims=(None, 0, 0))(
+                    trainable, batched, [g for g in gs if g is not None])
         finally:
             _REPLAYING[0] = False
         return {n: g.to(accumulation_dtype(g)) for n, g in grads.items()}

@@ -27,18 +27,20 @@ class GraphWalk:
 def walk_graph(recorder, loss: torch.Tensor, params: Sequence[torch.Tensor]) -> GraphWalk:
     """One pass over the autograd graph of ``loss`` (iterative post-order, each node once).
 
-    Steps over each recorded call (and each tracer entry / fallback call) from its output node to its
-    input nodes and finds (i) the parameters of ``params`` reached outside such calls, (ii) the
-    *leading* calls: reached from the loss with no other recorded call below them. Asking autograd for
-    the gradients at the leading calls' outputs (and the extras' edges) makes one backward run through
-    every reached call, computing activation gradients only — no second walk, no weight gradient.
+    Steps over each recorded call (and each tracer entry / fallback call) from its output node to
+    its input nodes and finds (i) the parameters of ``params`` reached outside such calls, (ii) the
+    *leading* calls: reached from the loss with no other recorded call below them. Asking autograd
+    for the gradients at the leading calls' outputs (and the extras' edges) makes one backward run
+    through every reached call, computing activation gradients only — no second walk, no weight
+    gradient.
     """
     wanted = {id(p) for p in params}
     jumps: dict = {}
     for layer in recorder.layers:
         for c in layer.calls:
             jumps.setdefault(c.edge.node, []).append(c.input_node)
-    for extra in recorder.extras:  # parameter entries and fallback calls: output node -> batched inputs
+    # parameter entries and fallback calls: output node -> batched inputs
+    for extra in recorder.extras:
         for node, inputs in extra.jumps().items():
             jumps.setdefault(node, []).extend(inputs)
     found: dict = {}

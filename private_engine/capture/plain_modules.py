@@ -1,27 +1,30 @@
-"""Submodules the parameter-entry tracer does not need to follow: their forwards run without its mode.
+"""Submodules the parameter-entry tracer does not need to follow: their forwards run without its
+mode.
 
-The tracer (:mod:`private_engine.capture.tracer`) is a ``TorchFunctionMode`` over the model's forward: every op
-of the forward costs a Python call that looks its operands up, whether or not a tracked parameter is
-anywhere near. In a timm ViT the tracked parameters (``cls_token``, ``pos_embed``) enter before the
-first block, and the blocks are most of the ops: on the ViT-B structure at tiny size
-(``bench/host_overhead.py``) following them was about a fifth of a private step's host time.
+The tracer (:mod:`private_engine.capture.tracer`) is a ``TorchFunctionMode`` over the model's
+forward: every op of the forward costs a Python call that looks its operands up, whether or not a
+tracked parameter is anywhere near. In a timm ViT the tracked parameters (``cls_token``,
+``pos_embed``) enter before the first block, and the blocks are most of the ops: on the ViT-B
+structure at tiny size (``bench/host_overhead.py``) following them was about a fifth of a private
+step's host time.
 
-A *plain candidate* is a maximal submodule with children that owns no tracked parameter and contains
-no torch.func fallback module. Its forward on inputs of a given *signature* (shapes, dtypes, devices,
-``requires_grad`` and batch dimension of each tensor argument, the other arguments' values, its
-``training`` flag, grad and autocast state) is traced once, as before, to *verify* it: it is plain when
-the tracer saw nothing there beyond ops on batched data — no tracked or derived tensor (so no entry, no
-hand-over of a layer on a constant), and every recorded layer call inside had the batch sample-major
-in dim 0 with exactly B rows. Later calls with the same signature run with the mode off the stack; their
-outputs are marked with the batch dimensions the verification found. What the tracer would have done
-inside is nothing, so the norms and sums are unchanged, and what it provides there is not needed: a
-layer call inside gets no row information (``rows_ok=None``), which only matters for k·B rows, and
-those were verified absent.
+A *plain candidate* is a maximal submodule with children that owns no tracked parameter and
+contains no torch.func fallback module. Its forward on inputs of a given *signature* (shapes,
+dtypes, devices, ``requires_grad`` and batch dimension of each tensor argument, the other
+arguments' values, its ``training`` flag, grad and autocast state) is traced once, like any other
+forward, to *verify* it: it is plain when the tracer saw nothing there beyond ops on batched data —
+no tracked or derived tensor (so no entry, no hand-over of a layer on a constant), and every
+recorded layer call inside had the batch sample-major in dim 0 with exactly B rows. Subsequent
+calls with the same signature run with the mode off the stack; their outputs are marked with the
+batch dimensions the verification found. What the tracer would have done inside is nothing, so the
+norms and sums are unchanged, and what it provides there is not needed: a layer call inside gets no
+row information (``rows_ok=None``), which only matters for k·B rows, and those were verified
+absent.
 
 If a skipped forward did differ from its verification (data-dependent control flow) the failure is
-loud, not silent: a tracked parameter reaching the batch inside is reached outside every recorded call
-and entry by the graph walk of the step (``LayerRecorder.walk``: an error naming it), and a layer seeing
-other than B rows has no row information (an error in the norm pass).
+loud, not silent: a tracked parameter reaching the batch inside is reached outside every recorded
+call and entry by the graph walk of the step (``LayerRecorder.walk``: an error naming it), and a
+layer seeing other than B rows has no row information (an error in the norm pass).
 """
 from __future__ import annotations
 
@@ -30,16 +33,19 @@ from typing import Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
-#: signatures remembered per module; a module whose inputs keep changing shape starts over past this many
+#: signatures remembered per module; a module whose inputs keep changing shape starts over past
+#: this many
 MAX_SIGNATURES = 64
 _SCALARS = (type(None), bool, int, float, str, torch.dtype, torch.device)
 #: the verdict of a module on a signature where the tracer did find work inside
 TRACED = None
 
 
-def plain_candidates(model: nn.Module, tracked: set, opaque: Sequence[nn.Module]) -> List[nn.Module]:
-    """The maximal submodules of ``model`` (not ``model`` itself) that have children, own no parameter whose id is
-    in ``tracked`` and contain no module of ``opaque`` (torch.func fallback modules, which read the tracer)."""
+def plain_candidates(model: nn.Module, tracked: set,
+                     opaque: Sequence[nn.Module]) -> List[nn.Module]:
+    """The maximal submodules of ``model`` (not ``model`` itself) that have children, own no
+    parameter whose id is in ``tracked`` and contain no module of ``opaque`` (torch.func fallback
+    modules, which read the tracer)."""
     opaque_ids = {id(m) for m in opaque}
     clean: Dict[int, bool] = {}
 
@@ -68,14 +74,16 @@ def plain_candidates(model: nn.Module, tracked: set, opaque: Sequence[nn.Module]
 
 
 class PlainModules:
-    """Forward hooks on the plain candidates of the tracer's model: verify each signature once, then skip."""
+    """Forward hooks on the plain candidates of the tracer's model: verify each signature once,
+    then skip."""
 
     def __init__(self, tracer, modules: Sequence[nn.Module]):
         self.tracer = tracer
         self.modules = list(modules)
         #: ``{id(module): {signature: output batch dims, or TRACED}}``
         self.verdicts: Dict[int, Dict[tuple, Optional[tuple]]] = {}
-        self._stack: list = []  # per open candidate call: None, ("verify", signature, events) or ("skip", dims)
+        # per open candidate call: None, ("verify", signature, events) or ("skip", dims)
+        self._stack: list = []
         self._handles: list = []
 
     def install(self) -> None:
@@ -123,7 +131,8 @@ class PlainModules:
     def _pre(self, module, args, kwargs):
         tracer = self.tracer
         state = None
-        if tracer.active and not tracer.skipping and tracer.skip_plain_modules and torch.is_grad_enabled():
+        if (tracer.active and not tracer.skipping and tracer.skip_plain_modules
+                and torch.is_grad_enabled()):
             key = self.signature(module, args, kwargs)
             if key is not None:
                 known = self.verdicts.get(id(module), {})
@@ -144,7 +153,8 @@ class PlainModules:
         if state[0] == "skip":
             tracer.resume()
             dims = state[1]
-            if outs is None or len(outs) != len(dims):  # not the verified structure: its batch is unknown
+            # not the verified structure: its batch is unknown
+            if outs is None or len(outs) != len(dims):
                 dims = (-1,) * len(outs or ())
             for t, d in zip(outs or (), dims):
                 if d is not None:
@@ -166,15 +176,17 @@ class _NotPlain(Exception):
 
 
 def _scalars_only(v) -> bool:
-    return isinstance(v, _SCALARS) or (isinstance(v, (tuple, list)) and all(_scalars_only(x) for x in v))
+    return isinstance(v, _SCALARS) or (isinstance(v, (tuple, list))
+                                       and all(_scalars_only(x) for x in v))
 
 
 def _output_tensors(output) -> Optional[list]:
-    """The tensors of a module's output: a tensor, or a tuple/list of tensors and scalars (or containers of scalars
-    only, e.g. timm's ``(x, (H, W))``); None for other structures (tensors in nested containers, dicts, objects),
-    whose batched tensors are not marked: always traced."""
+    """The tensors of a module's output: a tensor, or a tuple/list of tensors and scalars (or
+    containers of scalars only, e.g. timm's ``(x, (H, W))``); None for other structures (tensors in
+    nested containers, dicts, objects), whose batched tensors are not marked: always traced."""
     if isinstance(output, torch.Tensor):
         return [output]
-    if isinstance(output, (tuple, list)) and all(isinstance(t, torch.Tensor) or _scalars_only(t) for t in output):
+    if isinstance(output, (tuple, list)) and all(isinstance(t, torch.Tensor) or _scalars_only(t)
+                                                 for t in output):
         return [t for t in output if isinstance(t, torch.Tensor)]
     return None

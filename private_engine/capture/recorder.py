@@ -1,15 +1,19 @@
-"""Recording of layer inputs and output gradients.
+"""The layer recorder: each clipped layer's calls — input activations and output gradients — and
+the hooks and queries around these records.
 
 A forward hook on every clipped module keeps, for **each call**, the (detached) input
 activation and the layer dimensions; a tensor hook on the call's output catches the gradient
 of the loss w.r.t. that output during the engine's norm pass. The tensor hook sits on the
 output's *root* (its base when the output is a reshaped view, as ``F.linear`` returns for 3-D
-inputs), so later in-place ops on the output (``ReLU(inplace=True)``) do not hide the gradient:
-hooks registered before an in-place op receive the gradient of the value before it.
+inputs), so subsequent in-place ops on the output (``ReLU(inplace=True)``) do not hide the
+gradient: hooks registered before an in-place op receive the gradient of the value before it.
 
-When all calls of a layer have their gradient, ``on_layer_ready(layer)`` is called and the
-layer's recorded tensors are released right after. A call on a batch-free constant is handed to
-the parameter-entry tracer (:mod:`.tracer`), which follows its parameters instead.
+When all calls of a layer have their gradient, ``on_layer_ready(layer)`` is called (the engine's
+callback, which uses the calls and then releases the layer's recorded tensors). A call on a
+batch-free constant is handed to the parameter-entry tracer (:mod:`.tracer`), which follows its
+parameters instead. The recorder also installs, resets and removes the other capture hooks
+(``extras``: the tracer and the fallback modules) together with its own, re-arms its calls for a
+second backward, and walks the loss's autograd graph over its calls (:mod:`.graph_walk`).
 """
 from __future__ import annotations
 
@@ -36,7 +40,8 @@ class RecordedCall:
     input_node: object = None  # autograd node of the input (None when it needs no gradient)
     grad: Optional[torch.Tensor] = None
     fired: bool = False
-    #: the tracer's view of the input: True when its rows are sample-major in dim 0 (needed for k·B rows)
+    #: the tracer's view of the input: True when its rows are sample-major in dim 0 (needed for k·B
+    #: rows)
     rows_ok: Optional[bool] = None
     #: the tracer's batch dimension of the input (-1: unknown; None: not known to the tracer)
     batch_dim: Optional[int] = None
@@ -54,12 +59,15 @@ class RecordedLayer:
     dims_cache: Dict[tuple, LayerDims] = field(default_factory=dict)
 
     def rows_ok(self) -> bool:
-        """True when every fired call's input is known to be sample-major (k·B rows may be grouped)."""
+        """True when every fired call's input is known to be sample-major (k·B rows may be
+        grouped)."""
         return all(c.rows_ok is True for c in self.calls if c.fired and c.grad is not None)
 
     def batch_moved(self) -> bool:
-        """True when a fired call's input is known to have its batch dimension elsewhere than dim 0."""
-        return any(c.batch_dim is not None and c.batch_dim > 0 for c in self.calls if c.fired and c.grad is not None)
+        """True when a fired call's input is known to have its batch dimension elsewhere than
+        dim 0."""
+        return any(c.batch_dim is not None and c.batch_dim > 0
+                   for c in self.calls if c.fired and c.grad is not None)
 
     def pairs(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
         """``[(activation, output_grad)]`` of the calls whose gradient reached the layer."""
@@ -81,7 +89,8 @@ class RecordedLayer:
         self.calls = []
 
 
-#: grad_fn attributes under which Linear/Conv backward nodes save their input (addmm, mm, convolution)
+#: grad_fn attributes under which Linear/Conv backward nodes save their input (addmm, mm,
+#: convolution)
 _SAVED_INPUT_ATTRS = ("_saved_mat1", "_saved_self", "_saved_input")
 #: nodes that only reshape between a layer's output and the matmul/convolution node below it
 _VIEW_NODES = ("ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0")
@@ -90,13 +99,14 @@ _VIEW_NODES = ("ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0")
 def autocast_operand(x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
     """The layer input as the layer's kernel consumed it, detached.
 
-    Under autocast a Linear/Conv casts a float32 input to the autocast dtype before its matmul, and
-    autograd saves that cast copy for the weight gradient. Recording the float32 original instead would
-    keep a second, twice-as-large copy alive until the clipped sum (book-keeping keeps it to the end of the
-    backward) — the whole memory overhead of DP training of a ViT under bf16 — and every rule would cast it
-    again. So when the output came out in the autocast dtype and the input did not, the saved operand is
-    reused (same storage, no copy); if autograd saved none (frozen weight), the input is cast once here.
-    The per-sample gradients are then exactly the ones autograd forms, ``g_iᵀ·cast(a_i)``.
+    Under autocast a Linear/Conv casts a float32 input to the autocast dtype before its matmul,
+    and autograd saves that cast copy for the weight gradient. Recording the float32 original
+    instead would keep a second, twice-as-large copy alive until the clipped sum (book-keeping
+    keeps it to the end of the backward) — the whole memory overhead of DP training of a ViT under
+    bf16 — and every rule would cast it again. So when the output came out in the autocast dtype
+    and the input did not, the saved operand is reused (same storage, no copy); if autograd saved
+    none (frozen weight), the input is cast once here. The per-sample gradients are then exactly
+    the ones autograd forms, ``g_iᵀ·cast(a_i)``.
     """
     a = x.detach()
     device = x.device.type
@@ -114,8 +124,9 @@ def autocast_operand(x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
                 saved = getattr(node, attr, None)
             except RuntimeError:  # saved tensor already freed or not saved
                 saved = None
-            if (isinstance(saved, torch.Tensor) and saved.dtype == dtype and saved.numel() == x.numel()
-                    and saved.shape[-1] == x.shape[-1] and saved.device == x.device):
+            if (isinstance(saved, torch.Tensor) and saved.dtype == dtype
+                    and saved.numel() == x.numel() and saved.shape[-1] == x.shape[-1]
+                    and saved.device == x.device):
                 return saved.detach().reshape(x.shape)
         if type(node).__name__ not in _VIEW_NODES or not node.next_functions:
             break
@@ -138,11 +149,13 @@ class LayerRecorder:
         self.on_layer_ready = on_layer_ready
         self.capturing = False
         self._handles = []
-        #: other recorders (parameter-entry tracer, fallback modules): objects with install/remove/reset
-        #: and jumps() -> {output node: [input nodes]}; installed, reset and removed with this one
+        #: other recorders (parameter-entry tracer, fallback modules): objects with
+        #: install/remove/reset and jumps() -> {output node: [input nodes]}; installed, reset and
+        #: removed with this one
         self.extras: list = []
-        #: the parameter-entry tracer among ``extras`` (:class:`private_engine.capture.tracer.ParamTracer`), or None: it
-        #: takes over calls on batch-free constants and tells where each call's input has its batch
+        #: the parameter-entry tracer among ``extras``
+        #: (:class:`private_engine.capture.tracer.ParamTracer`), or None: it takes over calls on
+        #: batch-free constants and tells where each call's input has its batch
         self.tracer = None
         self.install()
 
@@ -157,19 +170,20 @@ class LayerRecorder:
     # -- forward ---------------------------------------------------------------------------
     def _make_forward_hook(self, layer: RecordedLayer):
         def hook(module, inputs, output):
-            if not (torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad):
+            if not (torch.is_grad_enabled() and isinstance(output, torch.Tensor)
+                    and output.requires_grad):
                 return None
             if not inputs or not isinstance(inputs[0], torch.Tensor):
                 raise TypeError(
-                    f"{layer.name} ({type(module).__name__}) was called without a positional tensor input; "
-                    "call clipped layers as module(x)."
+                    f"{layer.name} ({type(module).__name__}) was called without a positional "
+                    "tensor input; call clipped layers as module(x)."
                 )
             tracer = self.tracer
             if tracer is None or not tracer.active:
                 self.record(layer, module, inputs[0], output)
                 return None
-            # the engine's own book-keeping does not go through the tracer's TorchFunctionMode (speed only: the
-            # tracer ignores it anyway; it reads its own maps, never the mode)
+            # the engine's own book-keeping does not go through the tracer's TorchFunctionMode
+            # (speed only: the tracer ignores it anyway; it reads its own maps, never the mode)
             with torch._C.DisableTorchFunction():
                 # a call on a batch-free constant: the tracer follows its parameters
                 if tracer.handover(layer.name, module, layer.rule, inputs, output):
@@ -179,15 +193,17 @@ class LayerRecorder:
 
         return hook
 
-    def record(self, layer: RecordedLayer, module: nn.Module, x: torch.Tensor, output: torch.Tensor,
-               covered: bool = False) -> None:
-        """Record one call of ``layer`` with input ``x`` and output ``output`` (also used by the tracer for a
-        Linear whose weight its parent passes to ``F.linear`` directly, as timm BEiT's attention does).
-        ``covered``: the input's path is a tracer entry, so the graph walk stops at this call."""
+    def record(self, layer: RecordedLayer, module: nn.Module, x: torch.Tensor,
+               output: torch.Tensor, covered: bool = False) -> None:
+        """Record one call of ``layer`` with input ``x`` and output ``output`` (also used by the
+        tracer for a Linear whose weight its parent passes to ``F.linear`` directly, as timm BEiT's
+        attention does). ``covered``: the input's path is a tracer entry, so the graph walk stops at
+        this call."""
         activation = autocast_operand(x, output)
         root = output
         base = output._base
-        if base is not None and base.numel() == output.numel() and output.is_contiguous() and base.is_contiguous():
+        if (base is not None and base.numel() == output.numel() and output.is_contiguous()
+                and base.is_contiguous()):
             root = base
         tracer = self.tracer
         call = RecordedCall(
@@ -196,7 +212,8 @@ class LayerRecorder:
             dims=self._dims(layer, module, activation, output),
             edge=get_gradient_edge(root),
             input_requires_grad=x.requires_grad,
-            # an input the tracer follows (a batch-expanded token) is covered by its entry, not by this call
+            # an input the tracer follows (a batch-expanded token) is covered by its entry, not by
+            # this call
             input_node=(get_gradient_edge(x).node if x.requires_grad and not covered
                         and not (tracer is not None and tracer.is_tracked(x)) else None),
         )
@@ -206,15 +223,17 @@ class LayerRecorder:
         root.register_hook(self._make_grad_hook(layer, call))
 
     @staticmethod
-    def _dims(layer: RecordedLayer, module: nn.Module, activation: torch.Tensor, output: torch.Tensor) -> LayerDims:
+    def _dims(layer: RecordedLayer, module: nn.Module, activation: torch.Tensor,
+              output: torch.Tensor) -> LayerDims:
         """The call's ``LayerDims`` (with ``io_size``), computed once per pair of shapes."""
         key = (activation.shape, output.shape)
         dims = layer.dims_cache.get(key)
         if dims is None:
-            if len(layer.dims_cache) >= 256:  # shapes that keep changing (variable sequence lengths)
+            # shapes that keep changing (variable sequence lengths)
+            if len(layer.dims_cache) >= 256:
                 layer.dims_cache.clear()
-            dims = layer.dims_cache[key] = _with_io_size(layer.rule.dims(module, activation, output), activation,
-                                                         output)
+            dims = layer.dims_cache[key] = _with_io_size(
+                layer.rule.dims(module, activation, output), activation, output)
         return dims
 
     # -- backward --------------------------------------------------------------------------
@@ -236,7 +255,8 @@ class LayerRecorder:
     def active_layers(self) -> List[RecordedLayer]:
         return [layer for layer in self.layers if layer.calls]
 
-    def params_reached_outside_calls(self, loss: torch.Tensor, params: Sequence[torch.Tensor]) -> list:
+    def params_reached_outside_calls(self, loss: torch.Tensor,
+                                     params: Sequence[torch.Tensor]) -> list:
         """Parameters of ``params`` that ``loss`` depends on other than through a recorded call
         (:func:`private_engine.capture.graph_walk.walk_graph`)."""
         return walk_graph(self, loss, params).outside

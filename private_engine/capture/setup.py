@@ -14,7 +14,8 @@ from .recorder import LayerRecorder, RecordedLayer
 from .tracer import ParamTracer
 
 
-def build_capture(layers: Sequence[Tuple[str, nn.Module, object]], model: Optional[nn.Module] = None,
+def build_capture(layers: Sequence[Tuple[str, nn.Module, object]],
+                  model: Optional[nn.Module] = None,
                   traced: Sequence[Tuple[str, nn.Parameter]] = (),
                   fallbacks: Sequence[Tuple[str, nn.Module]] = (),
                   on_layer_ready: Optional[Callable[[RecordedLayer], None]] = None

@@ -1,14 +1,15 @@
 """A map from tensors (by identity) to values that does not keep its keys alive.
 
-Same semantics as ``torch.utils.weak.WeakIdKeyDictionary`` for what the parameter-entry tracer needs
-(``in``, ``[]``, ``get``, assignment; an entry disappears when its tensor is freed), but a lookup is one
-``dict`` access by ``id(t)`` and one weak-reference call, where ``WeakIdKeyDictionary`` builds a new
-``WeakIdRef`` object for every lookup. The tracer looks up every tensor of every op of the forward
-(hundreds per ViT forward), so this is host time saved on each step (docs/engine.md, "CUDA").
+Same semantics as ``torch.utils.weak.WeakIdKeyDictionary`` for what the parameter-entry tracer
+needs (``in``, ``[]``, ``get``, assignment; an entry disappears when its tensor is freed), but a
+lookup is one ``dict`` access by ``id(t)`` and one weak-reference call, where
+``WeakIdKeyDictionary`` builds a new ``WeakIdRef`` object for every lookup. The tracer looks up
+every tensor of every op of the forward (hundreds per ViT forward), so this is host time saved on
+each step (docs/engine.md, "CUDA").
 
-An id can be reused by a new tensor once the old one is freed; every lookup therefore checks that the
-stored weak reference still points at the very tensor asked about, and the reference's callback drops
-the entry when its tensor dies.
+An id can be reused by a new tensor once the old one is freed; every lookup therefore checks that
+the stored weak reference still points at the very tensor asked about, and the reference's callback
+drops the entry when its tensor dies.
 """
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ class TensorMap:
         key = id(t)
         entries = self._entries
 
-        def drop(ref, key=key, entries=entries):  # the tensor died: forget it (unless the id was reused)
+        # the tensor died: forget it (unless the id was reused)
+        def drop(ref, key=key, entries=entries):
             entry = entries.get(key)
             if entry is not None and entry[0] is ref:
                 del entries[key]

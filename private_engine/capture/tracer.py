@@ -57,15 +57,17 @@ ELEMENTWISE |= {torch.Tensor.__truediv__, torch.Tensor.__rtruediv__, torch.Tenso
 CONCAT = {torch.cat, torch.concat, torch.concatenate, torch.stack}
 EXPANDS = {torch.Tensor.expand, torch.Tensor.expand_as}
 #: shape ops through which a row-expanded tensor stays row-expanded (each use is verified)
-ROWWISE = {torch.Tensor.reshape, torch.Tensor.view, torch.Tensor.permute, torch.Tensor.transpose, torch.transpose,
-           torch.Tensor.flatten, torch.flatten, torch.Tensor.contiguous, torch.Tensor.unsqueeze, torch.Tensor.to,
-           torch.Tensor.clone, torch.Tensor.float, torch.Tensor.double, torch.Tensor.type_as, torch.Tensor.repeat,
-           torch.reshape, torch.permute}
+ROWWISE = {torch.Tensor.reshape, torch.Tensor.view, torch.Tensor.permute, torch.Tensor.transpose,
+           torch.transpose, torch.Tensor.flatten, torch.flatten, torch.Tensor.contiguous,
+           torch.Tensor.unsqueeze, torch.Tensor.to, torch.Tensor.clone, torch.Tensor.float,
+           torch.Tensor.double, torch.Tensor.type_as, torch.Tensor.repeat, torch.reshape,
+           torch.permute}
 #: attribute reads and metadata queries: never an entry (property reads arrive as their getters)
-_PASSIVE = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.__len__, torch.Tensor.is_contiguous,
-            torch.Tensor.is_floating_point, torch.Tensor.data_ptr, torch.Tensor.storage_offset, torch.Tensor.stride}
-for _attr in ("shape", "grad_fn", "requires_grad", "dtype", "device", "is_leaf", "_base", "ndim", "is_cuda",
-              "layout"):
+_PASSIVE = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.__len__,
+            torch.Tensor.is_contiguous, torch.Tensor.is_floating_point, torch.Tensor.data_ptr,
+            torch.Tensor.storage_offset, torch.Tensor.stride}
+for _attr in ("shape", "grad_fn", "requires_grad", "dtype", "device", "is_leaf", "_base", "ndim",
+              "is_cuda", "layout"):
     _getter = getattr(getattr(torch.Tensor, _attr, None), "__get__", None)
     if _getter is not None:
         _PASSIVE.add(_getter)
@@ -76,9 +78,11 @@ class Derived:
     """What the tracer knows about a batch-free tensor computed from tracked parameters."""
 
     params: Tuple[int, ...]  # ids of the tracked parameters it depends on
-    row_base: Optional[torch.Tensor] = None  # T when this tensor is T.expand(n, …) with T.shape[0] == 1
-    #: entries already substituted row by row inside this tensor (a one-row tensor combined elementwise
-    #: with an n-row constant, e.g. Swin's bias + shifted-window mask); it must meet n batched rows
+    #: T when this tensor is T.expand(n, …) with T.shape[0] == 1
+    row_base: Optional[torch.Tensor] = None
+    #: entries already substituted row by row inside this tensor (a one-row tensor combined
+    #: elementwise with an n-row constant, e.g. Swin's bias + shifted-window mask); it must meet n
+    #: batched rows
     pending: Tuple["Entry", ...] = ()
 
 
@@ -120,12 +124,14 @@ class UnsupportedEntryError(ValueError):
 class ParamTracer(TorchFunctionMode):
     """Tracks ``params = [(name, P)]`` through the forward of ``model`` and clips them per sample.
 
-    ``opaque``: modules whose forwards must always be traced (torch.func fallback modules read the tracer); the
-    forwards of other submodules that own no tracked parameter run without the mode once verified to need
-    nothing from it (:mod:`private_engine.capture.plain_modules`; class attribute ``skip_plain_modules``).
+    ``opaque``: modules whose forwards must always be traced (torch.func fallback modules read the
+    tracer); the forwards of other submodules that own no tracked parameter run without the mode
+    once verified to need nothing from it (:mod:`private_engine.capture.plain_modules`; class
+    attribute ``skip_plain_modules``).
     """
 
-    #: run verified plain submodules without the mode (host time); False traces every op of the forward
+    #: run verified plain submodules without the mode (host time); False traces every op of the
+    #: forward
     skip_plain_modules = True
 
     def __init__(self, model: nn.Module, params: Sequence[Tuple[str, nn.Parameter]],
@@ -137,7 +143,8 @@ class ParamTracer(TorchFunctionMode):
         self.derived = TensorMap()
         self.batched = TensorMap()
         self.entries: List[Entry] = []
-        #: ``{id(weight): RecordedLayer}`` of recorded Linears and their recorder (set by the clipper)
+        #: ``{id(weight): RecordedLayer}`` of recorded Linears and their recorder (set by the
+        #: clipper)
         self.linear_layers: Dict[int, object] = {}
         self.recorder = None
         self.recorded = TensorMap()  # outputs of Linear calls recorded by the tracer itself
@@ -146,10 +153,12 @@ class ParamTracer(TorchFunctionMode):
         self.active = False
         #: per-sample gradients ``{id(P): (B, *P.shape)}`` accumulated in the norm pass
         self.grads: Dict[int, torch.Tensor] = {}
-        #: counts what the tracer did beyond following batched data (ops on tracked or derived tensors, hand-overs,
-        #: layer calls without B sample-major rows): a submodule's forward during which it stays put is plain
+        #: counts what the tracer did beyond following batched data (ops on tracked or derived
+        #: tensors, hand-overs, layer calls without B sample-major rows): a submodule's forward
+        #: during which it stays put is plain
         self.events = 0
-        #: > 0 while a verified plain submodule runs (the mode is then off the stack, or passes ops through)
+        #: > 0 while a verified plain submodule runs (the mode is then off the stack, or passes ops
+        #: through)
         self.skipping = 0
         self._popped = False
         self.plain = PlainModules(self, plain_candidates(model, set(self.tracked), opaque))
@@ -201,8 +210,8 @@ class ParamTracer(TorchFunctionMode):
         return None
 
     def pause(self) -> None:
-        """Stop following ops (a verified plain submodule runs): the mode leaves the stack when it is on top (no
-        Python call per op), else it passes ops through."""
+        """Stop following ops (a verified plain submodule runs): the mode leaves the stack when it
+        is on top (no Python call per op), else it passes ops through."""
         self.skipping += 1
         if self.skipping == 1 and torch.overrides._get_current_function_mode() is self:
             torch.overrides._pop_mode()
@@ -229,12 +238,14 @@ class ParamTracer(TorchFunctionMode):
             if d is not None:
                 src = t
                 break
-        if not torch.is_grad_enabled():  # no entries, no derived tensors; but per-sample data stays batched
+        # no entries, no derived tensors; but per-sample data stays batched
+        if not torch.is_grad_enabled():
             out = func(*args, **kwargs)
             if src is not None:
                 self._mark_batched(func, args, kwargs, src, bdims_in, _outputs(out))
             return out
-        # tracked: a tracked parameter, or derived from one (the derived map is empty for most of a forward)
+        # tracked: a tracked parameter, or derived from one (the derived map is empty for most of a
+        # forward)
         params, derived = self.tracked, self.derived
         if derived.empty():
             is_tracked = [id(t) in params for t in tensors]
@@ -248,7 +259,8 @@ class ParamTracer(TorchFunctionMode):
         tracked = [t for t, k in zip(tensors, is_tracked) if k]
         if tracked:
             self.events += 1
-        # data: batched, or computed from parameters the tracer does not follow (e.g. a layer's output)
+        # data: batched, or computed from parameters the tracer does not follow (e.g. a layer's
+        # output)
         data = batched or any(t.requires_grad and not k for t, k in zip(tensors, is_tracked))
         if tracked and data:
             return self._entry(func, args, kwargs, tracked)
@@ -269,7 +281,8 @@ class ParamTracer(TorchFunctionMode):
         return out
 
     def _mark_batched(self, func, args, kwargs, src, bdims_in, outs) -> None:
-        """Mark the outputs of an op on batched data as batched, with their batch dimension (-1: unknown)."""
+        """Mark the outputs of an op on batched data as batched, with their batch dimension (-1:
+        unknown)."""
         bdim = None
         for d in bdims_in:
             if d is not None:
@@ -283,14 +296,15 @@ class ParamTracer(TorchFunctionMode):
             batched[t] = _out_bdim(func, args, kwargs, src, bdim, t, self.batch_size)
 
     def _pending_rows(self, func, args, kwargs, tracked, tensors):
-        """An elementwise op that spreads a one-row derived tensor over the n rows of a constant: substitute
-        the row-expanded ``D_b`` now (rows stay aligned through elementwise ops) and finish the entry when
-        the result meets n batched rows. Returns the op's output, or None when the op is not such a case."""
+        """An elementwise op that spreads a one-row derived tensor over the n rows of a constant:
+        substitute the row-expanded ``D_b`` now (rows stay aligned through elementwise ops) and
+        finish the entry when the result meets n batched rows. Returns the op's output, or None when
+        the op is not such a case."""
         has_pending = any(self._info(t).pending for t in tracked)
         if func not in ELEMENTWISE:
             if has_pending:
-                self._fail(func, tracked, "a tensor whose rows are already aligned with the batch went through "
-                                          "an op other than an elementwise one")
+                self._fail(func, tracked, "a tensor whose rows are already aligned with the batch "
+                                          "went through an op other than an elementwise one")
             return None
         shape = torch.broadcast_shapes(*(t.shape for t in tensors))
         if not shape or shape[0] <= 1:
@@ -327,7 +341,8 @@ class ParamTracer(TorchFunctionMode):
         return self.derived[t]
 
     def _moved(self, tensors) -> bool:
-        """True when a batched tensor among ``tensors`` is known to have its batch elsewhere than dim 0."""
+        """True when a batched tensor among ``tensors`` is known to have its batch elsewhere than
+        dim 0."""
         return any(self.batched[t] > 0 for t in tensors if t in self.batched)
 
     def _rows_ok(self, tensors) -> bool:
@@ -335,10 +350,11 @@ class ParamTracer(TorchFunctionMode):
         return all(self.batched[t] == 0 for t in tensors if t in self.batched)
 
     def layer_input(self, x, covered: bool = False) -> Tuple[Optional[bool], Optional[int]]:
-        """``(rows_ok, batch_dim)`` of a recorded layer call's input ``x``: whether its rows are sample-major in dim 0
-        and where its batch dimension is (-1: unknown; both None when ``x`` is not batched data seen here, or the
-        call runs inside a skipped plain submodule). ``covered``: the input is a tracer entry (rows are samples).
-        A call without exactly B sample-major rows counts as an event (its submodule is not plain)."""
+        """``(rows_ok, batch_dim)`` of a recorded layer call's input ``x``: whether its rows are
+        sample-major in dim 0 and where its batch dimension is (-1: unknown; both None when ``x`` is
+        not batched data seen here, or the call runs inside a skipped plain submodule). ``covered``:
+        the input is a tracer entry (rows are samples). A call without exactly B sample-major rows
+        counts as an event (its submodule is not plain)."""
         if covered:
             return True, None
         if not self.active or self.skipping:
@@ -349,7 +365,8 @@ class ParamTracer(TorchFunctionMode):
         return (None if bdim is None else bdim == 0), bdim
 
     def sample_major(self, t) -> Optional[bool]:
-        """Whether batched ``t`` has its rows sample-major in dim 0 (None: not a batched tensor seen here)."""
+        """Whether batched ``t`` has its rows sample-major in dim 0 (None: not a batched tensor seen
+        here)."""
         if not self.active or t not in self.batched:
             return None
         return self.batched[t] == 0
@@ -360,8 +377,9 @@ class ParamTracer(TorchFunctionMode):
     def _row_base(self, func, args, kwargs, tracked, out):
         """``T`` (one row) when ``out`` is ``n`` identical rows ``T.expand(n, …)``, else None.
 
-        Recognised: ``expand``/``repeat`` of a one-row tensor, and shape ops (reshape, permute, …) of
-        such a tensor that keep the rows, verified by recomputing the op on the row and comparing.
+        Recognised: ``expand``/``repeat`` of a one-row tensor, and shape ops (reshape, permute, …)
+        of such a tensor that keep the rows, verified by recomputing the op on the row and
+        comparing.
         """
         # (0 rows: an empty Poisson batch)
         if len(tracked) != 1 or out.dim() == 0 or out.shape[0] == 1:
@@ -373,7 +391,8 @@ class ParamTracer(TorchFunctionMode):
         info = self.derived.get(src) if id(src) not in self.tracked else None
         if func is torch.Tensor.repeat and src.dim() == out.dim() and src.shape[0] == 1:
             row_src = src
-        elif func in ROWWISE and info is not None and info.row_base is not None and src.shape[0] == n:
+        elif (func in ROWWISE and info is not None and info.row_base is not None
+              and src.shape[0] == n):
             row_src = info.row_base
         else:
             return None
@@ -408,30 +427,34 @@ class ParamTracer(TorchFunctionMode):
     def _fail(self, func, tracked, why):
         names = sorted({self.names[i] for t in tracked for i in self._param_ids(t)})
         raise UnsupportedEntryError(
-            f"parameter(s) {names} meet the batch in {getattr(func, '__name__', func)!r}: {why}. The parameter-entry "
-            "tracer clips parameters that reach the batch by elementwise ops (add/sub/mul/div/where), cat/stack of "
-            "a batch-expanded token, or F.scaled_dot_product_attention(attn_mask=...). Clip the module that owns "
-            "them with the torch.func fallback instead: private_engine.layers.register_fallback(ModuleClass) before "
-            "building the engine, or freeze them (requires_grad_(False))."
+            f"parameter(s) {names} meet the batch in {getattr(func, '__name__', func)!r}: {why}. "
+            "The parameter-entry tracer clips parameters that reach the batch by elementwise ops "
+            "(add/sub/mul/div/where), cat/stack of a batch-expanded token, or "
+            "F.scaled_dot_product_attention(attn_mask=...). Clip the module that owns them with "
+            "the torch.func fallback instead: private_engine.layers.register_fallback(ModuleClass) "
+            "before building the engine, or freeze them (requires_grad_(False))."
         )
 
     def _substitute(self, t, shape, func, check_batch=True, rows_ok=True, moved=False):
-        """``D_b``: ``t`` (aligned to the broadcast ``shape``) expanded to ``shape[0]`` rows, and its entry.
-        ``rows_ok``: the batched operands are known sample-major in dim 0 (needed for k·B rows); ``moved``: one
-        is known to have its batch in another dimension (refused even with B rows: a sequence-first layout)."""
+        """``D_b``: ``t`` (aligned to the broadcast ``shape``) expanded to ``shape[0]`` rows, and
+        its entry. ``rows_ok``: the batched operands are known sample-major in dim 0 (needed for k·B
+        rows); ``moved``: one is known to have its batch in another dimension (refused even with B
+        rows: a sequence-first layout)."""
         B = self.batch_size
         n = shape[0]
         if check_batch and moved:
-            self._fail(func, [t], f"the batched operand has {n} rows but its batch dimension was moved from dim 0 "
-                                  "(e.g. a sequence-first layout), so rows cannot be assigned to samples")
+            self._fail(func, [t], f"the batched operand has {n} rows but its batch dimension was "
+                                  "moved from dim 0 (e.g. a sequence-first layout), so rows cannot "
+                                  "be assigned to samples")
         if check_batch and not rows_ok:
-            self._fail(func, [t], "the tracer could not follow the batch dimension of the batched operand through "
-                                  "the ops before this one (it follows elementwise and shape ops, permute/transpose, "
-                                  "basic indexing, reductions over other dims, cat/stack along other dims, embedding), "
-                                  "so its rows cannot be assigned to samples")
+            self._fail(func, [t], "the tracer could not follow the batch dimension of the batched "
+                                  "operand through the ops before this one (it follows "
+                                  "elementwise and shape ops, permute/transpose, basic indexing, "
+                                  "reductions over other dims, cat/stack along other dims, "
+                                  "embedding), so its rows cannot be assigned to samples")
         if check_batch and (n % B if B else n):  # an empty batch has 0 rows: nothing to assign
-            self._fail(func, [t], f"the batched operand has {n} rows, not a multiple of the batch size {B} "
-                                  "(inputs must be batch-first)")
+            self._fail(func, [t], f"the batched operand has {n} rows, not a multiple of the batch "
+                                  f"size {B} (inputs must be batch-first)")
         if t.dim() < len(shape):
             base = t.reshape((1,) * (len(shape) - t.dim()) + tuple(t.shape))
         elif t.shape[0] == 1:
@@ -439,8 +462,9 @@ class ParamTracer(TorchFunctionMode):
         else:
             info = self.derived.get(t)
             if info is None or info.row_base is None or t.shape[0] != n:
-                self._fail(func, [t], f"a batch-free tensor of shape {tuple(t.shape)} is aligned with the batch "
-                                      "dimension but is not an expand of a one-row tensor")
+                self._fail(func, [t], f"a batch-free tensor of shape {tuple(t.shape)} is aligned "
+                                      "with the batch dimension but is not an expand of a one-row "
+                                      "tensor")
             base = info.row_base
         if base.shape[0] != 1:
             self._fail(func, [t], f"cannot align shape {tuple(t.shape)} with the batch dimension")
@@ -454,15 +478,18 @@ class ParamTracer(TorchFunctionMode):
 
     def _entry(self, func, args, kwargs, tracked):
         tensors = _tensors(args, kwargs)
-        batched_nodes = [get_gradient_edge(t).node for t in tensors if not self.is_tracked(t) and t.requires_grad]
+        batched_nodes = [get_gradient_edge(t).node for t in tensors
+                         if not self.is_tracked(t) and t.requires_grad]
         new_entries = []
         rows_ok = self._rows_ok(tensors)
         moved = self._moved(tensors)
 
         def sub(t, shape):
             if self.is_tracked(t) and self._info(t).pending:
-                if t.dim() != len(shape) or t.shape[0] != shape[0] or shape[0] % self.batch_size or not rows_ok:
-                    self._fail(func, [t], f"its {t.shape[0]} rows do not line up with the {shape[0]} batched rows")
+                if (t.dim() != len(shape) or t.shape[0] != shape[0] or shape[0] % self.batch_size
+                        or not rows_ok):
+                    self._fail(func, [t], f"its {t.shape[0]} rows do not line up with the "
+                                          f"{shape[0]} batched rows")
                 new_entries.extend(self._info(t).pending)
                 return t
             if self.is_tracked(t):
@@ -474,7 +501,8 @@ class ParamTracer(TorchFunctionMode):
         if func in ELEMENTWISE:
             shape = torch.broadcast_shapes(*(t.shape for t in tensors))
             args = tuple(sub(a, shape) if isinstance(a, torch.Tensor) else a for a in args)
-            kwargs = {k: sub(v, shape) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+            kwargs = {k: sub(v, shape) if isinstance(v, torch.Tensor) else v
+                      for k, v in kwargs.items()}
         elif func in CONCAT:
             seq = args[0] if args else kwargs.get("tensors")
             dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
@@ -482,9 +510,11 @@ class ParamTracer(TorchFunctionMode):
             if func is not torch.stack and dim % ref.dim() == 0:
                 self._fail(func, tracked, "concatenation along the batch dimension")
             shape = ref.shape
-            seq = [sub(t, (shape[0],) + tuple(t.shape[1:])) if t.dim() == ref.dim() else t for t in seq]
+            seq = [sub(t, (shape[0],) + tuple(t.shape[1:])) if t.dim() == ref.dim() else t
+                   for t in seq]
             if any(self.is_tracked(t) for t in seq):
-                self._fail(func, tracked, "a tracked tensor with another rank than the batched ones")
+                self._fail(func, tracked,
+                           "a tracked tensor with another rank than the batched ones")
             args = (seq,) + tuple(args[1:]) if args else args
             if not args:
                 kwargs = dict(kwargs, tensors=seq)
@@ -505,7 +535,8 @@ class ParamTracer(TorchFunctionMode):
             out, is_entry = self._linear_entry(args, kwargs, tracked, new_entries)
             if not is_entry:  # F.linear on a batch-free input: a chain op after all
                 return out
-            if new_entries:  # bias entry: its data is F.linear(x, W); input entry: the recorded call covers W, b
+            # bias entry: its data is F.linear(x, W); input entry: the recorded call covers W, b
+            if new_entries:
                 batched_nodes = new_entries[-1].batched_nodes
         else:
             self._fail(func, tracked, "this op is not a supported entry")
@@ -526,11 +557,13 @@ class ParamTracer(TorchFunctionMode):
 
         * ``b`` derived from tracked parameters (timm BEiT/EVA/SwinV2 attention:
           ``F.linear(x, self.qkv.weight, cat(q_bias, zeros, v_bias))``): computed as
-          ``F.linear(x, W) + b_b``, an entry for ``b``; when ``W`` is the weight of a recorded Linear whose
-          forward is never called, the call ``(x, F.linear(x, W))`` is recorded for that Linear, so its
-          weight is clipped by the Linear rule (ghost or instantiated) at rule speed.
-        * ``x`` a row-expanded tracked tensor with B rows (timm's attention-pool ``latent.expand(B, …)``
-          fed to a Linear): its rows are the samples; ``x`` becomes an entry and the output is batched.
+          ``F.linear(x, W) + b_b``, an entry for ``b``; when ``W`` is the weight of a recorded
+          Linear whose forward is never called, the call ``(x, F.linear(x, W))`` is recorded for
+          that Linear, so its weight is clipped by the Linear rule (ghost or instantiated) at rule
+          speed.
+        * ``x`` a row-expanded tracked tensor with B rows (timm's attention-pool
+          ``latent.expand(B, …)`` fed to a Linear): its rows are the samples; ``x`` becomes an entry
+          and the output is batched.
         """
         names = ("input", "weight", "bias")
         vals = list(args) + [None] * (3 - len(args))
@@ -544,32 +577,38 @@ class ParamTracer(TorchFunctionMode):
         if tr[0]:
             info = self._info(x)
             layer = self.linear_layers.get(id(W))
-            if x.dim() >= 2 and x.shape[0] == self.batch_size and info.row_base is not None and not tr[2]:
+            if (x.dim() >= 2 and x.shape[0] == self.batch_size and info.row_base is not None
+                    and not tr[2]):
                 # rows are the samples: an entry for x; the Linear's own call is recorded here
                 if layer is not None and not (b is None or b is layer.module.bias):
-                    self._fail(F.linear, tracked, f"the bias is not the own bias of the Linear {layer.name} owning "
-                                                  "the weight (the recorded call would clip the wrong bias)")
+                    self._fail(F.linear, tracked,
+                               f"the bias is not the own bias of the Linear {layer.name} owning "
+                               "the weight (the recorded call would clip the wrong bias)")
                 own = (layer.module.weight, layer.module.bias) if layer is not None else ()
                 x, e = self._substitute(x, tuple(x.shape), F.linear)
                 # W/b that are not the Linear's own parameters: the graph walk must look behind them
-                e.batched_nodes = [get_gradient_edge(t).node for t in (W, b) if isinstance(t, torch.Tensor)
-                                   and t.requires_grad and not any(t is o for o in own)]
+                e.batched_nodes = [get_gradient_edge(t).node for t in (W, b)
+                                   if isinstance(t, torch.Tensor) and t.requires_grad
+                                   and not any(t is o for o in own)]
                 new_entries.append(e)
                 y = F.linear(x, W, b)
                 if layer is not None:
                     self.recorder.record(layer, layer.module, x, y, covered=True)
                     self.recorded[y] = True
                 elif any(isinstance(t, nn.Parameter) and t.requires_grad for t in (W, b)):
-                    self._fail(F.linear, tracked, "the weight is a trainable parameter of no recorded Linear")
+                    self._fail(F.linear, tracked,
+                               "the weight is a trainable parameter of no recorded Linear")
                 return y, True
-            # a batch-free input (SwinV2's continuous position bias MLP on a fixed grid): a chain op; the
-            # Linear's parameters are followed by the tracer (the recorder hands the call over)
+            # a batch-free input (SwinV2's continuous position bias MLP on a fixed grid): a chain
+            # op; the Linear's parameters are followed by the tracer (the recorder hands the call
+            # over)
             y = F.linear(x, W, b)
             ids = set(self._param_ids(x)) | (set(self._param_ids(b)) if tr[2] else set())
             for t in (W, b):
                 if isinstance(t, nn.Parameter) and t.requires_grad and id(t) not in self.tracked:
                     if layer is None:
-                        self._fail(F.linear, tracked, "the weight is a trainable parameter of no recorded Linear")
+                        self._fail(F.linear, tracked,
+                                   "the weight is a trainable parameter of no recorded Linear")
                     n = f"{layer.name}.{'weight' if t is W else 'bias'}"
                     self.tracked[id(t)] = (n, t)
                     self.names[id(t)] = n
@@ -585,33 +624,38 @@ class ParamTracer(TorchFunctionMode):
             from ..layers.base import trainable
 
             if trainable(layer.module, "bias"):
-                self._fail(F.linear, tracked, f"the Linear {layer.name} owning the weight has a trainable bias that "
-                                              "this call does not use")
+                self._fail(F.linear, tracked, f"the Linear {layer.name} owning the weight has a "
+                                              "trainable bias that this call does not use")
             self.recorder.record(layer, layer.module, x, y)
         elif isinstance(W, nn.Parameter) and W.requires_grad:
-            self._fail(F.linear, tracked, "the weight is a trainable parameter of no recorded Linear")
+            self._fail(F.linear, tracked,
+                       "the weight is a trainable parameter of no recorded Linear")
         b_b, e = self._substitute(b, tuple(y.shape), F.linear)
         e.batched_nodes = [get_gradient_edge(y).node] if y.requires_grad else []
         new_entries.append(e)
         return y + b_b.to(y.dtype), True  # F.linear's dtype under autocast (its bias is cast too)
 
     def handover(self, name: str, module: nn.Module, rule, inputs, output) -> bool:
-        """Take over a layer call whose input is a batch-free constant (XCiT's Fourier position encoding
-        projects a fixed grid): its trainable parameters are followed like tracked ones from its output.
-        Returns True when the recorder must not record the call."""
-        if not self.active or self.skipping or not inputs or not isinstance(inputs[0], torch.Tensor):
+        """Take over a layer call whose input is a batch-free constant (XCiT's Fourier position
+        encoding projects a fixed grid): its trainable parameters are followed like tracked ones
+        from its output. Returns True when the recorder must not record the call."""
+        if (not self.active or self.skipping or not inputs
+                or not isinstance(inputs[0], torch.Tensor)):
             return False
         a = inputs[0]
         if output in self.recorded:  # recorded by the tracer's F.linear entry already
             return True
-        if self.is_tracked(a):  # a layer on a batch-free tracked input: already followed by the tracer
+        # a layer on a batch-free tracked input: already followed by the tracer
+        if self.is_tracked(a):
             return output in self.derived
-        if output in self.derived:  # its parameters were handed over in an earlier step: a chain op already
+        # its parameters were handed over in an earlier step: a chain op already
+        if output in self.derived:
             return True
         if a in self.batched or a.requires_grad or (a.dim() > 0 and a.shape[0] == self.batch_size):
             return False
         params = [(f"{name}.{pn}" if name else pn, getattr(module, pn)) for pn in rule.param_names
-                  if isinstance(getattr(module, pn, None), nn.Parameter) and getattr(module, pn).requires_grad]
+                  if isinstance(getattr(module, pn, None), nn.Parameter)
+                  and getattr(module, pn).requires_grad]
         for qn, p in params:
             self.tracked[id(p)] = (qn, p)
             self.names[id(p)] = qn
@@ -633,15 +677,18 @@ class ParamTracer(TorchFunctionMode):
 
     def _accumulate(self, entry: Entry, cot: torch.Tensor, n: int) -> None:
         B = self.batch_size
-        cot = cot.reshape(B, n // B, *cot.shape[1:]).sum(1)  # (B, *base.shape[1:]): per-sample cotangent
+        # (B, *base.shape[1:]): per-sample cotangent
+        cot = cot.reshape(B, n // B, *cot.shape[1:]).sum(1)
         base = entry.base
         if len(entry.params) == 1 and _is_reshape_of(base, entry.params[0]):
             P = entry.params[0]
             grads = [cot.reshape(B, *P.shape)]
         else:
             with torch.enable_grad():
-                grads = torch.autograd.grad(base, entry.params, grad_outputs=cot.reshape(B, *base.shape),
-                                            is_grads_batched=True, retain_graph=True, allow_unused=True)
+                grads = torch.autograd.grad(base, entry.params,
+                                            grad_outputs=cot.reshape(B, *base.shape),
+                                            is_grads_batched=True, retain_graph=True,
+                                            allow_unused=True)
         for P, g in zip(entry.params, grads):
             if g is None:
                 continue
@@ -672,28 +719,32 @@ class ParamTracer(TorchFunctionMode):
         self.grads = {}
 
 
-_TRANSPOSES = {torch.Tensor.transpose, torch.transpose, torch.Tensor.swapaxes, torch.swapaxes, torch.Tensor.swapdims,
-               torch.swapdims}
+_TRANSPOSES = {torch.Tensor.transpose, torch.transpose, torch.Tensor.swapaxes, torch.swapaxes,
+               torch.Tensor.swapdims, torch.swapdims}
 _PERMUTES = {torch.Tensor.permute, torch.permute}
 _MOVEDIMS = {torch.Tensor.movedim, torch.movedim, torch.Tensor.moveaxis, torch.moveaxis}
 
 
 def _out_bdim(func, args, kwargs, src, bdim, out, B) -> int:
-    """Position of the batch dimension in ``out`` (-1: unknown), given it is ``bdim`` in the batched input ``src``.
+    """Position of the batch dimension in ``out`` (-1: unknown), given it is ``bdim`` in the batched
+    input ``src``.
 
-    Followed through permute/transpose/movedim/.T/.mT, unbind/select, basic indexing, unsqueeze, stack, reductions
-    over other dims, embedding, reshapes that keep the dims up to it, and reshapes that merge or split dim 0
-    sample-major (Swin's window partition and reverse, ``flatten(0, 1)``); any other op keeps it when the rank and
-    the batch dimension's size are unchanged (cat/repeat along it stack rows, not samples). An entry needs the batch
-    known in dim 0; a layer may see k·B rows only then, and is refused when its batch is known elsewhere.
+    Followed through permute/transpose/movedim/.T/.mT, unbind/select, basic indexing, unsqueeze,
+    stack, reductions over other dims, embedding, reshapes that keep the dims up to it, and reshapes
+    that merge or split dim 0 sample-major (Swin's window partition and reverse,
+    ``flatten(0, 1)``); any other op keeps it when the rank and the batch dimension's size are
+    unchanged (cat/repeat along it stack rows, not samples). An entry needs the batch known in
+    dim 0; a layer may see k·B rows only then, and is refused when its batch is known elsewhere.
     """
     if bdim < 0 or not isinstance(src, torch.Tensor):
         return -1
     try:
         nd = src.dim()
-        if func not in _MOVES_BATCH and out.dim() == nd:  # same rank, no dimension moved: the batch stays in place
-            return bdim if out.shape[bdim] == src.shape[bdim] else -1  # only when its size is unchanged (cat/repeat
-            # along it stack rows, not samples); every op of _MOVES_BATCH returns from its own branch below
+        # same rank, no dimension moved: the batch stays in place
+        if func not in _MOVES_BATCH and out.dim() == nd:
+            # only when its size is unchanged (cat/repeat along it stack rows, not samples); every
+            # op of _MOVES_BATCH returns from its own branch below
+            return bdim if out.shape[bdim] == src.shape[bdim] else -1
         if func in _TRANSPOSES:
             d0 = (args[1] if len(args) > 1 else kwargs.get("dim0")) % nd
             d1 = (args[2] if len(args) > 2 else kwargs.get("dim1")) % nd
@@ -703,7 +754,8 @@ def _out_bdim(func, args, kwargs, src, bdim, out, B) -> int:
             dims = [d % nd for d in (dims or kwargs.get("dims"))]
             return dims.index(bdim)
         if func in _MOVEDIMS:
-            perm = torch.movedim(torch.arange(nd), args[1] if len(args) > 1 else kwargs.get("source"),
+            perm = torch.movedim(torch.arange(nd),
+                                 args[1] if len(args) > 1 else kwargs.get("source"),
                                  args[2] if len(args) > 2 else kwargs.get("destination"))
             return perm.tolist().index(bdim)
         if func in _UNBINDS:
@@ -717,7 +769,8 @@ def _out_bdim(func, args, kwargs, src, bdim, out, B) -> int:
             r = bdim + (d <= bdim)
             return r if out.dim() == nd + 1 and out.shape[r] == src.shape[bdim] else -1
         if func in _RESHAPES:
-            if bdim > 0 and out.dim() > bdim and tuple(out.shape[:bdim + 1]) == tuple(src.shape[:bdim + 1]):
+            if (bdim > 0 and out.dim() > bdim
+                    and tuple(out.shape[:bdim + 1]) == tuple(src.shape[:bdim + 1])):
                 return bdim  # the dims up to the batch are kept (e.g. (T, B, H·D) -> (T, B, H, D))
             if bdim != 0 or out.dim() == 0:
                 return -1
@@ -725,7 +778,8 @@ def _out_bdim(func, args, kwargs, src, bdim, out, B) -> int:
             if n_out % B == 0 and (n_out % n_in == 0 or n_in % n_out == 0):
                 return 0  # dim 0 merged with following dims, or split: rows stay sample-major
             return -1
-        if func in (torch.Tensor.t, torch.t) or func in _T_GETTERS:  # .t(), .T, .H reverse dims; .mT, .mH swap
+        # .t(), .T, .H reverse dims; .mT, .mH swap
+        if func in (torch.Tensor.t, torch.t) or func in _T_GETTERS:
             if func not in _MT_GETTERS:
                 r = nd - 1 - bdim
             else:
@@ -737,7 +791,8 @@ def _out_bdim(func, args, kwargs, src, bdim, out, B) -> int:
             d = (args[1] if len(args) > 1 else kwargs.get("dim", 0)) % (nd + 1)
             r = bdim + (d <= bdim)
             return r if out.dim() == nd + 1 and out.shape[r] == src.shape[bdim] else -1
-        if out.dim() < nd and getattr(func, "__name__", "") in _REDUCTIONS:  # x.mean(1), x.amax(dim=(-2, -1)), …
+        # x.mean(1), x.amax(dim=(-2, -1)), …
+        if out.dim() < nd and getattr(func, "__name__", "") in _REDUCTIONS:
             d = args[1] if len(args) > 1 else kwargs.get("dim")
             ds = [d] if isinstance(d, int) else list(d) if isinstance(d, (tuple, list)) else []
             ds = {k % nd for k in ds if isinstance(k, int) and not isinstance(k, bool)}
@@ -749,8 +804,9 @@ def _out_bdim(func, args, kwargs, src, bdim, out, B) -> int:
     return -1
 
 
-_REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "prod", "std", "var", "logsumexp", "squeeze",
-               "argmax", "argmin", "all", "any", "nansum", "nanmean", "median", "count_nonzero"}
+_REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "prod", "std", "var", "logsumexp",
+               "squeeze", "argmax", "argmin", "all", "any", "nansum", "nanmean", "median",
+               "count_nonzero"}
 #: ``x.T`` etc. arrive in ``__torch_function__`` as the property getters
 _T_GETTERS, _MT_GETTERS = set(), set()
 for _attr in ("T", "mT", "H", "mH"):
@@ -762,10 +818,11 @@ for _attr in ("T", "mT", "H", "mH"):
 
 
 def _getitem_bdim(index, nd: int, bdim: int) -> int:
-    """Position of the batch dimension after basic indexing (ints, slices, None, ``...``); -1 when the batch is
-    indexed (anything but a full slice) or for advanced indexing."""
+    """Position of the batch dimension after basic indexing (ints, slices, None, ``...``); -1 when
+    the batch is indexed (anything but a full slice) or for advanced indexing."""
     index = index if isinstance(index, tuple) else (index,)
-    if any(not (i is None or i is Ellipsis or isinstance(i, (int, slice))) or isinstance(i, bool) for i in index):
+    if any(not (i is None or i is Ellipsis or isinstance(i, (int, slice))) or isinstance(i, bool)
+           for i in index):
         return -1
     consumed = sum(1 for i in index if i is not None and i is not Ellipsis)
     if consumed > nd or sum(1 for i in index if i is Ellipsis) > 1:
@@ -791,19 +848,21 @@ def _getitem_bdim(index, nd: int, bdim: int) -> int:
 _EMBEDDINGS = {F.embedding, torch.embedding, F.one_hot}
 _UNSQUEEZES = {torch.Tensor.unsqueeze, torch.unsqueeze}
 _UNBINDS = {torch.Tensor.unbind, torch.unbind, torch.Tensor.select, torch.select}
-_RESHAPES = {torch.Tensor.reshape, torch.reshape, torch.Tensor.view, torch.Tensor.flatten, torch.flatten,
-             torch.Tensor.view_as, torch.Tensor.reshape_as, torch.Tensor.unflatten}
+_RESHAPES = {torch.Tensor.reshape, torch.reshape, torch.Tensor.view, torch.Tensor.flatten,
+             torch.flatten, torch.Tensor.view_as, torch.Tensor.reshape_as, torch.Tensor.unflatten}
 
 
 def _is_reshape_of(t: torch.Tensor, p: torch.Tensor) -> bool:
-    """True when ``t`` holds ``p``'s elements in ``p``'s order (p itself or a contiguous view of it)."""
+    """True when ``t`` holds ``p``'s elements in ``p``'s order (p itself or a contiguous view of
+    it)."""
     if t is p:
         return True
     return (t._base is p and t.numel() == p.numel() and t.is_contiguous() and p.is_contiguous()
             and t.storage_offset() == p.storage_offset())
 
 
-#: ops that ``_out_bdim`` handles before its same-rank rule (they can move the batch dimension without changing the
-#: rank); any other op of the same rank keeps the batch where it was when its size is unchanged
-_MOVES_BATCH = (_TRANSPOSES | _PERMUTES | _MOVEDIMS | _UNBINDS | _UNSQUEEZES | _RESHAPES | _T_GETTERS
-                | {torch.Tensor.__getitem__, torch.Tensor.t, torch.t})
+#: ops that ``_out_bdim`` handles before its same-rank rule (they can move the batch dimension
+#: without changing the rank); any other op of the same rank keeps the batch where it was when its
+#: size is unchanged
+_MOVES_BATCH = (_TRANSPOSES | _PERMUTES | _MOVEDIMS | _UNBINDS | _UNSQUEEZES | _RESHAPES
+                | _T_GETTERS | {torch.Tensor.__getitem__, torch.Tensor.t, torch.t})

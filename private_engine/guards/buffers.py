@@ -10,7 +10,7 @@ Two checks:
 
 * :func:`check_no_running_stats`, static, at engine construction: the known classes that keep
   running statistics (``InstanceNorm`` with ``track_running_stats=True``, timm's batch-statistic
-  EvoNorms). BatchNorm is refused before it, by ``validation.check_no_batchnorm``.
+  EvoNorms). BatchNorm is refused before it, by ``model_check.check_no_batchnorm``.
 * :class:`BufferGuard`, dynamic, for any module: between a module's forward pre-hook and forward
   hook, a buffer modified in place (its ``_version`` moved) or re-assigned raises a ValueError.
 """

@@ -1,4 +1,6 @@
-"""Model checks done before training starts, and the BatchNorm fix helper."""
+"""Model checks done before training starts — which module clips each trainable parameter, and
+what cannot be clipped per sample (BatchNorm, running statistics, shared parameters, uncertified
+rules) — and the BatchNorm fix helper that removes what those checks refuse."""
 from __future__ import annotations
 
 import inspect
@@ -14,7 +16,8 @@ from ..layers.registry import find_rule, overrides_ruled_class, uses_fallback
 
 
 def batchnorm_modules(model: nn.Module) -> List[str]:
-    """Names of BatchNorm modules (their batch statistics mix samples, so no per-sample gradient exists)."""
+    """Names of BatchNorm modules (their batch statistics mix samples, so no per-sample gradient
+    exists)."""
     return [name or type(model).__name__ for name, m in model.named_modules()
             if isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
@@ -23,14 +26,15 @@ def check_no_batchnorm(model: nn.Module) -> None:
     """Refuse BatchNorm, then every other module whose buffers track statistics of the data.
 
     BatchNorm mixes samples (no per-sample gradient exists); the others (InstanceNorm with
-    ``track_running_stats=True``, …: ``private_engine.guards.buffers.check_no_running_stats``) would
-    release running statistics of the private batches without noise in the ``state_dict``.
+    ``track_running_stats=True``, …: ``private_engine.guards.buffers.check_no_running_stats``)
+    would release running statistics of the private batches without noise in the ``state_dict``.
     """
     bns = batchnorm_modules(model)
     if bns:
         shown = ", ".join(bns[:8]) + (f", … ({len(bns)} in all)" if len(bns) > 8 else "")
         raise ValueError(
-            f"the model has BatchNorm layers ({shown}); BatchNorm mixes samples through batch statistics, so "
+            f"the model has BatchNorm layers ({shown}); BatchNorm mixes samples through batch "
+            "statistics, so "
             "per-sample clipping is not defined. Replace them with GroupNorm: "
             "model = private_engine.fix_batchnorm(model)."
         )
@@ -41,18 +45,18 @@ def fix_batchnorm(model: nn.Module, num_groups: int = 32) -> nn.Module:
     """Replace every BatchNorm by GroupNorm, stop InstanceNorm tracking running statistics, then
     apply Opacus' ``ModuleValidator.fix``; returns the model.
 
-    ``GroupNorm(gcd(num_groups, C), C)`` normalises each sample on its own, so per-sample gradients
-    exist. Frozen BatchNorms are replaced too (their batch statistics mix samples all the same), by a
-    GroupNorm that stays frozen. timm's ``BatchNormAct2d`` (BatchNorm + activation) becomes
-    ``Sequential(norm=GroupNorm, drop, act)`` with the same dropout and activation: a plain GroupNorm
-    whose own output gradient the engine sees (timm's ``GroupNormAct`` applies the activation inside
-    the norm module, so its output gradient is taken after the activation and the GroupNorm rule does
-    not hold for it).
+    ``GroupNorm(gcd(num_groups, C), C)`` normalises each sample on its own, so per-sample
+    gradients exist. Frozen BatchNorms are replaced too (their batch statistics mix samples all the
+    same), by a GroupNorm that stays frozen. timm's ``BatchNormAct2d`` (BatchNorm + activation)
+    becomes ``Sequential(norm=GroupNorm, drop, act)`` with the same dropout and activation: a plain
+    GroupNorm whose own output gradient the engine sees (timm's ``GroupNormAct`` applies the
+    activation inside the norm module, so its output gradient is taken after the activation and the
+    GroupNorm rule does not hold for it).
 
     InstanceNorm with ``track_running_stats=True`` becomes ``track_running_stats=False``, its
-    running buffers removed (``private_engine.guards.buffers.drop_running_stats``): training is unchanged
-    (in training mode it normalises each sample by its own statistics anyway), but in eval mode it
-    then normalises by the sample's own statistics too, not by running estimates.
+    running buffers removed (``private_engine.guards.buffers.drop_running_stats``): training is
+    unchanged (in training mode it normalises each sample by its own statistics anyway), but in
+    eval mode it then normalises by the sample's own statistics too, not by running estimates.
     """
     from opacus.validators import ModuleValidator
 
@@ -64,8 +68,9 @@ def fix_batchnorm(model: nn.Module, num_groups: int = 32) -> nn.Module:
 
 
 def _replace_batchnorm(model: nn.Module, num_groups: int) -> nn.Module:
-    # Opacus' ModuleValidator.fix only replaces *trainable* BatchNorms: a frozen one stayed, and the
-    # check after it then asked the user to call fix_batchnorm — the function that had just failed.
+    # Opacus' ModuleValidator.fix only replaces *trainable* BatchNorms, so frozen ones are replaced
+    # here: otherwise the check after it would ask the user to call fix_batchnorm, the very function
+    # that returned the model.
     try:
         from timm.layers import BatchNormAct2d
     except ImportError:  # pragma: no cover - timm is a dependency
@@ -76,7 +81,8 @@ def _replace_batchnorm(model: nn.Module, num_groups: int) -> nn.Module:
         if isinstance(child, nn.modules.batchnorm._BatchNorm):
             C = child.num_features
             norm = nn.GroupNorm(math.gcd(C, num_groups), C, eps=child.eps, affine=child.affine)
-            like = next((t for t in (*child.parameters(), *child.buffers()) if t.is_floating_point()), None)
+            like = next((t for t in (*child.parameters(), *child.buffers())
+                         if t.is_floating_point()), None)
             if like is not None:  # same device and dtype as the layer it replaces
                 norm.to(device=like.device, dtype=like.dtype)
             if child.affine:
@@ -119,12 +125,13 @@ class ModelScan:
 def scan_model(model: nn.Module) -> ModelScan:
     """Who clips each trainable parameter.
 
-    * ``layers = [(name, module, rule)]``: modules whose direct trainable parameters a layer rule covers;
-    * ``traced = [(qualified name, param)]``: other direct parameters (tokens, pos_embed, gammas, bias
-      tables, …), clipped by the parameter-entry tracer (private_engine.capture.tracer);
+    * ``layers = [(name, module, rule)]``: modules whose direct trainable parameters a layer rule
+      covers;
+    * ``traced = [(qualified name, param)]``: other direct parameters (tokens, pos_embed, gammas,
+      bias tables, …), clipped by the parameter-entry tracer (private_engine.capture.tracer);
     * ``fallbacks = [(name, module)]``: modules of a class registered for the torch.func fallback
-      (private_engine.capture.fallback), and subclasses of a ruled layer that override its forward (timm's
-      LayerNorm2d, StdConv2d, …); they clip every trainable parameter of their subtree.
+      (private_engine.capture.fallback), and subclasses of a ruled layer that override its forward
+      (timm's LayerNorm2d, StdConv2d, …); they clip every trainable parameter of their subtree.
     """
 
     layers, traced, fallbacks, owners = [], [], [], {}
@@ -158,15 +165,16 @@ def scan_model(model: nn.Module) -> ModelScan:
 
 
 def check_certifiable(name: str, module: nn.Module, rule: LayerRule) -> None:
-    """A rule's ``certified_norm_sq`` must be written for the ``weighted_grads`` it runs: a rule (or a
-    subclass of a built-in rule) that overrides the clipped sum must say how large what it releases
-    can be, or the engine could not bound a sample's release, rounding included."""
+    """A rule's ``certified_norm_sq`` must be written for the ``weighted_grads`` it runs: a rule (or
+    a subclass of a built-in rule) that overrides the clipped sum must say how large what it
+    releases can be, or the engine could not bound a sample's release, rounding included."""
     cls = type(rule)
     def defined_in(attr):
         return next(k for k, c in enumerate(cls.__mro__) if attr in vars(c))
 
     # the certificate must be written for this release: defined at or below the class whose
-    # weighted_grads runs (a subclass overriding only weighted_grads inherits a bound of another sum)
+    # weighted_grads runs (a subclass overriding only weighted_grads inherits a bound of another
+    # sum)
     if defined_in("certified_norm_sq") > defined_in("weighted_grads"):
         raise ValueError(
             f"the layer rule {cls.__name__} (for {name or type(module).__name__}: "
@@ -192,7 +200,8 @@ def check_rule_signature(name: str, module: nn.Module, rule: LayerRule) -> None:
 
 
 def traced_parameters(model: nn.Module) -> List[str]:
-    """Names of trainable parameters clipped by the parameter-entry tracer (no layer rule covers them)."""
+    """Names of trainable parameters clipped by the parameter-entry tracer (no layer rule covers
+    them)."""
     return [n for n, _ in scan_model(model).traced]
 
 
@@ -220,7 +229,8 @@ def clipped_layers(model: nn.Module, strict: bool = True,
     shared = [names for names in owners.values() if len(names) > 1]
     if shared:
         raise ValueError(
-            "parameters shared between modules are not supported yet (their per-sample gradients add up "
+            "parameters shared between modules are not supported yet (their per-sample gradients "
+            "add up "
             f"across modules): {shared}. Untie them or freeze them (requires_grad_(False))."
         )
     return layers

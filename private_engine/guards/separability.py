@@ -11,7 +11,7 @@ order) lets one sample move the release by several times R, silently.
 tensor ``t`` of ``Σ_j r_j·L_j`` is ``Σ_j r_j·∂L_j/∂t``. When the model is separable,
 ``∂L_j/∂t`` is zero outside sample j's rows, hence for every row m of t::
 
-    ∂(Σ_j r_j·L_j)/∂t [m]  =  r_{m // k} · ∂(Σ_j L_j)/∂t [m]          (k = rows of t / B)
+    ∂(Σ_j r_j·L_j)/∂t [m]  =  r_{m // k} · ∂(Σ_j L_j)/∂t [m]      (k = rows of t / B)
 
 With ``r_j = 2^{e_j}`` the two sides are equal *exactly* in IEEE arithmetic: multiplying every
 cotangent of sample j by a power of two multiplies every product and partial sum that the
@@ -282,10 +282,10 @@ def _compare(plain: _Print, weighted: _Print, r: torch.Tensor,
              tol: Optional[float] = None) -> Tuple[int, int, int]:
     """``(bad rows, compared rows, overflowed rows)`` of ``weighted`` against ``r·plain``.
 
-    Row m (sample m // k) passes when ``|n_w − ρ n| ≤ τ ρ n + a`` and ``|p_w − ρ p| ≤ τ ρ n + a``
-    with ρ = r_{m//k}, n the row norm, p its projection, τ the tolerance (default: that of the
-    gradient's dtype) and
-    ``a = 1e-3·τ·max_m ρ n`` (an absolute floor for rows of subnormal size)."""
+    Row m (sample m // k) passes when ``|n_w − ρ n| ≤ τ ρ n + a`` and
+    ``|p_w − ρ p| ≤ τ ρ n + a`` with ρ = r_{m//k}, n the row norm, p its projection, τ the
+    tolerance (default: that of the gradient's dtype) and ``a = 1e-3·τ·max_m ρ n`` (an absolute
+    floor for rows of subnormal size)."""
     rho = r.to(plain.norm.device, plain.norm.dtype).repeat_interleave(plain.k)
     ok = plain.finite & weighted.finite
     overflow = plain.finite & ~weighted.finite

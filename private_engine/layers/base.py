@@ -1,13 +1,18 @@
-"""Layer rules: the per-layer math of per-sample gradient norms.
+"""The layer-rule interface (:class:`LayerRule`, :class:`LayerDims`) and the numerical helpers the
+rules share: the per-layer math of per-sample gradient norms and clipped sums.
 
 A *rule* knows, for one family of ``nn.Module`` s, how to turn the recorded input activation
 ``a`` and the gradient of the layer output ``g`` (both batch-first, one slice per sample) into
 
-* the layer dimensions ``(T, D, p)`` used by the mixed-clipping decision (seed 002, eq. 4.1),
+* the layer dimensions ``(T, D, p)`` used by the mixed-clipping decision (Bu, Mao & Xu 2022,
+  "Scalable and Efficient Training of Large Convolutional Neural Networks with Differential
+  Privacy", eq. 4.1),
 * the per-sample squared gradient norm ``‖∂L_i/∂W‖²`` by the **ghost norm**
-  ``⟨a_i a_iᵀ, g_i g_iᵀ⟩`` (seed 002, eq. 2.7) — never forming the per-sample gradient,
+  ``⟨a_i a_iᵀ, g_i g_iᵀ⟩`` (Bu, Mao & Xu 2022, eq. 2.7) — never forming the per-sample gradient,
 * the per-sample squared gradient norm by **instantiating** ``G_i = g_iᵀ a_i`` (p×D),
-* the per-sample gradients themselves (used by tests and by later modes).
+* the per-sample gradients themselves (kept by the instantiated path, summed over rows for
+  layers that see several rows per sample, and used by tests),
+* the clipped sum ``Σ_i C_i·∂L_i/∂θ`` and a certified upper bound of what it releases per sample.
 
 Bias terms are included in both norms: ``‖Σ_t g_{i,t}‖²``. Only parameters with
 ``requires_grad=True`` contribute, so a frozen weight with a trainable bias costs only the bias.
@@ -26,7 +31,7 @@ from .rounding import (accumulator_unit, cast_down, certified_instantiated, gamm
 
 @dataclass(frozen=True)
 class LayerDims:
-    """Dimensions of one layer call for the decision rule of seed 002, eq. (4.1).
+    """Dimensions of one layer call for the decision rule of Bu, Mao & Xu 2022, eq. (4.1).
 
     ``T``: output positions per sample (H_out·W_out, sequence length, 1 for a plain vector);
     ``D``: fan-in of one output unit (input channels per group × kernel size);
@@ -43,8 +48,8 @@ class LayerDims:
     #: width of the activation side of the ghost Gram matrix when it is not D (Embedding: 1, the
     #: equality of token ids); enters only the time cost
     gram_D: Optional[int] = None
-    #: elements per sample of the call's input and output (what book-keeping keeps for a ghost layer:
-    #: the activation and the output gradient); set by the recorder, 0 when unknown
+    #: elements per sample of the call's input and output (what book-keeping keeps for a ghost
+    #: layer: the activation and the output gradient); set by the recorder, 0 when unknown
     io_size: int = 0
 
     @property
@@ -65,9 +70,10 @@ class LayerDims:
 
     @property
     def instantiate_time(self) -> int:
-        """Book-keeping time rule (Bu et al. 2023): instantiating ``G_i`` costs what the weight gradient
-        costs anyway (``T·p·D``) and leaves ``Σ_i C_i G_i`` at ``p·D``; the ghost path pays its Grams on top
-        of that same matmul, so this is the per-sample extra of instantiation: ``p·D``."""
+        """Book-keeping time rule (Bu et al. 2023, "Differentially Private Optimization on Large
+        Model at Small Cost"): instantiating ``G_i`` costs what the weight gradient costs anyway
+        (``T·p·D``) and leaves ``Σ_i C_i G_i`` at ``p·D``; the ghost path pays its Grams on top of
+        that same matmul, so this is the per-sample extra of instantiation: ``p·D``."""
         return self.p * self.D
 
 
@@ -107,12 +113,12 @@ class LayerRule:
                        out: Optional[Dict[str, torch.Tensor]] = None) -> Dict[str, torch.Tensor]:
         """Clipped gradient sum ``{param_name: Σ_i C_i·∂L_i/∂θ}`` straight from the recorded calls.
 
-        Book-keeping (Bu et al. 2023, "Differentially Private Optimization on Large Model at Small
-        Cost"): with the output gradients of one backward kept, ``Σ_i C_i g_iᵀ a_i = gᵀ·diag(C)·a``
-        needs no second backward. ``factors`` is ``(B,)``, one clip factor per sample. ``out`` (optional):
-        ``{param_name: tensor of the parameter's shape}`` to write the sums into (the engine's flat
-        buffers); the returned tensors are then those. This default contracts the instantiated per-sample
-        gradients with ``C``; rules override it with one matmul.
+        Book-keeping (Bu et al. 2023): with the output gradients of one backward kept,
+        ``Σ_i C_i g_iᵀ a_i = gᵀ·diag(C)·a`` needs no second backward. ``factors`` is ``(B,)``, one
+        clip factor per sample. ``out`` (optional): ``{param_name: tensor of the parameter's
+        shape}`` to write the sums into (the engine's flat buffers); the returned tensors are then
+        those. This default contracts the instantiated per-sample gradients with ``C``; rules
+        override it with one matmul.
         """
         out = out or {}
         return {name: put_into(out.get(name),
@@ -121,7 +127,8 @@ class LayerRule:
 
     def instantiated_norm_sq(self, module: nn.Module, calls: Sequence[Call]) -> torch.Tensor:
         """Per-sample ‖∂L_i/∂θ‖² by instantiating the per-sample gradients, ``Σ_θ ‖G_i^θ‖²_F``."""
-        return sum_per_sample([row_norm_sq(grad) for grad in self.per_sample_grads(module, calls).values()],
+        return sum_per_sample([row_norm_sq(grad)
+                               for grad in self.per_sample_grads(module, calls).values()],
                               calls[0][1])
 
     def certified_norm_sq(self, module: nn.Module, calls: Sequence[Call], use_ghost: bool,
@@ -153,16 +160,18 @@ def accumulation_dtype(t: torch.Tensor) -> torch.dtype:
 
 
 def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t`` in ``dtype``: ``t`` itself when it already is (no dispatch: on a GPU a ``.to()`` that changes
-    nothing still costs host time, and the rules call this a few times per layer per step)."""
+    """``t`` in ``dtype``: ``t`` itself when it already is (no dispatch: on a GPU a ``.to()`` that
+    changes nothing still costs host time, and the rules call this a few times per layer per
+    step)."""
     return t if t.dtype == dtype else t.to(dtype)
 
 
 def compute_dtype(t: torch.Tensor) -> torch.dtype:
-    """Operand dtype of a rule's matmuls for an output gradient ``t``: bfloat16 stays bfloat16 (mixed
-    precision: the matmuls run as autocast ran the layer, accumulating in float32 inside the kernel, and every
-    norm is then accumulated in float32); float16 is widened to float32 (a loss-scaled float16 gradient
-    would overflow in a Gram matrix); float64 stays float64; anything else is float32."""
+    """Operand dtype of a rule's matmuls for an output gradient ``t``: bfloat16 stays bfloat16
+    (mixed precision: the matmuls run as autocast ran the layer, accumulating in float32 inside the
+    kernel, and every norm is then accumulated in float32); float16 is widened to float32 (a
+    loss-scaled float16 gradient would overflow in a Gram matrix); float64 stays float64; anything
+    else is float32."""
     return torch.bfloat16 if t.dtype == torch.bfloat16 else accumulation_dtype(t)
 
 
@@ -178,7 +187,8 @@ def mm_into(out: Optional[torch.Tensor], a: torch.Tensor, b: torch.Tensor) -> to
 
 
 def sum_into(out: Optional[torch.Tensor], t: torch.Tensor, dims) -> torch.Tensor:
-    """``t.sum(dims)`` accumulated in ≥ float32, in ``out`` when given (by the reduction itself when it has that dtype)."""
+    """``t.sum(dims)`` accumulated in ≥ float32, in ``out`` when given (by the reduction itself
+    when it has that dtype)."""
     acc = accumulation_dtype(t)
     if out is None:
         return t.sum(dims, dtype=acc)
@@ -194,7 +204,8 @@ def scale_samples(t: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
     return t * cast_down(factors, t.dtype).reshape(-1, *([1] * (t.dim() - 1)))
 
 
-def weighted_sum_into(out: Optional[torch.Tensor], rows: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+def weighted_sum_into(out: Optional[torch.Tensor], rows: torch.Tensor,
+                      factors: torch.Tensor) -> torch.Tensor:
     """``Σ_i C_i s_i`` of per-sample rows ``rows = [s_i]: (B, n)`` (one matrix-vector product
     ``sᵀC``; factors rounded toward zero to ``rows``' dtype, 16-bit rows accumulated and returned in
     float32), into ``out`` when given (by the product itself when it has that dtype)."""
@@ -207,7 +218,8 @@ def weighted_sum_into(out: Optional[torch.Tensor], rows: torch.Tensor, factors: 
 
 
 def put_into(out: Optional[torch.Tensor], value: torch.Tensor) -> torch.Tensor:
-    """``value`` copied into ``out`` when given, else ``value`` in ≥ float32 (itself when it already is)."""
+    """``value`` copied into ``out`` when given, else ``value`` in ≥ float32 (itself when it
+    already is)."""
     if out is None:
         return cast(value, accumulation_dtype(value))
     return out.copy_(value)
@@ -222,9 +234,10 @@ def gram_inner(a: torch.Tensor, g: torch.Tensor, bias: bool = False) -> torch.Te
     """Ghost norm ``⟨a aᵀ, g gᵀ⟩`` per leading index for ``a: (N, T, D)``, ``g: (N, T, p)``, in
     float64.
 
-    With ``bias=True`` it is ``⟨a aᵀ + 1 1ᵀ, g gᵀ⟩ = ‖gᵀa‖²_F + ‖Σ_t g_t‖²``: the norm of a layer's weight *and*
-    bias gradient together, since the bias gradient ``gᵀ1`` has ``‖gᵀ1‖² = 1ᵀ g gᵀ 1 = ⟨1 1ᵀ, g gᵀ⟩`` (seed 002,
-    eq. 2.7 with a constant input column) — one in-place add on the Gram instead of a reduction, a norm and a sum.
+    With ``bias=True`` it is ``⟨a aᵀ + 1 1ᵀ, g gᵀ⟩ = ‖gᵀa‖²_F + ‖Σ_t g_t‖²``: the norm of a
+    layer's weight *and* bias gradient together, since the bias gradient ``gᵀ1`` has
+    ``‖gᵀ1‖² = 1ᵀ g gᵀ 1 = ⟨1 1ᵀ, g gᵀ⟩`` (Bu, Mao & Xu 2022, eq. 2.7 with a constant input
+    column) — one in-place add on the Gram instead of a reduction, a norm and a sum.
     With T = 1 this is ``(‖a‖² + [bias])·‖g‖²`` (no Gram matrices needed).
 
     The sum has terms of both signs and a crafted sample can make it cancel, so it is formed where
@@ -298,16 +311,19 @@ def wide_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.bmm(b)
 
 
-#: on CUDA, 16-bit batched matmuls whose row count T is not a multiple of this get padded (``aligned_positions``)
+#: on CUDA, 16-bit batched matmuls whose row count T is not a multiple of this get padded
+#: (``aligned_positions``)
 CUDA_ROW_ALIGNMENT = 8
 
 
 def aligned_positions(t: torch.Tensor) -> torch.Tensor:
-    """``t: (N, T, k)`` zero-padded to ``T' = ⌈T/8⌉·8`` rows for a 16-bit CUDA tensor, else ``t`` itself.
+    """``t: (N, T, k)`` zero-padded to ``T' = ⌈T/8⌉·8`` rows for a 16-bit CUDA tensor, else ``t``
+    itself.
 
-    The ghost Gram ``t tᵀ`` is (N, T, T); with T = 197 (ViT at 224²) its rows are 394 bytes, not 16-byte
-    aligned, and cuBLAS falls back from the Hopper/Ampere tensor-core kernels to a slow generic one. Zero
-    rows add zero rows and columns to both Grams, so ``⟨a aᵀ, g gᵀ⟩`` is unchanged — exactly.
+    The ghost Gram ``t tᵀ`` is (N, T, T); with T = 197 (ViT at 224²) its rows are 394 bytes, not
+    16-byte aligned, and cuBLAS falls back from the Hopper/Ampere tensor-core kernels to a slow
+    generic one. Zero rows add zero rows and columns to both Grams, so ``⟨a aᵀ, g gᵀ⟩`` is
+    unchanged — exactly.
     """
     T = t.shape[1]
     if t.device.type != "cuda" or t.element_size() != 2 or T % CUDA_ROW_ALIGNMENT == 0:
@@ -339,9 +355,10 @@ def certified_kept(grads: Sequence[torch.Tensor], like: torch.Tensor) -> torch.T
 
 
 def sum_per_sample(terms: Sequence[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
-    """``Σ_k terms[k]`` of per-sample ``(B,)`` vectors, in the widest of their dtypes; zeros like ``like``'s batch
-    when there is none. One term is returned as is and many are stacked and summed by one reduction, so a
-    layer or a whole model costs one or two kernel launches here, not one per term."""
+    """``Σ_k terms[k]`` of per-sample ``(B,)`` vectors, in the widest of their dtypes; zeros like
+    ``like``'s batch when there is none. One term is returned as is and many are stacked and summed
+    by one reduction, so a layer or a whole model costs one or two kernel launches here, not one
+    per term."""
     if not terms:
         return zeros_like_batch(like)
     if len(terms) == 1:

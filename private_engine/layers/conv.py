@@ -1,11 +1,13 @@
 """Rule for ``nn.Conv1d/2d/3d``: stride, padding (ints, "same", "valid", every padding mode),
 dilation, groups and bias.
 
-The input is padded exactly as the layer pads it and unfolded (im2col, operator U of seed 002)
-into ``U(a_i) ∈ R^{T×groups×D}`` with ``T = Π S_out`` and ``D = (C_in/groups)·Π k``. For each
-group γ the layer is linear: ``G_i^γ = g_i^γᵀ U(a_i)^γ`` (p/groups × D), so
+The input is padded exactly as the layer pads it and unfolded (im2col, operator U of Bu, Mao & Xu
+2022, "Scalable and Efficient Training of Large Convolutional Neural Networks with Differential
+Privacy") into ``U(a_i) ∈ R^{T×groups×D}`` with ``T = Π S_out`` and ``D = (C_in/groups)·Π k``.
+For each group γ the layer is linear: ``G_i^γ = g_i^γᵀ U(a_i)^γ`` (p/groups × D), so
 
-* ghost norm: ``‖G_i‖² = Σ_γ ⟨U(a_i)^γ U(a_i)^γᵀ, g_i^γ g_i^γᵀ⟩`` (seed 002, eq. 2.7, per group),
+* ghost norm: ``‖G_i‖² = Σ_γ ⟨U(a_i)^γ U(a_i)^γᵀ, g_i^γ g_i^γᵀ⟩`` (Bu, Mao & Xu 2022, eq. 2.7,
+  per group),
 * instantiation: ``Σ_γ ‖g_i^γᵀ U(a_i)^γ‖²_F``,
 * bias: ``‖Σ_t g_{i,t}‖²``.
 """
@@ -60,15 +62,18 @@ class ConvRule(LayerRule):
             dt = compute_dtype(g)
             if a.dim() != len(module.kernel_size) + 2:
                 raise ValueError(
-                    f"{type(module).__name__} expects batched input (B, C, *spatial); got shape {tuple(a.shape)}. "
+                    f"{type(module).__name__} expects batched input (B, C, *spatial); got shape "
+                    f"{tuple(a.shape)}. "
                     "Unbatched inputs cannot be clipped per sample: add a batch dimension."
                 )
             U = unfold_conv_input(module, cast(a, dt))  # (B, T, groups, D)
             B, T, groups, D = U.shape
-            G = cast(g, dt).reshape(B, groups, module.out_channels // groups, -1)  # (B, groups, p_g, T)
+            # (B, groups, p_g, T)
+            G = cast(g, dt).reshape(B, groups, module.out_channels // groups, -1)
             if G.shape[-1] != T:
                 raise ValueError(
-                    f"{type(module).__name__}: unfolded {T} positions but the output has {G.shape[-1]}; "
+                    f"{type(module).__name__}: unfolded {T} positions but the output has "
+                    f"{G.shape[-1]}; "
                     "a subclass that changes Conv's forward needs its own rule."
                 )
             Us.append(U.permute(0, 2, 1, 3).reshape(B * groups, T, D))
@@ -162,11 +167,12 @@ class ConvRule(LayerRule):
         return certified_instantiated(norm_sq, mass, c_inst, c_rel, terms)
 
     def per_sample_grads(self, module, calls) -> Dict[str, torch.Tensor]:
-        """Per-sample weight gradients by the grouped-convolution trick (Rochette et al. 2019, "Efficient
-        per-example gradient computations in convolutional neural networks"): the batch folded into the
-        channels, ``(B, C, *S) -> (1, B·C, *S)``, makes sample i group i of a convolution with ``B·groups``
-        groups, so one weight-gradient kernel (cuDNN / oneDNN) returns ``G_i = g_iᵀ U(a_i)`` for every i at
-        the cost of the ordinary weight gradient — no im2col copy (Π k times the input) and no bmm."""
+        """Per-sample weight gradients by the grouped-convolution trick (Rochette et al. 2019,
+        "Efficient per-example gradient computations in convolutional neural networks"): the batch
+        folded into the channels, ``(B, C, *S) -> (1, B·C, *S)``, makes sample i group i of a
+        convolution with ``B·groups`` groups, so one weight-gradient kernel (cuDNN / oneDNN)
+        returns ``G_i = g_iᵀ U(a_i)`` for every i at the cost of the ordinary weight gradient — no
+        im2col copy (Π k times the input) and no bmm."""
         out = {}
         B = calls[0][1].shape[0]
         if trainable(module, "weight"):
@@ -184,12 +190,12 @@ class ConvRule(LayerRule):
         return out
 
     def weighted_grads(self, module, calls, factors, out=None) -> Dict[str, torch.Tensor]:
-        """``Σ_i C_i G_i`` as the ordinary weight gradient of the layer for the input ``diag(C)·a`` or the output
-        gradient ``diag(C)·g`` — whichever is smaller: the weight gradient is linear in each, and
-        padding (any mode) commutes with scaling a sample — one cuDNN / oneDNN weight-gradient
-        kernel per call, no per-sample gradient; bias ``Σ_i C_i Σ_t g_{i,t}``; copied into ``out``
-        when given. Operands in ≥ float32: the kernel returns its operands' dtype, and a 16-bit
-        result would round the whole batch's sum."""
+        """``Σ_i C_i G_i`` as the ordinary weight gradient of the layer for the input ``diag(C)·a``
+        or the output gradient ``diag(C)·g`` — whichever is smaller: the weight gradient is linear
+        in each, and padding (any mode) commutes with scaling a sample — one cuDNN / oneDNN
+        weight-gradient kernel per call, no per-sample gradient; bias ``Σ_i C_i Σ_t g_{i,t}``;
+        copied into ``out`` when given. Operands in ≥ float32: the kernel returns its operands'
+        dtype, and a 16-bit result would round the whole batch's sum."""
         out = out or {}
         res = {}
         if trainable(module, "weight"):
@@ -202,7 +208,8 @@ class ConvRule(LayerRule):
                     a = scale_samples(a, factors)
                 else:
                     g = scale_samples(g, factors)
-                w = _conv_weight_grad(module, _padded(module, a), g, module.groups, module.weight.shape)
+                w = _conv_weight_grad(module, _padded(module, a), g, module.groups,
+                                      module.weight.shape)
                 W = w if W is None else W + w
             res["weight"] = put_into(out.get("weight"), W)
         if trainable(module, "bias"):
@@ -211,9 +218,10 @@ class ConvRule(LayerRule):
 
 
 def _padded(module: nn.modules.conv._ConvNd, a: torch.Tensor):
-    """``(input, padding)`` for the kernels below: the input as the layer convolves it, padded by the module's
-    own rule (ints, "same" with its asymmetric split, every padding mode) with padding 0 left to the kernel —
-    or, for symmetric zero padding, the input itself and the layer's padding (no copy)."""
+    """``(input, padding)`` for the kernels below: the input as the layer convolves it, padded by
+    the module's own rule (ints, "same" with its asymmetric split, every padding mode) with padding
+    0 left to the kernel — or, for symmetric zero padding, the input itself and the layer's padding
+    (no copy)."""
     nd = a.dim() - 2
     pad = list(module._reversed_padding_repeated_twice)
     if not any(pad):
@@ -226,7 +234,8 @@ def _padded(module: nn.modules.conv._ConvNd, a: torch.Tensor):
 
 def _conv_weight_grad(module, x, g: torch.Tensor, groups: int, weight_shape) -> torch.Tensor:
     """``∂/∂W`` of ``⟨conv(x, W; stride, dilation, groups), g⟩`` for ``x = (input, padding)`` from
-    :func:`_padded` (as ``torch.nn.grad.conv*d_weight``: the weight enters only through its shape)."""
+    :func:`_padded` (as ``torch.nn.grad.conv*d_weight``: the weight enters only through its
+    shape)."""
     x, padding = x
     nd = x.dim() - 2
     weight = x.new_empty(1).expand(weight_shape)

@@ -2,8 +2,10 @@
 
 For token ids x_i ∈ {0..V-1}^T and output gradient g_i ∈ R^{T×p}, the per-sample gradient is
 ``G_i = Σ_t e_{x_{i,t}} g_{i,t}ᵀ`` (V×p), with rows at ``padding_idx`` zero. Its ghost norm is
-``‖G_i‖² = Σ_{t,s} 1[x_{i,t} = x_{i,s}] ⟨g_{i,t}, g_{i,s}⟩`` (Li et al. 2022; seed 002 §1),
-i.e. ``⟨a_i a_iᵀ, g_i g_iᵀ⟩`` with one-hot rows ``a_{i,t} = e_{x_{i,t}}``; ``D = V``.
+``‖G_i‖² = Σ_{t,s} 1[x_{i,t} = x_{i,s}] ⟨g_{i,t}, g_{i,s}⟩`` (Li et al. 2022; Bu, Mao & Xu
+2022, "Scalable and Efficient Training of Large Convolutional Neural Networks with Differential
+Privacy", §1), i.e. ``⟨a_i a_iᵀ, g_i g_iᵀ⟩`` with one-hot rows ``a_{i,t} = e_{x_{i,t}}``;
+``D = V``.
 """
 from __future__ import annotations
 
@@ -37,8 +39,9 @@ class EmbeddingRule(LayerRule):
             )
         if module.scale_grad_by_freq:
             raise ValueError(
-                "nn.Embedding(scale_grad_by_freq=True) scales gradients by token counts of the whole batch, "
-                "which couples samples and breaks per-sample clipping; build it with scale_grad_by_freq=False."
+                "nn.Embedding(scale_grad_by_freq=True) scales gradients by token counts of the "
+                "whole batch, which couples samples and breaks per-sample clipping; build it with "
+                "scale_grad_by_freq=False."
             )
 
     def _views(self, module, calls):
@@ -94,13 +97,15 @@ class EmbeddingRule(LayerRule):
             return {}
         ids, G = self._views(module, calls)
         B, T = ids.shape
-        out = torch.zeros(B, module.num_embeddings, module.embedding_dim, dtype=G.dtype, device=G.device)
+        out = torch.zeros(B, module.num_embeddings, module.embedding_dim, dtype=G.dtype,
+                          device=G.device)
         out.scatter_add_(1, ids.unsqueeze(-1).expand(B, T, module.embedding_dim), G)
         return {"weight": out}
 
     def weighted_grads(self, module, calls, factors, out=None) -> Dict[str, torch.Tensor]:
         """``Σ_i C_i G_i``: rows ``C_i g_{i,t}`` added at token ids ``x_{i,t}`` (one index_add, no
-        per-sample V×p gradient), into ``out["weight"]`` when given and of the accumulation dtype."""
+        per-sample V×p gradient), into ``out["weight"]`` when given and of the accumulation
+        dtype."""
         if not trainable(module, "weight"):
             return {}
         ids, G = self._views(module, calls)

@@ -2,7 +2,8 @@
 
 With a_i ∈ R^{T×d} and g_i ∈ R^{T×p} (positions flattened, calls concatenated), the per-sample
 weight gradient is ``G_i = g_iᵀ a_i`` and its ghost norm ``‖G_i‖²_F = ⟨a_i a_iᵀ, g_i g_iᵀ⟩``
-(seed 002, eq. 2.7); the bias gradient is ``Σ_t g_{i,t}``.
+(Bu, Mao & Xu 2022, "Scalable and Efficient Training of Large Convolutional Neural Networks with
+Differential Privacy", eq. 2.7); the bias gradient is ``Σ_t g_{i,t}``.
 """
 from __future__ import annotations
 
@@ -27,9 +28,10 @@ class LinearRule(LayerRule):
         for a, g in calls:
             if a.shape[-1] != module.in_features or g.shape[-1] != module.out_features:
                 raise ValueError(
-                    f"{type(module).__name__}: recorded shapes {tuple(a.shape)} -> {tuple(g.shape)} do not match "
-                    f"in_features={module.in_features}, out_features={module.out_features}; a subclass that "
-                    "changes Linear's forward needs its own rule (private_engine.layers.register_rule)."
+                    f"{type(module).__name__}: recorded shapes {tuple(a.shape)} -> "
+                    f"{tuple(g.shape)} do not match in_features={module.in_features}, "
+                    f"out_features={module.out_features}; a subclass that changes Linear's forward "
+                    "needs its own rule (private_engine.layers.register_rule)."
                 )
             dt = compute_dtype(g) if dtype is None else dtype
             A.append(cast(flatten_positions(a, module.in_features), dt))
@@ -88,11 +90,11 @@ class LinearRule(LayerRule):
         return certified_instantiated(norm_sq, mass, c_inst, c_rel, terms)
 
     def weighted_grads(self, module, calls, factors, out=None) -> Dict[str, torch.Tensor]:
-        """``Σ_i C_i G_i = Gᵀ·diag(C)·A`` over all positions (one matmul), bias ``Σ_i C_i Σ_t g_{i,t}``; into
-        ``out`` when given (the matmul writes the engine's flat buffer directly). ``diag(C)`` scales the narrower
-        of A (D wide) and G (p wide) — ``(diag(C)·G)ᵀA = Gᵀ(diag(C)·A)`` — so the scaled copy, the one temporary,
-        has ``min(D, p)`` columns (an MLP's first layer: A, a quarter of G). Operands in
-        :func:`release_dtype`."""
+        """``Σ_i C_i G_i = Gᵀ·diag(C)·A`` over all positions (one matmul), bias
+        ``Σ_i C_i Σ_t g_{i,t}``; into ``out`` when given (the matmul writes the engine's flat buffer
+        directly). ``diag(C)`` scales the narrower of A (D wide) and G (p wide) —
+        ``(diag(C)·G)ᵀA = Gᵀ(diag(C)·A)`` — so the scaled copy, the one temporary, has ``min(D, p)``
+        columns (an MLP's first layer: A, a quarter of G). Operands in :func:`release_dtype`."""
         A, G = self._views(module, calls, release_dtype(calls[0][1]) if calls else None)
         out = out or {}
         res = {}
@@ -102,12 +104,14 @@ class LinearRule(LayerRule):
                 A = scale_samples(A, factors)
             else:
                 G = scaled_g = scale_samples(G, factors)
-            res["weight"] = mm_into(out.get("weight"), G.reshape(-1, G.shape[-1]).t(), A.reshape(-1, A.shape[-1]))
+            res["weight"] = mm_into(out.get("weight"), G.reshape(-1, G.shape[-1]).t(),
+                                    A.reshape(-1, A.shape[-1]))
         if trainable(module, "bias"):
             if scaled_g is not None:
                 res["bias"] = sum_into(out.get("bias"), scaled_g, (0, 1))
             else:  # per-sample bias gradients Σ_t g_{i,t}, then Σ_i C_i ·
-                res["bias"] = weighted_sum_into(out.get("bias"), G.sum(1, dtype=accumulation_dtype(G)), factors)
+                res["bias"] = weighted_sum_into(out.get("bias"),
+                                                G.sum(1, dtype=accumulation_dtype(G)), factors)
         return res
 
 

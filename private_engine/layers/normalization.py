@@ -23,14 +23,16 @@ _UNIT_WEIGHTS: Dict[Tuple[Tuple[int, ...], torch.dtype, torch.device], torch.Ten
 
 
 def unit_weight(shape: Tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-    """A cached tensor of ones of ``shape`` (``like``'s dtype and device): the affine weight γ = 1 under which
-    ``layer_norm``/``group_norm`` return x̂ itself. Passed instead of ``None`` because CPU kernels normalise
-    about 2× faster with a weight than without one (torch 2.x; the result is the same x̂), and cached, in its
-    shape, so that a step adds neither a fill kernel nor a reshape per call."""
+    """A cached tensor of ones of ``shape`` (``like``'s dtype and device): the affine weight γ = 1
+    under which ``layer_norm``/``group_norm`` return x̂ itself. Passed instead of ``None`` because
+    CPU kernels normalise about 2× faster with a weight than without one (torch 2.x; the result is
+    the same x̂), and cached, in its shape, so that a step adds neither a fill kernel nor a reshape
+    per call."""
     key = (tuple(shape), like.dtype, like.device)
     w = _UNIT_WEIGHTS.get(key)
     if w is None:
-        with torch.inference_mode(False), torch.no_grad():  # a normal tensor even if first made under inference
+        # a normal tensor even if first made under inference
+        with torch.inference_mode(False), torch.no_grad():
             w = _UNIT_WEIGHTS[key] = torch.ones(key[0], dtype=like.dtype, device=like.device)
     return w
 
@@ -57,13 +59,16 @@ class LayerNormRule(_AffineNormRule):
         n = len(module.normalized_shape)
         if tuple(a.shape[-n:]) != tuple(module.normalized_shape):
             raise ValueError(
-                f"{type(module).__name__}: input shape {tuple(a.shape)} does not end with normalized_shape "
-                f"{tuple(module.normalized_shape)}; a LayerNorm subclass that normalises other dimensions "
-                "needs its own rule (private_engine.layers.register_rule)."
+                f"{type(module).__name__}: input shape {tuple(a.shape)} does not end with "
+                f"normalized_shape {tuple(module.normalized_shape)}; a LayerNorm subclass that "
+                "normalises other dimensions needs its own rule "
+                "(private_engine.layers.register_rule)."
             )
-        # x̂ = (x − mean) / √(var + eps) over the normalised dims, in one fused kernel (γ = 1: see unit_weight)
+        # x̂ = (x − mean) / √(var + eps) over the normalised dims, in one fused kernel (γ = 1: see
+        # unit_weight)
         x = cast(a, accumulation_dtype(a))
-        return F.layer_norm(x, module.normalized_shape, unit_weight(module.normalized_shape, x), None, module.eps)
+        return F.layer_norm(x, module.normalized_shape, unit_weight(module.normalized_shape, x),
+                            None, module.eps)
 
     def dims(self, module, activation, output):
         p = math.prod(module.normalized_shape)
@@ -94,7 +99,8 @@ class GroupNormRule(_AffineNormRule):
             )
         # x̂ = (x − mean_group) / √(var_group + eps), in one fused kernel (γ = 1: see unit_weight)
         x = cast(a, accumulation_dtype(a))
-        return F.group_norm(x, module.num_groups, unit_weight((C,), x), None, module.eps).reshape(B, C, -1)
+        return F.group_norm(x, module.num_groups, unit_weight((C,), x), None,
+                            module.eps).reshape(B, C, -1)
 
     def dims(self, module, activation, output):
         T = math.prod(output.shape[2:])

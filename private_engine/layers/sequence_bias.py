@@ -7,8 +7,9 @@ calls), so ``‖∂L_i/∂b‖² = ‖Σ_c g^c_{i,L}‖²``.
 
 The module sees the batch in dimension 1 unless built with ``batch_first=True`` (inside
 ``DPMultiheadAttention`` it always gets sequence-first keys and values), so the recorded tensors
-are only batch-first after :class:`~.module.PrivateModule` moves them; the native engine does
-not, hence :meth:`SequenceBiasRule.check` accepts only modules prepared by ``make_private``.
+are only batch-first after :class:`private_engine.opacus_compat.module.PrivateModule` moves
+them; the native engine does not, hence :meth:`SequenceBiasRule.check` accepts only modules
+prepared by ``make_private``.
 """
 from __future__ import annotations
 
@@ -32,8 +33,9 @@ class SequenceBiasRule(LayerRule):
     def check(self, module):
         if not getattr(module, PREPARED, False):
             raise ValueError(
-                "opacus' SequenceBias (DPMultiheadAttention(add_bias_kv=True)) is supported through the "
-                "Opacus-compatible API only: private_engine.opacus_compat.PrivacyEngine(accountant=...).make_private(...)."
+                "opacus' SequenceBias (DPMultiheadAttention(add_bias_kv=True)) is supported "
+                "through the Opacus-compatible API only: "
+                "private_engine.opacus_compat.PrivacyEngine(accountant=...).make_private(...)."
             )
 
     def dims(self, module, activation, output):
