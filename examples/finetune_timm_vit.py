@@ -1,32 +1,37 @@
 #!/usr/bin/env python
-"""Private training or fine-tuning of a timm model (`make demo`): Poisson sampling, DP-Adam, book-keeping clipping.
+"""Private training or fine-tuning of a timm model (`make demo`): Poisson sampling, DP-Adam,
+book-keeping clipping.
 
 Default (`make demo`): ``vit_tiny_patch16_224`` (width 192, 3 heads) built for the 8×8 digits
 with 2×2 patches (16 tokens), 4 blocks and average pooling, trained from scratch on
 scikit-learn's embedded digits (no download), automatic clipping, ε = 8.
 
 Any timm model name works (torchvision names too); BatchNorm models (ResNets, EfficientNets, …)
-get BatchNorm → GroupNorm by ``private_engine.fix_batchnorm``. Data: ``--data digits`` (embedded),
-``--data folder --data-dir DIR`` (an ImageFolder), ``--data cifar10|cifar100 --data-dir DIR``
-(torchvision's files already on disk; never downloaded). Images are resized to the model's input
-size and normalised with its mean/std (``--img-size`` overrides the size). The small-ViT preset
-(8×8, 2×2 patches, 4 blocks, average pooling) applies to ``--data digits`` without
-``--pretrained``; otherwise the model keeps its own architecture. ``--pretrained`` loads the hub
-weights (network needed; off by default). Trainable parameters the engine has no per-sample rule
-for are frozen and listed. ``--seed`` seeds the model's initialisation and the train/test split
-only: the noise and the Poisson sampler draw from generators seeded from OS entropy
-(``private_engine.optim.noise``), so no two runs add the same noise or sample the same batches — a
-public seed for either would let anyone re-run the script on a neighbouring dataset and subtract
-the noise, or learn the batches (privacy amplification by subsampling needs them secret).
-``--amp``: bfloat16 autocast (``--amp fp16``: float16 with a GradScaler). The last line reads
-``ε=… δ=… σ=… accuracy=… seconds=…``.
+get BatchNorm → GroupNorm by ``private_engine.fix_batchnorm``. Data: ``--data digits``
+(embedded), ``--data folder --data-dir DIR`` (an ImageFolder),
+``--data cifar10|cifar100 --data-dir DIR`` (torchvision's files already on disk; never
+downloaded). Images are resized to the model's input size and normalised with its mean/std
+(``--img-size`` overrides the size). The small-ViT preset (8×8, 2×2 patches, 4 blocks, average
+pooling) applies to ``--data digits`` without ``--pretrained``; otherwise the model keeps its own
+architecture. ``--pretrained`` loads the hub weights (network needed; off by default). Every
+trainable parameter is trained, with its per-sample gradient clipped: trainable parameters that
+no layer rule covers (class tokens, position embeddings, LayerScale gammas, bias tables, …) are
+clipped by the engine's parameter-entry tracer and listed; modules that only the torch.func
+fallback handles are clipped by it (it warns, naming them). ``--seed`` seeds the model's
+initialisation and the train/test split only: the noise and the Poisson sampler draw from
+generators seeded from OS entropy (``private_engine.optim.noise``), so no two runs add the same
+noise or sample the same batches — a public seed for either would let anyone re-run the script
+on a neighbouring dataset and subtract the noise, or learn the batches (privacy amplification by
+subsampling needs them secret). ``--amp``: bfloat16 autocast (``--amp fp16``: float16 with a
+GradScaler). The last line reads ``ε=… δ=… σ=… accuracy=… seconds=…``.
 
 Examples::
 
-    python examples/finetune_timm_vit.py                                     # the demo, ~100 s on 2 cores
-    python examples/finetune_timm_vit.py --model resnet18 --epochs 5         # BatchNorm → GroupNorm
+    python examples/finetune_timm_vit.py                              # the demo, ~100 s on 2 cores
+    python examples/finetune_timm_vit.py --model resnet18 --epochs 5  # BatchNorm → GroupNorm
     python examples/finetune_timm_vit.py --data folder --data-dir ~/flowers --pretrained --epsilon 3
-    python examples/finetune_timm_vit.py --data cifar10 --data-dir ~/data --pretrained --amp --device cuda
+    python examples/finetune_timm_vit.py --data cifar10 --data-dir ~/data --pretrained --amp \\
+        --device cuda
 """
 from __future__ import annotations
 
@@ -56,36 +61,51 @@ DIGITS_CNN_SIZE = 32
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="vit_tiny_patch16_224", help="timm (or torchvision) model name")
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="vit_tiny_patch16_224",
+                   help="timm (or torchvision) model name")
     p.add_argument("--pretrained", action="store_true",
-                   help="load pretrained weights from the hub (network needed); the classifier is new")
+                   help="load pretrained weights from the hub (network needed); the classifier "
+                        "is new")
     p.add_argument("--data", default="digits", choices=SOURCES,
-                   help="digits: embedded; folder: an ImageFolder at --data-dir; cifar10/cifar100: torchvision's "
-                        "files under --data-dir (never downloaded)")
+                   help="digits: embedded; folder: an ImageFolder at --data-dir; "
+                        "cifar10/cifar100: torchvision's files under --data-dir (never "
+                        "downloaded)")
     p.add_argument("--data-dir", help="folder of --data folder / cifar10 / cifar100")
-    p.add_argument("--subset", type=int, help="train on the first N training examples only (smoke runs; n = N)")
+    p.add_argument("--subset", type=int,
+                   help="train on the first N training examples only (smoke runs; n = N)")
     p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
-    p.add_argument("--img-size", type=int, help="input height = width (default: the model's; 8 in the digits preset)")
-    p.add_argument("--patch-size", type=int, help="ViT patch size (default: the model's; 2 in the digits preset)")
-    p.add_argument("--depth", type=int, help="ViT blocks (default: the model's; 4 in the digits preset)")
+    p.add_argument("--img-size", type=int,
+                   help="input height = width (default: the model's; 8 in the digits preset)")
+    p.add_argument("--patch-size", type=int,
+                   help="ViT patch size (default: the model's; 2 in the digits preset)")
+    p.add_argument("--depth", type=int,
+                   help="ViT blocks (default: the model's; 4 in the digits preset)")
     p.add_argument("--global-pool", choices=["avg", "token"],
-                   help="ViT head input: mean of patch tokens (built without cls_token unless --pretrained) or "
-                        "the cls token (default: the model's; avg in the digits preset)")
-    p.add_argument("--epsilon", type=float, default=8.0, help="target ε (σ is calibrated to spend it)")
+                   help="ViT head input: mean of patch tokens (built without cls_token unless "
+                        "--pretrained) or the cls token (default: the model's; avg in the "
+                        "digits preset)")
+    p.add_argument("--epsilon", type=float, default=8.0,
+                   help="target ε (σ is calibrated to spend it)")
     p.add_argument("--delta", type=float, default=None, help="default 1/(2n)")
     p.add_argument("--epochs", type=int, default=30)
-    p.add_argument("--batch-size", type=int, default=256, help="logical (expected) batch size of Poisson sampling")
-    p.add_argument("--physical-batch-size", type=int, default=128, help="samples per forward/backward (memory)")
+    p.add_argument("--batch-size", type=int, default=256,
+                   help="logical (expected) batch size of Poisson sampling")
+    p.add_argument("--physical-batch-size", type=int, default=128,
+                   help="samples per forward/backward (memory)")
     p.add_argument("--lr", type=float, default=4e-3)
     p.add_argument("--max-grad-norm", type=float, default=1.0)
     p.add_argument("--clipping-mode", default="bk_mixed", choices=list(pe.CLIPPING_MODES),
-                   help="bk_mixed (default): one backward, book-keeping (docs/engine.md, 'Clipping modes')")
-    p.add_argument("--clipping-fn", default="automatic", choices=["abadi", "automatic", "global"])
+                   help="bk_mixed (default): one backward, book-keeping "
+                        "(docs/engine.md, 'Clipping modes')")
+    p.add_argument("--clipping-fn", default="automatic",
+                   choices=["abadi", "automatic", "global"])
     p.add_argument("--accountant", default="rdp", choices=["rdp", "prv", "gdp"])
     p.add_argument("--amp", nargs="?", const="bf16", choices=("bf16", "fp16"),
-                   help="autocast: bf16 (the default of a bare --amp; CPU, or CUDA GPUs with bfloat16) or fp16 "
-                        "(float16 with a torch.amp.GradScaler; needs a book-keeping --clipping-mode)")
+                   help="autocast: bf16 (the default of a bare --amp; CPU, or CUDA GPUs with "
+                        "bfloat16) or fp16 (float16 with a torch.amp.GradScaler; needs a "
+                        "book-keeping --clipping-mode)")
     p.add_argument("--seed", type=int, default=0,
                    help="seeds the model initialisation and the train/test split; never the "
                         "noise or the Poisson sampling, which draw from OS entropy")
@@ -115,12 +135,14 @@ def resolve_defaults(args):
 
 
 def autocast(args):
-    """The ``--amp`` context: bfloat16 (or float16) autocast on CPU or CUDA; a no-op without ``--amp``.
+    """The ``--amp`` context: bfloat16 (or float16) autocast on CPU or CUDA; a no-op without
+    ``--amp``.
 
-    bfloat16 keeps float32's exponent range, so no loss scaling is needed: the rules run their matmuls
-    in bfloat16 and accumulate every norm and the clipped sum in float32 (about 3 significant digits;
-    tests/test_example_finetune.py checks this against the float64 reference). float16 needs a loss
-    scaler: :func:`grad_scaler` gives the engine one (private_engine/amp.py).
+    bfloat16 keeps float32's exponent range, so no loss scaling is needed: the rules run their
+    matmuls in bfloat16 and accumulate every norm and the clipped sum in float32 (about 3
+    significant digits; tests/test_example_finetune.py checks this against the float64
+    reference). float16 needs a loss scaler: :func:`grad_scaler` gives the engine one
+    (private_engine/amp.py).
     """
     if not args.amp:
         return contextlib.nullcontext()
@@ -128,22 +150,27 @@ def autocast(args):
     if device_type not in ("cpu", "cuda"):
         raise SystemExit(f"--amp supports cpu and cuda, not {device_type}")
     if args.amp == "bf16" and device_type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise SystemExit("--amp bf16: this GPU does not support bfloat16; use --amp fp16 (float16 with loss scaling).")
+        raise SystemExit("--amp bf16: this GPU does not support bfloat16; use --amp fp16 "
+                         "(float16 with loss scaling).")
     if args.amp == "fp16" and not args.clipping_mode.startswith("bk"):
-        raise SystemExit(f"--amp fp16 needs a book-keeping --clipping-mode (bk, bk_mixed, bk_mixopt), not "
-                         f"{args.clipping_mode}: an overflowing sample is then dropped alone.")
-    return torch.autocast(device_type, dtype=torch.bfloat16 if args.amp == "bf16" else torch.float16)
+        raise SystemExit("--amp fp16 needs a book-keeping --clipping-mode (bk, bk_mixed, "
+                         f"bk_mixopt), not {args.clipping_mode}: an overflowing sample is then "
+                         "dropped alone.")
+    return torch.autocast(device_type,
+                          dtype=torch.bfloat16 if args.amp == "bf16" else torch.float16)
 
 
 def grad_scaler(args):
-    """A ``torch.amp.GradScaler`` for ``--amp fp16`` (the engine scales, unscales and drops overflows), else None."""
+    """A ``torch.amp.GradScaler`` for ``--amp fp16`` (the engine scales, unscales and drops
+    overflows), else None."""
     if args.amp != "fp16":
         return None
     return torch.amp.GradScaler(torch.device(args.device).type)
 
 
 def build_model(args, num_classes: int) -> torch.nn.Module:
-    """The model to train: timm/torchvision by name, BatchNorm → GroupNorm, rule-less parameters frozen."""
+    """The model to train: timm/torchvision by name, BatchNorm → GroupNorm; the trainable
+    parameters no layer rule covers are listed (the parameter-entry tracer clips them)."""
     kwargs = dict(pretrained=args.pretrained, num_classes=num_classes)
     if is_vit(args.model):
         for key in ("img_size", "patch_size", "depth"):
@@ -151,7 +178,8 @@ def build_model(args, num_classes: int) -> torch.nn.Module:
                 kwargs[key] = getattr(args, key)
         if args.global_pool == "avg":
             kwargs["global_pool"] = "avg"
-            if not args.pretrained:  # no cls_token at all (a pretrained checkpoint has one: it stays, unpooled)
+            # no cls_token at all (a pretrained checkpoint has one: it stays, unpooled)
+            if not args.pretrained:
                 kwargs["class_token"] = False
         elif args.global_pool == "token":
             kwargs.update(class_token=True, global_pool="token")
@@ -161,11 +189,13 @@ def build_model(args, num_classes: int) -> torch.nn.Module:
         # BatchNorm mixes the samples of a batch: no per-sample gradient exists. The one-call fix:
         model = pe.fix_batchnorm(model)
         print(f"BatchNorm → GroupNorm (private_engine.fix_batchnorm): {len(bns)} layers")
-    # Every trainable parameter is clipped: layer rules, the parameter-entry tracer (tokens, pos_embed,
-    # LayerScale, bias tables) or the torch.func fallback (which warns, naming its modules).
+    # Every trainable parameter is clipped: layer rules, the parameter-entry tracer (tokens,
+    # pos_embed, LayerScale, bias tables) or the torch.func fallback (which warns, naming its
+    # modules).
     traced = traced_parameters(model)
     if traced:
-        print(f"clipped by the parameter-entry tracer: {', '.join(traced[:6])}" + (" …" if len(traced) > 6 else ""))
+        print(f"clipped by the parameter-entry tracer: {', '.join(traced[:6])}"
+              + (" …" if len(traced) > 6 else ""))
     return model
 
 
@@ -195,11 +225,14 @@ def main(argv=None):
     optimizer = pe.optim.DPAdam(model.parameters(), lr=args.lr, privacy_engine=engine)
     test_loader = DataLoader(test, batch_size=args.physical_batch_size, num_workers=args.workers)
     _, h, w = config["input_size"]
-    print(f"{args.model}{' (pretrained)' if args.pretrained else ''} at {h}×{w}: {n_trainable:,} trainable "
-          f"parameters; data {args.data} ({len(classes)} classes), n={len(train)}, test {len(test)}; "
-          f"B={args.batch_size} (physical {args.physical_batch_size}), σ={engine.noise_multiplier:.4f}, "
+    amp_note = {"bf16": ", bfloat16 autocast",
+                "fp16": ", float16 autocast + GradScaler"}.get(args.amp, "")
+    print(f"{args.model}{' (pretrained)' if args.pretrained else ''} at {h}×{w}: "
+          f"{n_trainable:,} trainable parameters; data {args.data} ({len(classes)} classes), "
+          f"n={len(train)}, test {len(test)}; B={args.batch_size} "
+          f"(physical {args.physical_batch_size}), σ={engine.noise_multiplier:.4f}, "
           f"R={args.max_grad_norm}, mode={args.clipping_mode}, clipping={args.clipping_fn}"
-          f"{({'bf16': ', bfloat16 autocast', 'fp16': ', float16 autocast + GradScaler'}).get(args.amp, '')}")
+          f"{amp_note}")
 
     def per_sample_loss(xb, yb):
         with amp:
@@ -211,7 +244,8 @@ def main(argv=None):
     for epoch in range(1, args.epochs + 1):
         bar = tqdm(loader, desc=f"epoch {epoch}/{args.epochs}", leave=False)
         for x, y in bar:
-            loss = private_logical_step(optimizer, (x, y), per_sample_loss, args.physical_batch_size, device=device)
+            loss = private_logical_step(optimizer, (x, y), per_sample_loss,
+                                        args.physical_batch_size, device=device)
             bar.set_postfix(loss=f"{loss:.3f}", eps=f"{engine.get_epsilon():.2f}")
         with amp:
             acc = accuracy(model, test_loader, device)
@@ -220,13 +254,14 @@ def main(argv=None):
         with amp:
             acc = accuracy(model, test_loader, device)
     seconds = time.perf_counter() - start
-    print(f"ε={engine.get_epsilon():.3f} δ={engine.target_delta:.2e} σ={engine.noise_multiplier:.4f} "
-          f"accuracy={acc:.3f} seconds={seconds:.1f}")
+    print(f"ε={engine.get_epsilon():.3f} δ={engine.target_delta:.2e} "
+          f"σ={engine.noise_multiplier:.4f} accuracy={acc:.3f} seconds={seconds:.1f}")
     return acc
 
 
 def cli(argv=None):
-    """``main`` for the command line: missing data ends with its message (exit status 1), no traceback."""
+    """``main`` for the command line: missing data ends with its message (exit status 1), no
+    traceback."""
     try:
         main(argv)
     except FileNotFoundError as e:

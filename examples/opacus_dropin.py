@@ -9,7 +9,8 @@ Everything below is the usual Opacus 1.6 recipe: make_private with Poisson sampl
 logical batch larger than the physical one, ``get_epsilon``, and a checkpoint. Small synthetic
 data so it runs in seconds on a CPU:
 
-    python examples/opacus_dropin.py [--epochs 2] [--grad-sample-mode hooks|ghost] [--accountant prv]
+    python examples/opacus_dropin.py [--epochs 2] [--grad-sample-mode hooks|ghost] \\
+        [--accountant prv]
 """
 import argparse
 import os

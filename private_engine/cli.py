@@ -12,16 +12,20 @@ def _ints(text: str) -> List[int]:
     try:
         return [int(v) for v in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 3,224,224; got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers like 3,224,224; got {text!r}") from None
 
 
 def cmd_plan(args) -> int:
-    """Print the per-layer ghost/instantiate decision (seed 002, eq. 4.1) for a named model."""
+    """Print the per-layer ghost/instantiate decision for a named model: eq. 4.1 of Bu, Mao & Xu
+    (2022), "Scalable and Efficient Training of Large Convolutional Neural Networks with
+    Differential Privacy" (mixed ghost clipping), as applied by ``--mode``."""
     import torch
 
     from .demo.models import create_model
     from .clipping.plan import format_plan, layer_plan
-    from .guards.model_check import batchnorm_modules, fallback_modules, fix_batchnorm, traced_parameters
+    from .guards.model_check import (batchnorm_modules, fallback_modules, fix_batchnorm,
+                                     traced_parameters)
 
     model = create_model(args.model, pretrained=False)
     if batchnorm_modules(model):
@@ -30,10 +34,12 @@ def cmd_plan(args) -> int:
     model.train()
     x = torch.randn(args.batch_size, *args.input_size)
     plan = layer_plan(model, x, mode=args.mode)
-    print(format_plan(plan, title=f"{args.model} at input {tuple(args.input_size)}, mode={args.mode}"))
+    print(format_plan(plan, title=f"{args.model} at input {tuple(args.input_size)}, "
+                                  f"mode={args.mode}"))
     traced = traced_parameters(model)
     if traced:
-        print(f"\nclipped by the parameter-entry tracer (instantiated, see docs/engine.md): {', '.join(traced)}")
+        print("\nclipped by the parameter-entry tracer (instantiated, see docs/engine.md): "
+              f"{', '.join(traced)}")
     slow = fallback_modules(model)
     if slow:
         print(f"clipped by the torch.func fallback (exact, slower): {', '.join(slow)}")
@@ -55,8 +61,8 @@ def cmd_epsilon(args) -> int:
 
     q, steps, delta = _sampling(args)
     eps = epsilon_for(args.noise_multiplier, q, steps, delta, args.accountant)
-    print(f"ε = {eps:.4f} at δ = {delta:.3g} ({args.accountant}; σ = {args.noise_multiplier}, q = {q:.5g}, "
-          f"{steps} steps)")
+    print(f"ε = {eps:.4f} at δ = {delta:.3g} ({args.accountant}; σ = {args.noise_multiplier}, "
+          f"q = {q:.5g}, {steps} steps)")
     return 0
 
 
@@ -66,7 +72,8 @@ def cmd_noise(args) -> int:
 
     q, steps, delta = _sampling(args)
     sigma = calibrate_noise_multiplier(args.epsilon, delta, q, steps, args.accountant)
-    print(f"σ = {sigma:.5f} for ε = {args.epsilon} at δ = {delta:.3g} ({args.accountant}; q = {q:.5g}, {steps} steps)")
+    print(f"σ = {sigma:.5f} for ε = {args.epsilon} at δ = {delta:.3g} ({args.accountant}; "
+          f"q = {q:.5g}, {steps} steps)")
     return 0
 
 
@@ -81,17 +88,22 @@ def _training_length(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="private-engine", description="Differentially private training tools.")
+    parser = argparse.ArgumentParser(prog="private-engine",
+                                     description="Differentially private training tools.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("plan", help="per-layer ghost/instantiate decision for a timm/torchvision model")
-    p.add_argument("--model", required=True, help="timm or torchvision model name, e.g. vit_tiny_patch16_224")
-    p.add_argument("--input-size", type=_ints, default=[3, 224, 224], help="C,H,W of one sample (default 3,224,224)")
+    p = sub.add_parser("plan",
+                       help="per-layer ghost/instantiate decision for a timm/torchvision model")
+    p.add_argument("--model", required=True,
+                   help="timm or torchvision model name, e.g. vit_tiny_patch16_224")
+    p.add_argument("--input-size", type=_ints, default=[3, 224, 224],
+                   help="C,H,W of one sample (default 3,224,224)")
     p.add_argument("--mode", default=DEFAULT_CLIPPING_MODE, choices=list(CLIPPING_MODES))
     p.add_argument("--batch-size", type=int, default=1, help="batch used for the shape pass")
     p.set_defaults(func=cmd_plan)
 
-    p = sub.add_parser("epsilon", help="ε spent by DP-SGD for a noise multiplier and training length")
+    p = sub.add_parser("epsilon",
+                       help="ε spent by DP-SGD for a noise multiplier and training length")
     p.add_argument("--noise-multiplier", type=float, required=True)
     _training_length(p)
     p.set_defaults(func=cmd_epsilon)
@@ -103,7 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .heads.probe import add_probe_arguments, run_probe
 
-    p = sub.add_parser("probe", help="DP linear probes (DP-LS, DP-Newton, DP-FC, DP-Adam, DP mean) over a list of ε")
+    p = sub.add_parser("probe", help="DP linear probes (DP-LS, DP-Newton, DP-FC, DP-Adam, "
+                                     "DP mean) over a list of ε")
     add_probe_arguments(p)
     p.set_defaults(func=run_probe)
     return parser

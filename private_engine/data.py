@@ -23,8 +23,8 @@ def poisson_loader(dataset, batch_size: int, generator: Optional[torch.Generator
 
     Privacy amplification by subsampling assumes that the batch membership is secret, so by
     default (``generator=None``) the batches are drawn from
-    :func:`private_engine.optim.noise.entropy_seeded_generator` (a CPU generator whose state comes from
-    OS entropy), never from torch's global generator, which scripts seed publicly with
+    :func:`private_engine.optim.noise.entropy_seeded_generator` (a CPU generator whose state comes
+    from OS entropy), never from torch's global generator, which scripts seed publicly with
     ``torch.manual_seed``. A ``generator`` given is used as is: a seeded one makes the batches
     reproducible, hence known to anyone who knows the seed (tests, debugging).
     """
@@ -36,7 +36,8 @@ def poisson_loader(dataset, batch_size: int, generator: Optional[torch.Generator
                         **loader_kwargs)
 
 
-def physical_chunks(tensors: Sequence[torch.Tensor], max_physical: int) -> Iterator[Tuple[torch.Tensor, ...]]:
+def physical_chunks(tensors: Sequence[torch.Tensor],
+                    max_physical: int) -> Iterator[Tuple[torch.Tensor, ...]]:
     """Consecutive slices of at most ``max_physical`` samples of batch-first ``tensors``."""
     n = tensors[0].shape[0]
     for start in range(0, n, max_physical):

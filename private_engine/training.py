@@ -12,7 +12,8 @@ from .data import physical_chunks
 def private_logical_step(optimizer: torch.optim.Optimizer, batch: Sequence[torch.Tensor],
                          per_sample_loss: Callable[..., torch.Tensor], physical_batch_size: int,
                          device: Optional[torch.device] = None) -> float:
-    """One DP step on a logical ``batch`` (batch-first tensors), in physical chunks of ≤ ``physical_batch_size``.
+    """One DP step on a logical ``batch`` (batch-first tensors), in physical chunks of
+    ≤ ``physical_batch_size``.
 
     ``per_sample_loss(*chunk)`` returns the chunk's per-sample losses (reduction="none"). Every
     chunk but the last goes through ``optimizer.virtual_step(loss=…)`` (clip and accumulate), the

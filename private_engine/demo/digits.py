@@ -9,9 +9,11 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 
-def load_digits_images(image_size: int = 32, channels: int = 3, test_fraction: float = 0.2, seed: int = 0,
+def load_digits_images(image_size: int = 32, channels: int = 3, test_fraction: float = 0.2,
+                       seed: int = 0,
                        normalize: bool = True) -> Tuple[TensorDataset, TensorDataset]:
-    """Train/test ``TensorDataset`` s of scikit-learn's digits, as ``(N, channels, size, size)`` floats.
+    """Train/test ``TensorDataset`` s of scikit-learn's digits, as ``(N, channels, size, size)``
+    floats.
 
     Pixels (0..16) are scaled to [0, 1], resized bilinearly, repeated over channels and (with
     ``normalize``) mapped to [-1, 1] by the fixed ``(x − 0.5)/0.5`` — a data-independent scaling,

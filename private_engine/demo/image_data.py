@@ -1,4 +1,5 @@
-"""Image data for fine-tuning a timm (or torchvision) model: its input size and normalisation, four sources.
+"""Image data for fine-tuning a timm (or torchvision) model: its input size and normalisation,
+four sources.
 
 * ``model_data_config``: the model's input size, mean, std and interpolation (timm's
   ``resolve_data_config``; an explicit size wins).
@@ -6,11 +7,14 @@
 * ``num_classes``: the number of classes of a source, before any image is loaded.
 * ``load_image_data``: train/test datasets and class names from one of ``SOURCES``:
 
-  ``digits``    scikit-learn's embedded 8×8 handwritten digits (no download; ``demo.digits.load_digits_images``)
+  ``digits``    scikit-learn's embedded 8×8 handwritten digits (no download;
+                ``demo.digits.load_digits_images``)
   ``folder``    an image folder: ``ROOT/train/<class>/*`` (+ ``ROOT/val`` or ``ROOT/test``), or
                 ``ROOT/<class>/*`` split 80/20 by a seeded permutation
-  ``cifar10``   torchvision's CIFAR-10 already on disk (``ROOT/cifar-10-batches-py``); never downloaded
-  ``cifar100``  torchvision's CIFAR-100 already on disk (``ROOT/cifar-100-python``); never downloaded
+  ``cifar10``   torchvision's CIFAR-10 already on disk (``ROOT/cifar-10-batches-py``); never
+                downloaded
+  ``cifar100``  torchvision's CIFAR-100 already on disk (``ROOT/cifar-100-python``); never
+                downloaded
 
 The preprocessing is fixed and data-independent (the model's published mean/std, no statistic
 of the private training set), so it needs no privacy budget. No augmentation.
@@ -53,7 +57,8 @@ def image_transform(config: Dict):
 
     _, h, w = config["input_size"]
     mode = {"bilinear": InterpolationMode.BILINEAR, "bicubic": InterpolationMode.BICUBIC,
-            "nearest": InterpolationMode.NEAREST}.get(config.get("interpolation"), InterpolationMode.BILINEAR)
+            "nearest": InterpolationMode.NEAREST}.get(config.get("interpolation"),
+                                                      InterpolationMode.BILINEAR)
     return transforms.Compose([
         transforms.Resize((h, w), interpolation=mode, antialias=True),
         transforms.ToTensor(),
@@ -63,7 +68,8 @@ def image_transform(config: Dict):
 
 def load_image_data(source: str, config: Dict, root: Optional[str] = None, seed: int = 0,
                     test_fraction: float = 0.2) -> Tuple[Dataset, Dataset, List[str]]:
-    """``(train, test, class_names)`` of ``source`` (one of ``SOURCES``), preprocessed for ``config``.
+    """``(train, test, class_names)`` of ``source`` (one of ``SOURCES``), preprocessed for
+    ``config``.
 
     Items are ``(image (C, H, W) float tensor, label int)``. ``root`` is the folder of the
     ``folder`` and CIFAR sources. Missing data raises ``FileNotFoundError`` saying what was
@@ -81,7 +87,8 @@ def load_image_data(source: str, config: Dict, root: Optional[str] = None, seed:
 
 
 def num_classes(source: str, root: Optional[str] = None) -> int:
-    """Number of classes of ``source`` without loading any image (the folder source counts class folders)."""
+    """Number of classes of ``source`` without loading any image (the folder source counts class
+    folders)."""
     if source == "folder":
         from torchvision.datasets.folder import find_classes
 
@@ -109,9 +116,10 @@ def _digits(config, seed, test_fraction):
     c, h, w = config["input_size"]
     if h != w:
         raise ValueError(f"the digits are square; the model wants {h}×{w} inputs")
-    train, test = load_digits_images(image_size=h, channels=c, test_fraction=test_fraction, seed=seed,
-                                     normalize=False)
-    out = [TensorDataset(_normalize(d.tensors[0], config["mean"], config["std"]), d.tensors[1]) for d in (train, test)]
+    train, test = load_digits_images(image_size=h, channels=c, test_fraction=test_fraction,
+                                     seed=seed, normalize=False)
+    out = [TensorDataset(_normalize(d.tensors[0], config["mean"], config["std"]), d.tensors[1])
+           for d in (train, test)]
     return out[0], out[1], [str(k) for k in range(10)]
 
 
@@ -119,8 +127,9 @@ def _folder(root: Path, config, seed, test_fraction):
     from torchvision.datasets import ImageFolder
 
     if not root.is_dir():
-        raise FileNotFoundError(f"image folder {root} does not exist (expected {root}/<class>/<image> or "
-                                f"{root}/train/<class>/<image> with {root}/val or {root}/test beside it)")
+        raise FileNotFoundError(f"image folder {root} does not exist (expected "
+                                f"{root}/<class>/<image> or {root}/train/<class>/<image> with "
+                                f"{root}/val or {root}/test beside it)")
     tf = image_transform(config)
     if (root / "train").is_dir():
         train = ImageFolder(str(root / "train"), transform=tf)
@@ -130,8 +139,8 @@ def _folder(root: Path, config, seed, test_fraction):
             return train, test, train.dataset.classes
         test = ImageFolder(str(held), transform=tf)
         if test.classes != train.classes:
-            raise ValueError(f"{held} has classes {test.classes}, {root / 'train'} has {train.classes}: "
-                             "they must be the same folders")
+            raise ValueError(f"{held} has classes {test.classes}, {root / 'train'} has "
+                             f"{train.classes}: they must be the same folders")
         return train, test, train.classes
     full = ImageFolder(str(root), transform=tf)
     train, test = _split(full, seed, test_fraction)
@@ -143,19 +152,22 @@ def _split(dataset, seed, test_fraction):
     perm = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed)).tolist()
     n_test = int(round(test_fraction * len(dataset)))
     if n_test == 0 or n_test == len(dataset):
-        raise ValueError(f"{len(dataset)} images cannot be split into train and test at {test_fraction:.0%}")
+        raise ValueError(f"{len(dataset)} images cannot be split into train and test at "
+                         f"{test_fraction:.0%}")
     return Subset(dataset, perm[n_test:]), Subset(dataset, perm[:n_test])
 
 
 def _cifar_hint(source: str, root) -> str:
     name = "CIFAR10" if source == "cifar10" else "CIFAR100"
-    return (f"{source} is not on disk: expected torchvision's {Path(root) / _CIFAR_FOLDERS[source]}/ (this example "
-            f"never downloads). Fetch it once elsewhere with torchvision.datasets.{name}({str(root)!r}, "
-            "download=True), or use --data digits / --data folder")
+    return (f"{source} is not on disk: expected torchvision's "
+            f"{Path(root) / _CIFAR_FOLDERS[source]}/ (this example never downloads). Fetch it "
+            f"once elsewhere with torchvision.datasets.{name}({str(root)!r}, download=True), or "
+            "use --data digits / --data folder")
 
 
 def _cifar_folder(source: str, root) -> Path:
-    """The folder torchvision reads ``source`` from; ``FileNotFoundError`` with what to do if it is absent."""
+    """The folder torchvision reads ``source`` from; ``FileNotFoundError`` with what to do if it
+    is absent."""
     if root is None:
         raise ValueError(f"--data {source} needs a folder: pass --data-dir DIR")
     expected = Path(root) / _CIFAR_FOLDERS[source]
@@ -174,6 +186,7 @@ def _cifar(source: str, root: Path, config):
     try:
         train = cls(str(root), train=True, transform=tf, download=False)
         test = cls(str(root), train=False, transform=tf, download=False)
-    except RuntimeError as e:  # torchvision: "Dataset not found or corrupted" (a file missing or its md5 off)
+    # torchvision: "Dataset not found or corrupted" (a file missing or its md5 off)
+    except RuntimeError as e:
         raise FileNotFoundError(f"{hint} ({expected} is incomplete or corrupted: {e})") from None
     return train, test, list(train.classes)

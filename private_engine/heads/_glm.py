@@ -29,9 +29,11 @@ def probabilities(Z: torch.Tensor, loss: str) -> torch.Tensor:
     raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}.")
 
 
-def clipped_gradient_sum(X: torch.Tensor, Y: torch.Tensor, W: torch.Tensor, b: Optional[torch.Tensor],
-                         loss: str, clip: Optional[float]) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
-    """``(Σ c_i r_i x_iᵀ, Σ c_i r_i or None, per-example norms)``; ``clip=None`` disables clipping."""
+def clipped_gradient_sum(
+        X: torch.Tensor, Y: torch.Tensor, W: torch.Tensor, b: Optional[torch.Tensor], loss: str,
+        clip: Optional[float]) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """``(Σ c_i r_i x_iᵀ, Σ c_i r_i or None, per-example norms)``; ``clip=None`` disables
+    clipping."""
     Z = X @ W.T
     if b is not None:
         Z = Z + b

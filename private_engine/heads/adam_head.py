@@ -1,4 +1,6 @@
-"""DP-Adam on features: the first-order baseline of seed 000 (Algorithm 4 with Adam, §2.1).
+"""DP-Adam on features: the first-order baseline of Mehta, Krichene, Thakurta, Kurakin &
+Cutkosky, "Differentially Private Image Classification from Features" (Algorithm 4 with Adam,
+§2.1).
 
 Full batch, T steps. Each step releases the clipped, noised mean gradient (eq. 3)::
 
@@ -32,9 +34,9 @@ class DPAdamHead(GLMHead):
         betas, adam_eps: Adam's (β₁, β₂) and ε.
         weight_decay: λ of the L2 term ``(λ/2)‖W‖²`` (added to the noisy gradient).
         clip_norm: C, per-example gradient clipping norm.
-        loss: "sigmoid" (one-vs-rest, seed 000) or "softmax".
+        loss: "sigmoid" (one-vs-rest, as in Mehta et al.) or "softmax".
         fit_intercept, intercept_init: per-class bias and its initial value (−10 for sigmoid as in
-            seed 000 App. D.4; 0 for softmax).
+            Mehta et al. App. D.4; 0 for softmax).
 
     Fitted attributes: ``coef_`` (m, d), ``intercept_`` (m,) or None, ``n_iter_``, and the base
     privacy attributes.
@@ -44,12 +46,14 @@ class DPAdamHead(GLMHead):
 
     def __init__(self, *, epsilon: Optional[float] = None, delta: Optional[float] = None,
                  noise_multiplier: Optional[float] = None, steps: int = 100, lr: float = 0.1,
-                 betas: Tuple[float, float] = (0.9, 0.999), adam_eps: float = 1e-8, weight_decay: float = 0.0,
-                 clip_norm: float = 1.0, loss: str = "sigmoid", fit_intercept: bool = True,
-                 intercept_init: float = -10.0, normalize: bool = False, accounting: str = "rdp",
-                 random_state: Any = None, classes: Any = None, dtype: torch.dtype = torch.float64):
-        super().__init__(epsilon=epsilon, delta=delta, noise_multiplier=noise_multiplier, accounting=accounting,
-                         random_state=random_state, classes=classes, normalize=normalize, dtype=dtype)
+                 betas: Tuple[float, float] = (0.9, 0.999), adam_eps: float = 1e-8,
+                 weight_decay: float = 0.0, clip_norm: float = 1.0, loss: str = "sigmoid",
+                 fit_intercept: bool = True, intercept_init: float = -10.0,
+                 normalize: bool = False, accounting: str = "rdp", random_state: Any = None,
+                 classes: Any = None, dtype: torch.dtype = torch.float64):
+        super().__init__(epsilon=epsilon, delta=delta, noise_multiplier=noise_multiplier,
+                         accounting=accounting, random_state=random_state, classes=classes,
+                         normalize=normalize, dtype=dtype)
         self.steps = steps
         self.lr = lr
         self.betas = betas

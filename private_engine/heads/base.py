@@ -4,14 +4,16 @@ sklearn-style estimator surface (``fit``/``predict``/``decision_function``/``sco
 
 Privacy conventions used by every head
 --------------------------------------
-* **Neighbouring datasets** differ by adding or removing one example (seed 000, Def. 1.1). The
-  number of examples ``n`` is treated as public, as in seed 000 (Algorithms 1 and 3 divide by n).
+* **Neighbouring datasets** differ by adding or removing one example (Mehta, Krichene, Thakurta,
+  Kurakin & Cutkosky, "Differentially Private Image Classification from Features", Def. 1.1).
+  The number of examples ``n`` is treated as public, as in Mehta et al. (Algorithms 1 and 3
+  divide by n).
 * Every private quantity is released by a Gaussian mechanism with an L2 sensitivity ``Δ`` that is
   guaranteed by clipping (or normalisation), and noise std ``σ_i·Δ``; each release is recorded in
   a :class:`~private_engine.accounting.zcdp.ZCDPLedger`; the fitted ``rho_`` is the ledger's sum
   and is checked against the head's theorem.
 * ``epsilon=inf`` (or ``noise_multiplier=0``) is the non-private reference: **no noise and no
-  clipping** (seed 000, Table 1 caption), and ``rho_ = epsilon_ = inf``.
+  clipping** (Mehta et al., Table 1 caption), and ``rho_ = epsilon_ = inf``.
 
 Noisy symmetric matrices (Gram matrices, Hessians)
 --------------------------------------------------
@@ -43,8 +45,8 @@ import torch
 
 from ..accounting.zcdp import (CONVERSIONS, ZCDPLedger, epsilon_to_rho, rho_to_epsilon)
 
-__all__ = ["NotFittedError", "DPHeadBase", "to_tensor", "encode_labels", "clip_rows", "normalize_rows",
-           "symmetric_noise", "psd_floor", "sym_eigh", "solve", "NoiseSource"]
+__all__ = ["NotFittedError", "DPHeadBase", "to_tensor", "encode_labels", "clip_rows",
+           "normalize_rows", "symmetric_noise", "psd_floor", "sym_eigh", "solve", "NoiseSource"]
 
 
 class NotFittedError(ValueError, AttributeError):
@@ -65,7 +67,8 @@ def to_tensor(X: Any, dtype: torch.dtype = torch.float64, device: Optional[torch
         try:
             arr = np.asarray(X)
         except Exception as exc:  # pragma: no cover - exotic inputs
-            raise TypeError(f"{name} must be a numpy array or torch tensor, got {type(X).__name__}.") from exc
+            raise TypeError(f"{name} must be a numpy array or torch tensor, "
+                            f"got {type(X).__name__}.") from exc
         if arr.dtype == object or not np.issubdtype(arr.dtype, np.number) and arr.dtype != bool:
             raise TypeError(f"{name} must hold numbers, got dtype {arr.dtype}.")
         t = torch.as_tensor(arr.astype(np.float64, copy=False), dtype=dtype, device=device)
@@ -97,18 +100,20 @@ def encode_labels(y: Any, classes: Optional[np.ndarray] = None) -> Tuple[np.ndar
     if arr.dtype == bool:
         arr = arr.astype(np.int64)
     if not np.issubdtype(arr.dtype, np.integer):
-        if np.issubdtype(arr.dtype, np.floating) and np.all(np.isfinite(arr)) and np.all(arr == np.round(arr)):
+        if (np.issubdtype(arr.dtype, np.floating) and np.all(np.isfinite(arr))
+                and np.all(arr == np.round(arr))):
             arr = arr.astype(np.int64)
         else:
             sample = arr[:3].tolist()
             raise ValueError(
-                f"y must hold integer class labels, got dtype {arr.dtype} (e.g. {sample}). Encode them first, "
-                "e.g. classes, y = np.unique(y, return_inverse=True).")
+                f"y must hold integer class labels, got dtype {arr.dtype} (e.g. {sample}). "
+                "Encode them first, e.g. classes, y = np.unique(y, return_inverse=True).")
     if classes is None:
         classes = np.unique(arr)
     else:
         classes = np.asarray(classes)
-        if classes.ndim != 1 or len(np.unique(classes)) != len(classes) or not np.issubdtype(classes.dtype, np.integer):
+        if (classes.ndim != 1 or len(np.unique(classes)) != len(classes)
+                or not np.issubdtype(classes.dtype, np.integer)):
             raise ValueError("classes must be a 1-D array of distinct integer labels.")
         classes = np.sort(classes)
     index = np.searchsorted(classes, arr)
@@ -126,7 +131,7 @@ def row_norms(X: torch.Tensor) -> torch.Tensor:
 
 
 def clip_rows(X: torch.Tensor, C: float) -> torch.Tensor:
-    """``clip(x) = x·min(1, C/‖x‖₂)`` row-wise (seed 000, Alg. 1 line 1)."""
+    """``clip(x) = x·min(1, C/‖x‖₂)`` row-wise (Mehta et al., Alg. 1 line 1)."""
     norms = row_norms(X)
     factor = torch.clamp(C / torch.clamp(norms, min=1e-300), max=1.0)
     return X * factor[:, None]
@@ -154,9 +159,11 @@ class NoiseSource:
 
     def gaussian(self, shape, std: float, like: torch.Tensor) -> torch.Tensor:
         """i.i.d. ``N(0, std²)`` of ``shape`` with ``like``'s dtype and device (not recorded)."""
-        return torch.randn(shape, generator=self.generator, dtype=like.dtype, device=like.device) * std
+        return torch.randn(shape, generator=self.generator, dtype=like.dtype,
+                           device=like.device) * std
 
-    def symmetric(self, d: int, std: float, like: torch.Tensor, batch: Tuple[int, ...] = ()) -> torch.Tensor:
+    def symmetric(self, d: int, std: float, like: torch.Tensor,
+                  batch: Tuple[int, ...] = ()) -> torch.Tensor:
         """Symmetric d×d noise of :func:`symmetric_noise` (not recorded)."""
         return symmetric_noise(d, std, self.generator, like.dtype, like.device, batch)
 
@@ -169,7 +176,8 @@ class NoiseSource:
         std = float(noise_multiplier) * float(sensitivity)
         if record:
             self.ledger.add(name, sensitivity, std, count=count, shape=tuple(value.shape))
-        if symmetric:  # the statistic is symmetric in exact arithmetic; make it so in floating point too
+        # the statistic is symmetric in exact arithmetic; make it so in floating point too
+        if symmetric:
             value = 0.5 * (value + value.transpose(-1, -2))
         if std == 0:
             return value
@@ -179,13 +187,14 @@ class NoiseSource:
         return value + self.gaussian(value.shape, std, value)
 
 
-def symmetric_noise(d: int, std: float, generator: torch.Generator, dtype=torch.float64, device=None,
-                    batch: Tuple[int, ...] = ()) -> torch.Tensor:
+def symmetric_noise(d: int, std: float, generator: torch.Generator, dtype=torch.float64,
+                    device=None, batch: Tuple[int, ...] = ()) -> torch.Tensor:
     """Symmetric noise E with ``E_ii ~ N(0, std²)``, ``E_ij = E_ji ~ N(0, std²/2)`` (i ≠ j).
 
     This is ``vec_s⁻¹(N(0, std² I))`` for the isometry ``vec_s`` of the module docstring, i.e. the
     Gaussian mechanism on the upper triangle of a symmetric query with Frobenius sensitivity Δ when
-    ``std = σΔ`` (same ρ = 1/(2σ²) as seed 000's i.i.d. d×d noise), mirrored to the lower triangle.
+    ``std = σΔ`` (same ρ = 1/(2σ²) as the i.i.d. d×d noise of Mehta et al.), mirrored to the
+    lower triangle.
     """
     Z = torch.randn(*batch, d, d, generator=generator, dtype=dtype, device=device) * std
     upper = torch.triu(Z, diagonal=1) / math.sqrt(2.0)
@@ -235,10 +244,12 @@ def psd_floor(M: torch.Tensor, floor: float = 0.0) -> Tuple[torch.Tensor, torch.
 
 
 def make_generator(random_state: Any, device: torch.device) -> torch.Generator:
-    """A torch.Generator on ``device`` seeded from ``random_state`` (int, Generator or None=fresh)."""
+    """A torch.Generator on ``device`` seeded from ``random_state`` (int, Generator or
+    None=fresh)."""
     if isinstance(random_state, torch.Generator):
         if random_state.device.type != torch.device(device).type:
-            raise ValueError(f"random_state generator is on {random_state.device}, data is on {device}.")
+            raise ValueError(f"random_state generator is on {random_state.device}, "
+                             f"data is on {device}.")
         return random_state
     g = torch.Generator(device=device)
     if random_state is None:
@@ -248,7 +259,8 @@ def make_generator(random_state: Any, device: torch.device) -> torch.Generator:
     elif isinstance(random_state, np.random.Generator):
         g.manual_seed(int(random_state.integers(0, 2 ** 63 - 1)))
     else:
-        raise TypeError(f"random_state must be None, an int or a torch.Generator, got {type(random_state).__name__}.")
+        raise TypeError("random_state must be None, an int or a torch.Generator, "
+                        f"got {type(random_state).__name__}.")
     return g
 
 
@@ -296,7 +308,8 @@ class DPHeadBase:
                 continue
             sig = inspect.signature(klass.__init__)
             for p in sig.parameters.values():
-                if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.name not in names:
+                if (p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+                        and p.name not in names):
                     names.append(p.name)
             break  # the most derived __init__ lists every parameter
         return names
@@ -310,7 +323,8 @@ class DPHeadBase:
         valid = set(self._param_names())
         for k, v in params.items():
             if k not in valid:
-                raise ValueError(f"unknown parameter {k!r} for {type(self).__name__}; valid: {sorted(valid)}.")
+                raise ValueError(f"unknown parameter {k!r} for {type(self).__name__}; "
+                                 f"valid: {sorted(valid)}.")
             setattr(self, k, v)
         return self
 
@@ -329,23 +343,26 @@ class DPHeadBase:
             raise ValueError(f"accounting must be one of {CONVERSIONS}, got {self.accounting!r}.")
         if self.epsilon is None and self.noise_multiplier is None:
             raise ValueError(
-                f"{type(self).__name__} needs a privacy level: pass epsilon=... together with delta=... to "
-                "calibrate the noise, or noise_multiplier=... to set it directly "
+                f"{type(self).__name__} needs a privacy level: pass epsilon=... together with "
+                "delta=... to calibrate the noise, or noise_multiplier=... to set it directly "
                 "(epsilon=float('inf') fits without privacy).")
         if self.epsilon is not None and self.noise_multiplier is not None:
-            raise ValueError("pass either epsilon (σ is then calibrated) or noise_multiplier, not both.")
+            raise ValueError("pass either epsilon (σ is then calibrated) or noise_multiplier, "
+                             "not both.")
         if self.delta is not None and not (0 < float(self.delta) < 1):
-            raise ValueError(f"delta must be in (0, 1), got {self.delta!r}; a common choice is delta < 1/n.")
+            raise ValueError(f"delta must be in (0, 1), got {self.delta!r}; a common choice is "
+                             "delta < 1/n.")
         if self.epsilon is not None:
             if not (float(self.epsilon) > 0):
                 raise ValueError(f"epsilon must be > 0 (or float('inf')), got {self.epsilon!r}.")
             if self.delta is None and not math.isinf(float(self.epsilon)):
                 raise ValueError(
-                    f"epsilon={self.epsilon} needs delta: pass delta=..., typically below 1/n_samples "
-                    "(e.g. delta=1e-5).")
-        if self.noise_multiplier is not None and not (float(self.noise_multiplier) >= 0
-                                                      and math.isfinite(float(self.noise_multiplier))):
-            raise ValueError(f"noise_multiplier must be a finite number ≥ 0, got {self.noise_multiplier!r}.")
+                    f"epsilon={self.epsilon} needs delta: pass delta=..., typically below "
+                    "1/n_samples (e.g. delta=1e-5).")
+        if self.noise_multiplier is not None and not (
+                float(self.noise_multiplier) >= 0 and math.isfinite(float(self.noise_multiplier))):
+            raise ValueError("noise_multiplier must be a finite number ≥ 0, "
+                             f"got {self.noise_multiplier!r}.")
 
     def _resolve_noise_multiplier(self) -> float:
         """σ: calibrated from (ε, δ) or as given; 0 means a non-private fit."""
@@ -369,9 +386,11 @@ class DPHeadBase:
         rho = ledger.rho
         planned = self._rho_sigma2() / sigma ** 2
         if rho > planned * (1 + 1e-9) or rho < planned * (1 - 1e-9):
-            raise RuntimeError(f"{type(self).__name__}: released ρ={rho} differs from its theorem's ρ={planned}.")
+            raise RuntimeError(f"{type(self).__name__}: released ρ={rho} differs from its "
+                               f"theorem's ρ={planned}.")
         self.rho_ = rho
-        self.epsilon_ = None if self.delta_ is None else rho_to_epsilon(rho, self.delta_, self.accounting)
+        self.epsilon_ = (None if self.delta_ is None
+                         else rho_to_epsilon(rho, self.delta_, self.accounting))
 
     # -- fit/predict surface -----------------------------------------------------------------
     @property
@@ -401,7 +420,8 @@ class DPHeadBase:
         Xt, Y = self._prepare_fit(X, y)
         gen = make_generator(self.random_state, Xt.device)
         noise = NoiseSource(gen)
-        # small CPU problems run single-threaded: faster, and robust on a busy machine (see small_lapack)
+        # small CPU problems run single-threaded: faster, and robust on a busy machine
+        # (see small_lapack)
         with small_lapack(Xt, max_dim=1024 if Xt.numel() <= 2 ** 22 else 0):
             self._fit(self._features(Xt), Y, sigma, noise)
         self._finalize_privacy(sigma, noise.ledger)
@@ -412,15 +432,16 @@ class DPHeadBase:
 
     def _check_fitted(self) -> None:
         if not hasattr(self, "classes_"):
-            raise NotFittedError(f"This {type(self).__name__} instance is not fitted yet; call fit(X, y) first.")
+            raise NotFittedError(f"This {type(self).__name__} instance is not fitted yet; "
+                                 "call fit(X, y) first.")
 
     def _prepare_predict(self, X) -> Tuple[torch.Tensor, bool, Optional[torch.device]]:
         self._check_fitted()
         is_torch = isinstance(X, torch.Tensor)
         Xt = to_tensor(X, self.dtype, device=self._device())
         if Xt.shape[1] != self.n_features_in_:
-            raise ValueError(f"X has {Xt.shape[1]} features, but {type(self).__name__} was fitted with "
-                             f"{self.n_features_in_}.")
+            raise ValueError(f"X has {Xt.shape[1]} features, but {type(self).__name__} was "
+                             f"fitted with {self.n_features_in_}.")
         return self._features(Xt), is_torch, (X.device if is_torch else None)
 
     def _device(self) -> torch.device:
@@ -441,7 +462,8 @@ class DPHeadBase:
         return self._out(self._decision(Xt), is_torch, dev)
 
     def predict(self, X):
-        """Predicted labels ``classes_[argmax_j score_j(x)]``; numpy for numpy input, torch for torch."""
+        """Predicted labels ``classes_[argmax_j score_j(x)]``; numpy for numpy input, torch for
+        torch."""
         Xt, is_torch, dev = self._prepare_predict(X)
         idx = torch.argmax(self._decision(Xt), dim=1).cpu().numpy()
         labels = self.classes_[idx]

@@ -1,5 +1,6 @@
-"""DP-FC: DP gradient descent preconditioned by a noisy feature covariance (seed 000, Algorithm 3,
-Theorem 2.3).
+"""DP-FC: DP gradient descent preconditioned by a noisy feature covariance (Algorithm 3 and
+Theorem 2.3 of Mehta, Krichene, Thakurta, Kurakin & Cutkosky, "Differentially Private Image
+Classification from Features").
 
 1. Clip features for the covariance, ``x̃_i = x_i·min(1, C_G/‖x_i‖)``, and release once
    ``G̃ = (1/n) Σ_i x̃_i x̃_iᵀ + N(0, (σ C_G²/n)²) + λI``                               (lines 1–3)
@@ -10,9 +11,9 @@ Theorem 2.3).
    ``g̃_t = (1/n)(Σ_i clip_{C_g}(∇ℓ(θ_t; x_i, y_i)) + N(0, (σ C_g)²))``                  (lines 6–7)
    (each ``1/(2σ²)``-zCDP) and ``θ_{t+1} = θ_t − η g̃_t G̃⁻¹``                           (line 8).
 
-Total: ``(T+1)/(2σ²)``-zCDP (Theorem 2.3). The head is W x + b with the loss of seed 000
-(sigmoid cross-entropy, one-vs-rest, bias initialised at −10 following Mehta et al. 2022 /
-seed 000 App. D.7) or softmax cross-entropy. The bias gradient is part of the clipped
+Total: ``(T+1)/(2σ²)``-zCDP (Theorem 2.3). The head is W x + b with the loss of Mehta et al.
+(sigmoid cross-entropy, one-vs-rest, bias initialised at −10 following their App. D.7) or
+softmax cross-entropy. The bias gradient is part of the clipped
 per-example gradient; its preconditioner is the second moment of the constant feature, 1
 (block-diagonal approximation of the covariance of ``[x; 1]``).
 """
@@ -30,38 +31,42 @@ __all__ = ["DPFeatureCovariance"]
 
 
 class DPFeatureCovariance(GLMHead):
-    """DP-FC, seed 000 Algorithm 3 — ``(T+1)/(2σ²)``-zCDP (Theorem 2.3).
+    """DP-FC, Mehta et al. Algorithm 3 — ``(T+1)/(2σ²)``-zCDP (Theorem 2.3).
 
     Args:
         epsilon, delta, noise_multiplier, accounting, random_state, classes, normalize: see
             :class:`~private_engine.heads.base.DPHeadBase`.
         steps: T, full-batch iterations.
         lr: η.
-        reg: λ added to the noisy covariance; ``"auto"`` uses ``reg_scale·sqrt(2d)·σC_G²/n + reg_min``
-            (the covariance noise's spectral scale).
+        reg: λ added to the noisy covariance; ``"auto"`` uses
+            ``reg_scale·sqrt(2d)·σC_G²/n + reg_min`` (the covariance noise's spectral scale).
         reg_scale, reg_min: constants of ``reg="auto"``.
         clip_norm_cov: C_G, feature clipping norm for the covariance.
         clip_norm_grad: C_g, per-example gradient clipping norm.
-        loss: "sigmoid" (one-vs-rest, seed 000) or "softmax".
+        loss: "sigmoid" (one-vs-rest, as in Mehta et al.) or "softmax".
         fit_intercept: learn a per-class bias.
-        intercept_init: initial bias (−10 for "sigmoid" as in seed 000 App. D; 0 is used for softmax).
+        intercept_init: initial bias (−10 for "sigmoid" as in Mehta et al. App. D; 0 is used for
+            softmax).
         eig_floor: eigenvalue floor of the noisy covariance before ``+λI`` (None: no projection).
 
     Fitted attributes: ``coef_`` (m, d), ``intercept_`` (m,) or None, ``reg_``, ``n_iter_``,
-    ``noisy_covariance_`` (the released G̃ before the PSD floor and λI), and the base privacy attributes.
+    ``noisy_covariance_`` (the released G̃ before the PSD floor and λI), and the base privacy
+    attributes.
     """
 
     _has_proba = True
 
     def __init__(self, *, epsilon: Optional[float] = None, delta: Optional[float] = None,
-                 noise_multiplier: Optional[float] = None, steps: int = 10, lr: float = 4.0, reg: Any = "auto",
-                 reg_scale: float = 2.0, reg_min: float = 1e-3, clip_norm_cov: float = 1.0,
-                 clip_norm_grad: float = 1.0, loss: str = "sigmoid", fit_intercept: bool = True,
-                 intercept_init: float = -10.0, eig_floor: Optional[float] = 0.0, normalize: bool = False,
+                 noise_multiplier: Optional[float] = None, steps: int = 10, lr: float = 4.0,
+                 reg: Any = "auto", reg_scale: float = 2.0, reg_min: float = 1e-3,
+                 clip_norm_cov: float = 1.0, clip_norm_grad: float = 1.0, loss: str = "sigmoid",
+                 fit_intercept: bool = True, intercept_init: float = -10.0,
+                 eig_floor: Optional[float] = 0.0, normalize: bool = False,
                  accounting: str = "rdp", random_state: Any = None, classes: Any = None,
                  dtype: torch.dtype = torch.float64):
-        super().__init__(epsilon=epsilon, delta=delta, noise_multiplier=noise_multiplier, accounting=accounting,
-                         random_state=random_state, classes=classes, normalize=normalize, dtype=dtype)
+        super().__init__(epsilon=epsilon, delta=delta, noise_multiplier=noise_multiplier,
+                         accounting=accounting, random_state=random_state, classes=classes,
+                         normalize=normalize, dtype=dtype)
         self.steps = steps
         self.lr = lr
         self.reg = reg
@@ -107,7 +112,8 @@ class DPFeatureCovariance(GLMHead):
 
         W = torch.zeros(m, d, dtype=X.dtype, device=X.device)
         b0 = (self.intercept_init if self.loss == "sigmoid" else 0.0)
-        b = torch.full((m,), float(b0), dtype=X.dtype, device=X.device) if self.fit_intercept else None
+        b = (torch.full((m,), float(b0), dtype=X.dtype, device=X.device)
+             if self.fit_intercept else None)
         clip = Cg if private else None
         for t in range(self.steps):
             gW, gb, _ = clipped_gradient_sum(X, Y, W, b, self.loss, clip)

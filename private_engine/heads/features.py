@@ -1,22 +1,24 @@
-"""Penultimate-layer features of a timm or torchvision backbone, batched, with a resumable disk cache.
+"""Penultimate-layer features of a timm or torchvision backbone, batched, with a resumable disk
+cache.
 
 ``extract_features(model, data, batch_size, device)`` returns ``FeatureSet(features, labels)``:
 
-* **Which features.** timm models: ``model.forward_head(model.forward_features(x), pre_logits=True)``
-  (the pooled, pre-classifier representation, identical to ``model(x)`` when ``num_classes=0``).
-  Other models (torchvision …): the input of the last ``nn.Linear`` in module order (the classifier
-  of resnets, ViTs, convnexts, efficientnets, …) captured with a forward pre-hook; a model without
+* **Which features.** timm models:
+  ``model.forward_head(model.forward_features(x), pre_logits=True)`` (the pooled,
+  pre-classifier representation, identical to ``model(x)`` when ``num_classes=0``). Other models
+  (torchvision …): the input of the last ``nn.Linear`` in module order (the classifier of
+  resnets, ViTs, convnexts, efficientnets, …) captured with a forward pre-hook; a model without
   any Linear layer is taken to output features itself. ``layer="name"`` overrides this with the
   input of a named submodule.
-* **Data.** A tensor/array of inputs (N, …), a ``Dataset`` whose items are ``x`` or ``(x, y, …)``,
-  or a ``DataLoader`` (its dataset is read in order; its sampler is ignored so that the cache is
-  well defined). Labels are returned when the items carry them.
+* **Data.** A tensor/array of inputs (N, …), a ``Dataset`` whose items are ``x`` or
+  ``(x, y, …)``, or a ``DataLoader`` (its dataset is read in order; its sampler is ignored so
+  that the cache is well defined). Labels are returned when the items carry them.
 * **Cache.** With ``cache_dir``, features are stored under a key that hashes the model name and
-  class, every weight and buffer (so a fine-tuned or re-initialised model gets a new key), the data
-  (the bytes of a tensor; for a dataset every loaded input and label, unless ``data_id`` names it),
-  the ``transform_id`` and the feature layer. Each batch is written atomically to its own file as
-  it is computed, so an interrupted run resumes where it stopped; the completed set is stored as one
-  ``features.pt`` and the batch files are removed.
+  class, every weight and buffer (so a fine-tuned or re-initialised model gets a new key), the
+  data (the bytes of a tensor; for a dataset every loaded input and label, unless ``data_id``
+  names it), the ``transform_id`` and the feature layer. Each batch is written atomically to its
+  own file as it is computed, so an interrupted run resumes where it stopped; the completed set
+  is stored as one ``features.pt`` and the batch files are removed.
 """
 from __future__ import annotations
 
@@ -37,7 +39,8 @@ __all__ = ["FeatureSet", "extract_features", "penultimate_features", "model_fing
 
 
 class FeatureSet(NamedTuple):
-    """``features`` (N, d) float tensor on CPU, ``labels`` (N,) tensor or None, ``cache_path`` or None."""
+    """``features`` (N, d) float tensor on CPU, ``labels`` (N,) tensor or None, ``cache_path``
+    or None."""
 
     features: torch.Tensor
     labels: Optional[torch.Tensor]
@@ -53,8 +56,10 @@ def _last_linear(model: nn.Module) -> Optional[nn.Module]:
     return last
 
 
-def penultimate_features(model: nn.Module, x: torch.Tensor, layer: Optional[str] = None) -> torch.Tensor:
-    """Penultimate features of ``model`` on a batch ``x``, flattened to (B, d) (see module docstring)."""
+def penultimate_features(model: nn.Module, x: torch.Tensor,
+                         layer: Optional[str] = None) -> torch.Tensor:
+    """Penultimate features of ``model`` on a batch ``x``, flattened to (B, d) (see module
+    docstring)."""
     if layer is not None:
         target = dict(model.named_modules()).get(layer)
         if target is None:
@@ -76,7 +81,8 @@ def penultimate_features(model: nn.Module, x: torch.Tensor, layer: Optional[str]
     finally:
         handle.remove()
     if not captured:
-        raise RuntimeError(f"the feature layer {layer or type(target).__name__} was not called in forward.")
+        raise RuntimeError(f"the feature layer {layer or type(target).__name__} was not called "
+                           "in forward.")
     return captured[-1].flatten(1)
 
 
@@ -125,15 +131,18 @@ def _as_dataset(data: Any, labels: Any) -> Tuple[Dataset, Optional[torch.Tensor]
     if isinstance(data, np.ndarray):
         data = torch.from_numpy(data)
     if isinstance(data, torch.Tensor):
-        y = None if labels is None else torch.as_tensor(np.asarray(labels) if not isinstance(labels, torch.Tensor) else labels)
+        y = None if labels is None else torch.as_tensor(
+            np.asarray(labels) if not isinstance(labels, torch.Tensor) else labels)
         if y is not None and y.shape[0] != data.shape[0]:
             raise ValueError(f"data has {data.shape[0]} items but labels has {y.shape[0]}.")
         return _TensorItems(data, y), None
     if isinstance(data, Dataset) or (hasattr(data, "__getitem__") and hasattr(data, "__len__")):
         if labels is not None:
-            raise ValueError("labels= is only for tensor/array data; a dataset's items carry their labels.")
+            raise ValueError("labels= is only for tensor/array data; a dataset's items carry "
+                             "their labels.")
         return data, None
-    raise TypeError(f"data must be a tensor, an array, a Dataset or a DataLoader, got {type(data).__name__}.")
+    raise TypeError("data must be a tensor, an array, a Dataset or a DataLoader, "
+                    f"got {type(data).__name__}.")
 
 
 def _split_batch(batch: Any) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -150,7 +159,8 @@ def _split_batch(batch: Any) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     return batch, None
 
 
-def _batches(dataset: Dataset, start: int, stop: int, batch_size: int, num_workers: int) -> Iterator:
+def _batches(dataset: Dataset, start: int, stop: int, batch_size: int,
+             num_workers: int) -> Iterator:
     indices = range(start, stop)
     if isinstance(dataset, _TensorItems):  # slicing is much faster than per-item collation
         for s in range(start, stop, batch_size):
@@ -191,27 +201,31 @@ def _atomic_save(obj: Any, path: Path) -> None:
 # ----------------------------------------------------------------------------- main entry
 def extract_features(model: Union[nn.Module, str], data: Any, batch_size: int = 256,
                      device: Union[str, torch.device, None] = None, *, labels: Any = None,
-                     cache_dir: Union[str, os.PathLike, None] = None, model_name: Optional[str] = None,
-                     data_id: Optional[str] = None, transform: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
-                     transform_id: Optional[str] = None, layer: Optional[str] = None, pretrained: bool = False,
-                     num_workers: int = 0, progress: bool = True) -> FeatureSet:
-    """Penultimate features of ``model`` on ``data``, batched, with a tqdm bar and a resumable cache.
+                     cache_dir: Union[str, os.PathLike, None] = None,
+                     model_name: Optional[str] = None, data_id: Optional[str] = None,
+                     transform: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                     transform_id: Optional[str] = None, layer: Optional[str] = None,
+                     pretrained: bool = False, num_workers: int = 0,
+                     progress: bool = True) -> FeatureSet:
+    """Penultimate features of ``model`` on ``data``, batched, with a tqdm bar and a resumable
+    cache.
 
     Args:
         model: an ``nn.Module`` (timm, torchvision or any) or a model name, built with
-            ``private_engine.demo.models.create_model(name, pretrained=pretrained)`` (no download unless
-            ``pretrained=True``).
-        data: inputs as a tensor/array (N, …), a Dataset (items ``x`` or ``(x, y, …)``) or a DataLoader.
+            ``private_engine.demo.models.create_model(name, pretrained=pretrained)`` (no download
+            unless ``pretrained=True``).
+        data: inputs as a tensor/array (N, …), a Dataset (items ``x`` or ``(x, y, …)``) or a
+            DataLoader.
         batch_size: inputs per forward pass.
-        device: where to run; default: the model's device. The model is moved there and put in eval
-            mode (its training flag is restored afterwards).
+        device: where to run; default: the model's device. The model is moved there and put in
+            eval mode (its training flag is restored afterwards).
         labels: labels for tensor/array ``data`` (returned and cached alongside).
         cache_dir: enable the disk cache there (see module docstring for the key).
         model_name: name used in the cache folder (default: timm architecture or class name).
         data_id: identify a dataset without hashing all of it (you guarantee it is unique).
         transform: applied to each input batch on the device before the model (e.g. resizing).
-        transform_id: identifies ``transform`` in the cache key (default: its qualified name; pass one
-            if the transform has parameters).
+        transform_id: identifies ``transform`` in the cache key (default: its qualified name; pass
+            one if the transform has parameters).
         layer: take the input of this named submodule instead of the default penultimate layer.
         pretrained: only used when ``model`` is a name.
         num_workers: DataLoader workers for Dataset inputs.
@@ -247,9 +261,11 @@ def extract_features(model: Union[nn.Module, str], data: Any, batch_size: int = 
         key = hashlib.sha256()
         key.update(name.encode())
         key.update(model_fingerprint(model).encode())
-        key.update((data_id or _data_fingerprint(dataset, batch_size, num_workers, progress)).encode())
+        key.update((data_id or _data_fingerprint(dataset, batch_size, num_workers,
+                                                 progress)).encode())
         tid = transform_id if transform_id is not None else (
-            getattr(transform, "__qualname__", type(transform).__qualname__) if transform is not None else "none")
+            getattr(transform, "__qualname__", type(transform).__qualname__)
+            if transform is not None else "none")
         key.update(f"transform={tid};layer={layer};n={n}".encode())
         digest = key.hexdigest()[:24]
         folder = Path(cache_dir) / f"{re.sub(r'[^A-Za-z0-9_.-]+', '_', name)}-{digest}"
@@ -261,10 +277,12 @@ def extract_features(model: Union[nn.Module, str], data: Any, batch_size: int = 
         parts_dir = folder / "parts"
         parts_dir.mkdir(exist_ok=True)
         meta = folder / "meta.json"
-        info = {"model_name": name, "n": n, "batch_size": batch_size, "transform_id": tid, "layer": layer}
+        info = {"model_name": name, "n": n, "batch_size": batch_size, "transform_id": tid,
+                "layer": layer}
         if meta.exists():
             old = json.loads(meta.read_text())
-            if old.get("batch_size") != batch_size:  # batch boundaries changed: old parts are unusable
+            # batch boundaries changed: old parts are unusable
+            if old.get("batch_size") != batch_size:
                 for p in parts_dir.glob("part-*.pt"):
                     p.unlink()
         meta.write_text(json.dumps(info, indent=1))
@@ -304,13 +322,15 @@ def extract_features(model: Union[nn.Module, str], data: Any, batch_size: int = 
                     feats[b] = f
                     labs[b] = y.cpu() if y is not None else None
                     if parts_dir is not None:
-                        _atomic_save({"features": f, "labels": labs[b]}, parts_dir / f"part-{starts[b]:010d}.pt")
+                        _atomic_save({"features": f, "labels": labs[b]},
+                                     parts_dir / f"part-{starts[b]:010d}.pt")
                     bar.update(1)
         bar.close()
     finally:
         model.train(was_training)
     features = torch.cat(feats)  # type: ignore[arg-type]
-    all_labels = torch.cat(labs) if all(lb is not None for lb in labs) else None  # type: ignore[arg-type]
+    all_labels = (torch.cat(labs)  # type: ignore[arg-type]
+                  if all(lb is not None for lb in labs) else None)
     if cache_path is not None:
         _atomic_save({"features": features, "labels": all_labels}, cache_path)
         for p in parts_dir.glob("part-*.pt"):

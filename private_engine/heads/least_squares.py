@@ -1,6 +1,8 @@
-"""DP-LS: differentially private least squares on features (seed 000, Algorithm 2, Theorem 2.2).
+"""DP-LS: differentially private least squares on features (Algorithm 2 and Theorem 2.2 of
+Mehta, Krichene, Thakurta, Kurakin & Cutkosky, "Differentially Private Image Classification
+from Features").
 
-Loss (seed 000, §2.3; Hu et al. 2008), for binary targets ``y_ij ∈ {0, 1}``::
+Loss (Mehta et al., §2.3; Hu et al. 2008), for binary targets ``y_ij ∈ {0, 1}``::
 
     L(θ) = ½ Σ_j [ Σ_i y_ij (x_iᵀθ_j − 1)² + α Σ_i (x_iᵀθ_j)² + λ‖θ_j‖² ]
          = ½ Σ_j [ θ_jᵀ A_j θ_j − 2 θ_jᵀ b_j + α θ_jᵀ G θ_j + λ θ_jᵀ θ_j ] + const
@@ -32,7 +34,7 @@ __all__ = ["DPLeastSquares"]
 
 
 class DPLeastSquares(DPHeadBase):
-    """DP least squares (DP-LS), seed 000 Algorithm 2 — ``3/(2σ²)``-zCDP (Theorem 2.2).
+    """DP least squares (DP-LS), Mehta et al. Algorithm 2 — ``3/(2σ²)``-zCDP (Theorem 2.2).
 
     ``θ_j = (Ã_j + α·G̃ + λI)⁻¹ b̃_j`` with noisy statistics ``G̃`` (shared by all classes),
     ``Ã_j``, ``b̃_j`` (see the module docstring). Noisy matrices are symmetric by construction and
@@ -65,11 +67,13 @@ class DPLeastSquares(DPHeadBase):
     def __init__(self, *, epsilon: Optional[float] = None, delta: Optional[float] = None,
                  noise_multiplier: Optional[float] = None, alpha: float = 1.0, reg: Any = "auto",
                  reg_scale: float = 4.0, reg_min: float = 1e-3, clip_norm: float = 1.0, k: int = 1,
-                 budget_split: Sequence[float] = (1 / 3, 1 / 3, 1 / 3), eig_floor: Optional[float] = 0.0,
-                 class_chunk_size: int = 64, normalize: bool = False, accounting: str = "rdp",
-                 random_state: Any = None, classes: Any = None, dtype: torch.dtype = torch.float64):
-        super().__init__(epsilon=epsilon, delta=delta, noise_multiplier=noise_multiplier, accounting=accounting,
-                         random_state=random_state, classes=classes, normalize=normalize, dtype=dtype)
+                 budget_split: Sequence[float] = (1 / 3, 1 / 3, 1 / 3),
+                 eig_floor: Optional[float] = 0.0, class_chunk_size: int = 64,
+                 normalize: bool = False, accounting: str = "rdp", random_state: Any = None,
+                 classes: Any = None, dtype: torch.dtype = torch.float64):
+        super().__init__(epsilon=epsilon, delta=delta, noise_multiplier=noise_multiplier,
+                         accounting=accounting, random_state=random_state, classes=classes,
+                         normalize=normalize, dtype=dtype)
         self.alpha = alpha
         self.reg = reg
         self.reg_scale = reg_scale
@@ -93,8 +97,9 @@ class DPLeastSquares(DPHeadBase):
                 raise ValueError("a 2-D y must be a 0/1 indicator matrix (n_samples, n_classes).")
             per_row = y_arr.sum(axis=1)
             if per_row.max(initial=0) > self.k:
-                raise ValueError(f"some examples have {int(per_row.max())} positive classes but k={self.k}; "
-                                 "raise k (it scales the noise on A and b by sqrt(k)).")
+                raise ValueError(f"some examples have {int(per_row.max())} positive classes but "
+                                 f"k={self.k}; raise k (it scales the noise on A and b by "
+                                 "sqrt(k)).")
             self.classes_ = np.arange(y_arr.shape[1])
             self.n_features_in_ = Xt.shape[1]
             return Xt, torch.as_tensor(y_arr, dtype=self.dtype, device=Xt.device)
@@ -103,7 +108,8 @@ class DPLeastSquares(DPHeadBase):
     def _split_sigmas(self, sigma: float):
         w = np.asarray(self.budget_split, dtype=np.float64)
         if w.shape != (3,) or np.any(w <= 0) or abs(w.sum() - 1) > 1e-9:
-            raise ValueError(f"budget_split must be three positive shares summing to 1, got {self.budget_split!r}.")
+            raise ValueError("budget_split must be three positive shares summing to 1, "
+                             f"got {self.budget_split!r}.")
         return [sigma / math.sqrt(3 * wi) for wi in w]
 
     def _fit(self, X: torch.Tensor, Y: torch.Tensor, sigma: float, noise: NoiseSource) -> None:

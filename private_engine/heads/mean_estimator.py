@@ -1,7 +1,8 @@
-"""DP class-mean classifier (seed 003, Algorithm 1), calibrated with the analytic Gaussian
+"""DP class-mean classifier (Algorithm 1 of Zhu & Zhang, "Mean Estimation Strikes Back! An
+Efficient Solution to Private Classification"), calibrated with the analytic Gaussian
 mechanism (Balle & Wang 2018).
 
-Training: features are mapped to the unit sphere, ``φ(x) = x/‖x‖`` (seed 003 requires
+Training: features are mapped to the unit sphere, ``φ(x) = x/‖x‖`` (Zhu & Zhang require
 ``‖φ(x)‖ = 1``), and the per-class sums and counts are released with Gaussian noise::
 
     S̃_j = Σ_i 1[y_i = j] φ(x_i) + N(0, s² I_d),      ñ_j = Σ_i 1[y_i = j] + N(0, s²)
@@ -23,12 +24,12 @@ block j' gives ``sqrt(2 + 2)``; with j = j', ``‖φ(x) − φ(x')‖ ≤ 2``.) 
 
     Φ( Δ/(2s) − εs/Δ ) − e^ε Φ( −Δ/(2s) − εs/Δ ) ≤ δ,    Δ = √2.
 
-Seed 003's Theorem 2.1 states ``Φ(1/(2σ) − σε/2) − e^ε Φ(−1/(2σ) − σε/2) ≤ δ/2``: its first term is
-the formula with Δ = 1, its second term the formula with Δ = 2, and δ/2 suggests a split of δ
-between the two releases — these are mutually inconsistent, and none equals the joint-release
-sensitivity √2. We use the derivation above (Δ = √2, full δ, exact analytic calibration). The
-noise multiplier reported is ``σ = s/Δ`` (so ρ = 1/(2σ²) like every other head) and
-``noise_std_ = s``.
+Zhu & Zhang's Theorem 2.1 states ``Φ(1/(2σ) − σε/2) − e^ε Φ(−1/(2σ) − σε/2) ≤ δ/2``: its first
+term is the formula with Δ = 1, its second term the formula with Δ = 2, and δ/2 suggests a split
+of δ between the two releases — these are mutually inconsistent, and none equals the
+joint-release sensitivity √2. We use the derivation above (Δ = √2, full δ, exact analytic
+calibration). The noise multiplier reported is ``σ = s/Δ`` (so ρ = 1/(2σ²) like every other
+head) and ``noise_std_ = s``.
 
 Inference is by cosine, which ignores the scale of q_j, so the counts only matter through their
 sign and for ``class_means_``; ``release_counts=False`` spends the whole budget on the sums
@@ -49,14 +50,14 @@ __all__ = ["DPMeanEstimator"]
 
 
 class DPMeanEstimator(DPHeadBase):
-    """Nearest DP class centre in cosine similarity (seed 003, Algorithm 1).
+    """Nearest DP class centre in cosine similarity (Zhu & Zhang, Algorithm 1).
 
     Args:
         epsilon, delta: calibrate the noise std ``s`` exactly with the analytic Gaussian mechanism
             (Balle & Wang 2018, Algorithm 1) for L2 sensitivity Δ = √2 (Δ = 1 without counts).
         noise_multiplier: σ directly (``s = σΔ``).
-        release_counts: release noisy per-class counts (seed 003) — needed for ``class_means_``,
-            not for classification (cosine ignores the centre norms).
+        release_counts: release noisy per-class counts (as Zhu & Zhang do) — needed for
+            ``class_means_``, not for classification (cosine ignores the centre norms).
         min_count: floor applied to the noisy counts before dividing (post-processing; keeps the
             centres pointing the same way as the noisy sums).
         accounting: ``"gdp"`` (default: the analytic Gaussian, exact) or ``"rdp"``/``"classical"``
@@ -69,11 +70,12 @@ class DPMeanEstimator(DPHeadBase):
     """
 
     def __init__(self, *, epsilon: Optional[float] = None, delta: Optional[float] = None,
-                 noise_multiplier: Optional[float] = None, release_counts: bool = True, min_count: float = 1.0,
-                 accounting: str = "gdp", random_state: Any = None, classes: Any = None,
-                 dtype: torch.dtype = torch.float64):
-        super().__init__(epsilon=epsilon, delta=delta, noise_multiplier=noise_multiplier, accounting=accounting,
-                         random_state=random_state, classes=classes, normalize=True, dtype=dtype)
+                 noise_multiplier: Optional[float] = None, release_counts: bool = True,
+                 min_count: float = 1.0, accounting: str = "gdp", random_state: Any = None,
+                 classes: Any = None, dtype: torch.dtype = torch.float64):
+        super().__init__(epsilon=epsilon, delta=delta, noise_multiplier=noise_multiplier,
+                         accounting=accounting, random_state=random_state, classes=classes,
+                         normalize=True, dtype=dtype)
         self.release_counts = release_counts
         self.min_count = min_count
 
@@ -87,7 +89,8 @@ class DPMeanEstimator(DPHeadBase):
 
     def _resolve_noise_multiplier(self) -> float:
         self._check_privacy_args()
-        if self.noise_multiplier is not None or self.accounting != "gdp" or math.isinf(float(self.epsilon)):
+        if (self.noise_multiplier is not None or self.accounting != "gdp"
+                or math.isinf(float(self.epsilon))):
             return super()._resolve_noise_multiplier()
         s = analytic_gaussian_sigma(float(self.epsilon), float(self.delta), self.sensitivity)
         return s / self.sensitivity
@@ -132,5 +135,6 @@ class DPMeanEstimator(DPHeadBase):
         return X @ self.centers_.T  # X is unit-norm, centres are unit-norm: cosine similarities
 
     def cosine_similarities(self, X):
-        """``h(x) = (cos(φ(x), q_1), …, cos(φ(x), q_m))`` — the prior of seed 003, Algorithm 2."""
+        """``h(x) = (cos(φ(x), q_1), …, cos(φ(x), q_m))`` — the prior of Zhu & Zhang,
+        Algorithm 2."""
         return self.decision_function(X)

@@ -1,5 +1,6 @@
 """DP-Newton: differentially private Newton's method for one-vs-rest logistic regression on
-features (seed 000, Algorithm 1, Theorem 2.1).
+features (Algorithm 1 and Theorem 2.1 of Mehta, Krichene, Thakurta, Kurakin & Cutkosky,
+"Differentially Private Image Classification from Features").
 
 Objective per class j (sigmoid cross-entropy, ``ℓ(z, y) = −y log s(z) − (1−y) log(1−s(z))``)::
 
@@ -30,7 +31,8 @@ __all__ = ["DPNewton"]
 
 
 class DPNewton(DPHeadBase):
-    """DP-Newton for one-vs-rest logistic regression, seed 000 Algorithm 1 — ``T/σ²``-zCDP (Thm 2.1).
+    """DP-Newton for one-vs-rest logistic regression, Mehta et al. Algorithm 1 — ``T/σ²``-zCDP
+    (Thm 2.1).
 
     Args:
         epsilon, delta, noise_multiplier, accounting, random_state, classes, normalize: see
@@ -52,13 +54,15 @@ class DPNewton(DPHeadBase):
     _has_proba = True
 
     def __init__(self, *, epsilon: Optional[float] = None, delta: Optional[float] = None,
-                 noise_multiplier: Optional[float] = None, steps: int = 1, lr: float = 1.0, reg: Any = "auto",
-                 reg_scale: float = 4.0, reg_min: float = 1e-4, clip_norm: float = 1.0, beta_h: float = 0.25,
-                 eig_floor: Optional[float] = 0.0, class_chunk_size: int = 64, normalize: bool = False,
-                 accounting: str = "rdp", random_state: Any = None, classes: Any = None,
+                 noise_multiplier: Optional[float] = None, steps: int = 1, lr: float = 1.0,
+                 reg: Any = "auto", reg_scale: float = 4.0, reg_min: float = 1e-4,
+                 clip_norm: float = 1.0, beta_h: float = 0.25, eig_floor: Optional[float] = 0.0,
+                 class_chunk_size: int = 64, normalize: bool = False, accounting: str = "rdp",
+                 random_state: Any = None, classes: Any = None,
                  dtype: torch.dtype = torch.float64):
-        super().__init__(epsilon=epsilon, delta=delta, noise_multiplier=noise_multiplier, accounting=accounting,
-                         random_state=random_state, classes=classes, normalize=normalize, dtype=dtype)
+        super().__init__(epsilon=epsilon, delta=delta, noise_multiplier=noise_multiplier,
+                         accounting=accounting, random_state=random_state, classes=classes,
+                         normalize=normalize, dtype=dtype)
         self.steps = steps
         self.lr = lr
         self.reg = reg
@@ -91,7 +95,8 @@ class DPNewton(DPHeadBase):
             if lam < 0:
                 raise ValueError(f"reg must be ≥ 0 or 'auto', got {self.reg!r}.")
         if lam == 0:
-            raise ValueError("reg=0 leaves the Newton system singular on separable data; use reg > 0.")
+            raise ValueError("reg=0 leaves the Newton system singular on separable data; "
+                             "use reg > 0.")
         self.reg_ = lam
         theta = torch.zeros(m, d, dtype=X.dtype, device=X.device)
         eye = torch.eye(d, dtype=X.dtype, device=X.device)
@@ -99,18 +104,19 @@ class DPNewton(DPHeadBase):
         for t in range(self.steps):
             Z = Xc @ theta.T  # (n, m)
             P = torch.sigmoid(Z)
-            # gradient of the sum, released for all classes at once (m mechanisms, sensitivity C each)
+            # gradient of the sum, released for all classes at once (m mechanisms, sensitivity C
+            # each)
             g = (P - Y).T @ Xc  # (m, d)
             g = noise.release(f"gradient[t={t}]", g, C, sigma * sqrt_m, count=m) / n + lam * theta
             W = P * (1 - P)  # ℓ'' (n, m)
-            noise.ledger.add(f"Hessian[t={t}]", self.beta_h * C * C, sigma * sqrt_m * self.beta_h * C * C,
-                             count=m, shape=(m, d, d))
+            noise.ledger.add(f"Hessian[t={t}]", self.beta_h * C * C,
+                             sigma * sqrt_m * self.beta_h * C * C, count=m, shape=(m, d, d))
             step = torch.empty_like(theta)
             for start in range(0, m, chunk):
                 stop = min(m, start + chunk)
                 H = torch.einsum("nc,ni,nj->cij", W[:, start:stop], Xc, Xc)
-                H = noise.release(f"Hessian[t={t}]", H, self.beta_h * C * C, sigma * sqrt_m, symmetric=True,
-                                  record=False) / n
+                H = noise.release(f"Hessian[t={t}]", H, self.beta_h * C * C, sigma * sqrt_m,
+                                  symmetric=True, record=False) / n
                 rhs = g[start:stop]
                 if private and self.eig_floor is not None:
                     evals, evecs = psd_floor(H, float(self.eig_floor))

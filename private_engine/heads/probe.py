@@ -29,18 +29,19 @@ from .least_squares import DPLeastSquares
 from .mean_estimator import DPMeanEstimator
 from .newton import DPNewton
 
-__all__ = ["METHODS", "add_probe_arguments", "run_probe", "probe_sweep", "ProbeResults", "load_probe_data",
-           "format_table", "plot_results"]
+__all__ = ["METHODS", "add_probe_arguments", "run_probe", "probe_sweep", "ProbeResults",
+           "load_probe_data", "format_table", "plot_results"]
 
 # name -> (display name, factory(epsilon, delta, seed, accounting) -> estimator)
 METHODS: Dict[str, Tuple[str, Callable]] = {
-    "ls": ("DP-LS", lambda e, d, s, a: DPLeastSquares(epsilon=e, delta=d, normalize=True, random_state=s, accounting=a)),
-    "newton": ("DP-Newton", lambda e, d, s, a: DPNewton(epsilon=e, delta=d, normalize=True, random_state=s,
-                                                        accounting=a)),
-    "fc": ("DP-FC", lambda e, d, s, a: DPFeatureCovariance(epsilon=e, delta=d, normalize=True, random_state=s,
-                                                           accounting=a)),
-    "adam": ("DP-Adam", lambda e, d, s, a: DPAdamHead(epsilon=e, delta=d, normalize=True, random_state=s,
-                                                      accounting=a)),
+    "ls": ("DP-LS", lambda e, d, s, a: DPLeastSquares(epsilon=e, delta=d, normalize=True,
+                                                      random_state=s, accounting=a)),
+    "newton": ("DP-Newton", lambda e, d, s, a: DPNewton(epsilon=e, delta=d, normalize=True,
+                                                        random_state=s, accounting=a)),
+    "fc": ("DP-FC", lambda e, d, s, a: DPFeatureCovariance(epsilon=e, delta=d, normalize=True,
+                                                           random_state=s, accounting=a)),
+    "adam": ("DP-Adam", lambda e, d, s, a: DPAdamHead(epsilon=e, delta=d, normalize=True,
+                                                      random_state=s, accounting=a)),
     "mean": ("DP-Mean", lambda e, d, s, a: DPMeanEstimator(epsilon=e, delta=d, random_state=s)),
 }
 
@@ -56,38 +57,50 @@ def _epsilon(text: str) -> float:
 
 
 def add_probe_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the probe's options to ``parser`` (used by the example script and ``private-engine probe``)."""
+    """Add the probe's options to ``parser`` (used by the example script and
+    ``private-engine probe``)."""
     g = parser.add_argument_group("data")
     g.add_argument("--dataset", choices=["digits", "synthetic"], default="digits",
                    help="embedded sklearn digits, or synthetic class-clustered features")
     g.add_argument("--features", choices=["backbone", "raw"], default="backbone",
                    help="digits: penultimate features of --model, or the raw 64 pixels")
-    g.add_argument("--model", default="vit_tiny_patch16_224", help="timm (or torchvision) backbone name")
-    g.add_argument("--pretrained", action="store_true", help="load real hub weights (network; off by default)")
+    g.add_argument("--model", default="vit_tiny_patch16_224",
+                   help="timm (or torchvision) backbone name")
+    g.add_argument("--pretrained", action="store_true",
+                   help="load real hub weights (network; off by default)")
     g.add_argument("--img-size", type=int, default=32, help="images are upsampled to this size")
-    g.add_argument("--patch-size", type=int, default=8, help="ViT patch size (ignored by other models)")
-    g.add_argument("--global-pool", default="avg", help="ViT pooling: 'avg' or 'token' (ignored by other models)")
+    g.add_argument("--patch-size", type=int, default=8,
+                   help="ViT patch size (ignored by other models)")
+    g.add_argument("--global-pool", default="avg",
+                   help="ViT pooling: 'avg' or 'token' (ignored by other models)")
     g.add_argument("--center", choices=["blank", "none"], default=None,
-                   help="subtract the features of a blank image (default: blank for random backbones)")
+                   help="subtract the features of a blank image "
+                        "(default: blank for random backbones)")
     g.add_argument("--test-fraction", type=float, default=0.2)
     g.add_argument("--n-samples", type=int, default=6000, help="synthetic: number of examples")
     g.add_argument("--n-classes", type=int, default=50, help="synthetic: number of classes")
     g.add_argument("--dim", type=int, default=64, help="synthetic: feature dimension")
     g.add_argument("--batch-size", type=int, default=256, help="feature-extraction batch size")
     g.add_argument("--cache-dir", default=".cache/features", help="feature cache folder")
-    g.add_argument("--no-cache", action="store_true", help="do not read or write the feature cache")
+    g.add_argument("--no-cache", action="store_true",
+                   help="do not read or write the feature cache")
     g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     s = parser.add_argument_group("sweep")
     s.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
-    s.add_argument("--epsilons", nargs="+", type=_epsilon, default=[0.1, 0.3, 1.0, 3.0, 8.0, math.inf],
-                   help="privacy levels; 'inf' is the non-private reference (no noise, no clipping)")
+    s.add_argument("--epsilons", nargs="+", type=_epsilon,
+                   default=[0.1, 0.3, 1.0, 3.0, 8.0, math.inf],
+                   help="privacy levels; 'inf' is the non-private reference "
+                        "(no noise, no clipping)")
     s.add_argument("--delta", type=float, default=1e-5)
     s.add_argument("--accounting", choices=["rdp", "gdp", "classical"], default="rdp",
-                   help="zCDP → (ε, δ) conversion of the seed-000 heads (DP-Mean always uses the exact analytic Gaussian)")
+                   help="zCDP → (ε, δ) conversion of the heads of Mehta et al. "
+                        "(DP-Mean always uses the exact analytic Gaussian)")
     s.add_argument("--seeds", type=int, default=3, help="noise seeds per (method, ε)")
-    s.add_argument("--seed", type=int, default=0, help="data split / synthetic data / backbone init seed")
+    s.add_argument("--seed", type=int, default=0,
+                   help="data split / synthetic data / backbone init seed")
     o = parser.add_argument_group("output")
-    o.add_argument("--plot", default="linear_probe.png", help="accuracy-vs-ε plot (PNG); '' to skip")
+    o.add_argument("--plot", default="linear_probe.png",
+                   help="accuracy-vs-ε plot (PNG); '' to skip")
     o.add_argument("--json", default="", help="also save the results as JSON here")
     o.add_argument("--quiet", action="store_true", help="no progress bars")
     return parser
@@ -109,13 +122,15 @@ def _backbone(args) -> torch.nn.Module:
     kwargs = {}
     name = args.model.lower()
     if any(k in name for k in ("vit", "deit", "eva", "beit")):
-        kwargs = dict(img_size=args.img_size, patch_size=args.patch_size, global_pool=args.global_pool)
+        kwargs = dict(img_size=args.img_size, patch_size=args.patch_size,
+                      global_pool=args.global_pool)
     import timm
 
     torch.manual_seed(args.seed)
     if timm.is_model(args.model):
         return create_model(args.model, pretrained=args.pretrained, num_classes=0, **kwargs)
-    return create_model(args.model, pretrained=args.pretrained)  # torchvision: features before its last Linear
+    # torchvision: features before its last Linear
+    return create_model(args.model, pretrained=args.pretrained)
 
 
 def load_probe_data(args) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, str]:
@@ -128,24 +143,27 @@ def load_probe_data(args) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
     from ..demo.digits import load_digits_images
 
     if args.features == "raw":
-        train, test = load_digits_images(image_size=8, channels=1, test_fraction=args.test_fraction,
-                                         seed=args.seed, normalize=False)
+        train, test = load_digits_images(image_size=8, channels=1,
+                                         test_fraction=args.test_fraction, seed=args.seed,
+                                         normalize=False)
         (xtr, ytr), (xte, yte) = train.tensors, test.tensors
         return (xtr.flatten(1).numpy(), ytr.numpy(), xte.flatten(1).numpy(), yte.numpy(),
                 "digits, raw 8x8 pixels (d=64)")
     from .features import extract_features
 
-    train, test = load_digits_images(image_size=args.img_size, channels=3, test_fraction=args.test_fraction,
-                                     seed=args.seed, normalize=False)
+    train, test = load_digits_images(image_size=args.img_size, channels=3,
+                                     test_fraction=args.test_fraction, seed=args.seed,
+                                     normalize=False)
     model = _backbone(args)
     device = torch.device(args.device)
     norm = lambda x: (x - 0.5) / 0.5  # noqa: E731 - fixed, data-independent input scaling
     cache = None if args.no_cache else args.cache_dir
     out = []
     for split, ds in (("train", train), ("test", test)):
-        fs = extract_features(model, ds.tensors[0], batch_size=args.batch_size, device=device, labels=ds.tensors[1],
-                              cache_dir=cache, model_name=args.model, transform=norm,
-                              transform_id="(x-0.5)/0.5", progress=not args.quiet)
+        fs = extract_features(model, ds.tensors[0], batch_size=args.batch_size, device=device,
+                              labels=ds.tensors[1], cache_dir=cache, model_name=args.model,
+                              transform=norm, transform_id="(x-0.5)/0.5",
+                              progress=not args.quiet)
         out.append((fs.features.numpy(), fs.labels.numpy()))
     (Xtr, ytr), (Xte, yte) = out
     center = args.center or ("none" if args.pretrained else "blank")
@@ -155,11 +173,12 @@ def load_probe_data(args) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
 
         model.eval()
         with torch.inference_mode():
-            ref = penultimate_features(model.to(device), norm(blank.to(device))).float().cpu().numpy()
+            ref = (penultimate_features(model.to(device), norm(blank.to(device)))
+                   .float().cpu().numpy())
         Xtr, Xte = Xtr - ref, Xte - ref
     weights = "pretrained" if args.pretrained else "random-init"
-    return Xtr, ytr, Xte, yte, (f"digits → {args.model} ({weights}) at {args.img_size}px, d={Xtr.shape[1]}, "
-                                f"centre={center}")
+    return Xtr, ytr, Xte, yte, (f"digits → {args.model} ({weights}) at {args.img_size}px, "
+                                f"d={Xtr.shape[1]}, centre={center}")
 
 
 # ----------------------------------------------------------------------------- sweep
@@ -180,14 +199,17 @@ class ProbeResults:
         return np.array([np.std(a) for a in self.accuracies[method]])
 
     def to_json(self) -> dict:
-        return {"epsilons": [("inf" if math.isinf(e) else e) for e in self.epsilons], "delta": self.delta,
-                "description": self.description, "accuracies": self.accuracies, "seconds": self.seconds}
+        return {"epsilons": [("inf" if math.isinf(e) else e) for e in self.epsilons],
+                "delta": self.delta, "description": self.description,
+                "accuracies": self.accuracies, "seconds": self.seconds}
 
 
 def probe_sweep(X_train, y_train, X_test, y_test, methods: Sequence[str] = tuple(METHODS),
-                epsilons: Sequence[float] = (0.1, 1.0, 8.0, math.inf), delta: float = 1e-5, seeds: int = 3,
-                accounting: str = "rdp", progress: bool = True, description: str = "") -> ProbeResults:
-    """Fit every method at every ε with ``seeds`` noise seeds; test accuracies in a :class:`ProbeResults`."""
+                epsilons: Sequence[float] = (0.1, 1.0, 8.0, math.inf), delta: float = 1e-5,
+                seeds: int = 3, accounting: str = "rdp", progress: bool = True,
+                description: str = "") -> ProbeResults:
+    """Fit every method at every ε with ``seeds`` noise seeds; test accuracies in a
+    :class:`ProbeResults`."""
     from tqdm.auto import tqdm
 
     unknown = [m for m in methods if m not in METHODS]
@@ -212,19 +234,23 @@ def probe_sweep(X_train, y_train, X_test, y_test, methods: Sequence[str] = tuple
 
 def format_table(res: ProbeResults) -> str:
     """Markdown table: methods × ε, test accuracy in % as mean ± std over seeds."""
-    heads = ["method"] + [("ε=∞" if math.isinf(e) else f"ε={e:g}") for e in res.epsilons] + ["time (s)"]
-    lines = ["| " + " | ".join(heads) + " |", "|" + "|".join(["---"] + ["---:"] * (len(heads) - 1)) + "|"]
+    heads = (["method"] + [("ε=∞" if math.isinf(e) else f"ε={e:g}") for e in res.epsilons]
+             + ["time (s)"])
+    lines = ["| " + " | ".join(heads) + " |",
+             "|" + "|".join(["---"] + ["---:"] * (len(heads) - 1)) + "|"]
     for name, accs in res.accuracies.items():
         cells = []
         for a in accs:
             mean, std = 100 * np.mean(a), 100 * np.std(a)
             cells.append(f"{mean:.1f}" if len(a) == 1 else f"{mean:.1f} ± {std:.1f}")
-        lines.append("| " + " | ".join([METHODS[name][0]] + cells + [f"{res.seconds.get(name, 0):.1f}"]) + " |")
+        row = [METHODS[name][0]] + cells + [f"{res.seconds.get(name, 0):.1f}"]
+        lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
 
 def plot_results(res: ProbeResults, path: str) -> None:
-    """Accuracy vs ε (log axis) per method; the non-private value is a dashed line of the same colour."""
+    """Accuracy vs ε (log axis) per method; the non-private value is a dashed line of the same
+    colour."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -236,7 +262,8 @@ def plot_results(res: ProbeResults, path: str) -> None:
         mean, std = 100 * res.mean(name), 100 * res.std(name)
         if finite:
             xs = [res.epsilons[i] for i in finite]
-            line = ax.errorbar(xs, mean[finite], yerr=std[finite], marker="o", capsize=3, label=METHODS[name][0])
+            line = ax.errorbar(xs, mean[finite], yerr=std[finite], marker="o", capsize=3,
+                               label=METHODS[name][0])
             color = line[0].get_color()
         else:
             color = None
@@ -255,14 +282,15 @@ def plot_results(res: ProbeResults, path: str) -> None:
 
 
 def run_probe(args) -> int:
-    """Run the probe for parsed ``args`` (see :func:`add_probe_arguments`): print the table, save the plot."""
+    """Run the probe for parsed ``args`` (see :func:`add_probe_arguments`): print the table,
+    save the plot."""
     torch.set_num_threads(max(torch.get_num_threads(), 1))
     t0 = time.perf_counter()
     Xtr, ytr, Xte, yte, desc = load_probe_data(args)
     t_feat = time.perf_counter() - t0
     print(f"{desc}; train n={len(ytr)}, test n={len(yte)}, features in {t_feat:.1f}s")
-    res = probe_sweep(Xtr, ytr, Xte, yte, args.methods, args.epsilons, args.delta, args.seeds, args.accounting,
-                      progress=not args.quiet, description=desc)
+    res = probe_sweep(Xtr, ytr, Xte, yte, args.methods, args.epsilons, args.delta, args.seeds,
+                      args.accounting, progress=not args.quiet, description=desc)
     print(f"\nTest accuracy (%), mean ± std over {args.seeds} noise seeds, δ = {args.delta:g}, "
           f"accounting = {args.accounting}:\n")
     print(format_table(res))
@@ -278,7 +306,9 @@ def run_probe(args) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """Entry point of ``examples/linear_probe.py``: parse ``argv`` with the probe options and run."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    """Entry point of ``examples/linear_probe.py``: parse ``argv`` with the probe options and
+    run."""
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     add_probe_arguments(parser)
     return run_probe(parser.parse_args(argv))

@@ -1,20 +1,26 @@
-"""DP-SGD warm-up via DP mean estimation (seed 003, Algorithm 2, Definition 2.4, Theorem 2.5).
+"""DP-SGD warm-up via DP mean estimation (Algorithm 2, Definition 2.4 and Theorem 2.5 of Zhu &
+Zhang, "Mean Estimation Strikes Back! An Efficient Solution to Private Classification").
 
-1. Release class centres ``q_1..q_K`` with :class:`DPMeanEstimator` under (ε₁, δ₁) (Algorithm 1),
-   on the features ``φ(x)`` of the *pre-trained* backbone (a frozen copy of the model).
-2. Prior ``h(x) = (cos(φ(x), q_1), …, cos(φ(x), q_K))`` (divided by ``temperature``; 1 in the seed).
+1. Release class centres ``q_1..q_K`` with :class:`DPMeanEstimator` under (ε₁, δ₁)
+   (Algorithm 1), on the features ``φ(x)`` of the *pre-trained* backbone (a frozen copy of the
+   model).
+2. Prior ``h(x) = (cos(φ(x), q_1), …, cos(φ(x), q_K))`` (divided by ``temperature``; 1 in the
+   paper).
 3. Full fine-tuning of the model with the privacy engine under (ε₂, δ₂) on the residual loss::
 
-       L(x, y) = KL(e_y ‖ ½ softmax(g(x)) + ½ softmax(h(x))) = −log(½ softmax(g(x))_y + ½ softmax(h(x))_y)
+       L(x, y) = KL(e_y ‖ ½ softmax(g(x)) + ½ softmax(h(x)))
+               = −log(½ softmax(g(x))_y + ½ softmax(h(x))_y)
 
-   where g(x) are the model's logits. (Definition 2.4 writes ``ℓ_KL(softmax(g) + softmax(h); y)``;
-   the ½ makes the mixture a distribution and only shifts the loss by log 2 — same gradients.)
+   where g(x) are the model's logits. (Definition 2.4 writes
+   ``ℓ_KL(softmax(g) + softmax(h); y)``; the ½ makes the mixture a distribution and only shifts
+   the loss by log 2 — same gradients.)
 4. Inference: ``argmax_j softmax(g(x))_j + softmax(h(x))_j``.
 
 Privacy: step 1 is (ε₁, δ₁)-DP (analytic Gaussian); ``h`` is a post-processing of the released
 centres applied per example, so each example's residual loss depends on that example only and the
 engine's DP-SGD guarantee (ε₂, δ₂) holds; by basic composition the whole procedure is
-(ε₁ + ε₂, δ₁ + δ₂)-DP (Theorem 2.5). ``WarmupResult.epsilon`` reports ``ε₁ + engine.get_epsilon(δ₂)``.
+(ε₁ + ε₂, δ₁ + δ₂)-DP (Theorem 2.5). ``WarmupResult.epsilon`` reports
+``ε₁ + engine.get_epsilon(δ₂)``.
 """
 from __future__ import annotations
 
@@ -38,13 +44,14 @@ __all__ = ["residual_loss", "WarmupClassifier", "WarmupResult", "warmup_finetune
 
 def residual_loss(logits: torch.Tensor, prior_logits: torch.Tensor, target: torch.Tensor,
                   reduction: str = "none") -> torch.Tensor:
-    """Seed 003 Definition 2.4: ``−log(½ softmax(g)_y + ½ softmax(h)_y)`` per sample.
+    """Zhu & Zhang Definition 2.4: ``−log(½ softmax(g)_y + ½ softmax(h)_y)`` per sample.
 
-    Computed stably as ``−logsumexp(log_softmax(g)_y, log_softmax(h)_y) + log 2``. ``reduction``:
-    "none" (per-sample vector, what the engine needs), "mean" or "sum".
+    Computed stably as ``−logsumexp(log_softmax(g)_y, log_softmax(h)_y) + log 2``.
+    ``reduction``: "none" (per-sample vector, what the engine needs), "mean" or "sum".
     """
     lg = torch.log_softmax(logits, dim=1).gather(1, target[:, None]).squeeze(1)
-    lh = torch.log_softmax(prior_logits.to(logits.dtype), dim=1).gather(1, target[:, None]).squeeze(1)
+    lh = (torch.log_softmax(prior_logits.to(logits.dtype), dim=1)
+          .gather(1, target[:, None]).squeeze(1))
     loss = math.log(2.0) - torch.logaddexp(lg, lh)
     if reduction == "none":
         return loss
@@ -60,7 +67,7 @@ class WarmupClassifier(nn.Module):
 
     ``model`` gives g(x); ``feature_extractor`` (frozen copy of the pre-trained model) gives φ(x)
     and ``centers`` the released unit-norm centres; ``h(x) = cos(φ(x), q)/temperature``.
-    ``forward`` returns log-probabilities, so ``argmax`` is the seed's prediction rule.
+    ``forward`` returns log-probabilities, so ``argmax`` is the paper's prediction rule.
     """
 
     def __init__(self, model: nn.Module, feature_extractor: nn.Module, centers: torch.Tensor,
@@ -118,7 +125,8 @@ def _dp_generator(parent: Optional[torch.Generator], device) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(int(words[0]) << 32 | int(words[1]))
 
 
-def _features_of(extractor: nn.Module, X: torch.Tensor, batch_size: int, device, feature_fn) -> torch.Tensor:
+def _features_of(extractor: nn.Module, X: torch.Tensor, batch_size: int, device,
+                 feature_fn) -> torch.Tensor:
     out = []
     extractor.eval()
     with torch.no_grad():
@@ -128,15 +136,18 @@ def _features_of(extractor: nn.Module, X: torch.Tensor, batch_size: int, device,
 
 
 def warmup_finetune(model: nn.Module, X: torch.Tensor, y: torch.Tensor, *, epsilon_centres: float,
-                    delta_centres: float, epsilon_train: float, delta_train: float, epochs: int = 2,
-                    batch_size: int = 256, physical_batch_size: Optional[int] = None, lr: float = 1e-3,
+                    delta_centres: float, epsilon_train: float, delta_train: float,
+                    epochs: int = 2, batch_size: int = 256,
+                    physical_batch_size: Optional[int] = None, lr: float = 1e-3,
                     max_grad_norm: float = 1.0, temperature: float = 1.0, optimizer: str = "adam",
-                    clipping_mode: str = DEFAULT_CLIPPING_MODE, clipping_fn: str = "abadi", accountant: str = "rdp",
-                    feature_extractor: Optional[nn.Module] = None, feature_fn: Optional[Callable] = None,
-                    device: Any = None, seed: Optional[int] = None, progress: bool = True,
+                    clipping_mode: str = DEFAULT_CLIPPING_MODE, clipping_fn: str = "abadi",
+                    accountant: str = "rdp", feature_extractor: Optional[nn.Module] = None,
+                    feature_fn: Optional[Callable] = None, device: Any = None,
+                    seed: Optional[int] = None, progress: bool = True,
                     eval_data: Optional[tuple] = None,
                     generator: Optional[torch.Generator] = None) -> WarmupResult:
-    """Seed 003 Algorithm 2: DP class centres (ε₁, δ₁), then DP full fine-tuning on the residual loss (ε₂, δ₂).
+    """Zhu & Zhang Algorithm 2: DP class centres (ε₁, δ₁), then DP full fine-tuning on the
+    residual loss (ε₂, δ₂).
 
     Args:
         model: the network to fine-tune; its outputs are the K logits g(x). Every trainable
@@ -147,27 +158,28 @@ def warmup_finetune(model: nn.Module, X: torch.Tensor, y: torch.Tensor, *, epsil
             for ``epochs`` epochs of Poisson sampling at rate ``batch_size/N``.
         epochs, batch_size, physical_batch_size, lr, max_grad_norm, clipping_mode, clipping_fn,
             accountant: DP fine-tuning settings (engine contract).
-        temperature: h(x) is divided by it before the softmax (1 = seed 003).
+        temperature: h(x) is divided by it before the softmax (1 = Zhu & Zhang's setting).
         optimizer: "adam" or "sgd".
         feature_extractor: network giving φ(x) (default: a frozen deep copy of ``model`` as given,
             i.e. the pre-trained backbone); ``feature_fn(extractor, x)`` extracts the features
             (default: penultimate features, :func:`penultimate_features`).
         device: where to train (default: the model's device).
-        seed: deprecated, no effect (a ``DeprecationWarning`` if given). It used to seed the
-            centres' noise, the Poisson sampler and the engine's noise, which made all three
-            known to anyone who knew the seed; pass ``generator`` for a reproducible run.
+        seed: deprecated, no effect (a ``DeprecationWarning`` if given): seeding the centres'
+            noise, the Poisson sampler and the engine's noise would make all three known to
+            anyone who knew the seed; pass ``generator`` for a reproducible run.
         eval_data: optional ``(X_test, y_test)`` evaluated after each epoch (recorded in history).
         generator: source of the three random draws that the privacy guarantee needs secret:
             the centres' Gaussian noise, the Poisson batches and DP-SGD's noise. None (default):
-            each comes from :func:`private_engine.optim.noise.entropy_seeded_generator` (state from OS
-            entropy), independent of ``torch.manual_seed``. A ``torch.Generator`` given keys one
-            generator for each (the engine then warns: ``ReproducibleNoiseWarning``); a
+            each comes from :func:`private_engine.optim.noise.entropy_seeded_generator` (state
+            from OS entropy), independent of ``torch.manual_seed``. A ``torch.Generator`` given
+            keys one generator for each (the engine then warns: ``ReproducibleNoiseWarning``); a
             seeded one reproduces the run, and makes that randomness known to whoever knows the
             seed (tests, debugging).
 
     Returns:
         :class:`WarmupResult` with the classifier, the fitted :class:`DPMeanEstimator`, the
-        engine and the privacy spent: ``epsilon = ε₁ + engine.get_epsilon(δ₂)``, ``delta = δ₁ + δ₂``.
+        engine and the privacy spent: ``epsilon = ε₁ + engine.get_epsilon(δ₂)``,
+        ``delta = δ₁ + δ₂``.
     """
     from tqdm.auto import tqdm
 
@@ -209,7 +221,8 @@ def warmup_finetune(model: nn.Module, X: torch.Tensor, y: torch.Tensor, *, epsil
         n_classes = int(model(X[:1].to(device)).shape[1])
         model.train(was)
     if int(y.min()) < 0 or int(y.max()) >= n_classes:
-        raise ValueError(f"labels must be in 0..{n_classes - 1} (the model has {n_classes} outputs).")
+        raise ValueError(f"labels must be in 0..{n_classes - 1} "
+                         f"(the model has {n_classes} outputs).")
 
     # 1. DP class centres on the pre-trained features (Algorithm 1, budget (ε1, δ1))
     phi = _features_of(feature_extractor, X, physical_batch_size or batch_size, device, feature_fn)
@@ -225,12 +238,14 @@ def warmup_finetune(model: nn.Module, X: torch.Tensor, y: torch.Tensor, *, epsil
     dataset = torch.utils.data.TensorDataset(X, y, H)
     loader = poisson_loader(dataset, batch_size, generator=_dp_generator(generator, "cpu"))
     noise_generator = None if generator is None else _dp_generator(generator, device)
-    engine = pe.PrivacyEngine(model, batch_size=batch_size, sample_size=len(dataset), steps=epochs * len(loader),
-                              max_grad_norm=max_grad_norm, target_epsilon=epsilon_train, target_delta=delta_train,
-                              clipping_mode=clipping_mode, clipping_fn=clipping_fn, accountant=accountant,
-                              noise_generator=noise_generator)
+    engine = pe.PrivacyEngine(model, batch_size=batch_size, sample_size=len(dataset),
+                              steps=epochs * len(loader), max_grad_norm=max_grad_norm,
+                              target_epsilon=epsilon_train, target_delta=delta_train,
+                              clipping_mode=clipping_mode, clipping_fn=clipping_fn,
+                              accountant=accountant, noise_generator=noise_generator)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.Adam(params, lr=lr) if optimizer == "adam" else torch.optim.SGD(params, lr=lr)
+    opt = (torch.optim.Adam(params, lr=lr) if optimizer == "adam"
+           else torch.optim.SGD(params, lr=lr))
     engine.attach(opt)
     classifier = WarmupClassifier(model, feature_extractor, q.to(device), temperature, feature_fn)
     history: List[Dict[str, float]] = []
@@ -239,12 +254,14 @@ def warmup_finetune(model: nn.Module, X: torch.Tensor, y: torch.Tensor, *, epsil
         for epoch in range(1, epochs + 1):
             model.train()
             total, count = 0.0, 0
-            for xb, yb, hb in tqdm(loader, desc=f"warm-up epoch {epoch}/{epochs}", disable=not progress,
-                                   leave=False):
-                mean_loss = private_logical_step(opt, (xb, hb, yb), lambda x, h, t: residual_loss(model(x), h, t),
-                                                 phys, device=device)
+            for xb, yb, hb in tqdm(loader, desc=f"warm-up epoch {epoch}/{epochs}",
+                                   disable=not progress, leave=False):
+                mean_loss = private_logical_step(
+                    opt, (xb, hb, yb), lambda x, h, t: residual_loss(model(x), h, t), phys,
+                    device=device)
                 total, count = total + mean_loss * xb.shape[0], count + xb.shape[0]
-            record = {"epoch": epoch, "train_loss": total / max(count, 1), "epsilon_train": engine.get_epsilon(delta_train)}
+            record = {"epoch": epoch, "train_loss": total / max(count, 1),
+                      "epsilon_train": engine.get_epsilon(delta_train)}
             if eval_data is not None:
                 record["test_accuracy"] = warmup_accuracy(classifier, *eval_data, batch_size=phys)
             history.append(record)
@@ -253,12 +270,13 @@ def warmup_finetune(model: nn.Module, X: torch.Tensor, y: torch.Tensor, *, epsil
     model.eval()
     eps_train = engine.get_epsilon(delta_train)
     eps_centres = centres.epsilon_ if centres.epsilon_ is not None else math.inf
-    return WarmupResult(classifier, centres, engine, float(eps_centres), float(delta_centres), float(eps_train),
-                        float(delta_train), history)
+    return WarmupResult(classifier, centres, engine, float(eps_centres), float(delta_centres),
+                        float(eps_train), float(delta_train), history)
 
 
 @torch.no_grad()
-def warmup_accuracy(classifier: nn.Module, X: torch.Tensor, y: torch.Tensor, batch_size: int = 256) -> float:
+def warmup_accuracy(classifier: nn.Module, X: torch.Tensor, y: torch.Tensor,
+                    batch_size: int = 256) -> float:
     """Top-1 accuracy of ``classifier`` (argmax of its outputs) on ``(X, y)``."""
     was = classifier.training
     classifier.eval()

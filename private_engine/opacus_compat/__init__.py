@@ -1,8 +1,9 @@
-"""Drop-in replacement for ``opacus.PrivacyEngine`` (see docs/migrating-from-opacus.md)."""
+"""The Opacus door: :class:`PrivacyEngine`, a subclass of ``opacus.PrivacyEngine`` that is a
+drop-in replacement for it (see docs/migrating-from-opacus.md)."""
 from .engine import GRAD_SAMPLE_MODES, PrivacyEngine
 from .loss import PrivateLoss, PrivateLossTensor
 from .module import PrivateModule
 from .optimizer import ClippedSumOptimizer, PerLayerClippedSumOptimizer
 
-__all__ = ["PrivacyEngine", "PrivateModule", "PrivateLoss", "PrivateLossTensor", "ClippedSumOptimizer",
-           "PerLayerClippedSumOptimizer", "GRAD_SAMPLE_MODES"]
+__all__ = ["PrivacyEngine", "PrivateModule", "PrivateLoss", "PrivateLossTensor",
+           "ClippedSumOptimizer", "PerLayerClippedSumOptimizer", "GRAD_SAMPLE_MODES"]

@@ -1,13 +1,15 @@
-"""``PrivacyEngine(accountant="prv", secure_mode=False)``: the Opacus 1.6 API on our clipping.
+"""``private_engine.opacus_compat.PrivacyEngine(accountant="prv", secure_mode=False)``: the
+Opacus 1.6 API on our clipping.
 
 :class:`PrivacyEngine` subclasses ``opacus.PrivacyEngine`` and replaces only what touches
-per-sample gradients: ``_prepare_model`` returns a :class:`~.module.PrivateModule` (our hooks,
-mixed ghost clipping) instead of a ``GradSampleModule``; ``_prepare_optimizer`` returns Opacus'
-fast-gradient-clipping optimizer fed with our clipped sums; ``_prepare_criterion`` returns our
-loss wrapper. Everything else — argument handling of ``make_private`` /
-``make_private_with_epsilon``, ``DPDataLoader`` (Poisson sampling), ``get_noise_multiplier``,
-the accountants and their optimizer hook, ``get_epsilon``, checkpoints — is Opacus' own code, so
-results and ε match Opacus for the same seeds.
+per-sample gradients: ``_prepare_model`` returns a :class:`~.module.PrivateModule` (our hooks;
+book-keeping clipping, mode "bk_mixed", in the one ordinary backward) instead of a
+``GradSampleModule``; ``_prepare_optimizer`` returns Opacus' fast-gradient-clipping optimizer
+fed with our clipped sums; ``_prepare_criterion`` returns our loss wrapper. Everything else —
+argument handling of ``make_private`` / ``make_private_with_epsilon``, ``DPDataLoader``
+(Poisson sampling), ``get_noise_multiplier``, the accountants and their optimizer hook,
+``get_epsilon``, checkpoints — is Opacus' own code, so results and ε match Opacus for the same
+seeds.
 
 One default differs: with ``secure_mode=False`` and no ``noise_generator``, Opacus draws the noise
 and the Poisson sampling from torch's global generator, which scripts seed publicly
@@ -18,16 +20,23 @@ the data loader has its own ``generator``. A ``noise_generator`` given makes the
 reproducible run: noise from it, sampling from the loader's generator or torch's global one (as
 the noise is then known, secret batches would add little).
 
-grad_sample_mode mapping (the per-sample math is the same, so every mode uses the engine's
-layerwise-optimal "mixed" strategy, seed 002 eq. 4.1):
+grad_sample_mode mapping (the per-sample math is the same, so every mode runs the engine's
+book-keeping mode "bk_mixed", :attr:`PrivacyEngine.clipping_mode`: one backward, each layer's
+per-sample norm by ghost norm or instantiation as decided by the layerwise rule of mixed ghost
+clipping — Bu, Mao & Xu (2022), "Scalable and Efficient Training of Large Convolutional Neural
+Networks with Differential Privacy", eq. 4.1 — applied to what book-keeping keeps):
 
 =================  ===========================================================================
-"hooks"            plain ``loss.backward()`` → book-keeping clipping (no second backward)
+"hooks"            plain ``loss.backward()`` → book-keeping clipping ("bk_mixed", one backward)
 "functorch", "ew"  same as "hooks"
 "no_op"            same as "hooks"
-"ghost"            wrapped criterion returned; ``loss.backward()`` = one backward, book-keeping (bk_mixed)
+"ghost"            wrapped criterion returned; its ``loss.backward()`` → the same book-keeping
+                   clipping of the per-sample losses ("bk_mixed", one backward)
 "ghost_fsdp"       ValueError without distributed training, as in Opacus
 =================  ===========================================================================
+
+``clipping="per_layer"`` (not with the "ghost" modes, as in Opacus) instantiates per-sample
+gradients, one threshold per parameter tensor (:mod:`.module`).
 """
 from __future__ import annotations
 
@@ -72,9 +81,11 @@ class PrivacyEngine(opacus.PrivacyEngine):
 
     # -- the parts that touch per-sample gradients -------------------------------------------
     def _prepare_model(self, module: nn.Module, *, batch_first: bool = True, max_grad_norm=1.0,
-                       loss_reduction: str = "mean", grad_sample_mode: str = "hooks", wrap_model: bool = True):
+                       loss_reduction: str = "mean", grad_sample_mode: str = "hooks",
+                       wrap_model: bool = True):
         if isinstance(module, PrivateModule):
-            raise ValueError("this module was already returned by make_private; pass the original nn.Module.")
+            raise ValueError("this module was already returned by make_private; "
+                             "pass the original nn.Module.")
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be an nn.Module, got {type(module).__name__}.")
         self.validate(module=module, optimizer=None, data_loader=None)  # Opacus' own checks first
@@ -82,30 +93,34 @@ class PrivacyEngine(opacus.PrivacyEngine):
         layers = _clipped_layers(module)
         _refuse_traced_and_fallback(module)
         _check_attention_layout(module, batch_first)
-        self._module = PrivateModule(module, layers, max_grad_norm=max_grad_norm, loss_reduction=loss_reduction,
-                                     mode=self.clipping_mode, batch_first=batch_first)
+        self._module = PrivateModule(module, layers, max_grad_norm=max_grad_norm,
+                                     loss_reduction=loss_reduction, mode=self.clipping_mode,
+                                     batch_first=batch_first)
         return self._module
 
-    def _prepare_optimizer(self, *, optimizer: optim.Optimizer, noise_multiplier: float, max_grad_norm,
-                           expected_batch_size: int, loss_reduction: str = "mean", distributed: bool = False,
-                           clipping: str = "flat", noise_generator=None, grad_sample_mode="hooks", **kwargs):
+    def _prepare_optimizer(self, *, optimizer: optim.Optimizer, noise_multiplier: float,
+                           max_grad_norm, expected_batch_size: int, loss_reduction: str = "mean",
+                           distributed: bool = False, clipping: str = "flat",
+                           noise_generator=None, grad_sample_mode="hooks", **kwargs):
         if isinstance(optimizer, DPOptimizer):
             optimizer = optimizer.original_optimizer
         generator = self.secure_rng if self.secure_mode else noise_generator
         if generator is None and not self.secure_mode:
             generator = _entropy_noise_generator(optimizer)
         common = dict(noise_multiplier=noise_multiplier, expected_batch_size=expected_batch_size,
-                      loss_reduction=loss_reduction, generator=generator, secure_mode=self.secure_mode,
-                      module=self._module, **kwargs)
+                      loss_reduction=loss_reduction, generator=generator,
+                      secure_mode=self.secure_mode, module=self._module, **kwargs)
         if clipping == "per_layer":
-            dp_optimizer = PerLayerClippedSumOptimizer(optimizer, max_grad_norm=max_grad_norm, **common)
+            dp_optimizer = PerLayerClippedSumOptimizer(optimizer, max_grad_norm=max_grad_norm,
+                                                       **common)
             self._module.bind_per_layer_norms(dp_optimizer.params, max_grad_norm)
             return dp_optimizer
         dp_optimizer = ClippedSumOptimizer(optimizer, max_grad_norm=max_grad_norm, **common)
         self._module.bind_optimizer(dp_optimizer)
         return dp_optimizer
 
-    def _prepare_criterion(self, *, module, optimizer, criterion, loss_reduction: str = "mean", **kwargs):
+    def _prepare_criterion(self, *, module, optimizer, criterion, loss_reduction: str = "mean",
+                           **kwargs):
         return PrivateLoss(module, optimizer, criterion, loss_reduction)
 
     def _prepare_data_loader(self, data_loader, *, poisson_sampling: bool, distributed: bool,
@@ -128,9 +143,10 @@ class PrivacyEngine(opacus.PrivacyEngine):
             batch_first=batch_first, rand_on_empty=rand_on_empty)
 
     # -- argument checks Opacus does deeper inside (here before anything is built) -------------
-    def make_private(self, *, module: nn.Module, optimizer: optim.Optimizer, criterion=nn.CrossEntropyLoss(),
-                     data_loader, noise_multiplier: float, max_grad_norm: Union[float, List[float]],
-                     batch_first: bool = True, loss_reduction: str = "mean", poisson_sampling: bool = True,
+    def make_private(self, *, module: nn.Module, optimizer: optim.Optimizer,
+                     criterion=nn.CrossEntropyLoss(), data_loader, noise_multiplier: float,
+                     max_grad_norm: Union[float, List[float]], batch_first: bool = True,
+                     loss_reduction: str = "mean", poisson_sampling: bool = True,
                      clipping: str = "flat", noise_generator=None, grad_sample_mode: str = "hooks",
                      wrap_model: bool = True, rand_on_empty: bool = False, **kwargs):
         """Same arguments and return values as ``opacus.PrivacyEngine.make_private`` (opacus 1.6).
@@ -140,18 +156,20 @@ class PrivacyEngine(opacus.PrivacyEngine):
         ``(Σ_i C_i g_i + N(0, σ²R²I)) / B_exp`` with ``C_i = min(1, R/(‖g_i‖+1e-6))``.
         """
         _check_arguments(module=module, optimizer=optimizer, noise_multiplier=noise_multiplier,
-                         max_grad_norm=max_grad_norm, batch_first=batch_first, loss_reduction=loss_reduction,
-                         clipping=clipping, grad_sample_mode=grad_sample_mode, wrap_model=wrap_model,
+                         max_grad_norm=max_grad_norm, batch_first=batch_first,
+                         loss_reduction=loss_reduction, clipping=clipping,
+                         grad_sample_mode=grad_sample_mode, wrap_model=wrap_model,
                          rand_on_empty=rand_on_empty)
         self._module = None
         self._reproducible = noise_generator is not None
         try:
             return super().make_private(
                 module=module, optimizer=optimizer, criterion=criterion, data_loader=data_loader,
-                noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, batch_first=batch_first,
-                loss_reduction=loss_reduction, poisson_sampling=poisson_sampling, clipping=clipping,
-                noise_generator=noise_generator, grad_sample_mode=grad_sample_mode, wrap_model=wrap_model,
-                rand_on_empty=rand_on_empty, **kwargs)
+                noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
+                batch_first=batch_first, loss_reduction=loss_reduction,
+                poisson_sampling=poisson_sampling, clipping=clipping,
+                noise_generator=noise_generator, grad_sample_mode=grad_sample_mode,
+                wrap_model=wrap_model, rand_on_empty=rand_on_empty, **kwargs)
         except BaseException:
             if self._module is not None:  # leave the user's model without our hooks
                 self._module.remove_hooks()
@@ -159,9 +177,9 @@ class PrivacyEngine(opacus.PrivacyEngine):
             raise
 
     # -- checkpoints: Opacus' format plus the noise generator state ---------------------------
-    def save_checkpoint(self, *, path, module, optimizer=None, noise_scheduler=None, grad_clip_scheduler=None,
-                        checkpoint_dict: Optional[Dict[str, Any]] = None, module_state_dict_kwargs=None,
-                        torch_save_kwargs=None):
+    def save_checkpoint(self, *, path, module, optimizer=None, noise_scheduler=None,
+                        grad_clip_scheduler=None, checkpoint_dict: Optional[Dict[str, Any]] = None,
+                        module_state_dict_kwargs=None, torch_save_kwargs=None):
         """Opacus' checkpoint (module, optimizer, accountant history, schedulers) plus, when the
         user gave a ``noise_generator`` (a reproducible run), its state, so a resumed run draws the
         same noise. The default, entropy-seeded generator's state is never written: whoever read it
@@ -171,17 +189,21 @@ class PrivacyEngine(opacus.PrivacyEngine):
         generator = getattr(optimizer, "generator", None)
         if isinstance(generator, torch.Generator) and self._reproducible:
             checkpoint_dict["noise_generator_state"] = generator.get_state()
-        return super().save_checkpoint(path=path, module=module, optimizer=optimizer, noise_scheduler=noise_scheduler,
-                                       grad_clip_scheduler=grad_clip_scheduler, checkpoint_dict=checkpoint_dict,
+        return super().save_checkpoint(path=path, module=module, optimizer=optimizer,
+                                       noise_scheduler=noise_scheduler,
+                                       grad_clip_scheduler=grad_clip_scheduler,
+                                       checkpoint_dict=checkpoint_dict,
                                        module_state_dict_kwargs=module_state_dict_kwargs,
                                        torch_save_kwargs=torch_save_kwargs)
 
-    def load_checkpoint(self, *, path, module, optimizer=None, noise_scheduler=None, grad_clip_scheduler=None,
-                        module_load_dict_kwargs=None, torch_load_kwargs=None) -> Dict:
+    def load_checkpoint(self, *, path, module, optimizer=None, noise_scheduler=None,
+                        grad_clip_scheduler=None, module_load_dict_kwargs=None,
+                        torch_load_kwargs=None) -> Dict:
         """Inverse of :meth:`save_checkpoint`; restores the noise generator state when both the
         checkpoint and the optimizer have one."""
         checkpoint = super().load_checkpoint(path=path, module=module, optimizer=optimizer,
-                                             noise_scheduler=noise_scheduler, grad_clip_scheduler=grad_clip_scheduler,
+                                             noise_scheduler=noise_scheduler,
+                                             grad_clip_scheduler=grad_clip_scheduler,
                                              module_load_dict_kwargs=module_load_dict_kwargs,
                                              torch_load_kwargs=torch_load_kwargs)
         state = checkpoint.pop("noise_generator_state", None)
@@ -189,57 +211,66 @@ class PrivacyEngine(opacus.PrivacyEngine):
         if state is not None and isinstance(generator, torch.Generator):
             generator.set_state(state)
         elif state is not None and optimizer is not None:
-            warnings.warn("the checkpoint holds a noise generator state but the optimizer has no torch.Generator; "
-                          "the resumed noise will differ from an uninterrupted run.")
+            warnings.warn("the checkpoint holds a noise generator state but the optimizer has no "
+                          "torch.Generator; the resumed noise will differ from an uninterrupted "
+                          "run.")
         return checkpoint
 
 
-def _check_arguments(*, module, optimizer, noise_multiplier, max_grad_norm, batch_first, loss_reduction, clipping,
-                     grad_sample_mode, wrap_model, rand_on_empty) -> None:
-    """Reject, before anything is built, what Opacus rejects (same exception class) or what we do not run."""
+def _check_arguments(*, module, optimizer, noise_multiplier, max_grad_norm, batch_first,
+                     loss_reduction, clipping, grad_sample_mode, wrap_model,
+                     rand_on_empty) -> None:
+    """Reject, before anything is built, what Opacus rejects (same exception class) or what we
+    do not run."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module, got {type(module).__name__}.")
     if not isinstance(optimizer, optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}.")
+        raise TypeError("optimizer must be a torch.optim.Optimizer, "
+                        f"got {type(optimizer).__name__}.")
     from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.distributed._composable.fsdp import FSDPModule  # the classes opacus checks
     if isinstance(module, (DPDDP, DDP, FSDPModule)):
-        raise ValueError("distributed training (DDP/FSDP) is not supported by private_engine's make_private yet; "
-                         "use opacus.PrivacyEngine for it, or train in one process.")
+        raise ValueError("distributed training (DDP/FSDP) is not supported by private_engine's "
+                         "make_private yet; use opacus.PrivacyEngine for it, or train in one "
+                         "process.")
     mine = {id(p) for p in module.parameters()}
     if any(id(p) not in mine for g in optimizer.param_groups for p in g["params"]):
-        raise ValueError("Module parameters are different than optimizer Parameters: the optimizer updates tensors "
-                         "that are not the module's. Build the optimizer from module.parameters().")
+        raise ValueError("Module parameters are different than optimizer Parameters: the "
+                         "optimizer updates tensors that are not the module's. Build the "
+                         "optimizer from module.parameters().")
     updated = {id(p) for g in optimizer.param_groups for p in g["params"]}
     left_out = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in updated]
     if left_out:
         raise ValueError(
-            f"trainable parameters {left_out} are not updated by the optimizer. Opacus would clip by the norm over "
-            "the optimizer's parameters only, private_engine over all trainable ones; freeze them "
-            "(requires_grad_(False)) or add them to the optimizer.")
+            f"trainable parameters {left_out} are not updated by the optimizer. Opacus would clip "
+            "by the norm over the optimizer's parameters only, private_engine over all trainable "
+            "ones; freeze them (requires_grad_(False)) or add them to the optimizer.")
     if grad_sample_mode not in GRAD_SAMPLE_MODES:
         raise ValueError(f"Unexpected grad_sample_mode: {grad_sample_mode}. Allowed values: "
                          f"{', '.join(sorted(GRAD_SAMPLE_MODES))}.")
     if grad_sample_mode == "ghost_fsdp":
-        raise ValueError("grad_sample_mode='ghost_fsdp' needs FSDP distributed training (as in Opacus); use "
-                         "grad_sample_mode='ghost' for a single process.")
+        raise ValueError("grad_sample_mode='ghost_fsdp' needs FSDP distributed training "
+                         "(as in Opacus); use grad_sample_mode='ghost' for a single process.")
     if loss_reduction not in ("mean", "sum"):
         raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}.")
     if clipping not in ("flat", "per_layer"):
-        raise ValueError(f"clipping={clipping!r} is not supported by private_engine; use 'flat' or 'per_layer' "
-                         "(adaptive clipping: use opacus directly).")
+        raise ValueError(f"clipping={clipping!r} is not supported by private_engine; use 'flat' "
+                         "or 'per_layer' (adaptive clipping: use opacus directly).")
     if clipping == "per_layer":
         if "ghost" in grad_sample_mode:
-            raise ValueError(f"Unsupported combination of parameters. Clipping: {clipping} and grad_sample_mode: "
-                             f"{grad_sample_mode}; use grad_sample_mode='hooks' for per-layer clipping.")
-        if not isinstance(max_grad_norm, (list, tuple)) or not all(_positive(r) for r in max_grad_norm):
-            raise ValueError("clipping='per_layer' needs max_grad_norm as a list of positive numbers, one per "
-                             "optimizer parameter tensor.")
+            raise ValueError(f"Unsupported combination of parameters. Clipping: {clipping} and "
+                             f"grad_sample_mode: {grad_sample_mode}; use grad_sample_mode='hooks' "
+                             "for per-layer clipping.")
+        if (not isinstance(max_grad_norm, (list, tuple))
+                or not all(_positive(r) for r in max_grad_norm)):
+            raise ValueError("clipping='per_layer' needs max_grad_norm as a list of positive "
+                             "numbers, one per optimizer parameter tensor.")
     elif not _positive(max_grad_norm):
-        raise ValueError(f"max_grad_norm must be a positive number for clipping='flat', got {max_grad_norm!r} "
-                         "(a list is for clipping='per_layer').")
-    if isinstance(noise_multiplier, bool) or not isinstance(noise_multiplier, (int, float)) or noise_multiplier < 0:
+        raise ValueError("max_grad_norm must be a positive number for clipping='flat', "
+                         f"got {max_grad_norm!r} (a list is for clipping='per_layer').")
+    if (isinstance(noise_multiplier, bool) or not isinstance(noise_multiplier, (int, float))
+            or noise_multiplier < 0):
         raise ValueError(f"noise_multiplier must be a number ≥ 0, got {noise_multiplier!r}.")
 
 
@@ -263,11 +294,12 @@ def _positive(x) -> bool:
 
 
 def _clipped_layers(module: nn.Module):
-    """``clipped_layers(module, strict=True)`` (rules check their modules; shared parameters refused), with
-    Opacus' ``SequenceBias`` accepted: ``PrivateModule`` moves its recorded tensors to batch-first. The mark
-    that :class:`~.rules.SequenceBiasRule` checks is set for this check only, so the native engine still
-    refuses these modules afterwards (it does not move them)."""
-    marked = [m for m in module.modules() if isinstance(m, SequenceBias) and PREPARED not in m.__dict__]
+    """``clipped_layers(module, strict=True)`` (rules check their modules; shared parameters
+    refused), with Opacus' ``SequenceBias`` accepted: ``PrivateModule`` moves its recorded tensors
+    to batch-first. The mark that :class:`~.rules.SequenceBiasRule` checks is set for this check
+    only, so the native engine still refuses these modules afterwards (it does not move them)."""
+    marked = [m for m in module.modules()
+              if isinstance(m, SequenceBias) and PREPARED not in m.__dict__]
     for m in marked:
         setattr(m, PREPARED, True)
     try:
@@ -283,26 +315,32 @@ def _check_attention_layout(module: nn.Module, batch_first: bool) -> None:
     for name, m in module.named_modules():
         if isinstance(m, DPMultiheadAttention) and m.batch_first != batch_first:
             raise ValueError(
-                f"{name} is a DPMultiheadAttention with batch_first={m.batch_first} but make_private got "
-                f"batch_first={batch_first}; its linear maps would see the batch in the wrong dimension. Construct "
-                f"it with batch_first={batch_first} (and give inputs in that layout).")
+                f"{name} is a DPMultiheadAttention with batch_first={m.batch_first} but "
+                f"make_private got batch_first={batch_first}; its linear maps would see the batch "
+                f"in the wrong dimension. Construct it with batch_first={batch_first} (and give "
+                "inputs in that layout).")
 
 
 def _refuse_traced_and_fallback(module: nn.Module) -> None:
-    """The Opacus-compatible flows clip through layer rules only (Linear, Conv, Embedding, norms, Opacus'
-    DP layers). Parameters the native engine clips by its parameter-entry tracer or torch.func fallback
-    (timm ViT ``cls_token``/``pos_embed``, LayerScale gammas, ``nn.MultiheadAttention``, …) are refused
-    here, at ``make_private`` time, naming them — never left unclipped in the middle of training."""
+    """The Opacus-compatible flows clip through layer rules only (Linear, Conv, Embedding, norms,
+    Opacus' DP layers). Parameters the native engine clips by its parameter-entry tracer or
+    torch.func fallback (timm ViT ``cls_token``/``pos_embed``, LayerScale gammas,
+    ``nn.MultiheadAttention``, …) are refused here, at ``make_private`` time, naming them — never
+    left unclipped in the middle of training."""
     scan = scan_model(module)
     traced, fallbacks = scan.traced, scan.fallbacks
-    missing = [f"{type(module.get_submodule(n.rpartition('.')[0]) if '.' in n else module).__name__}: {n}"
-               for n, _ in traced]
-    missing += [f"{type(m).__name__}: {n or '(the model)'} (torch.func fallback)" for n, m in fallbacks]
+    def owner(n: str) -> nn.Module:
+        return module.get_submodule(n.rpartition('.')[0]) if '.' in n else module
+
+    missing = [f"{type(owner(n)).__name__}: {n}" for n, _ in traced]
+    missing += [f"{type(m).__name__}: {n or '(the model)'} (torch.func fallback)"
+                for n, m in fallbacks]
     if missing:
         raise ValueError(
-            "the Opacus-compatible API (make_private) clips parameters of Linear, Conv, Embedding, LayerNorm, "
-            "GroupNorm and Opacus' DP layers only; these trainable parameters need the native engine's "
-            "parameter tracer or torch.func fallback:\n  " + "\n  ".join(missing) + "\n"
-            "Use the native API (private_engine.PrivacyEngine(model, batch_size=..., ...), which clips them "
-            "exactly), or freeze them with p.requires_grad_(False)."
+            "the Opacus-compatible API (make_private) clips parameters of Linear, Conv, Embedding, "
+            "LayerNorm, GroupNorm and Opacus' DP layers only; these trainable parameters need the "
+            "native engine's parameter tracer or torch.func fallback:\n  "
+            + "\n  ".join(missing) + "\n"
+            "Use the native API (private_engine.PrivacyEngine(model, batch_size=..., ...), which "
+            "clips them exactly), or freeze them with p.requires_grad_(False)."
         )

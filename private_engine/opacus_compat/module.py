@@ -20,15 +20,17 @@ Two flows fill ``p.grad``:
 
 * **criterion flow** (``grad_sample_mode="ghost"``): the wrapped criterion's ``backward()`` runs
   the engine's activation-only norm pass on the per-sample losses, then forms ``Σ_i C_i ∂L_i/∂θ``
-  by book-keeping from what that single backward kept (mode "bk_mixed";
+  by book-keeping (Bu et al. 2023, "Differentially Private Optimization on Large Model at Small
+  Cost") from what that single backward kept (mode "bk_mixed";
   :class:`private_engine.clipping.clipper.PerSampleClipper`, through
   :func:`private_engine.clipping.batch.clip_batch`).
-* **plain backward** (every other mode, or any ``loss.backward()``): book-keeping (Bu et al. 2023)
-  by the same clipper. During the ordinary backward each layer is handed to the clipper as soon as
-  its output gradient arrives (certified per-sample norm by ghost norm or instantiation, per the
-  mixed rule; what the clipped sum needs kept), the raw parameter gradients are discarded (a tensor
-  hook on each parameter), and at the end of the backward (an autograd callback) the clipper writes
-  ``Σ_i C_i g_iᵀ a_i`` — no second backward, and no clipping code of its own here.
+* **plain backward** (every other mode, or any ``loss.backward()``): book-keeping (mode
+  "bk_mixed") by the same clipper. During the ordinary backward each layer is handed to the
+  clipper as soon as its output gradient arrives (certified per-sample norm by ghost norm or
+  instantiation, per the layerwise rule of "bk_mixed"; what the clipped sum needs kept), the raw
+  parameter gradients are discarded (a tensor hook on each parameter), and at the end of the
+  backward (an autograd callback) the clipper writes ``Σ_i C_i g_iᵀ a_i`` — no second backward,
+  and no clipping code of its own here.
 
 ``clipping="per_layer"``: one threshold R_k per parameter tensor (Opacus' definition), clip
 factor ``C_{i,k} = min(1, R_k / (‖∂L_i/∂θ_k‖ + 1e-6))`` from instantiated per-sample gradients.
@@ -76,7 +78,8 @@ class PrivateModule(nn.Module):
         self.batch_first = batch_first
         self.per_layer = isinstance(max_grad_norm, (list, tuple))
         self.max_grad_norm = None if self.per_layer else float(max_grad_norm)
-        #: the parameters clipped here (trainable at make_private); each has a _discard_raw_grad hook
+        #: the parameters clipped here (trainable at make_private); each has a _discard_raw_grad
+        #: hook
         self._params = [p for p in module.parameters() if p.requires_grad]
         self._param_ids = frozenset(id(p) for p in self._params)
         self._names = {id(p): n for n, p in module.named_parameters()}
@@ -87,10 +90,12 @@ class PrivateModule(nn.Module):
         self.recorder.capturing = True
         self._norms_by_param: Dict[int, float] = {}
         self._dp_optimizer = None
-        #: layer call counts at the start of an eval-mode forward (its records are dropped at its end)
+        #: layer call counts at the start of an eval-mode forward (its records are dropped at its
+        #: end)
         self._eval_marks: Optional[List[int]] = None
         self.grad_accumulation_allowed = True
-        #: set when a backward with hooks disabled left unclipped gradients in p.grad (cleared by zero_grad)
+        #: set when a backward with hooks disabled left unclipped gradients in p.grad (cleared by
+        #: zero_grad)
         self._unclipped_grads = False
         #: set by remove_hooks()/cleanup(): nothing is clipped any more, so the optimizer refuses to
         #: step
@@ -105,11 +110,12 @@ class PrivateModule(nn.Module):
         self._reset_plain()
         self._graph_checked = False
         self._param_handles = [p.register_hook(self._discard_raw_grad) for p in self._params]
-        # on the wrapped model itself, so that they also run when make_private(wrap_model=False) is used
+        # on the wrapped model itself, so that they also run when make_private(wrap_model=False)
+        # is used
         self._param_handles.append(module.register_forward_pre_hook(self._eval_snapshot))
         self._param_handles.append(module.register_forward_hook(self._check_graph_hook))
-        self._param_handles += [m.register_forward_pre_hook(_reject_packed_sequence) for m in module.modules()
-                                if _is_dp_rnn(m)]
+        self._param_handles += [m.register_forward_pre_hook(_reject_packed_sequence)
+                                for m in module.modules() if _is_dp_rnn(m)]
         #: refuses a training forward that changes a buffer from the data (a release without noise)
         self.buffer_guard = BufferGuard(module).install()
         #: checks, at the first forward of each input signature, that the model is sample-separable
@@ -124,7 +130,8 @@ class PrivateModule(nn.Module):
         return self._module(*args, **kwargs)
 
     def _eval_snapshot(self, module, inputs) -> None:
-        self._eval_marks = None if module.training else [len(layer.calls) for layer in self.recorder.layers]
+        self._eval_marks = (None if module.training
+                            else [len(layer.calls) for layer in self.recorder.layers])
 
     def _drop_eval_records(self) -> None:
         """A forward in eval mode is not recorded (as in Opacus): its calls are dropped right away,
@@ -174,10 +181,11 @@ class PrivateModule(nn.Module):
                 o.capturing = c
 
     def _check_graph(self, out) -> None:
-        """Once, on the first forward with grad: every trainable parameter must reach the output only
-        through a recorded call of its layer (a tied weight in ``F.linear(h, emb.weight)`` would
-        otherwise be missing from the per-sample norms of a plain backward)."""
-        tensors = [t for t in _flatten(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        """Once, on the first forward with grad: every trainable parameter must reach the output
+        only through a recorded call of its layer (a tied weight in ``F.linear(h, emb.weight)``
+        would otherwise be missing from the per-sample norms of a plain backward)."""
+        tensors = [t for t in _flatten(out)
+                   if isinstance(t, torch.Tensor) and t.grad_fn is not None]
         outside = {}
         for t in tensors:
             for p in self.recorder.params_reached_outside_calls(t, self._params):
@@ -202,15 +210,16 @@ class PrivateModule(nn.Module):
         self.optimizer_zero_grad()
 
     def forbid_grad_accumulation(self) -> None:
-        """Poisson sampling: every backward must be followed by ``optimizer.step()`` (as in Opacus)."""
+        """Poisson sampling: every backward must be followed by ``optimizer.step()`` (as in
+        Opacus)."""
         self.grad_accumulation_allowed = False
 
     def allow_grad_accumulation(self) -> None:
         self.grad_accumulation_allowed = True
 
     def disable_hooks(self) -> None:
-        """Backward passes compute ordinary (unclipped) gradients until :meth:`enable_hooks`; the optimizer
-        refuses to step on them (as Opacus' does) until ``zero_grad()``."""
+        """Backward passes compute ordinary (unclipped) gradients until :meth:`enable_hooks`; the
+        optimizer refuses to step on them (as Opacus' does) until ``zero_grad()``."""
         self._hooks_enabled = False
         self.recorder.capturing = False
 
@@ -238,16 +247,19 @@ class PrivateModule(nn.Module):
         self._dp_optimizer = optimizer
 
     def current_max_grad_norm(self) -> float:
-        """R for flat clipping: the bound optimizer's ``max_grad_norm`` (else the make_private value)."""
+        """R for flat clipping: the bound optimizer's ``max_grad_norm`` (else the make_private
+        value)."""
         opt = self._dp_optimizer
         return float(opt.max_grad_norm) if opt is not None else self.max_grad_norm
 
-    def bind_per_layer_norms(self, params: Sequence[nn.Parameter], max_grad_norms: Sequence[float]) -> None:
+    def bind_per_layer_norms(self, params: Sequence[nn.Parameter],
+                             max_grad_norms: Sequence[float]) -> None:
         """Per-layer clipping: ``R_k`` for each parameter, in the optimizer's parameter order."""
         if len(params) != len(max_grad_norms):
             raise ValueError(
-                f"clipping='per_layer' needs one max_grad_norm per optimizer parameter: the optimizer has "
-                f"{len(params)} parameter tensors but max_grad_norm has {len(max_grad_norms)} values."
+                "clipping='per_layer' needs one max_grad_norm per optimizer parameter: the "
+                f"optimizer has {len(params)} parameter tensors but max_grad_norm has "
+                f"{len(max_grad_norms)} values."
             )
         self._norms_by_param = {id(p): float(r) for p, r in zip(params, max_grad_norms)}
 
@@ -274,8 +286,9 @@ class PrivateModule(nn.Module):
             )
         if self._unclipped_grads:
             raise ValueError(
-                "p.grad holds unclipped gradients: a backward ran while the hooks were disabled (disable_hooks()). "
-                "Call optimizer.zero_grad() before the next private step, or enable_hooks() before the backward."
+                "p.grad holds unclipped gradients: a backward ran while the hooks were disabled "
+                "(disable_hooks()). Call optimizer.zero_grad() before the next private step, or "
+                "enable_hooks() before the backward."
             )
         self._check_trainable(params)
         if self._clipped_at and self._clipped_at != {self.current_max_grad_norm()}:
@@ -287,32 +300,37 @@ class PrivateModule(nn.Module):
                 "optimizer.step() (a grad-clip scheduler steps after the optimizer).")
 
     def _check_trainable(self, params) -> None:
-        """Every trainable parameter in ``params`` must be one clipped here (trainable at make_private)."""
+        """Every trainable parameter in ``params`` must be one clipped here (trainable at
+        make_private)."""
         new = [p for p in params if p.requires_grad and id(p) not in self._param_ids]
         if new:
             raise ValueError(
-                f"parameter(s) {[self._names.get(id(p), tuple(p.shape)) for p in new]} became trainable after "
-                "make_private (requires_grad_(True) or optimizer.add_param_group): their gradients are not clipped. "
+                f"parameter(s) {[self._names.get(id(p), tuple(p.shape)) for p in new]} became "
+                "trainable after make_private (requires_grad_(True) or "
+                "optimizer.add_param_group): their gradients are not clipped. "
                 "Call make_private again with the new set of trainable parameters."
             )
 
     def _start_backward(self) -> None:
         if self._consumed:
             raise RuntimeError(
-                "backward after optimizer.step() without optimizer.zero_grad(): p.grad still holds the noised "
-                "gradient of the last step. Call optimizer.zero_grad() after every optimizer.step()."
+                "backward after optimizer.step() without optimizer.zero_grad(): p.grad still "
+                "holds the noised gradient of the last step. Call optimizer.zero_grad() after "
+                "every optimizer.step()."
             )
         if not self.grad_accumulation_allowed and self.backward_passes > 0:
             raise ValueError(
-                "Poisson sampling is not compatible with grad accumulation. You need to call optimizer.step() "
-                "after every forward/backward pass or consider using BatchMemoryManager."
+                "Poisson sampling is not compatible with grad accumulation. You need to call "
+                "optimizer.step() after every forward/backward pass or consider using "
+                "BatchMemoryManager."
             )
 
     # -- plain loss.backward(): book-keeping ----------------------------------------------------
     def _reset_plain(self) -> None:
         self._stored: List[Tuple[RecordedLayer, list]] = []  # per_layer clipping only
         self._callback_queued = False
-        #: a layer's recorded call received its output gradient in this backward (a batch, maybe empty)
+        #: a layer's recorded call received its output gradient in this backward (a batch, maybe
+        #: empty)
         self._saw_batch = False
         #: the clipper's norm pass of this backward has begun (its batch size is the first layer's)
         self._started = False
@@ -327,7 +345,8 @@ class PrivateModule(nn.Module):
         sum is added at the end of the backward)."""
         if self._in_criterion:  # the criterion flow's own backward passes
             return None
-        if not self._hooks_enabled:  # disable_hooks(): an ordinary gradient, never released by the optimizer
+        # disable_hooks(): an ordinary gradient, never released by the optimizer
+        if not self._hooks_enabled:
             self._unclipped_grads = True
             return None
         self._queue_finish()
@@ -387,10 +406,11 @@ class PrivateModule(nn.Module):
             if not (self._started or self._stored):
                 if not self._saw_batch:  # parameter gradients but no recorded call: not a new batch
                     raise ValueError(
-                        "this backward reached no recorded layer call: it went through a graph whose records were "
-                        "already used (a second backward through a retained graph, or a backward after "
-                        "autograd.grad on the same output) or whose forward ran in eval mode. Run the forward "
-                        "again (in train mode) before each backward."
+                        "this backward reached no recorded layer call: it went through a graph "
+                        "whose records were already used (a second backward through a retained "
+                        "graph, or a backward after autograd.grad on the same output) or whose "
+                        "forward ran in eval mode. Run the forward again (in train mode) before "
+                        "each backward."
                     )
                 self.backward_passes += 1
                 return
@@ -481,8 +501,9 @@ def _reject_packed_sequence(module, inputs):
     over time; per-sample bookkeeping across those calls is not implemented."""
     if inputs and isinstance(inputs[0], nn.utils.rnn.PackedSequence):
         raise TypeError(
-            f"{type(module).__name__} was given a PackedSequence, which private_engine does not support yet. "
-            "Pad the batch instead (torch.nn.utils.rnn.pad_packed_sequence / pad_sequence, batch_first=True) and "
+            f"{type(module).__name__} was given a PackedSequence, which private_engine does not "
+            "support yet. Pad the batch instead (torch.nn.utils.rnn.pad_packed_sequence / "
+            "pad_sequence, batch_first=True) and "
             "pick each sequence's last valid output, or mask the padded positions in the loss."
         )
 

@@ -56,7 +56,8 @@ class ClippedSumOptimizer(DPOptimizerFastGradientClipping):
                 p.summed_grad = copy.deepcopy(grad)
 
     def pre_step(self, closure=None):
-        if self.private_module is not None:  # raises on unclipped p.grad: nothing consumed, nothing released
+        # raises on unclipped p.grad: nothing consumed, nothing released
+        if self.private_module is not None:
             self.private_module.check_releasable(self.params)
         try:
             return super().pre_step(closure)
@@ -71,7 +72,8 @@ class ClippedSumOptimizer(DPOptimizerFastGradientClipping):
 
 
 class PerLayerClippedSumOptimizer(ClippedSumOptimizer):
-    """Per-layer clipping (one threshold per parameter tensor); noise std ``σ·‖(R_k)‖₂`` as in Opacus."""
+    """Per-layer clipping (one threshold per parameter tensor); noise std ``σ·‖(R_k)‖₂`` as in
+    Opacus."""
 
     def __init__(self, optimizer, *, max_grad_norm: List[float], **kwargs):
         self.max_grad_norms = list(max_grad_norm)
