@@ -90,8 +90,9 @@ class PrivacyEngine(opacus.PrivacyEngine):
             raise TypeError(f"module must be an nn.Module, got {type(module).__name__}.")
         self.validate(module=module, optimizer=None, data_loader=None)  # Opacus' own checks first
         check_no_batchnorm(module)
-        layers = _clipped_layers(module)
-        _refuse_traced_and_fallback(module)
+        scan = scan_model(module)
+        layers = _clipped_layers(module, scan)
+        _refuse_traced_and_fallback(module, scan)
         _check_attention_layout(module, batch_first)
         self._module = PrivateModule(module, layers, max_grad_norm=max_grad_norm,
                                      loss_reduction=loss_reduction, mode=self.clipping_mode,
@@ -293,17 +294,17 @@ def _positive(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
 
 
-def _clipped_layers(module: nn.Module):
+def _clipped_layers(module: nn.Module, scan):
     """``clipped_layers(module, strict=True)`` (rules check their modules; shared parameters
     refused), with Opacus' ``SequenceBias`` accepted: ``PrivateModule`` moves its recorded tensors
-    to batch-first. The mark that :class:`~.rules.SequenceBiasRule` checks is set for this check
+    to batch-first. The mark that :class:`private_engine.layers.sequence_bias.SequenceBiasRule` checks is set for this check
     only, so the native engine still refuses these modules afterwards (it does not move them)."""
     marked = [m for m in module.modules()
               if isinstance(m, SequenceBias) and PREPARED not in m.__dict__]
     for m in marked:
         setattr(m, PREPARED, True)
     try:
-        return clipped_layers(module, strict=True)
+        return clipped_layers(module, strict=True, scan=scan)
     finally:
         for m in marked:
             delattr(m, PREPARED)
@@ -321,14 +322,14 @@ def _check_attention_layout(module: nn.Module, batch_first: bool) -> None:
                 "inputs in that layout).")
 
 
-def _refuse_traced_and_fallback(module: nn.Module) -> None:
+def _refuse_traced_and_fallback(module: nn.Module, scan) -> None:
     """The Opacus-compatible flows clip through layer rules only (Linear, Conv, Embedding, norms,
     Opacus' DP layers). Parameters the native engine clips by its parameter-entry tracer or
     torch.func fallback (timm ViT ``cls_token``/``pos_embed``, LayerScale gammas,
     ``nn.MultiheadAttention``, …) are refused here, at ``make_private`` time, naming them — never
     left unclipped in the middle of training."""
-    scan = scan_model(module)
     traced, fallbacks = scan.traced, scan.fallbacks
+
     def owner(n: str) -> nn.Module:
         return module.get_submodule(n.rpartition('.')[0]) if '.' in n else module
 
