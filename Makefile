@@ -6,17 +6,17 @@ VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_PIN := torch==2.14.1 torchvision==0.29.1
 
-.PHONY: demo test bench bench-gpu bench-all venv clean
+.PHONY: demo test lint bench bench-gpu bench-all bench-test venv clean
 
 $(VENV)/.core: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_PIN)
-	$(PY) -m pip install -q -e ".[plot]"
+	$(PY) -m pip install -q -e ".[demo,plot]"
 	touch $@
 
 $(VENV)/.test: $(VENV)/.core
-	$(PY) -m pip install -q -e ".[test,plot]"
+	$(PY) -m pip install -q -e ".[demo,test,plot,lint]"
 	touch $@
 
 venv: $(VENV)/.core
@@ -27,10 +27,16 @@ demo: $(VENV)/.core
 test: $(VENV)/.test
 	$(PY) -m pytest -q
 
+# ruff (configured in pyproject.toml): unused or undefined names, lines of at most 100 characters
+lint: $(VENV)/.test
+	$(PY) -m ruff check private_engine tests bench examples
+
 # Benchmarks (docs/benchmarks.md). `make bench` = ViT-Tiny on the CPU, core methods; more:
 # make bench BENCH_ARGS="--models resnet18 --img-size 64 --methods all"
-# `make bench-gpu`: the seven models on CUDA, bf16 autocast, maximum batch sizes, written to docs/benchmarks.md;
+# `make bench-gpu`: the seven models on CUDA, bf16 autocast, maximum batch sizes, written to
+# docs/benchmarks.md;
 # `make bench-all`: the same models on the CPU (slow), written to docs/benchmarks.md.
+# `make bench-test`: the benchmark's own tests (bench/tests; not part of `make test`).
 BENCH_ARGS ?=
 BENCH_MODELS := vit_tiny_patch16_224 vit_small_patch16_224 vit_base_patch16_224 resnet18 resnet50 vgg11 text_transformer
 bench: $(VENV)/.core
@@ -41,6 +47,9 @@ bench-gpu: $(VENV)/.core
 
 bench-all: $(VENV)/.core
 	$(PY) bench/bench_clipping.py --device cpu --models $(BENCH_MODELS) --markdown docs/benchmarks.md $(BENCH_ARGS)
+
+bench-test: $(VENV)/.test
+	$(PY) -m pytest -q bench/tests
 
 clean:
 	rm -rf $(VENV) .pytest_cache

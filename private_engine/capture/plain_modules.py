@@ -5,8 +5,8 @@ The tracer (:mod:`private_engine.capture.tracer`) is a ``TorchFunctionMode`` ove
 forward: every op of the forward costs a Python call that looks its operands up, whether or not a
 tracked parameter is anywhere near. In a timm ViT the tracked parameters (``cls_token``,
 ``pos_embed``) enter before the first block, and the blocks are most of the ops: on the ViT-B
-structure at tiny size (``bench/host_overhead.py``) following them was about a fifth of a private
-step's host time.
+structure at tiny size (``bench/investigate/host_overhead.py``) following them was about a fifth of
+a private step's host time.
 
 A *plain candidate* is a maximal submodule with children that owns no tracked parameter and
 contains no torch.func fallback module. Its forward on inputs of a given *signature* (shapes,

@@ -1,17 +1,18 @@
-"""Host-side cost of one private step, measured on the CPU: the layer structure of a real model at tiny
-sizes (ViT-B/16's 12 blocks and 77 clipped layers, width 64, 16×16 images = 2 tokens, batch 2, one thread),
-so that arithmetic is negligible and the time per step is Python, hooks and operator dispatch — what
-keeps a GPU waiting when its kernels are fast (docs/engine.md, "CUDA"). Also counts the aten operators
-one step issues (each is a kernel launch on a GPU).
+"""Host-side cost of one private step, measured on the CPU: the layer structure of a real model at
+tiny sizes (ViT-B/16's 12 blocks and 77 clipped layers, width 64, 16×16 images = 2 tokens,
+batch 2, one thread), so that arithmetic is negligible and the time per step is Python, hooks and
+operator dispatch — what keeps a GPU waiting when its kernels are fast (docs/engine.md, "CUDA").
+Also counts the aten operators one step issues (each is a kernel launch on a GPU).
 
-    python bench/host_overhead.py                       # bk_mixed vs non-DP
-    python bench/host_overhead.py --mode bk --width 128
+    python bench/investigate/host_overhead.py                       # bk_mixed vs non-DP
+    python bench/investigate/host_overhead.py --mode bk --width 128
 
-Prints ``non-DP <ms>  <mode> <ms>  ratio <r>  aten ops/step <non-DP> -> <mode>  kernels/step <non-DP> -> <mode>``:
-medians over ``--repeats`` rounds of ``--steps`` steps each, the two trainings alternating round by round.
-"aten ops" counts every operator the profiler sees (views and composite ops included: host work); "kernels"
-counts the operators that reach a backend with data to compute — no views, no shape or allocation-only ops —
-i.e. about one kernel launch each on a GPU.
+Prints ``non-DP <ms>  <mode> <ms>  ratio <r>  aten ops/step <non-DP> -> <mode>  kernels/step
+<non-DP> -> <mode>``: medians over ``--repeats`` rounds of ``--steps`` steps each, the two
+trainings alternating round by round. "aten ops" counts every operator the profiler sees (views
+and composite ops included: host work); "kernels" counts the operators that reach a backend with
+data to compute — no views, no shape or allocation-only ops — i.e. about one kernel launch each on
+a GPU.
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ import time
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="vit_base_patch16_224", help="a timm model that takes embed_dim/num_heads")
+    p.add_argument("--model", default="vit_base_patch16_224",
+                   help="a timm model that takes embed_dim/num_heads")
     p.add_argument("--width", type=int, default=64, help="embed_dim (heads = width // 32)")
     p.add_argument("--mode", default="bk_mixed", help="private_engine clipping mode")
     p.add_argument("--steps", type=int, default=10)
@@ -41,16 +43,18 @@ def aten_ops_per_step(step) -> int:
 
 #: operators that compute nothing on a device (views, metadata, allocation): not counted as kernels
 NON_KERNEL_OPS = frozenset({
-    "view", "_unsafe_view", "reshape", "_reshape_alias", "as_strided", "t", "transpose", "permute", "expand",
-    "slice", "select", "unsqueeze", "squeeze", "detach", "alias", "split", "split_with_sizes", "unbind", "narrow",
-    "unflatten", "flatten", "lift_fresh", "empty", "empty_strided", "empty_like", "new_empty",
-    "new_empty_strided", "promote_types", "result_type", "_local_scalar_dense", "sym_size", "sym_stride",
-    "sym_numel", "sym_storage_offset", "is_same_size", "_has_compatible_shallow_copy_type", "set_"})
+    "view", "_unsafe_view", "reshape", "_reshape_alias", "as_strided", "t", "transpose",
+    "permute", "expand", "slice", "select", "unsqueeze", "squeeze", "detach", "alias", "split",
+    "split_with_sizes", "unbind", "narrow", "unflatten", "flatten", "lift_fresh", "empty",
+    "empty_strided", "empty_like", "new_empty", "new_empty_strided", "promote_types",
+    "result_type", "_local_scalar_dense", "sym_size", "sym_stride", "sym_numel",
+    "sym_storage_offset", "is_same_size", "_has_compatible_shallow_copy_type", "set_"})
 
 
 def kernels_per_step(step) -> int:
-    """Operators one call of ``step`` sends to a backend with data to compute (``NON_KERNEL_OPS`` left out): the
-    kernel launches it would cost on a GPU, counted below autograd with a ``TorchDispatchMode``."""
+    """Operators one call of ``step`` sends to a backend with data to compute (``NON_KERNEL_OPS``
+    left out): the kernel launches it would cost on a GPU, counted below autograd with a
+    ``TorchDispatchMode``."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     count = 0
@@ -68,16 +72,19 @@ def kernels_per_step(step) -> int:
 
 
 def build_proxy(model: str = "vit_base_patch16_224", width: int = 64):
-    """The proxy model: ``model``'s structure at width ``width`` (heads = width // 32) for 16×16 images, seeded."""
+    """The proxy model: ``model``'s structure at width ``width`` (heads = width // 32) for 16×16
+    images, seeded."""
     import timm
     import torch
 
     torch.manual_seed(0)
-    return timm.create_model(model, img_size=16, num_classes=10, embed_dim=width, num_heads=max(1, width // 32))
+    return timm.create_model(model, img_size=16, num_classes=10, embed_dim=width,
+                             num_heads=max(1, width // 32))
 
 
 def proxy_batch():
-    """The proxy's batch: two 16×16 images (two tokens each with a class token) and their labels."""
+    """The proxy's batch: two 16×16 images (two tokens each with a class token) and their
+    labels."""
     import torch
 
     return torch.randn(2, 3, 16, 16), torch.tensor([1, 2])
@@ -115,8 +122,8 @@ def main(argv=None) -> dict:
 
     private = build()
     dp_opt = torch.optim.SGD(private.parameters(), lr=0.01)
-    engine = pe.PrivacyEngine(private, batch_size=2, sample_size=100, max_grad_norm=1.0, noise_multiplier=1.0,
-                              clipping_mode=args.mode)
+    engine = pe.PrivacyEngine(private, batch_size=2, sample_size=100, max_grad_norm=1.0,
+                              noise_multiplier=1.0, clipping_mode=args.mode)
     engine.attach(dp_opt)
 
     def dp():
@@ -133,12 +140,14 @@ def main(argv=None) -> dict:
             for _ in range(args.steps):
                 step()
             times[name].append((time.perf_counter() - t0) / args.steps)
-    result = {"nondp_ms": 1e3 * statistics.median(times["nondp"]), "dp_ms": 1e3 * statistics.median(times["dp"]),
+    result = {"nondp_ms": 1e3 * statistics.median(times["nondp"]),
+              "dp_ms": 1e3 * statistics.median(times["dp"]),
               "nondp_ops": aten_ops_per_step(nondp), "dp_ops": aten_ops_per_step(dp),
               "nondp_kernels": kernels_per_step(nondp), "dp_kernels": kernels_per_step(dp)}
     print(f"non-DP {result['nondp_ms']:.1f} ms  {args.mode} {result['dp_ms']:.1f} ms  "
-          f"ratio {result['dp_ms'] / result['nondp_ms']:.2f}  aten ops/step {result['nondp_ops']} -> "
-          f"{result['dp_ops']}  kernels/step {result['nondp_kernels']} -> {result['dp_kernels']}")
+          f"ratio {result['dp_ms'] / result['nondp_ms']:.2f}  "
+          f"aten ops/step {result['nondp_ops']} -> {result['dp_ops']}  "
+          f"kernels/step {result['nondp_kernels']} -> {result['dp_kernels']}")
     return result
 
 

@@ -1,13 +1,17 @@
-"""Where one training step's time goes, per method: torch.profiler's top operators (CPU and device time) and
-the step's wall time, for the methods of ``bench_clipping.py`` built the same way (same model, batch, autocast).
+"""Where one training step's time goes, per method: torch.profiler's top operators (CPU and
+device time) and the step's wall time, for the methods of the clipping benchmark
+(``bench/bench_clipping.py``) built the same way (same model, batch, autocast).
 
-    python bench/profile_step.py --device cuda --model vit_base_patch16_224 --amp bf16 --batch-size 32 \\
-        --methods nondp bk_mixed --steps 5 --out /tmp/profile
+    python bench/investigate/profile_step.py --device cuda --model vit_base_patch16_224 \\
+        --amp bf16 --batch-size 32 --methods nondp bk_mixed --steps 5 --out /tmp/profile
 
-Prints, per method: seconds per step (median of ``--steps`` after ``--warmup``, synchronised), the number of
-host↔device synchronisations per step seen by ``torch.cuda.set_sync_debug_mode`` (CUDA), and the operator
-table (``--by-shape``: one row per operator and input shapes); with ``--out DIR`` also writes ``DIR/<method>.txt`` (the tables) and a Chrome trace ``DIR/<method>.json``.
-Every method runs in this one process, one after the other (use bench_clipping.py for comparable timings).
+Prints, per method: seconds per step (median of ``--steps`` after ``--warmup``, synchronised),
+the number of host↔device synchronisations per step seen by ``torch.cuda.set_sync_debug_mode``
+(CUDA), and the operator table (``--by-shape``: one row per operator and input shapes); with
+``--out DIR`` also writes ``DIR/<method>.txt`` (the tables) and a Chrome trace
+``DIR/<method>.json``. Every method runs in this one process, one after the other (use
+bench_clipping.py for comparable timings). The benchmark's other options (``--model``,
+``--img-size``, ``--amp``, …) are passed on to it.
 """
 from __future__ import annotations
 
@@ -18,21 +22,26 @@ import time
 import warnings
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_clipping as bench  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: package `bench`
+from bench.clipping import cli  # noqa: E402
+from bench.clipping.config import METHODS  # noqa: E402
+from bench.clipping.methods import SETUPS  # noqa: E402
+from bench.clipping.models import build_model, make_batch  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--methods", nargs="+", default=["nondp", "bk_mixed"], choices=bench.METHODS)
+    p.add_argument("--methods", nargs="+", default=["nondp", "bk_mixed"], choices=METHODS)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rows", type=int, default=25, help="operators shown per table")
-    p.add_argument("--out", metavar="DIR", help="write the tables and a Chrome trace per method here")
+    p.add_argument("--out", metavar="DIR",
+                   help="write the tables and a Chrome trace per method here")
     p.add_argument("--by-shape", action="store_true",
-                   help="one row per operator and input shapes (which layer's norm, sum or product costs what)")
+                   help="one row per operator and input shapes (which layer's norm, sum or "
+                        "product costs what)")
     own, rest = p.parse_known_args(argv)
-    args = bench.parse_args(rest + ["--methods", *own.methods])
+    args = cli.parse_args(rest + ["--methods", *own.methods])
     for k, v in vars(own).items():
         setattr(args, k if k != "steps" else "profile_steps", v)
     args.model = args.models[0]
@@ -47,7 +56,8 @@ def synchronize(device: str) -> None:
 
 
 def count_syncs(step, device: str) -> int:
-    """Host↔device synchronisations in one call of ``step`` (CUDA only: torch's sync debug mode warns on each)."""
+    """Host↔device synchronisations in one call of ``step`` (CUDA only: torch's sync debug mode
+    warns on each)."""
     import torch
 
     if device != "cuda":
@@ -67,9 +77,9 @@ def profile_method(method: str, args) -> str:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    model, _ = bench.build_model(args, method)
-    x, y = bench.make_batch(args)
-    runner = bench.SETUPS[method](model, x, y, args)
+    model, _ = build_model(args, method)
+    x, y = make_batch(args)
+    runner = SETUPS[method](model, x, y, args)
     for _ in range(args.warmup):
         runner.step()
     synchronize(args.device)
@@ -87,7 +97,8 @@ def profile_method(method: str, args) -> str:
         synchronize(args.device)
     sort = "self_cuda_time_total" if args.device == "cuda" else "self_cpu_time_total"
     averages = prof.key_averages(group_by_input_shape=args.by_shape)
-    widths = {"max_name_column_width": 40, "max_shapes_column_width": 70} if args.by_shape else {}
+    widths = ({"max_name_column_width": 40, "max_shapes_column_width": 70} if args.by_shape
+              else {})
     lines = [f"== {method}: {statistics.median(times):.4f} s/step (median of {len(times)}), "
              f"{syncs} host-device syncs per step; profiled {args.profile_steps} steps ==",
              averages.table(sort_by=sort, row_limit=args.rows, **widths)]

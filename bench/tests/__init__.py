@@ -1,0 +1,1 @@
+"""Tests of the benchmark package (``make bench-test``)."""
