@@ -140,7 +140,7 @@ def autocast(args):
 
     bfloat16 keeps float32's exponent range, so no loss scaling is needed: the rules run their
     matmuls in bfloat16 and accumulate every norm and the clipped sum in float32 (about 3
-    significant digits; tests/test_example_finetune.py checks this against the float64
+    significant digits; tests/examples/test_example_finetune.py checks this against the float64
     reference). float16 needs a loss scaler: :func:`grad_scaler` gives the engine one
     (private_engine/amp.py).
     """

@@ -40,12 +40,14 @@ def ref_global(norms, R):
 
 
 def tanh_clip(norms, R):
-    """A custom (user) clip function: C_i = R·tanh(‖g_i‖/R)/‖g_i‖ ≤ R/‖g_i‖ (smooth, never above R)."""
+    """A custom (user) clip function: C_i = R·tanh(‖g_i‖/R)/‖g_i‖ ≤ R/‖g_i‖ (smooth, never above
+    R)."""
     safe = torch.where(norms > 0, norms, torch.ones_like(norms))
     return torch.where(norms > 0, R * torch.tanh(norms / R) / safe, torch.ones_like(norms))
 
 
-REF_CLIP = {"abadi": ref_abadi, "automatic": ref_automatic, "global": ref_global, "custom": tanh_clip}
+REF_CLIP = {"abadi": ref_abadi, "automatic": ref_automatic, "global": ref_global,
+            "custom": tanh_clip}
 ENGINE_CLIP = {"abadi": "abadi", "automatic": "automatic", "global": "global", "custom": tanh_clip}
 
 
@@ -67,7 +69,8 @@ def pick_threshold(norms: torch.Tensor) -> float:
     k = max(len(s) // 2 - 1, 0)
     lo, hi = float(s[k]), float(s[min(k + 1, len(s) - 1)])
     assert hi > 0, "all per-sample norms are zero: the case tests nothing"
-    if lo == 0:  # samples with a zero gradient (e.g. all padding): R below the smallest positive norm
+    # samples with a zero gradient (e.g. all padding): R below the smallest positive norm
+    if lo == 0:
         return hi * 0.5
     if hi / lo < 1.002:  # a tie in the middle: go below the smallest instead
         return float(s[0]) * 0.5 if s[0] > 0 else hi * 0.5
@@ -78,14 +81,16 @@ def trainable_names(model: nn.Module):
     return [n for n, p in model.named_parameters() if p.requires_grad]
 
 
-def make_engine(model: nn.Module, batch_size: int, *, mode: str = "mixed", clip="abadi", R: float = 1.0,
-                noise_multiplier: float = 0.0, **kwargs) -> pe.PrivacyEngine:
-    return pe.PrivacyEngine(model, batch_size=batch_size, sample_size=10 * batch_size, max_grad_norm=R,
-                            noise_multiplier=noise_multiplier, clipping_mode=mode, clipping_fn=clip, **kwargs)
+def make_engine(model: nn.Module, batch_size: int, *, mode: str = "mixed", clip="abadi",
+                R: float = 1.0, noise_multiplier: float = 0.0, **kwargs) -> pe.PrivacyEngine:
+    return pe.PrivacyEngine(model, batch_size=batch_size, sample_size=10 * batch_size,
+                            max_grad_norm=R, noise_multiplier=noise_multiplier, clipping_mode=mode,
+                            clipping_fn=clip, **kwargs)
 
 
-def check_against_reference(model: nn.Module, inputs: Sequence[torch.Tensor], loss_fn: Callable = quadratic_loss,
-                            *, mode: str, clip: str, rtol: float = RTOL, check_step: bool = True,
+def check_against_reference(model: nn.Module, inputs: Sequence[torch.Tensor],
+                            loss_fn: Callable = quadratic_loss, *, mode: str, clip: str,
+                            rtol: float = RTOL, check_step: bool = True,
                             R: Optional[float] = None) -> pe.PrivacyEngine:
     """Engine clipped sum, norms and SGD step vs the float64 reference; returns the engine."""
     B = inputs[0].shape[0]
@@ -113,7 +118,8 @@ def check_against_reference(model: nn.Module, inputs: Sequence[torch.Tensor], lo
         engine.attach(opt)
         before = [p.detach().clone() for p in params]
         opt.step(loss=loss_fn(model, *inputs))
-        assert_close_rel([p.detach() - b for p, b in zip(params, before)], [-r / B for r in ref_sum], rtol, names)
+        assert_close_rel([p.detach() - b for p, b in zip(params, before)],
+                         [-r / B for r in ref_sum], rtol, names)
         with torch.no_grad():  # leave the model as it was for the caller
             for p, b in zip(params, before):
                 p.copy_(b)
@@ -135,7 +141,8 @@ def gen_for(seed: int) -> torch.Generator:
 
 @pytest.fixture(autouse=True)
 def one_thread():
-    """Tiny tensors: intra-op threads only add synchronisation (20–90 ms per conv on a busy 2-core box).
+    """Tiny tensors: intra-op threads only add synchronisation (20–90 ms per conv on a busy 2-core
+    box).
 
     Imported by each engine test module (autouse there); restores the thread count afterwards.
     """

@@ -1,4 +1,5 @@
-"""Float64 reference for per-sample clipping: loop over samples one at a time (microbatches of 1)."""
+"""Float64 reference for per-sample clipping: loop over samples one at a time (microbatches of
+1)."""
 from __future__ import annotations
 
 import copy
@@ -8,7 +9,8 @@ import torch
 from torch import nn
 
 
-def reference_clipped_sum(model: nn.Module, inputs: Sequence[torch.Tensor], loss_fn: Callable, max_grad_norm: float,
+def reference_clipped_sum(model: nn.Module, inputs: Sequence[torch.Tensor], loss_fn: Callable,
+                          max_grad_norm: float,
                           clip_fn: Callable) -> Tuple[List[torch.Tensor], torch.Tensor]:
     """``(Σ_i C_i ∂L_i/∂θ for trainable θ, norms)`` in float64, one sample per backward.
 
@@ -32,13 +34,15 @@ def reference_clipped_sum(model: nn.Module, inputs: Sequence[torch.Tensor], loss
     return total, torch.stack(norms)
 
 
-def assert_close_rel(actual: Sequence[torch.Tensor], expected: Sequence[torch.Tensor], rtol: float = 1e-6,
-                     names: Sequence[str] = ()) -> None:
-    """Relative error ‖a − e‖ / max(‖e‖, tiny) ≤ rtol for every tensor pair (compared in float64)."""
+def assert_close_rel(actual: Sequence[torch.Tensor], expected: Sequence[torch.Tensor],
+                     rtol: float = 1e-6, names: Sequence[str] = ()) -> None:
+    """Relative error ‖a − e‖ / max(‖e‖, tiny) ≤ rtol for every tensor pair (compared in
+    float64)."""
     assert len(actual) == len(expected)
     for k, (a, e) in enumerate(zip(actual, expected)):
         a, e = a.double(), e.double()
         err = (a - e).norm().item()
         scale = max(e.norm().item(), 1e-12)
         name = names[k] if k < len(names) else str(k)
-        assert err / scale <= rtol, f"{name}: relative error {err / scale:.3e} > {rtol:.0e} (|e|={scale:.3e})"
+        assert err / scale <= rtol, (f"{name}: relative error {err / scale:.3e} > {rtol:.0e} "
+                                     f"(|e|={scale:.3e})")

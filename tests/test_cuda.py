@@ -10,14 +10,16 @@ import private_engine as pe
 from engine_checks import MODES, REF_CLIP, ENGINE_CLIP, CLIPS, gen_for, pick_threshold, ref_abadi
 from reference import assert_close_rel, reference_clipped_sum
 
-pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 RTOL_F32 = 1e-4
 
 
 @pytest.fixture(autouse=True)
 def no_tf32():
-    """Full float32 convolutions and matmuls: TF32 (cuDNN's default on Ampere+) alone is ~1e-3 off."""
+    """Full float32 convolutions and matmuls: TF32 (cuDNN's default on Ampere+) alone is ~1e-3
+    off."""
     saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     try:
@@ -30,7 +32,8 @@ class Net(nn.Module):
     def __init__(self):
         super().__init__()
         self.conv = nn.Conv2d(3, 8, 3, padding="same", padding_mode="reflect")
-        self.dw = nn.Conv2d(8, 8, 3, stride=2, padding=1, groups=8)  # zero padding: handed to the kernel
+        # zero padding: handed to the kernel
+        self.dw = nn.Conv2d(8, 8, 3, stride=2, padding=1, groups=8)
         self.gn = nn.GroupNorm(4, 8)
         self.proj = nn.Linear(8, 16)
         self.ln = nn.LayerNorm(16)
@@ -68,8 +71,9 @@ def test_cuda_clipped_sum_matches_float64_cpu_reference(mode, clip):
     ref_sum, ref_norms = reference_clipped_sum(cpu_model, inputs, _loss, R, REF_CLIP[clip])
 
     model = copy.deepcopy(cpu_model).cuda()
-    engine = pe.PrivacyEngine(model, batch_size=6, sample_size=60, max_grad_norm=R, noise_multiplier=0.0,
-                              clipping_mode=mode, clipping_fn=ENGINE_CLIP[clip])
+    engine = pe.PrivacyEngine(model, batch_size=6, sample_size=60, max_grad_norm=R,
+                              noise_multiplier=0.0, clipping_mode=mode,
+                              clipping_fn=ENGINE_CLIP[clip])
     cuda_inputs = [t.cuda() for t in inputs]
     grads, n = engine.clipped_grad_sum(_loss(model, *cuda_inputs))
     assert n == 6 and all(g.is_cuda and g.dtype == torch.float32 for g in grads)
@@ -86,11 +90,12 @@ def test_cuda_clipped_sum_matches_float64_cpu_reference(mode, clip):
 
 @pytest.mark.parametrize("mode", ("mixed", "bk", "bk_mixed", "bk_mixopt"))
 def test_cuda_timm_vit_clipped_sum_matches_float64_cpu_reference(mode):
-    """Every trainable parameter of a (small) timm ViT, cls_token and pos_embed included, on CUDA."""
+    """Every trainable parameter of a (small) timm ViT, cls_token and pos_embed included, on
+    CUDA."""
     timm = pytest.importorskip("timm")
     torch.manual_seed(0)
-    cpu_model = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2, embed_dim=48,
-                                  num_heads=3, num_classes=5)
+    cpu_model = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2,
+                                  embed_dim=48, num_heads=3, num_classes=5)
     gen = gen_for(1)
     inputs = [torch.randn(4, 3, 32, 32, generator=gen), torch.randint(0, 5, (4,), generator=gen)]
 
@@ -101,8 +106,8 @@ def test_cuda_timm_vit_clipped_sum_matches_float64_cpu_reference(mode):
     R = pick_threshold(norms)
     ref_sum, ref_norms = reference_clipped_sum(cpu_model, inputs, vit_loss, R, ref_abadi)
     model = copy.deepcopy(cpu_model).cuda()
-    engine = pe.PrivacyEngine(model, batch_size=4, sample_size=40, max_grad_norm=R, noise_multiplier=0.0,
-                              clipping_mode=mode)
+    engine = pe.PrivacyEngine(model, batch_size=4, sample_size=40, max_grad_norm=R,
+                              noise_multiplier=0.0, clipping_mode=mode)
     grads, n = engine.clipped_grad_sum(vit_loss(model, *[t.cuda() for t in inputs]))
     assert n == 4 and len(grads) == len(ref_sum)
     assert_close_rel([g.cpu() for g in grads], ref_sum, RTOL_F32)
@@ -113,8 +118,8 @@ def test_cuda_training_steps_with_noise_and_accumulation():
     torch.manual_seed(0)
     model = Net().cuda()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    engine = pe.PrivacyEngine(model, batch_size=8, sample_size=800, max_grad_norm=1.0, noise_multiplier=1.0,
-                              noise_generator=gen)
+    engine = pe.PrivacyEngine(model, batch_size=8, sample_size=800, max_grad_norm=1.0,
+                              noise_multiplier=1.0, noise_generator=gen)
     opt = pe.optim.DPAdamW(model.parameters(), lr=1e-3, privacy_engine=engine)
     for step in range(3):
         x, ids, y = _data(8, seed=step, device="cuda")
@@ -130,7 +135,8 @@ def test_cuda_training_steps_with_noise_and_accumulation():
 def test_cuda_noise_std():
     torch.manual_seed(0)
     model = nn.Linear(100, 100).cuda()
-    engine = pe.PrivacyEngine(model, batch_size=4, sample_size=400, max_grad_norm=0.5, noise_multiplier=2.0)
+    engine = pe.PrivacyEngine(model, batch_size=4, sample_size=400, max_grad_norm=0.5,
+                              noise_multiplier=2.0)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     engine.attach(opt)
     x = torch.randn(4, 100, device="cuda")
@@ -141,15 +147,17 @@ def test_cuda_noise_std():
 
 
 def test_cuda_ghost_gram_on_padded_rows():
-    """bf16 Grams with T = 197 (ViT at 224²) are computed on rows zero-padded to 200 (aligned for the tensor-core
-    kernels): the padding is exact, the result float32 and within bf16 precision of the float64 value."""
+    """bf16 Grams with T = 197 (ViT at 224²) are computed on rows zero-padded to 200 (aligned for
+    the tensor-core kernels): the padding is exact, the result float32 and within bf16 precision of
+    the float64 value."""
     from private_engine.layers.base import aligned_positions, gram_inner
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     a = torch.randn(3, 197, 64, device="cuda", generator=gen).bfloat16()
     g = torch.randn(3, 197, 32, device="cuda", generator=gen).bfloat16()
     padded = aligned_positions(a)
-    assert padded.shape == (3, 200, 64) and torch.equal(padded[:, :197], a) and not padded[:, 197:].any()
+    assert (padded.shape == (3, 200, 64) and torch.equal(padded[:, :197], a)
+            and not padded[:, 197:].any())
     as_float = a.float()
     assert aligned_positions(as_float) is as_float  # float32: no padding
     ad, gd = a.double(), g.double()

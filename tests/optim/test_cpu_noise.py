@@ -1,0 +1,180 @@
+"""private_engine.optim.cpu_noise: the CPU noise drawn block by block by several threads, each block
+with a full-state MT19937 generator keyed from the caller's generator. Every coordinate must be
+N(0, std²), independent of every other (no block reused within or across draws), reproducible from
+the generator whatever the thread count."""
+import math
+import multiprocessing
+import os
+
+import pytest
+import torch
+
+from private_engine.optim import cpu_noise
+from private_engine import optim as pe_optim
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    monkeypatch.setattr(cpu_noise, "BLOCK", 1000)
+    return 1000
+
+
+def _check_standard_normal(z: torch.Tensor):
+    n = z.numel()
+    z = z.double()
+    assert abs(z.mean().item()) < 5 / math.sqrt(n), z.mean()
+    assert abs(z.std().item() - 1) < 6 / math.sqrt(2 * n), z.std()
+    inside = (z.abs() < 1).double().mean().item()
+    assert abs(inside - 0.6827) < 5 * math.sqrt(0.6827 * 0.3173 / n), inside
+    # Kolmogorov–Smirnov distance to Φ (1.95/√n: p ≈ 0.001)
+    s = z.sort().values
+    cdf = torch.special.ndtr(s)
+    k = torch.arange(1, n + 1, dtype=torch.float64) / n
+    assert max((k - cdf).abs().max().item(),
+               (cdf - (k - 1 / n)).abs().max().item()) < 1.95 / math.sqrt(n)
+
+
+def test_this_torch_has_the_checked_state_layout():
+    """If torch changed its generator state layout the draw would silently go serial: fail loudly
+    here instead."""
+    assert cpu_noise.parallel_draw_available()
+
+
+def test_block_generators_have_distinct_full_states():
+    parent = torch.Generator().manual_seed(0)
+    gens = cpu_noise.block_generators(parent, 4) + cpu_noise.block_generators(parent, 4)
+    states = [g.get_state()[24:24 + 8 * 624] for g in gens]
+    # another key at each call: no state reused
+    assert len({bytes(s.tolist()) for s in states}) == 8
+    words = torch.stack([s.view(torch.int64) for s in states])
+    assert words.min() >= 0 and words.max() < 2 ** 32
+    # all 32 bits used
+    assert (words >= 2 ** 31).double().mean().item() == pytest.approx(0.5, abs=0.02)
+    again = cpu_noise.block_generators(torch.Generator().manual_seed(0), 4)
+    # from the parent alone
+    assert all(torch.equal(a.get_state(), b.get_state()) for a, b in zip(again, gens))
+
+
+def test_blocks_are_normal_and_independent(small_blocks):
+    gen = torch.Generator().manual_seed(1)
+    t = cpu_noise.fill_normal_(torch.empty(20 * small_blocks + 123), 2.5, gen)
+    _check_standard_normal(t / 2.5)
+    blocks = t[:20 * small_blocks].view(20, small_blocks)
+    for b in blocks:
+        assert abs(b.mean().item()) < 5 * 2.5 / math.sqrt(small_blocks)
+    corr = torch.corrcoef(blocks.double())
+    off_diagonal = corr[~torch.eye(20, dtype=torch.bool)]
+    assert off_diagonal.abs().max().item() < 5 / math.sqrt(small_blocks)
+    # consecutive draws share nothing either (float64: equal values would mean a reused stream,
+    # not chance)
+    t64, u64 = (cpu_noise.fill_normal_(torch.empty(20 * small_blocks + 123, dtype=torch.float64),
+                                       2.5, gen)
+                for _ in range(2))
+    assert not torch.isin(u64, t64).any() and torch.unique(t64).numel() == t64.numel()
+    assert torch.corrcoef(torch.stack([t64, u64]))[0, 1].abs() < 5 / math.sqrt(t64.numel())
+
+
+def test_the_draw_depends_on_the_generator_not_on_threads(small_blocks):
+    torch_threads = torch.get_num_threads()
+    try:
+        draws = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            draws.append(cpu_noise.fill_normal_(torch.empty(7 * small_blocks + 5), 1.0,
+                                                torch.Generator().manual_seed(4)))
+    finally:
+        torch.set_num_threads(torch_threads)
+    assert torch.equal(draws[0], draws[1]) and torch.equal(draws[0], draws[2])
+    other = cpu_noise.fill_normal_(torch.empty(7 * small_blocks + 5), 1.0,
+                                   torch.Generator().manual_seed(5))
+    assert not torch.equal(draws[0], other)
+
+
+def test_default_generator_is_the_parent(small_blocks):
+    torch.manual_seed(11)
+    a = cpu_noise.fill_normal_(torch.empty(3 * small_blocks), 1.0)
+    torch.manual_seed(11)
+    b = cpu_noise.fill_normal_(torch.empty(3 * small_blocks), 1.0)
+    c = cpu_noise.fill_normal_(torch.empty(3 * small_blocks), 1.0)
+    assert torch.equal(a, b) and not torch.equal(b, c)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_other_dtypes(small_blocks, dtype):
+    t = cpu_noise.fill_normal_(torch.empty(4 * small_blocks, dtype=dtype), 3.0,
+                               torch.Generator().manual_seed(2))
+    assert t.dtype == dtype
+    _check_standard_normal(t.double() / 3.0)
+
+
+def test_serial_draw_where_blocks_do_not_apply(small_blocks, monkeypatch):
+    """Small or strided tensors, and an unknown state layout: one normal_ of the caller's generator,
+    as before."""
+    def serial(t, seed, std=1.5):
+        return t.normal_(0.0, std, generator=torch.Generator().manual_seed(seed))
+
+    small = torch.empty(2 * small_blocks - 1)
+    assert torch.equal(cpu_noise.fill_normal_(small.clone(), 1.5, torch.Generator().manual_seed(3)),
+                       serial(small, 3))
+    def strided():
+        return torch.empty(5 * small_blocks, 2)[:, 0]
+
+    assert not strided().is_contiguous()
+    assert torch.equal(cpu_noise.fill_normal_(strided(), 1.5, torch.Generator().manual_seed(3)),
+                       serial(strided(), 3))
+    monkeypatch.setattr(cpu_noise, "_checked_template", lambda: None)
+    big = torch.empty(5 * small_blocks)
+    assert torch.equal(cpu_noise.fill_normal_(big.clone(), 1.5, torch.Generator().manual_seed(3)),
+                       serial(big, 3))
+    with pytest.raises(RuntimeError, match="layout"):
+        cpu_noise.block_generators(torch.Generator(), 2)
+
+
+def test_a_changed_layout_is_refused(monkeypatch):
+    """The layout check fails when the state words are not where it expects them (simulated by
+    another offset)."""
+    monkeypatch.setattr(cpu_noise, "_WORDS", 32)
+    assert cpu_noise._verified_template() is None
+
+
+def test_add_gaussian_noise_uses_the_blocks(small_blocks):
+    """The engine's noise at the real sizes goes through the blocked draw (a ViT-Tiny's 5.5 M
+    coordinates: 6 blocks of 2²⁰): same numbers as fill_normal_ from the same generator, and
+    N(0, std²)."""
+    tensors = [torch.zeros(3 * small_blocks), torch.zeros(40, 100)]
+    pe_optim.add_gaussian_noise(tensors, 0.5, torch.Generator().manual_seed(8))
+    expected = cpu_noise.fill_normal_(torch.empty(3 * small_blocks + 4000), 0.5,
+                                      torch.Generator().manual_seed(8))
+    assert torch.equal(torch.cat([t.flatten() for t in tensors]), expected)
+    _check_standard_normal(expected / 0.5)
+
+
+def test_real_block_size_draw():
+    t = cpu_noise.fill_normal_(torch.empty(2 * cpu_noise.BLOCK + 17, dtype=torch.float64), 1.0,
+                               torch.Generator().manual_seed(6))
+    _check_standard_normal(t)
+    first, second = t[:cpu_noise.BLOCK], t[cpu_noise.BLOCK:2 * cpu_noise.BLOCK]
+    assert not torch.isin(first, second).any()
+
+
+def _draw_in_child(queue):
+    t = cpu_noise.fill_normal_(torch.empty(6000), 1.0, torch.Generator().manual_seed(9))
+    queue.put(t.tolist()[:5])
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_draws_with_its_own_threads(small_blocks):
+    """A DataLoader-style fork after the pool exists: the child's copy of the pool has no threads;
+    it must make its own instead of waiting forever."""
+    cpu_noise.fill_normal_(torch.empty(6000), 1.0)  # the parent's pool exists
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_draw_in_child, args=(queue,))
+    child.start()
+    child.join(timeout=60)
+    if child.is_alive():
+        child.kill()
+        pytest.fail("the forked child hung drawing noise")
+    assert child.exitcode == 0
+    expected = cpu_noise.fill_normal_(torch.empty(6000), 1.0, torch.Generator().manual_seed(9))
+    assert queue.get(timeout=5) == expected.tolist()[:5]
