@@ -142,7 +142,7 @@ def autocast(args):
     matmuls in bfloat16 and accumulate every norm and the clipped sum in float32 (about 3
     significant digits; tests/examples/test_example_finetune.py checks this against the float64
     reference). float16 needs a loss scaler: :func:`grad_scaler` gives the engine one
-    (private_engine/amp.py).
+    (private_engine/clipping/loss_scaling.py).
     """
     if not args.amp:
         return contextlib.nullcontext()
