@@ -51,6 +51,10 @@ _pool: Optional[ThreadPoolExecutor] = None
 _pool_pid = -1
 
 
+#: the domain tag hashed with each key: fixed bytes (not the module's name), so that a seeded
+#: generator draws the same noise whatever the package layout
+_DOMAIN = b"private_engine.cpu_noise"
+
 def fill_normal_(
     t: torch.Tensor, std: float, generator: Optional[torch.Generator] = None
 ) -> torch.Tensor:
@@ -101,7 +105,7 @@ def block_generators(
         0, 1 << 31, (9,), generator=parent, dtype=torch.int64, device="cpu"
     ).tolist()
     stream = hashlib.shake_256(
-        b"private_engine.optim.cpu_noise" + b"".join(v.to_bytes(4, "little") for v in key)
+        _DOMAIN + b"".join(v.to_bytes(4, "little") for v in key)
     )
     words = torch.frombuffer(bytearray(stream.digest(4 * _MT_N * n)), dtype=torch.int32).view(
         n, _MT_N

@@ -230,3 +230,28 @@ def test_rule_without_out_parameter_is_refused():
     model = nn.Sequential(_OldStyleLinear(5, 6), nn.Tanh(), nn.Linear(6, 2)).double()
     with pytest.raises(ValueError, match="without the out= argument"):
         make_engine(model, 4)
+
+
+class _KwargsLinear(nn.Linear):
+    pass
+
+
+class _KwargsRule(LinearRule):
+    """A rule that forwards ``**kwargs`` (``out=`` among them) to the built-in."""
+
+    module_types = (_KwargsLinear,)
+
+    def weighted_grads(self, module, calls, factors, **kwargs):
+        return super().weighted_grads(module, calls, factors, **kwargs)
+
+    def certified_norm_sq(self, module, calls, use_ghost, grads=None):
+        return super().certified_norm_sq(module, calls, use_ghost, grads)
+
+
+def test_rule_taking_out_through_kwargs_works():
+    register_rule(_KwargsRule())
+    torch.manual_seed(0)
+    model = nn.Sequential(_KwargsLinear(5, 6), nn.Tanh(), nn.Linear(6, 2)).double()
+    x = torch.randn(4, 3, 5, generator=gen_for(3), dtype=torch.float64)
+    check_against_reference(model, [x], lambda m, x: m(x).pow(2).sum((1, 2)), mode="bk",
+                            clip="abadi")
