@@ -3,6 +3,8 @@ from . import layers, optim
 from .clipping.functions import abadi_clip, automatic_clip, global_clip
 from .clipping.plan import (CLIPPING_MODES, DEFAULT_CLIPPING_MODE, LayerDecision, format_plan,
                             layer_plan)
+from .accounting import BudgetExceededError, SamplingRateError
+from .checkpoint import load_checkpoint, save_checkpoint
 from .engine import PrivacyEngine
 from .guards.buffers import BufferGuard
 from .guards.model_check import fix_batchnorm
@@ -12,4 +14,5 @@ __version__ = "0.1.0"
 __all__ = ["PrivacyEngine", "CLIPPING_MODES", "DEFAULT_CLIPPING_MODE",
            "LayerDecision", "layer_plan", "format_plan", "fix_batchnorm", "optim", "layers",
            "abadi_clip", "automatic_clip", "global_clip", "BatchMixingError", "BufferGuard",
+           "save_checkpoint", "load_checkpoint", "BudgetExceededError", "SamplingRateError",
            "__version__"]

@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from . import optim as _optim
-from .accounting import calibrate_noise_multiplier, make_accountant, steps_for
+from .accounting import (PrivacyBudget, PrivacyReport, SamplingRateCheck,
+                         calibrate_noise_multiplier, make_accountant, steps_for)
 from .clipping.batch import ClippedBatch, clip_batch
 from .clipping.clipper import PerSampleClipper
 from .clipping.functions import ClipFn
@@ -96,7 +97,7 @@ class PrivacyEngine:
                  noise_generator: Optional[torch.Generator] = None, secure_mode: bool = False,
                  data_free_buffers: Sequence[str] = (),
                  grad_scaler: Optional["torch.amp.GradScaler"] = None,
-                 dynamic_loss_scale: bool = False):
+                 dynamic_loss_scale: bool = False, allow_overrun: bool = False):
         if model is None:
             raise TypeError(
                 "private_engine.PrivacyEngine needs the model: PrivacyEngine(model, "
@@ -126,7 +127,6 @@ class PrivacyEngine:
                 "overflowing sample alone."
             )
         self.model = model
-        self.batch_size = batch_size
         self.sample_size = sample_size
         self.sample_rate = batch_size / sample_size
         if not (isinstance(max_grad_norm, (int, float)) and 0 < max_grad_norm < math.inf):
@@ -138,7 +138,6 @@ class PrivacyEngine:
         self.accountant_name = accountant
         self.accountant = make_accountant(accountant)
         self.clipping_mode = clipping_mode
-        self.secure_mode = bool(secure_mode)
         generator = _noise.engine_noise_generator(model, noise_generator, secure_mode)
         if target_epsilon is not None:
             self.steps = steps_for(epochs, steps, self.sample_rate)
@@ -154,7 +153,14 @@ class PrivacyEngine:
             self.steps = steps_for(epochs, steps, self.sample_rate) if (epochs or steps) else None
 
         #: σ, the expected batch size and the generator of the private steps' noise
-        self.noise = _optim.NoiseSpec(sigma, batch_size, generator, self.secure_mode)
+        self.noise = _optim.NoiseSpec(sigma, batch_size, generator, bool(secure_mode))
+        #: the target (ε, δ) and the guard that refuses a step beyond it
+        self.budget = PrivacyBudget(noise_multiplier=sigma, sample_rate=self.sample_rate,
+                                    delta=self.target_delta, accountant=accountant,
+                                    planned_steps=self.steps, target_epsilon=target_epsilon,
+                                    allow_overrun=allow_overrun)
+        #: the samples of released logical batches against the declared batch_size
+        self.sampling_check = SamplingRateCheck(batch_size, sample_size)
 
         check_no_batchnorm(model)
         #: refuses a training forward that changes a buffer from the data (a release without noise)
@@ -164,7 +170,7 @@ class PrivacyEngine:
         self.params: List[nn.Parameter] = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("the model has no trainable parameters (requires_grad=True).")
-        self._names = {id(p): n for n, p in model.named_parameters()}
+        self._names = self.parameter_names()
         self.clipper = PerSampleClipper(
             layers,
             self.params,
@@ -194,6 +200,17 @@ class PrivacyEngine:
         """The generator the noise is drawn from (None in secure mode)."""
         return self.noise.generator
 
+    @property
+    def secure_mode(self) -> bool:
+        """Whether the noise comes from the OS cryptographic generator (fixed at construction)."""
+        return self.noise.secure_mode
+
+    @property
+    def batch_size(self) -> int:
+        """B, the expected logical batch size: the divisor of the noisy sum (fixed at
+        construction, as the sampling rate the accountant uses is)."""
+        return self.noise.expected_batch_size
+
     # -- optimizer ---------------------------------------------------------------------------
     def attach(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Privatise ``optimizer`` in place: ``step(loss=...)`` and ``virtual_step(loss=...)``.
@@ -209,15 +226,11 @@ class PrivacyEngine:
             raise RuntimeError("this optimizer is already attached to the engine.")
         self.clipper.install()  # hooks removed by detach() come back
         self.buffer_guard.install()
-        state = _optim.PrivateStep(
-            optimizer,
-            self.params,
-            self.clip_batch,
-            lambda: self.clipper.max_grad_norm,
-            self.noise,
-            self._names,
-            step_hook=self._account_step,
-        )
+        state = _optim.PrivateStep(optimizer, self.params, self.clip_batch,
+                                   lambda: self.clipper.max_grad_norm, self.noise,
+                                   self.parameter_names, step_hook=self._account_step,
+                                   pre_step=self._check_budget,
+                                   pre_release=self.sampling_check.check)
         self._attached.append(_optim.attach(state))
         return optimizer
 
@@ -225,9 +238,8 @@ class PrivacyEngine:
         """Refuse an optimizer that would update a trainable parameter the engine does not clip (one
         that is not the model's, or one unfrozen after the engine was built): its ``.grad`` would be
         released without clipping or noise. Run at ``attach`` and before every private step."""
-        _optim.PrivateStep(
-            optimizer, self.params, self.clip_batch, lambda: 0.0, self.noise, self._names
-        ).check_params()
+        _optim.PrivateStep(optimizer, self.params, self.clip_batch, lambda: 0.0, self.noise,
+                           self.parameter_names).check_params()
 
     def detach(self) -> None:
         """Remove the hooks and restore every attached optimizer's own ``step``."""
@@ -258,7 +270,10 @@ class PrivacyEngine:
         """One physical batch through the clipping core
         (:func:`private_engine.clipping.batch.clip_batch`), with this engine's loss scaling; the
         norms and dropped samples are recorded for :attr:`last_norms` / :attr:`dropped_samples`."""
-        batch = clip_batch(self.clipper, loss, loss_scaling=self.loss_scaling, names=self._names)
+        batch = clip_batch(self.clipper, loss, loss_scaling=self.loss_scaling,
+                           names=self._names,
+                           all_dropped_hint="the model may have diverged (lower the learning "
+                           "rate; float16: pass grad_scaler=).")
         if batch.norms is not None:
             self.last_norms = batch.norms
         self.dropped_samples += batch.dropped
@@ -290,9 +305,37 @@ class PrivacyEngine:
         return self.clipper.last_plan
 
     # -- accounting ----------------------------------------------------------------------------
-    def _account_step(self) -> None:
-        """The step hook of every attached optimizer: one Poisson-subsampled Gaussian release."""
+    def _check_budget(self) -> None:
+        """Before every private step: refuse it if it would exceed the budget
+        (:class:`private_engine.accounting.BudgetExceededError`)."""
+        self.budget.check_step(self.steps_taken)
+
+    def _account_step(self, samples: int) -> None:
+        """The step hook of every attached optimizer: one Poisson-subsampled Gaussian release of a
+        logical batch of ``samples`` samples."""
         self.accountant.step(noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate)
+        self.sampling_check.commit(samples)
+
+    def privacy_report(self) -> PrivacyReport:
+        """ε spent, steps, σ, q, δ, the budget and what remains of it, and the mean logical batch
+        actually clipped (:class:`private_engine.accounting.PrivacyReport`; ``str()`` gives one
+        line)."""
+        return self.budget.report(self.get_epsilon(), self.steps_taken,
+                                  self.sampling_check.mean_batch_size, self.batch_size)
+
+    def parameter_names(self) -> dict:
+        """``{id(parameter): qualified name}`` of the model as it is now."""
+        return {id(p): n for n, p in self.model.named_parameters()}
+
+    # -- copies ------------------------------------------------------------------------------
+    def _refuse_copy(self, *args):
+        raise TypeError(
+            "a PrivacyEngine cannot be copied or pickled: it holds hooks on its model and the "
+            "state of one privacy budget, which a copy would share or spend twice. Save "
+            "engine.state_dict() (private_engine.save_checkpoint) and build a new engine on the "
+            "copied model (then load_state_dict) instead.")
+
+    __copy__ = __deepcopy__ = __reduce_ex__ = __reduce__ = _refuse_copy
 
     @property
     def steps_taken(self) -> int:
@@ -305,3 +348,22 @@ class PrivacyEngine:
         return float(
             self.accountant.get_epsilon(delta=self.target_delta if delta is None else delta)
         )
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The engine's state for a resumed run
+        (:func:`private_engine.checkpoint.engine_state_dict`: accountant history, privacy
+        parameters, noise generator state, accumulation in progress, counters), tensors and plain
+        values only. Secret: it lets its reader regenerate the noise and holds un-noised clipped
+        sums; keep it as private as the training data."""
+        from .checkpoint import engine_state_dict
+
+        return engine_state_dict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` (attach the optimizers first); a state written under other
+        privacy parameters raises ``ValueError`` naming them, with nothing changed
+        (:func:`private_engine.checkpoint.load_engine_state_dict`)."""
+        from .checkpoint import load_engine_state_dict
+
+        load_engine_state_dict(self, state)

@@ -6,6 +6,7 @@ batch sampled at rate ``q = batch_size / sample_size``; the accountant composes 
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Optional
 
 from opacus.accountants import IAccountant, create_accountant
@@ -23,15 +24,24 @@ def make_accountant(name: str) -> IAccountant:
 
 
 def steps_for(epochs: Optional[float], steps: Optional[int], sample_rate: float) -> int:
-    """Number of steps: given, or ``int(epochs / q)`` as Opacus counts them."""
+    """Number of steps: given, or ``int(epochs / q)`` as Opacus counts them (at least one, and
+    finite: a ValueError says which number to change)."""
     if steps is not None:
-        if steps <= 0:
-            raise ValueError(f"steps must be positive, got {steps}.")
+        if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps <= 0:
+            raise ValueError(f"steps must be a positive integer, got {steps!r}.")
         return int(steps)
-    if epochs is None or epochs <= 0:
+    if epochs is None or not epochs > 0:
         raise ValueError("give epochs (> 0) or steps so that the noise can be calibrated to "
                          "target_epsilon.")
-    return int(epochs / sample_rate)
+    if not math.isfinite(epochs):
+        raise ValueError(f"epochs must be finite, got {epochs!r}: no finite noise gives a finite "
+                         "ε for an unbounded number of steps.")
+    count = int(epochs / sample_rate)
+    if count < 1:
+        raise ValueError(
+            f"epochs={epochs!r} at sampling rate q={sample_rate:.4g} is {epochs / sample_rate:.3g} "
+            "steps, fewer than one: give more epochs, or steps=, or a larger batch_size.")
+    return count
 
 
 def calibrate_noise_multiplier(target_epsilon: float, target_delta: float, sample_rate: float,

@@ -113,8 +113,8 @@ class FallbackModule:
         return any(t is s for s in model.buffers()) or any(t is p for p in model.parameters())
 
     def _hook(self, module, args, kwargs, output):
-        if replaying() or not torch.is_grad_enabled() or self.tracer.batch_size is None:
-            return None
+        if replaying() or not torch.is_grad_enabled() or not self.tracer.batch_size:
+            return None  # no forward seen, or an empty (Poisson) batch: nothing to clip
         seq = output if isinstance(output, (tuple, list)) else (output,)
         index = [k for k, o in enumerate(seq) if isinstance(o, torch.Tensor) and o.requires_grad]
         outs = [seq[k] for k in index]

@@ -191,6 +191,8 @@ class ParamTracer(TorchFunctionMode):
             return None
         self.batch_size = first.shape[0]
         self.grads = {}
+        if self.batch_size == 0:  # an empty (Poisson) batch: nothing to follow or clip
+            return None
         for t in _tensors(args, kwargs):
             if t.dim() > 0 and t.shape[0] == self.batch_size:
                 self.batched[t] = 0  # the batch dimension (inputs are batch-first)

@@ -3,6 +3,8 @@
 factors with non-finite samples dropped, and the clipped sums."""
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Dict, Optional
@@ -13,6 +15,18 @@ from ..capture.graph_walk import outside_error
 from .clipper import PerSampleClipper
 from .grad_sums import GradSums
 from .loss_scaling import LossScaling
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` of a warning raised here that points at the first caller outside the
+    package (the user's ``optimizer.step`` line, whichever path led here)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def check_per_sample_loss(loss, *, name: str = "loss") -> torch.Tensor:
@@ -47,14 +61,16 @@ class ClippedBatch:
 
 def clip_batch(clipper: PerSampleClipper, loss: torch.Tensor, *,
                loss_scaling: Optional[LossScaling] = None,
-               names: Optional[Dict[int, str]] = None) -> ClippedBatch:
+               names: Optional[Dict[int, str]] = None,
+               all_dropped_hint: Optional[str] = None) -> ClippedBatch:
     """Clip one physical batch of per-sample losses ``loss`` (shape ``(B,)``).
 
     Raises on a malformed loss, or one that reaches a trainable parameter outside a recorded call
     of its layer, before anything is modified. With ``loss_scaling`` (float16), the backward runs
     on ``S·Σ L_i`` and norms and factors are unscaled in float32. A sample whose loss or certified
     norm is not finite is dropped (``C_i = 0``, its rows zeroed). ``names``: ``{id(param): name}``
-    for messages.
+    for messages. ``all_dropped_hint``: when given, a ``RuntimeWarning`` with this advice, at the
+    user's line, says that every sample of a batch was dropped.
     """
     check_per_sample_loss(loss)
     if loss.numel() == 0:  # an empty (Poisson) batch contributes nothing
@@ -77,14 +93,14 @@ def clip_batch(clipper: PerSampleClipper, loss: torch.Tensor, *,
     except BaseException:
         clipper.release()
         raise
-    if dropped == loss.shape[0]:
-        warnings.warn(
-            f"every sample of this batch ({dropped}) had a non-finite loss or gradient norm "
-            "and was dropped (clip factor 0): the model may have diverged (lower the learning "
-            "rate; float16: pass grad_scaler=).", RuntimeWarning, stacklevel=4)
     if scale is not None:
         factors = factors / scale.to(factors.dtype)
-    sums = clipper.clipped_sums(loss_in, factors, keep=keep)
+    sums = clipper.clipped_sums(loss_in, factors, keep=keep)  # releases what it kept
     if scaling is not None:
         scaling.update(dropped)
+    if dropped == loss.shape[0] and all_dropped_hint is not None:
+        warnings.warn(
+            f"every sample of this batch ({dropped}) had a non-finite loss or gradient norm "
+            f"and was dropped (clip factor 0): {all_dropped_hint}", RuntimeWarning,
+            stacklevel=_user_stacklevel())
     return ClippedBatch(sums, loss.shape[0], norms.detach(), dropped)

@@ -16,7 +16,7 @@ step, and the ``step_hook`` (the accountant) after a step that succeeded.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -50,14 +50,22 @@ class PrivateStep:
             (:func:`private_engine.clipping.batch.clip_batch` bound to a clipper).
         max_grad_norm: the current R (the clipper's).
         noise: σ, the expected batch size, the generator.
-        names: ``{id(param): name}`` for messages.
-        step_hook: called after each successful step (accounting).
+        names: ``{id(param): name}`` for messages (refreshed from the model when given as a
+            callable returning the mapping).
+        step_hook: called with the logical batch's sample count after each successful step
+            (accounting).
+        pre_step: called before anything else in a step (the budget guard); raising refuses the
+            step.
+        pre_release: called with the logical batch's sample count once it is clipped, before the
+            noise (the sampling-rate check); raising refuses the step, nothing changed.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter],
                  clip: Callable[[torch.Tensor], ClippedBatch], max_grad_norm: Callable[[], float],
                  noise: NoiseSpec, names: Dict[int, str],
-                 step_hook: Optional[Callable[[], None]] = None):
+                 step_hook: Optional[Callable[[int], None]] = None,
+                 pre_step: Optional[Callable[[], None]] = None,
+                 pre_release: Optional[Callable[[int], None]] = None):
         self.optimizer = optimizer
         self.params = list(params)
         self._param_ids = frozenset(id(p) for p in self.params)
@@ -66,6 +74,8 @@ class PrivateStep:
         self.noise = noise
         self.names = names
         self.step_hook = step_hook
+        self.pre_step = pre_step
+        self.pre_release = pre_release
         self.original_step = optimizer.step
         self.grad_sums: Optional[GradSums] = None
         self.samples = 0
@@ -79,7 +89,8 @@ class PrivateStep:
         foreign = [p for g in self.optimizer.param_groups for p in g["params"]
                    if p.requires_grad and id(p) not in self._param_ids]
         if foreign:
-            shown = [self.names.get(id(p), f"a tensor of shape {tuple(p.shape)} not in the model")
+            names = self.names() if callable(self.names) else self.names
+            shown = [names.get(id(p), f"a tensor of shape {tuple(p.shape)} not in the model")
                      for p in foreign]
             raise ValueError(
                 f"the optimizer updates trainable parameter(s) the engine does not clip: {shown}. "
@@ -110,23 +121,34 @@ class PrivateStep:
         grads = sums.own_grads(float(self.noise.expected_batch_size))
         return [cast(g, p.dtype) for p, g in zip(self.params, grads)]
 
-    def noisy_gradients(self, loss) -> list:
-        """``(Σ_{logical batch} C_i g_i + σR·ξ) / B_expected`` per parameter, with this physical
-        batch's clipped sum included. Built in place in this batch's fresh sums, so the running
-        sums and the state stay untouched until the step succeeds."""
-        sums = self.clip(loss).sums  # validates and clips; raises before anything changes
+    def noisy_gradients(self, loss) -> Tuple[List[torch.Tensor], int]:
+        """``((Σ_{logical batch} C_i g_i + σR·ξ) / B_expected per parameter, samples)``, with this
+        physical batch's clipped sum included and ``samples`` the logical batch's count. Built in
+        place in this batch's fresh sums, so the running sums and the state stay untouched until
+        the step succeeds; ``pre_release`` sees the count before the noise is drawn."""
+        batch = self.clip(loss)  # validates and clips; raises before anything changes
+        samples = self.samples + batch.size
+        if self.pre_release is not None:
+            self.pre_release(samples)
+        sums = batch.sums
         if self.grad_sums is not None:
             sums.add_(self.grad_sums)
         self.add_noise(sums)
-        return self.scale_grad(sums)
+        return self.scale_grad(sums), samples
 
     def step(self, loss):
         """Clip ``loss`` (per-sample), add noise once, average, and update the parameters with
-        the wrapped optimizer; then the step hook."""
+        the wrapped optimizer; then the step hook. A parameter frozen since the engine was built
+        (``requires_grad=False``) is left alone: its gradient is not formed by the norm pass, its
+        share of the noisy sum is not released and its ``.grad`` is None for the step."""
         self.check_params()  # every parameter it updates must be clipped
-        noisy = self.noisy_gradients(loss)  # validates and clips; state untouched on error
+        if self.pre_step is not None:
+            self.pre_step()
+        noisy, samples = self.noisy_gradients(loss)  # state untouched on error
+        # a frozen parameter gets no gradient (a stale .grad would move it again)
+        released = [(p, g if p.requires_grad else None) for p, g in zip(self.params, noisy)]
         saved = [p.grad for p in self.params]
-        for p, g in zip(self.params, noisy):
+        for p, g in released:
             p.grad = g
         try:
             result = self.original_step()
@@ -135,7 +157,7 @@ class PrivateStep:
                 p.grad = g
             raise
         if self.step_hook is not None:
-            self.step_hook()
+            self.step_hook(samples)
         self.reset()
         return result
 

@@ -1,6 +1,7 @@
 """What bad input gets: clear errors, and a failed step leaves the model parameters, the optimizer
 state, the accumulated sums and the accountant untouched."""
 import copy
+import warnings
 
 import pytest
 import torch
@@ -405,3 +406,17 @@ def test_private_step_after_detach_raises_clear_error_and_plain_step_still_works
     loss.sum().backward()
     opt.step()  # the optimizer's own step is back
     assert not torch.equal(before, model.weight)
+
+
+def test_all_dropped_warning_points_at_the_users_line_in_both_steps():
+    model = nn.Linear(3, 2)
+    engine = pe.PrivacyEngine(model, batch_size=4, sample_size=40, max_grad_norm=1.0,
+                              noise_multiplier=0.0)
+    opt = engine.attach(torch.optim.SGD(model.parameters(), lr=1.0))
+    x = torch.full((4, 3), float("nan"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.virtual_step(loss=model(x).sum(1))
+        opt.step(loss=model(x).sum(1))
+    dropped = [w for w in caught if "was dropped" in str(w.message)]
+    assert [w.filename for w in dropped] == [__file__, __file__]
