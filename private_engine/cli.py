@@ -1,4 +1,4 @@
-"""Command line: ``private-engine plan | epsilon | noise | probe``."""
+"""Command line: ``private-engine plan | epsilon | noise | probe | audit``."""
 from __future__ import annotations
 
 import argparse
@@ -119,6 +119,13 @@ def build_parser() -> argparse.ArgumentParser:
                                      "DP mean) over a list of ε")
     add_probe_arguments(p)
     p.set_defaults(func=run_probe)
+
+    from .audit.command import add_audit_arguments, run_audit_command
+
+    p = sub.add_parser("audit", help="empirical privacy audit: an ε lower bound from one "
+                                     "training run with gradient canaries (docs/audit.md)")
+    add_audit_arguments(p)
+    p.set_defaults(func=run_audit_command)
     return parser
 
 

@@ -1,0 +1,204 @@
+"""What an audit is asked (:class:`AuditConfig`) and what it finds (:class:`AuditResult`)."""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Optional, Tuple
+
+__all__ = ["AuditConfig", "AuditResult", "CONTROLS", "SCORES", "DIRECTIONS"]
+
+#: positive controls: deliberately broken runs that a working audit must flag
+CONTROLS = ("none", "noise_scaled", "clip_scaled")
+#: canary scores from the per-step observations
+SCORES = ("likelihood", "sum")
+#: canary gradient directions
+DIRECTIONS = ("dirac", "random")
+
+
+@dataclass
+class AuditConfig:
+    """An empirical privacy audit of the engine with gradient canaries (docs/audit.md).
+
+    Training: a small MLP on ``data_size`` synthetic examples plus ``canaries`` canary rows,
+    ``n = data_size + canaries`` rows in all, Poisson batches of expected size ``batch_size``
+    (rate ``q = batch_size / n``; default ``n // 2``, q ≈ 1/2) for ``steps`` DP-SGD steps of
+    the real :class:`private_engine.PrivacyEngine` at clipping norm ``max_grad_norm`` (R) and
+    noise multiplier ``noise_multiplier`` (σ) or σ calibrated to ``epsilon`` at ``delta``.
+
+    Args:
+        canaries: m, each included independently with probability 1/2.
+        steps / batch_size / data_size: training length, expected batch (None: ``n // 2``),
+            non-canary examples.
+        epsilon / noise_multiplier: the claim, at most one: σ calibrated to ε by the
+            accountant, or the ε of σ (neither: ε = 4).
+        delta: δ of the claim and of the bound.
+        max_grad_norm: R.
+        accountant: "rdp", "prv" or "gdp".
+        confidence: 1 − β of the lower bound.
+        control: "none" (the engine as it is), "noise_scaled" (the engine run at σ/factor while
+            ε is claimed for σ: too little noise) or "clip_scaled" (R·factor and σ/factor: the
+            noise's standard deviation σR is as claimed but samples are clipped at factor·R).
+        control_factor: the factor of the controls (100: a run 100× less private).
+        score: "likelihood" (per-step log-likelihood ratio of included vs excluded) or "sum"
+            (``⟨θ₀ − θ_T, u_i⟩``: the final model's white-box score).
+        directions: "dirac" (each canary owns one coordinate of the canary head: orthogonal) or
+            "random" (random unit rank-one directions ``c_i v_iᵀ`` of a wider head).
+        guess_fractions: the guessing rules tried: for each f, ``k₊ = k₋ = round(f·m)`` (top and
+            bottom scores); the bound is the best of them at ``β / len(guess_fractions)``.
+        canary_scale: a canary's gradient norm before clipping, in units of the clipping norm
+            (so the engine clips it to exactly R along its direction).
+        seed: seeds the data, the model's initialisation, the canaries' inclusion and
+            directions; never the engine's noise or its Poisson sampling (secret, OS entropy).
+        lr: SGD learning rate (no momentum, no weight decay: the update is the noisy gradient).
+        progress: a tqdm bar over the steps.
+    """
+
+    canaries: int = 1000
+    steps: int = 20
+    batch_size: Optional[int] = None
+    data_size: int = 1000
+    epsilon: Optional[float] = None
+    noise_multiplier: Optional[float] = None
+    delta: float = 1e-5
+    max_grad_norm: float = 1.0
+    accountant: str = "rdp"
+    confidence: float = 0.95
+    control: str = "none"
+    control_factor: float = 100.0
+    score: str = "likelihood"
+    directions: str = "dirac"
+    guess_fractions: Tuple[float, ...] = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.4)
+    canary_scale: float = 1000.0
+    seed: int = 0
+    lr: float = 0.5
+    progress: bool = False
+
+    #: the claimed ε when neither epsilon nor noise_multiplier is given
+    DEFAULT_EPSILON = 4.0
+
+    @property
+    def target_epsilon(self) -> Optional[float]:
+        """The ε σ is calibrated to (None when σ is given)."""
+        if self.noise_multiplier is not None:
+            return None
+        return self.DEFAULT_EPSILON if self.epsilon is None else self.epsilon
+
+    @property
+    def sample_size(self) -> int:
+        """n: the examples and the canary rows (included or not)."""
+        return self.data_size + self.canaries
+
+    @property
+    def logical_batch_size(self) -> int:
+        """B: ``batch_size``, or ``n // 2`` when it is None."""
+        return self.batch_size if self.batch_size is not None else max(1, self.sample_size // 2)
+
+    def validate(self) -> "AuditConfig":
+        """Raise ValueError on an option out of range; return self."""
+        if self.epsilon is not None and self.noise_multiplier is not None:
+            raise ValueError("give epsilon or noise_multiplier, not both.")
+        for name in ("canaries", "steps", "batch_size"):
+            value = getattr(self, name)
+            if name == "batch_size" and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        if self.canaries < 2:
+            raise ValueError(f"canaries must be at least 2, got {self.canaries}.")
+        if isinstance(self.data_size, bool) or not isinstance(self.data_size, int) \
+                or self.data_size < 0:
+            raise ValueError(f"data_size must be an integer ≥ 0, got {self.data_size!r}.")
+        if self.logical_batch_size > self.sample_size:
+            raise ValueError(f"batch_size ({self.batch_size}) exceeds the {self.data_size} "
+                             f"examples + {self.canaries} canaries.")
+        if self.epsilon is not None and not 0 < self.epsilon < math.inf:
+            raise ValueError(f"epsilon must be a positive finite number, got {self.epsilon}.")
+        if self.noise_multiplier is not None and not 0 < self.noise_multiplier < math.inf:
+            raise ValueError(f"noise_multiplier must be > 0, got {self.noise_multiplier}.")
+        if not 0 < self.delta < 1:
+            raise ValueError(f"delta must be in (0, 1), got {self.delta}.")
+        if not 0 < self.confidence < 1:
+            raise ValueError(f"confidence must be in (0, 1), got {self.confidence}.")
+        if not 0 < self.max_grad_norm < math.inf:
+            raise ValueError(f"max_grad_norm must be > 0, got {self.max_grad_norm}.")
+        if self.control not in CONTROLS:
+            raise ValueError(f"control must be one of {CONTROLS}, got {self.control!r}.")
+        if not self.control_factor >= 1:
+            raise ValueError(f"control_factor must be ≥ 1, got {self.control_factor}.")
+        if self.score not in SCORES:
+            raise ValueError(f"score must be one of {SCORES}, got {self.score!r}.")
+        if self.directions not in DIRECTIONS:
+            raise ValueError(f"directions must be one of {DIRECTIONS}, got {self.directions!r}.")
+        if not self.guess_fractions or not all(0 < f <= 0.5 for f in self.guess_fractions):
+            raise ValueError("guess_fractions must be fractions in (0, 0.5], got "
+                             f"{self.guess_fractions!r}.")
+        if not self.canary_scale > 1:
+            raise ValueError(f"canary_scale must be > 1, got {self.canary_scale}.")
+        return self
+
+
+@dataclass
+class AuditResult:
+    """The outcome of :func:`private_engine.audit.run_audit`.
+
+    ``epsilon_lower`` is a lower bound on the ε of the run at ``delta``, valid with probability
+    ``confidence`` over the run's randomness; ``epsilon_claimed`` the accountant's ε for the σ
+    claimed. ``verdict``: "consistent" when ``epsilon_lower ≤ epsilon_claimed``, otherwise
+    "VIOLATION: empirical ε_lower > claimed ε".
+    """
+
+    epsilon_lower: float
+    epsilon_claimed: float
+    delta: float
+    confidence: float
+    #: m, the canaries included (|S = +1|), the guesses r = k₊ + k₋ and the correct ones v
+    canaries: int
+    included: int
+    guesses: int
+    correct: int
+    k_plus: int
+    k_minus: int
+    verdict: str
+    #: the best bound any r guesses could give (all right, δ = 0) at the same β per rule
+    epsilon_ceiling: float
+    control: str
+    control_factor: float
+    #: σ and R claimed, and those the engine ran with (different under a control)
+    noise_multiplier: float
+    max_grad_norm: float
+    run_noise_multiplier: float
+    run_max_grad_norm: float
+    sample_rate: float
+    steps: int
+    score: str
+    directions: str
+    #: mean cross-entropy of the non-canary examples in the first and last batch
+    first_loss: float
+    last_loss: float
+    seconds: float
+    #: the canaries' scores and inclusion bits (not printed)
+    scores: Optional[list] = field(default=None, repr=False)
+    inclusion: Optional[list] = field(default=None, repr=False)
+
+    @property
+    def violation(self) -> bool:
+        return self.epsilon_lower > self.epsilon_claimed
+
+    def summary(self) -> str:
+        """One line: the verdict, both ε, the guesses and the run."""
+        control = ("" if self.control == "none"
+                   else f" control={self.control}×{self.control_factor:g}")
+        return (f"{self.verdict}: ε_lower={self.epsilon_lower:.3f} claimed ε="
+                f"{self.epsilon_claimed:.3f} δ={self.delta:.3g} ({self.confidence:.0%} "
+                f"confidence; {self.correct}/{self.guesses} correct guesses, k+={self.k_plus} "
+                f"k-={self.k_minus}, {self.canaries} canaries, ceiling "
+                f"{self.epsilon_ceiling:.2f}; σ={self.noise_multiplier:.4g} "
+                f"R={self.max_grad_norm:g} q={self.sample_rate:.3g} steps={self.steps}"
+                f"{control}; {self.seconds:.1f} s)")
+
+    def as_dict(self) -> dict:
+        """The fields without the per-canary arrays."""
+        d = asdict(self)
+        d.pop("scores")
+        d.pop("inclusion")
+        return d
