@@ -32,13 +32,20 @@ Examples::
     python examples/finetune_timm_vit.py --data folder --data-dir ~/flowers --pretrained --epsilon 3
     python examples/finetune_timm_vit.py --data cifar10 --data-dir ~/data --pretrained --amp \\
         --device cuda
+    torchrun --standalone --nproc_per_node=2 examples/finetune_timm_vit.py --device cpu
+
+Under ``torchrun`` every process trains on its share of each Poisson batch; the engine sums the
+clipped gradients across processes and adds the noise once; rank 0 logs (docs/distributed.md).
 """
 from __future__ import annotations
 
 import argparse
+import builtins
 import contextlib
+import os
 import sys
 import time
+from typing import Tuple
 
 import torch
 import torch.nn.functional as F
@@ -199,10 +206,29 @@ def build_model(args, num_classes: int) -> torch.nn.Module:
     return model
 
 
+def setup_distributed(args) -> Tuple[int, torch.device]:
+    """Under ``torchrun`` (``WORLD_SIZE`` > 1): join the process group — NCCL on CUDA, one GPU
+    per process (``LOCAL_RANK``), gloo on the CPU — and return ``(rank, device)``; otherwise
+    ``(0, --device)``. Every rank builds the same model (same ``--seed``); the engine sums the
+    clipped gradients across ranks and adds the noise once (docs/distributed.md)."""
+    device = torch.device(args.device)
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return 0, device
+    import torch.distributed as dist
+
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return dist.get_rank(), device
+
+
 def main(argv=None):
     args = parse_args(argv)
     torch.manual_seed(args.seed)
-    device = torch.device(args.device)
+    rank, device = setup_distributed(args)
+    print = builtins.print if rank == 0 else (lambda *a, **k: None)  # noqa: A001 (rank 0 logs)
     amp = autocast(args)  # refuses unsupported settings before anything is built
 
     model = build_model(args, num_classes(args.data, args.data_dir))
@@ -242,7 +268,8 @@ def main(argv=None):
     acc = None
     model.train()
     for epoch in range(1, args.epochs + 1):
-        bar = tqdm(loader, desc=f"epoch {epoch}/{args.epochs}", leave=False)
+        bar = tqdm(loader, desc=f"epoch {epoch}/{args.epochs}", leave=False,
+                   disable=rank != 0)
         for x, y in bar:
             loss = private_logical_step(optimizer, (x, y), per_sample_loss,
                                         args.physical_batch_size, device=device)
@@ -266,6 +293,11 @@ def cli(argv=None):
         main(argv)
     except FileNotFoundError as e:
         sys.exit(f"error: {e}")
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

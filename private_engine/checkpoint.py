@@ -24,6 +24,13 @@ checkpoints where the data is kept (files are written readable by their owner on
 and delete them with it. A checkpoint taken right after ``optimizer.step()`` holds no
 accumulation; an engine in secure mode holds no generator state (its resumed noise is fresh).
 
+Data-parallel training (``engine.distributed``): the noise generator is rank 0's (the other ranks
+draw no noise and hold none), so :func:`save_checkpoint` writes on rank 0 only and the other ranks
+return without writing; :func:`load_checkpoint` runs on every rank, and only rank 0 restores the
+generator state. A rank's accumulation in progress is its own, so a data-parallel checkpoint is
+taken between logical batches (right after ``optimizer.step()``); one with an accumulation in
+progress is refused.
+
 The dicts hold tensors and plain Python values only, so ``torch.load(..., weights_only=True)``
 reads them; :func:`load_checkpoint` does. This module does not import the engine (the engine
 delegates to it).
@@ -86,6 +93,7 @@ def engine_state_dict(engine) -> Dict[str, Any]:
     the result as private as the training data (module docstring).
     """
     generator = engine.noise_generator
+    _check_no_distributed_accumulation(engine)
     accumulation: List[Optional[Dict[str, Any]]] = []
     for step in _attached_steps(engine):
         if step.grad_sums is None:
@@ -137,7 +145,7 @@ def check_engine_state_dict(engine, state: Dict[str, Any]) -> None:
             + "; ".join(diffs) + ". Its accountant history and noise are only valid under its "
             "own; build the engine with the checkpoint's parameters" + hint + ".")
     generator = engine.noise_generator
-    if state["noise_generator"] is not None:
+    if state["noise_generator"] is not None and _draws_noise(engine):
         if generator is None:
             raise ValueError("the checkpoint holds a noise generator state but the engine has "
                              "no generator (secure mode).")
@@ -150,6 +158,10 @@ def check_engine_state_dict(engine, state: Dict[str, Any]) -> None:
     for k, acc in enumerate(state["accumulation"]):
         if acc is None:
             continue
+        if _distributed(engine):
+            raise ValueError("the checkpoint holds an accumulation in progress, which a "
+                             "data-parallel engine cannot load: each rank accumulates its own "
+                             "samples. Checkpoint right after optimizer.step().")
         if k >= len(steps):
             raise ValueError(
                 f"the checkpoint holds an accumulation in progress for attached optimizer #{k} "
@@ -173,7 +185,7 @@ def load_engine_state_dict(engine, state: Dict[str, Any]) -> None:
     check_engine_state_dict(engine, state)
     engine.accountant.history = [(float(s), float(q), int(n))
                                  for s, q, n in state["accountant"]["history"]]
-    if state["noise_generator"] is not None:
+    if state["noise_generator"] is not None and _draws_noise(engine):
         engine.noise_generator.set_state(state["noise_generator"].cpu())
     steps = _attached_steps(engine)
     for k, step in enumerate(steps):
@@ -190,6 +202,26 @@ def load_engine_state_dict(engine, state: Dict[str, Any]) -> None:
         check.steps = int(state["sampling_check"]["steps"])
         check.samples = int(state["sampling_check"]["samples"])
     engine.dropped_samples = int(state["dropped_samples"])
+
+
+def _distributed(engine) -> bool:
+    """Whether ``engine`` trains data-parallel (:mod:`private_engine.optim.distributed`)."""
+    return getattr(engine, "distributed", None) is not None
+
+
+def _draws_noise(engine) -> bool:
+    """Whether ``engine``'s process draws the noise (one process, or rank 0): only there does a
+    generator state belong."""
+    return getattr(engine, "draws_noise", True)
+
+
+def _check_no_distributed_accumulation(engine) -> None:
+    """Refuse to save a data-parallel engine's state in the middle of a logical batch: the
+    accumulation in progress is this rank's alone, and a checkpoint holds one rank's state."""
+    if _distributed(engine) and any(s.grad_sums is not None for s in _attached_steps(engine)):
+        raise ValueError("a data-parallel checkpoint cannot be taken while a logical batch is "
+                         "being accumulated (virtual_step): each rank holds its own partial "
+                         "sums. Checkpoint right after optimizer.step().")
 
 
 def _attached_steps(engine) -> list:
@@ -230,11 +262,18 @@ def save_checkpoint(path, *, model: nn.Module, optimizer: torch.optim.Optimizer,
     Python values, as :func:`load_checkpoint` reads with ``weights_only=True`` (register other
     types with ``torch.serialization.add_safe_globals``).
 
+    Data-parallel (``engine.distributed``): every rank may call it; only rank 0 writes (the
+    others check that they hold no accumulation in progress and return). Call
+    ``torch.distributed.barrier()`` before other ranks read the file.
+
     Secret: the file holds the noise generator's state and un-noised clipped sums; keep it as
     private as the training data.
     """
     _check_attached(engine, optimizer)
     _check_model(engine, model)
+    if _distributed(engine) and not _draws_noise(engine):
+        _check_no_distributed_accumulation(engine)
+        return  # rank 0 writes: its generator is the noise's
     checkpoint = {
         "format": CHECKPOINT_FORMAT,
         "version": VERSION,
@@ -254,7 +293,8 @@ def load_checkpoint(path, *, model: nn.Module, optimizer: torch.optim.Optimizer,
     parameters; same noise generator kind) and attach the optimizer first. The file is read with
     ``torch.load(weights_only=True, map_location="cpu")`` and the tensors go to the parameters'
     devices. A checkpoint of other privacy parameters raises ``ValueError`` naming them before
-    anything changes. Secret: see :func:`save_checkpoint`.
+    anything changes. Data-parallel: every rank loads rank 0's file; only rank 0 restores the
+    noise generator. Secret: see :func:`save_checkpoint`.
     """
     _check_attached(engine, optimizer)
     _check_model(engine, model)

@@ -9,7 +9,8 @@
     engine.get_epsilon()
 
 The Opacus API (``make_private``) is :class:`private_engine.opacus_compat.PrivacyEngine`
-(docs/migrating-from-opacus.md).
+(docs/migrating-from-opacus.md). Under an initialised ``torch.distributed`` process group the
+engine trains data-parallel (:mod:`private_engine.optim.distributed`, docs/distributed.md).
 """
 from __future__ import annotations
 
@@ -86,6 +87,20 @@ class PrivacyEngine:
         dynamic_loss_scale: move the scale by GradScaler's schedule (backoff after an overflow,
             growth after clean batches); the scale then depends on whether private samples
             overflowed — public state outside the DP guarantee — so it is off by default.
+        distributed: data-parallel training over the default ``torch.distributed`` process group
+            of W ranks (:mod:`private_engine.optim.distributed`). None (default): on when one is
+            initialised with W > 1; True: requires one (ValueError otherwise); False: one
+            process. ``batch_size`` and ``sample_size`` stay global (the expected logical batch
+            over all ranks, the data set's size), so ``q = B/n`` and ε are those of one process.
+            Each rank clips its own samples; at the step rank 0 adds ``N(0, σ²R²I)`` to its local
+            sums, the sums are all-reduced, and every rank steps on
+            ``(Σ_{all ranks} Σ_i C_i g_i + N(0, σ²R²I)) / B``. Only rank 0 has a noise
+            generator. At construction the parameters and buffers are broadcast from rank 0
+            (as ``DistributedDataParallel`` does). Pass the bare module, not a
+            ``DistributedDataParallel`` wrapper. Every rank must call ``step`` together.
+        check_replicas: (debugging, data-parallel only) after every step compare a float64
+            checksum of the parameters across ranks and raise
+            :class:`private_engine.optim.ReplicaMismatchError` if they differ.
     """
 
     def __init__(self, model: Optional[nn.Module] = None, *, batch_size: int = None,
@@ -97,7 +112,8 @@ class PrivacyEngine:
                  noise_generator: Optional[torch.Generator] = None, secure_mode: bool = False,
                  data_free_buffers: Sequence[str] = (),
                  grad_scaler: Optional["torch.amp.GradScaler"] = None,
-                 dynamic_loss_scale: bool = False, allow_overrun: bool = False):
+                 dynamic_loss_scale: bool = False, allow_overrun: bool = False,
+                 distributed: Optional[bool] = None, check_replicas: bool = False):
         if model is None:
             raise TypeError(
                 "private_engine.PrivacyEngine needs the model: PrivacyEngine(model, "
@@ -108,6 +124,7 @@ class PrivacyEngine:
             )
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}.")
+        _refuse_data_parallel_wrapper(model)
         if not (isinstance(batch_size, int) and batch_size > 0):
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}.")
         if not (isinstance(sample_size, int) and sample_size >= batch_size):
@@ -138,7 +155,12 @@ class PrivacyEngine:
         self.accountant_name = accountant
         self.accountant = make_accountant(accountant)
         self.clipping_mode = clipping_mode
-        generator = _noise.engine_noise_generator(model, noise_generator, secure_mode)
+        #: the collectives of data-parallel training (None: one process)
+        self.distributed: Optional[_optim.DataParallel] = _optim.data_parallel(
+            distributed, _noise.parameters_device(model))
+        self.check_replicas = bool(check_replicas)
+        generator = _noise.engine_noise_generator(model, noise_generator, secure_mode,
+                                                  draws=self.draws_noise)
         if target_epsilon is not None:
             self.steps = steps_for(epochs, steps, self.sample_rate)
             sigma = calibrate_noise_multiplier(
@@ -171,6 +193,8 @@ class PrivacyEngine:
         if not self.params:
             raise ValueError("the model has no trainable parameters (requires_grad=True).")
         self._names = self.parameter_names()
+        if self.distributed is not None:
+            self.distributed.broadcast_module(model)  # the replicas start identical
         self.clipper = PerSampleClipper(
             layers,
             self.params,
@@ -199,6 +223,12 @@ class PrivacyEngine:
     def noise_generator(self) -> Optional[torch.Generator]:
         """The generator the noise is drawn from (None in secure mode)."""
         return self.noise.generator
+
+    @property
+    def draws_noise(self) -> bool:
+        """Whether this process draws the noise: one process, or rank 0 of a data-parallel
+        group (the others add none: the all-reduced sum carries rank 0's one draw)."""
+        return self.distributed is None or self.distributed.adds_noise
 
     @property
     def secure_mode(self) -> bool:
@@ -230,7 +260,9 @@ class PrivacyEngine:
                                    lambda: self.clipper.max_grad_norm, self.noise,
                                    self.parameter_names, step_hook=self._account_step,
                                    pre_step=self._check_budget,
-                                   pre_release=self.sampling_check.check)
+                                   pre_release=self.sampling_check.check,
+                                   reducer=self.distributed,
+                                   post_step=self._check_replicas if self.check_replicas else None)
         self._attached.append(_optim.attach(state))
         return optimizer
 
@@ -316,6 +348,13 @@ class PrivacyEngine:
         self.accountant.step(noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate)
         self.sampling_check.commit(samples)
 
+    def _check_replicas(self) -> None:
+        """After a data-parallel step (``check_replicas=True``): the float64 checksums
+        ``(Σθ, Σθ²)`` of every rank's parameters must be equal
+        (:meth:`private_engine.optim.DataParallel.check_replicas`)."""
+        if self.distributed is not None:
+            self.distributed.check_replicas(self.params)
+
     def privacy_report(self) -> PrivacyReport:
         """ε spent, steps, σ, q, δ, the budget and what remains of it, and the mean logical batch
         actually clipped (:class:`private_engine.accounting.PrivacyReport`; ``str()`` gives one
@@ -367,3 +406,18 @@ class PrivacyEngine:
         from .checkpoint import load_engine_state_dict
 
         load_engine_state_dict(self, state)
+
+
+def _refuse_data_parallel_wrapper(model: nn.Module) -> None:
+    """Refuse a model wrapped in ``DistributedDataParallel`` (or Opacus' DPDDP): the engine forms
+    no ``.grad`` by autograd (it clips per sample in its own backward), so the wrapper's gradient
+    all-reduce would never carry the clipped sums; the engine reduces those itself."""
+    wrapped = isinstance(model, nn.parallel.DistributedDataParallel) or (
+        type(model).__name__ == "DifferentiallyPrivateDistributedDataParallel")
+    if wrapped:
+        raise ValueError(
+            f"PrivacyEngine got a {type(model).__name__}: pass the bare module "
+            "(ddp_model.module). The engine clips each sample's gradient in its own backward, "
+            "which forms no .grad for DDP's reducer to all-reduce, and sums the ranks' clipped "
+            "gradients itself (noise once, on rank 0) under an initialised process group "
+            "(distributed=None detects it).")

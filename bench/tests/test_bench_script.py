@@ -467,7 +467,8 @@ def test_cpu_peak_memory_is_the_childs_own_not_its_parents():
 
 
 @pytest.mark.parametrize("script", ["bench_clipping.py", "investigate/host_overhead.py",
-                                    "investigate/host_ab.py", "investigate/profile_step.py"])
+                                    "investigate/host_ab.py", "investigate/profile_step.py",
+                                    "investigate/ddp_scaling.py"])
 def test_scripts_run_from_anywhere(script, tmp_path):
     """Every script runs by its path (the Makefile's and the docs' commands), from any directory."""
     import subprocess

@@ -89,7 +89,7 @@ def parameters_device(model: nn.Module) -> torch.device:
 
 
 def engine_noise_generator(model: nn.Module, noise_generator: Optional[torch.Generator],
-                           secure_mode: bool) -> Optional[torch.Generator]:
+                           secure_mode: bool, draws: bool = True) -> Optional[torch.Generator]:
     """The generator a :class:`private_engine.PrivacyEngine` draws its noise from.
 
     * ``secure_mode``: None — every draw comes from the OS generator (:func:`gaussian_noise_`);
@@ -98,6 +98,9 @@ def engine_noise_generator(model: nn.Module, noise_generator: Optional[torch.Gen
     * a ``noise_generator``: returned as is, with one :class:`ReproducibleNoiseWarning` (the
       engine makes this call once, at construction).
     * neither: :func:`entropy_seeded_generator` on the device of the model's parameters.
+    * ``draws=False`` (a data-parallel rank other than 0, which adds no noise: the release is
+      ``Σ_r s_r + σR·ξ`` with ξ drawn on rank 0 alone): the arguments are checked as above and
+      None is returned, with no warning.
     """
     if noise_generator is not None and not isinstance(noise_generator, torch.Generator):
         raise TypeError(f"noise_generator must be a torch.Generator or None, got "
@@ -107,6 +110,8 @@ def engine_noise_generator(model: nn.Module, noise_generator: Optional[torch.Gen
             raise ValueError(
                 "secure_mode=True draws the noise from the operating system's cryptographic "
                 "generator; a noise_generator would make it reproducible. Give one or the other.")
+        return None
+    if not draws:
         return None
     if noise_generator is not None:
         warnings.warn(

@@ -11,7 +11,11 @@ DP-SGD, DP-Adam and DP-AdamW are the torch optimizers with this gradient.
 
 The stages are named as in Opacus' ``DPOptimizer``: :meth:`PrivateStep.clip_and_accumulate`,
 :meth:`PrivateStep.add_noise`, :meth:`PrivateStep.scale_grad`, then the wrapped optimizer's own
-step, and the ``step_hook`` (the accountant) after a step that succeeded.
+step, and the ``step_hook`` (the accountant) after a step that succeeded. Data-parallel
+(:mod:`.distributed`): each rank accumulates its own samples' sums, and
+:meth:`PrivateStep.reduce_sums` replaces ``add_noise``: the noise on rank 0 only, then one
+``all_reduce(SUM)`` per flat buffer, so the union of the ranks' batches is the logical batch and
+the noise is drawn once.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from torch import nn
 from ..clipping.batch import ClippedBatch
 from ..clipping.grad_sums import GradSums
 from ..layers.base import cast
+from .distributed import DataParallel
 from .noise import add_gaussian_noise
 
 
@@ -58,6 +63,10 @@ class PrivateStep:
             step.
         pre_release: called with the logical batch's sample count once it is clipped, before the
             noise (the sampling-rate check); raising refuses the step, nothing changed.
+        reducer: data-parallel training (:class:`.distributed.DataParallel`): the sample counts
+            (``pre_release``, ``step_hook``) and the released sums are the ranks' totals, the
+            noise is drawn on rank 0 only (:meth:`reduce_sums`). None: one process.
+        post_step: called after a step succeeded and was accounted (the replica check).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter],
@@ -65,7 +74,9 @@ class PrivateStep:
                  noise: NoiseSpec, names: Dict[int, str],
                  step_hook: Optional[Callable[[int], None]] = None,
                  pre_step: Optional[Callable[[], None]] = None,
-                 pre_release: Optional[Callable[[int], None]] = None):
+                 pre_release: Optional[Callable[[int], None]] = None,
+                 reducer: Optional[DataParallel] = None,
+                 post_step: Optional[Callable[[], None]] = None):
         self.optimizer = optimizer
         self.params = list(params)
         self._param_ids = frozenset(id(p) for p in self.params)
@@ -76,6 +87,8 @@ class PrivateStep:
         self.step_hook = step_hook
         self.pre_step = pre_step
         self.pre_release = pre_release
+        self.reducer = reducer
+        self.post_step = post_step
         self.original_step = optimizer.step
         self.grad_sums: Optional[GradSums] = None
         self.samples = 0
@@ -111,9 +124,29 @@ class PrivateStep:
     def add_noise(self, sums: GradSums) -> None:
         """``sums ← sums + σR·ξ``, ξ ~ N(0, I) over every coordinate, drawn once per logical
         batch."""
+        if self.reducer is not None and not self.reducer.adds_noise:
+            raise RuntimeError("only rank 0 draws the noise of a data-parallel step.")
         std = self.noise.noise_multiplier * self.max_grad_norm()
         if std > 0:
             add_gaussian_noise(sums.buffers, std, self.noise.generator, self.noise.secure_mode)
+
+    def reduce_sums(self, sums: GradSums, same_layout: bool = False) -> GradSums:
+        """Data-parallel release of the ranks' local sums ``s_r = Σ_{i ∈ S_r} C_i g_i``: rank 0
+        adds ``σR·ξ`` (:meth:`add_noise`) to its local sums, then every buffer is all-reduced, so
+        every rank returns ``Σ_r s_r + σR·ξ`` — one Gaussian draw in total, before any sum leaves
+        a rank.
+
+        Private as one process is: the result is the deterministic, sensitivity-R function
+        ``Σ_r s_r`` of the clipped gradients (one sample lies on one rank and moves its ``s_r`` by
+        at most R) plus one draw of N(0, σ²R²I); the other ranks see rank 0's contribution only
+        inside that noisy sum. The buffers are ``sums``' own when every rank holds the same flat
+        layout (``same_layout``), else a canonical copy
+        (:meth:`.distributed.DataParallel.reduction_sums`), so the collectives match."""
+        target = self.reducer.reduction_sums(sums, self.params, same_layout)
+        if self.reducer.adds_noise:
+            self.add_noise(target)
+        self.reducer.all_reduce_(target.buffers)
+        return target
 
     def scale_grad(self, sums: GradSums) -> List[torch.Tensor]:
         """``sums / B_expected`` per parameter, each a tensor of its own in the parameter's
@@ -125,7 +158,10 @@ class PrivateStep:
         """``((Σ_{logical batch} C_i g_i + σR·ξ) / B_expected per parameter, samples)``, with this
         physical batch's clipped sum included and ``samples`` the logical batch's count. Built in
         place in this batch's fresh sums, so the running sums and the state stay untouched until
-        the step succeeds; ``pre_release`` sees the count before the noise is drawn."""
+        the step succeeds; ``pre_release`` sees the count before the noise is drawn.
+        Data-parallel: :meth:`_distributed_noisy_gradients`."""
+        if self.reducer is not None:
+            return self._distributed_noisy_gradients(loss)
         batch = self.clip(loss)  # validates and clips; raises before anything changes
         samples = self.samples + batch.size
         if self.pre_release is not None:
@@ -135,6 +171,29 @@ class PrivateStep:
             sums.add_(self.grad_sums)
         self.add_noise(sums)
         return self.scale_grad(sums), samples
+
+    def _distributed_noisy_gradients(self, loss) -> Tuple[List[torch.Tensor], int]:
+        """:meth:`noisy_gradients` over the ranks: clip the local batch, add the local running
+        sums, exchange the counts (the global count ``Σ_r samples_r`` goes to ``pre_release``;
+        a rank whose clipping raised makes every rank raise), then :meth:`reduce_sums` and the
+        division by the global expected batch size B."""
+        try:
+            batch = self.clip(loss)
+        except Exception:
+            self.reducer.exchange(0, 0, failed=True)  # the other ranks raise instead of waiting
+            raise
+        sums = batch.sums
+        if self.grad_sums is not None:
+            sums.add_(self.grad_sums)
+        counts = self.reducer.exchange(self.samples + batch.size,
+                                       self.reducer.layout_code(sums, self.params))
+        if counts.failed:
+            raise RuntimeError(
+                f"rank(s) {counts.failed} could not clip their batch (see their error): this "
+                "data-parallel step is refused on every rank; nothing was updated.")
+        if self.pre_release is not None:
+            self.pre_release(counts.samples)
+        return self.scale_grad(self.reduce_sums(sums, counts.same_layout)), counts.samples
 
     def step(self, loss):
         """Clip ``loss`` (per-sample), add noise once, average, and update the parameters with
@@ -156,9 +215,11 @@ class PrivateStep:
             for p, g in zip(self.params, saved):
                 p.grad = g
             raise
+        self.reset()  # the accumulation is spent, whatever the hooks do
         if self.step_hook is not None:
             self.step_hook(samples)
-        self.reset()
+        if self.post_step is not None:
+            self.post_step()
         return result
 
     def reset(self) -> None:
