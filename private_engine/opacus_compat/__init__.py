@@ -3,7 +3,9 @@ drop-in replacement for it (see docs/migrating-from-opacus.md)."""
 from .engine import GRAD_SAMPLE_MODES, PrivacyEngine
 from .loss import PrivateLoss, PrivateLossTensor
 from .module import PrivateModule
-from .optimizer import ClippedSumOptimizer, PerLayerClippedSumOptimizer
+from .optimizer import (ClippedSumOptimizer, DistributedClippedSumOptimizer,
+                        DistributedPerLayerClippedSumOptimizer, PerLayerClippedSumOptimizer)
 
 __all__ = ["PrivacyEngine", "PrivateModule", "PrivateLoss", "PrivateLossTensor",
-           "ClippedSumOptimizer", "PerLayerClippedSumOptimizer", "GRAD_SAMPLE_MODES"]
+           "ClippedSumOptimizer", "PerLayerClippedSumOptimizer", "DistributedClippedSumOptimizer",
+           "DistributedPerLayerClippedSumOptimizer", "GRAD_SAMPLE_MODES"]

@@ -32,11 +32,22 @@ Networks with Differential Privacy", eq. 4.1 — applied to what book-keeping ke
 "no_op"            same as "hooks"
 "ghost"            wrapped criterion returned; its ``loss.backward()`` → the same book-keeping
                    clipping of the per-sample losses ("bk_mixed", one backward)
-"ghost_fsdp"       ValueError without distributed training, as in Opacus
+"ghost_fsdp"       ValueError: FSDP is not supported (docs/distributed.md)
 =================  ===========================================================================
 
 ``clipping="per_layer"`` (not with the "ghost" modes, as in Opacus) instantiates per-sample
 gradients, one threshold per parameter tensor (:mod:`.module`).
+
+Distributed data parallel, as in Opacus 1.6: a model wrapped in Opacus'
+``DifferentiallyPrivateDistributedDataParallel`` (DPDDP) or torch's ``DistributedDataParallel``
+makes Opacus' ``make_private`` run its ``distributed`` flow (``DPDataLoader`` with the distributed
+Poisson sampler, ``expected_batch_size`` per rank). Our hooks sit on the wrapped model
+(``wrapper.module``), so each rank leaves the clipped sum of its own samples in ``p.grad``;
+the optimizer is then Opacus' ``DistributedDPOptimizerFastGradientClipping`` on those sums
+(:class:`~.optimizer.DistributedClippedSumOptimizer`): noise on rank 0 only, ``all_reduce(SUM)``,
+division by the per-rank expected batch size × the world size. torch DDP is used for its
+forward only: its backward all-reduce (of raw, unclipped gradients) is turned off
+(:class:`~.module.PrivateModule`).
 """
 from __future__ import annotations
 
@@ -46,14 +57,17 @@ from typing import Any, Dict, List, Optional, Union
 import opacus
 import torch
 from opacus.data_loader import DPDataLoader
+from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
 from opacus.optimizers import DPOptimizer
 from torch import nn, optim
+from torch.nn.parallel import DistributedDataParallel
 
 from ..optim.noise import entropy_seeded_generator
 from ..guards.model_check import check_no_batchnorm, clipped_layers, scan_model
 from .loss import PrivateLoss
 from .module import PrivateModule
-from .optimizer import ClippedSumOptimizer, PerLayerClippedSumOptimizer
+from .optimizer import (ClippedSumOptimizer, DistributedClippedSumOptimizer,
+                        DistributedPerLayerClippedSumOptimizer, PerLayerClippedSumOptimizer)
 from ..layers.sequence_bias import PREPARED, SequenceBias
 
 #: grad_sample_mode strings accepted by opacus 1.6 (what each runs: the table above)
@@ -83,20 +97,22 @@ class PrivacyEngine(opacus.PrivacyEngine):
     def _prepare_model(self, module: nn.Module, *, batch_first: bool = True, max_grad_norm=1.0,
                        loss_reduction: str = "mean", grad_sample_mode: str = "hooks",
                        wrap_model: bool = True):
-        if isinstance(module, PrivateModule):
-            raise ValueError("this module was already returned by make_private; "
-                             "pass the original nn.Module.")
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be an nn.Module, got {type(module).__name__}.")
+        # DPDDP / DDP: our hooks sit on the wrapped model; the wrapper stays the forward
+        inner, wrapper = (module.module, module) if _is_data_parallel(module) else (module, None)
+        if isinstance(inner, PrivateModule):
+            raise ValueError("this module was already returned by make_private; "
+                             "pass the original nn.Module.")
         self.validate(module=module, optimizer=None, data_loader=None)  # Opacus' own checks first
-        check_no_batchnorm(module)
-        scan = scan_model(module)
-        layers = _clipped_layers(module, scan)
-        _refuse_traced_and_fallback(module, scan)
-        _check_attention_layout(module, batch_first)
-        self._module = PrivateModule(module, layers, max_grad_norm=max_grad_norm,
+        check_no_batchnorm(inner)
+        scan = scan_model(inner)
+        layers = _clipped_layers(inner, scan)
+        _refuse_traced_and_fallback(inner, scan)
+        _check_attention_layout(inner, batch_first)
+        self._module = PrivateModule(inner, layers, max_grad_norm=max_grad_norm,
                                      loss_reduction=loss_reduction, mode=self.clipping_mode,
-                                     batch_first=batch_first)
+                                     batch_first=batch_first, wrapper=wrapper)
         return self._module
 
     def _prepare_optimizer(self, *, optimizer: optim.Optimizer, noise_multiplier: float,
@@ -111,12 +127,17 @@ class PrivacyEngine(opacus.PrivacyEngine):
         common = dict(noise_multiplier=noise_multiplier, expected_batch_size=expected_batch_size,
                       loss_reduction=loss_reduction, generator=generator,
                       secure_mode=self.secure_mode, module=self._module, **kwargs)
+        # distributed (a DPDDP/DDP model): Opacus' distributed optimizer — noise on rank 0 only,
+        # the ranks' noised sums all-reduced, divided by the per-rank expected batch size × the
+        # world size (Opacus passes expected_batch_size already divided by the world size)
         if clipping == "per_layer":
-            dp_optimizer = PerLayerClippedSumOptimizer(optimizer, max_grad_norm=max_grad_norm,
-                                                       **common)
+            cls = DistributedPerLayerClippedSumOptimizer if distributed else \
+                PerLayerClippedSumOptimizer
+            dp_optimizer = cls(optimizer, max_grad_norm=max_grad_norm, **common)
             self._module.bind_per_layer_norms(dp_optimizer.params, max_grad_norm)
             return dp_optimizer
-        dp_optimizer = ClippedSumOptimizer(optimizer, max_grad_norm=max_grad_norm, **common)
+        cls = DistributedClippedSumOptimizer if distributed else ClippedSumOptimizer
+        dp_optimizer = cls(optimizer, max_grad_norm=max_grad_norm, **common)
         self._module.bind_optimizer(dp_optimizer)
         return dp_optimizer
 
@@ -228,13 +249,15 @@ def _check_arguments(*, module, optimizer, noise_multiplier, max_grad_norm, batc
     if not isinstance(optimizer, optim.Optimizer):
         raise TypeError("optimizer must be a torch.optim.Optimizer, "
                         f"got {type(optimizer).__name__}.")
-    from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    from torch.distributed._composable.fsdp import FSDPModule  # the classes opacus checks
-    if isinstance(module, (DPDDP, DDP, FSDPModule)):
-        raise ValueError("distributed training (DDP/FSDP) is not supported by private_engine's "
-                         "make_private yet; use opacus.PrivacyEngine for it, or train in one "
-                         "process.")
+    from torch.distributed._composable.fsdp import FSDPModule  # opacus checks this class too
+    if isinstance(module, FSDPModule) or grad_sample_mode == "ghost_fsdp":
+        raise ValueError(
+            "FSDP (fully_shard, grad_sample_mode='ghost_fsdp') is not supported by "
+            "private_engine's make_private (docs/distributed.md, 'FSDP'). For data-parallel "
+            "training wrap the model in opacus' DifferentiallyPrivateDistributedDataParallel "
+            "(or torch's DistributedDataParallel) and use grad_sample_mode 'hooks' or 'ghost'.")
+    if isinstance(module, DistributedDataParallel):
+        _check_ddp(module)
     mine = {id(p) for p in module.parameters()}
     if any(id(p) not in mine for g in optimizer.param_groups for p in g["params"]):
         raise ValueError("Module parameters are different than optimizer Parameters: the "
@@ -250,9 +273,6 @@ def _check_arguments(*, module, optimizer, noise_multiplier, max_grad_norm, batc
     if grad_sample_mode not in GRAD_SAMPLE_MODES:
         raise ValueError(f"Unexpected grad_sample_mode: {grad_sample_mode}. Allowed values: "
                          f"{', '.join(sorted(GRAD_SAMPLE_MODES))}.")
-    if grad_sample_mode == "ghost_fsdp":
-        raise ValueError("grad_sample_mode='ghost_fsdp' needs FSDP distributed training "
-                         "(as in Opacus); use grad_sample_mode='ghost' for a single process.")
     if loss_reduction not in ("mean", "sum"):
         raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}.")
     if clipping not in ("flat", "per_layer"):
@@ -273,6 +293,33 @@ def _check_arguments(*, module, optimizer, noise_multiplier, max_grad_norm, batc
     if (isinstance(noise_multiplier, bool) or not isinstance(noise_multiplier, (int, float))
             or noise_multiplier < 0):
         raise ValueError(f"noise_multiplier must be a number ≥ 0, got {noise_multiplier!r}.")
+
+
+def _is_data_parallel(module: nn.Module) -> bool:
+    """Opacus' ``DifferentiallyPrivateDistributedDataParallel`` or torch's
+    ``DistributedDataParallel``: make_private hooks ``module.module`` and runs the distributed
+    optimizer (Opacus' ``make_private`` sets ``distributed`` for these classes)."""
+    return isinstance(module, (DPDDP, DistributedDataParallel))
+
+
+def _check_ddp(ddp: DistributedDataParallel) -> None:
+    """torch DDP is used for its forward only: :class:`PrivateModule` turns its backward
+    all-reduce off (``require_backward_grad_sync``), since the reducer would average raw,
+    unclipped gradients into ``p.grad``; the DP optimizer all-reduces the clipped sums. Options
+    whose gradient communication does not obey that switch are refused."""
+    refused = [name for name, on in (
+        ("static_graph=True", ddp.static_graph),
+        ("delay_all_reduce_named_params", bool(getattr(ddp, "_delay_all_reduce_params", ()))),
+        ("mixed_precision", getattr(ddp, "mixed_precision", None) is not None),
+        ("the python reducer (compiled DDP)", getattr(ddp, "_use_python_reducer", False)),
+    ) if on]
+    if refused:
+        raise ValueError(
+            f"DistributedDataParallel with {', '.join(refused)} is not supported by "
+            "private_engine's make_private: its gradient all-reduce cannot be turned off, and it "
+            "would mix raw, unclipped gradients into p.grad. Wrap the model with opacus' "
+            "DifferentiallyPrivateDistributedDataParallel instead (or DDP without these "
+            "options).")
 
 
 def _entropy_noise_generator(optimizer: optim.Optimizer) -> Optional[torch.Generator]:

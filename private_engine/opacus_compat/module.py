@@ -4,6 +4,11 @@ With ``wrap_model=False`` the same object is returned as the "hooks" handle (Opa
 ``GradSampleHooks``): the hooks sit on the user's model, which is then used directly, and
 ``cleanup()`` removes them.
 
+Distributed training: for a model wrapped in DPDDP or torch DDP the hooks sit on the wrapped
+``wrapper.module`` and ``_module`` is the wrapper (Opacus' ``GradSampleModule(DPDDP(model))``
+face). Each rank's backward leaves the clipped sum of its own samples; the distributed optimizer
+(:mod:`.optimizer`) all-reduces it.
+
 Opacus returns a ``GradSampleModule`` that fills ``p.grad_sample`` (one gradient per sample)
 and lets its optimizer clip. We return :class:`PrivateModule` instead: a thin wrapper with the
 same face (``_module``, ``state_dict`` keys prefixed ``_module.``, ``forbid_grad_accumulation``,
@@ -43,6 +48,7 @@ import torch
 from opacus.layers.dp_multihead_attention import SequenceBias
 from opacus.layers.dp_rnn import RNNLinear
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from ..guards.buffers import BufferGuard
 from ..capture.graph_walk import outside_error
@@ -65,15 +71,24 @@ class PrivateModule(nn.Module):
         loss_reduction: "mean" or "sum": how the plain ``loss`` reduces per-sample losses.
         mode: the engine's book-keeping clipping mode ("bk_mixed" by default): a plain backward is
             one pass.
+        wrapper: distributed training: the DPDDP or DDP wrapper whose ``.module`` is ``module``.
+            It is kept as ``self._module`` (the forward goes through it; ``state_dict`` keys are
+            ``_module.module.…``, as Opacus'); the hooks sit on ``module``. A torch DDP's
+            backward all-reduce is turned off while the hooks are on (``remove_hooks`` restores
+            it): its reducer would average raw, unclipped gradients into ``p.grad``; the DP
+            optimizer all-reduces the clipped sums instead.
     """
 
     def __init__(self, module: nn.Module, layers, *, max_grad_norm, loss_reduction: str = "mean",
-                 mode: str = "bk_mixed", batch_first: bool = True):
+                 mode: str = "bk_mixed", batch_first: bool = True,
+                 wrapper: Optional[nn.Module] = None):
         super().__init__()
         if not is_book_keeping(mode):
             raise ValueError("PrivateModule clips in a plain backward, so it needs a book-keeping "
                              f"mode, not {mode!r}.")
-        self._module = module
+        if wrapper is not None and getattr(wrapper, "module", None) is not module:
+            raise ValueError("wrapper.module must be the module whose layers are hooked.")
+        self._module = wrapper if wrapper is not None else module
         self.loss_reduction = loss_reduction
         self.batch_first = batch_first
         self.per_layer = isinstance(max_grad_norm, (list, tuple))
@@ -124,6 +139,13 @@ class PrivateModule(nn.Module):
         self._hooks_enabled = True
         #: inside criterion_backward: its own backward passes leave the parameter gradients alone
         self._in_criterion = False
+        #: torch DDP: its require_backward_grad_sync before make_private (restored by remove_hooks)
+        self._ddp_grad_sync: Optional[bool] = None
+        if isinstance(wrapper, DistributedDataParallel):
+            self._ddp_grad_sync = wrapper.require_backward_grad_sync
+            _no_ddp_grad_sync(wrapper, ())
+            # before every forward (no_sync() restores the flag it found, a user may set it)
+            self._param_handles.append(wrapper.register_forward_pre_hook(_no_ddp_grad_sync))
 
     # -- opacus GradSampleModule face ---------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -235,6 +257,9 @@ class PrivateModule(nn.Module):
             h.remove()
         self._param_handles = []
         self._hooks_removed = True
+        if self._ddp_grad_sync is not None:
+            self._module.require_backward_grad_sync = self._ddp_grad_sync
+            self._ddp_grad_sync = None
         self.clipper.remove()
         self.buffer_guard.remove()
         self.probe.remove()
@@ -489,6 +514,14 @@ def _add_grad(p: torch.Tensor, g: torch.Tensor) -> None:
         p.grad = g
     else:
         p.grad.add_(g)
+
+
+def _no_ddp_grad_sync(ddp: DistributedDataParallel, inputs) -> None:
+    """Forward pre-hook on a torch DDP wrapper: no reducer work in the coming backward (DDP's
+    ``no_sync()`` state). The reducer would all-reduce the raw gradients, which our hooks replace
+    by zeros, and at the end of the backward copy that average over our clipped sums in ``p.grad``.
+    The DP optimizer's step all-reduces the clipped sums instead."""
+    ddp.require_backward_grad_sync = False
 
 
 def _is_dp_rnn(module: nn.Module) -> bool:

@@ -17,6 +17,14 @@ accountant hook and the wrapped optimizer. We subclass it only to
 
 :class:`PerLayerClippedSumOptimizer` uses the noise scale of Opacus' ``DPPerLayerOptimizer``:
 ``R = ‖(R_1, …, R_K)‖₂``.
+
+Distributed (a model wrapped in DPDDP or DDP): :class:`DistributedClippedSumOptimizer` is the same
+thing on top of Opacus' ``DistributedDPOptimizerFastGradientClipping``. Each rank's ``p.grad``
+holds the clipped sum of its own samples; ``step`` accumulates, adds the noise on rank 0 only,
+divides by the per-rank ``expected_batch_size × accumulated_iterations``, then all-reduces (sum)
+and, for ``loss_reduction="mean"``, divides by the world size — Opacus' code. Every rank then
+holds ``(Σ_{all ranks} Σ_i C_i g_i + N(0, σ²R²I)) / (B_rank·W)``: one noise draw in total, and
+the same update on every rank.
 """
 from __future__ import annotations
 
@@ -24,7 +32,8 @@ import copy
 from typing import List, Optional
 
 import torch
-from opacus.optimizers import DPOptimizerFastGradientClipping
+from opacus.optimizers import (DistributedDPOptimizerFastGradientClipping,
+                               DPOptimizerFastGradientClipping)
 
 from .module import PrivateModule
 
@@ -79,3 +88,20 @@ class PerLayerClippedSumOptimizer(ClippedSumOptimizer):
         self.max_grad_norms = list(max_grad_norm)
         flat = torch.norm(torch.Tensor(self.max_grad_norms), p=2).item()
         super().__init__(optimizer, max_grad_norm=flat, **kwargs)
+
+
+class DistributedClippedSumOptimizer(ClippedSumOptimizer,
+                                     DistributedDPOptimizerFastGradientClipping):
+    """Opacus' ``DistributedDPOptimizerFastGradientClipping`` fed with our clipped sums.
+
+    Step: ``θ ← opt(θ, all_reduce_sum((S_r + [r = 0]·N(0, σ²R²I)) / (B_exp·k)) / W)`` with
+    ``S_r`` rank r's clipped sum, ``B_exp`` the per-rank expected batch size (Opacus divides the
+    global one by the world size W) and k accumulated backward passes ("mean"; for "sum" neither
+    division).
+    """
+
+
+class DistributedPerLayerClippedSumOptimizer(PerLayerClippedSumOptimizer,
+                                             DistributedClippedSumOptimizer):
+    """Per-layer clipping in distributed training: the noise and scaling of Opacus'
+    ``SimpleDistributedPerLayerOptimizer`` (std ``σ·‖(R_k)‖₂`` on rank 0, all-reduced sums)."""
