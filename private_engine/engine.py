@@ -125,6 +125,7 @@ class PrivacyEngine:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}.")
         _refuse_data_parallel_wrapper(model)
+        _refuse_sharded_parameters(model)
         if not (isinstance(batch_size, int) and batch_size > 0):
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}.")
         if not (isinstance(sample_size, int) and sample_size >= batch_size):
@@ -421,3 +422,19 @@ def _refuse_data_parallel_wrapper(model: nn.Module) -> None:
             "which forms no .grad for DDP's reducer to all-reduce, and sums the ranks' clipped "
             "gradients itself (noise once, on rank 0) under an initialised process group "
             "(distributed=None detects it).")
+
+
+def _refuse_sharded_parameters(model: nn.Module) -> None:
+    """Refuse a model whose parameters are sharded (FSDP2's ``fully_shard`` turns them into
+    ``DTensor`` shards, FSDP1 flattens them): a per-sample gradient, its norm and its clipped sum
+    are computed for the full parameter, which a shard is not (docs/distributed.md, "FSDP")."""
+    sharded = [n for n, p in model.named_parameters()
+               if type(p).__name__ == "DTensor" or type(p.data).__name__ == "DTensor"
+               or n.endswith("_flat_param") or "_fsdp_wrapped_module" in n]
+    if sharded or type(model).__name__ in ("FullyShardedDataParallel",):
+        raise ValueError(
+            f"PrivacyEngine got a model with sharded parameters ({sharded[:3] or 'FSDP'}): FSDP "
+            "is not supported yet (per-sample clipping needs each layer's full gradient; the "
+            "design is in docs/distributed.md). Build the engine on the unsharded model; for "
+            "data parallel training use the bare module under torch.distributed.")
+

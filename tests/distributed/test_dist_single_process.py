@@ -71,3 +71,22 @@ def test_world_of_one_runs_the_data_parallel_path(no_group):
         assert torch.allclose(results[0], results[1], atol=1e-12, rtol=0)
     finally:
         dist.destroy_process_group()
+
+
+def test_fsdp_sharded_model_is_refused(tmp_path):
+    """FSDP2's fully_shard (here on a one-process gloo group) makes DTensor shards: refused."""
+    import torch.distributed as dist
+
+    fsdp = pytest.importorskip("torch.distributed.fsdp")
+    if not hasattr(fsdp, "fully_shard"):
+        pytest.skip("no FSDP2 in this torch")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        fsdp.fully_shard(model)
+        with pytest.raises(ValueError, match="sharded parameters.*FSDP is not supported"):
+            pe.PrivacyEngine(model, batch_size=4, sample_size=40, max_grad_norm=1.0,
+                             noise_multiplier=1.0)
+    finally:
+        dist.destroy_process_group()
