@@ -31,6 +31,7 @@ from .clipping.plan import DEFAULT_CLIPPING_MODE, LayerDecision, check_mode, is_
 from .guards.buffers import BufferGuard
 from .guards.model_check import check_no_batchnorm, clipped_layers, scan_model
 from .optim import noise as _noise
+from .optim.private_step import check_clipped_params
 
 
 class PrivacyEngine:
@@ -271,8 +272,7 @@ class PrivacyEngine:
         """Refuse an optimizer that would update a trainable parameter the engine does not clip (one
         that is not the model's, or one unfrozen after the engine was built): its ``.grad`` would be
         released without clipping or noise. Run at ``attach`` and before every private step."""
-        _optim.PrivateStep(optimizer, self.params, self.clip_batch, lambda: 0.0, self.noise,
-                           self.parameter_names).check_params()
+        check_clipped_params(optimizer, {id(p) for p in self.params}, self.parameter_names)
 
     def detach(self) -> None:
         """Remove the hooks and restore every attached optimizer's own ``step``."""

@@ -44,6 +44,25 @@ class NoiseSpec:
     secure_mode: bool = False
 
 
+def check_clipped_params(optimizer: torch.optim.Optimizer, clipped_ids,
+                         names: Callable[[], Dict[int, str]]) -> None:
+    """Refuse an optimizer that would update a trainable parameter that is not clipped (not the
+    model's, or unfrozen after the engine was built): its ``.grad`` would be released without
+    clipping or noise. ``clipped_ids``: ids of the clipped parameters; ``names()``:
+    ``{id(param): name}`` of the model as it is now, for the message."""
+    foreign = [p for g in optimizer.param_groups for p in g["params"]
+               if p.requires_grad and id(p) not in clipped_ids]
+    if foreign:
+        known = names()
+        shown = [known.get(id(p), f"a tensor of shape {tuple(p.shape)} not in the model")
+                 for p in foreign]
+        raise ValueError(
+            f"the optimizer updates trainable parameter(s) the engine does not clip: {shown}. "
+            "Their gradients would be released without privacy. Build the engine after "
+            "choosing what to train (parameters unfrozen later are not clipped), and the "
+            "optimizer from model.parameters(). Nothing was updated.")
+
+
 class PrivateStep:
     """A privatised optimizer's state and stages: the clipped-gradient sums of the current logical
     batch, the noise, the scaling and the step.
@@ -55,8 +74,7 @@ class PrivateStep:
             (:func:`private_engine.clipping.batch.clip_batch` bound to a clipper).
         max_grad_norm: the current R (the clipper's).
         noise: σ, the expected batch size, the generator.
-        names: ``{id(param): name}`` for messages (refreshed from the model when given as a
-            callable returning the mapping).
+        names: returns ``{id(param): name}`` of the model as it is now, for messages.
         step_hook: called with the logical batch's sample count after each successful step
             (accounting).
         pre_step: called before anything else in a step (the budget guard); raising refuses the
@@ -71,7 +89,7 @@ class PrivateStep:
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter],
                  clip: Callable[[torch.Tensor], ClippedBatch], max_grad_norm: Callable[[], float],
-                 noise: NoiseSpec, names: Dict[int, str],
+                 noise: NoiseSpec, names: Callable[[], Dict[int, str]],
                  step_hook: Optional[Callable[[int], None]] = None,
                  pre_step: Optional[Callable[[], None]] = None,
                  pre_release: Optional[Callable[[int], None]] = None,
@@ -96,20 +114,8 @@ class PrivateStep:
 
     # -- stages ------------------------------------------------------------------------------
     def check_params(self) -> None:
-        """Refuse an optimizer that would update a trainable parameter that is not clipped (not
-        the model's, or unfrozen after the engine was built): its ``.grad`` would be released
-        without clipping or noise."""
-        foreign = [p for g in self.optimizer.param_groups for p in g["params"]
-                   if p.requires_grad and id(p) not in self._param_ids]
-        if foreign:
-            names = self.names() if callable(self.names) else self.names
-            shown = [names.get(id(p), f"a tensor of shape {tuple(p.shape)} not in the model")
-                     for p in foreign]
-            raise ValueError(
-                f"the optimizer updates trainable parameter(s) the engine does not clip: {shown}. "
-                "Their gradients would be released without privacy. Build the engine after "
-                "choosing what to train (parameters unfrozen later are not clipped), and the "
-                "optimizer from model.parameters(). Nothing was updated.")
+        """:func:`check_clipped_params` for this optimizer."""
+        check_clipped_params(self.optimizer, self._param_ids, self.names)
 
     def clip_and_accumulate(self, loss) -> None:
         """Clip this physical batch and add ``Σ_i C_i g_i`` to the running sums (no parameter
