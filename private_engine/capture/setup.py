@@ -30,7 +30,8 @@ def build_capture(layers: Sequence[Tuple[str, nn.Module, object]],
     tracer = ParamTracer(model, traced, opaque=[m for _, m in fallbacks])
     tracer.recorder = recorder
     tracer.linear_layers = {id(rec.module.weight): rec for rec in recorder.layers
-                            if isinstance(rec.rule, LinearRule) and trainable(rec.module, "weight")}
+                            if isinstance(rec.rule, LinearRule) and not rec.rule.transposed
+                            and trainable(rec.module, "weight")}
     recorder.tracer = tracer
     recorder.extras = [tracer, *(FallbackModule(n, m, tracer) for n, m in fallbacks)]
     warn_fallback([f"{n or '(the model)'} ({type(m).__name__})" for n, m in fallbacks])

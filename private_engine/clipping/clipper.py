@@ -36,6 +36,7 @@ from .grad_sums import FlatLayout, GradSums
 from .kept import group_kept_grads, kept_pair_params, per_sample_numel, rows_kept
 from .plan import DEFAULT_CLIPPING_MODE, LayerDecision, check_mode, decide, is_book_keeping
 from .release import strategy_for
+from .tied import TiedGroups
 
 
 class PerSampleClipper:
@@ -65,6 +66,8 @@ class PerSampleClipper:
         self.max_grad_norm = float(max_grad_norm)
         self.params = list(params)
         self._param_ids = {id(p) for p in self.params}
+        #: ruled layers sharing parameters (tied weights): instantiated, summed per parameter
+        self.tied = TiedGroups(layers)
         self.recorder: LayerRecorder = build_capture(layers, model, traced, fallbacks,
                                                      on_layer_ready=self.on_layer_ready)
         #: the parameter-entry tracer and the torch.func fallback modules (None / empty when the
@@ -103,6 +106,7 @@ class PerSampleClipper:
         self._norm_terms = []
         self._plan = []
         self._kept_pairs, self._kept_grads, self._kept_groups = [], [], []
+        self.tied.reset()
         self.strategy.start()
 
     def keep_pairs(self, module: nn.Module, rule, pairs) -> None:
@@ -118,6 +122,14 @@ class PerSampleClipper:
         for a, g in pairs:
             if a.shape[0] != g.shape[0] or a.shape[0] % max(B, 1) or B == 0 or \
                     (a.shape[0] != B and not layer.rows_ok()) or layer.batch_moved():
+                if a.shape[0] == 1 < B:
+                    raise ValueError(
+                        f"layer {layer.name} saw a batch of 1 but the loss has {B} values: its "
+                        "input is shared by all samples and broadcast later, so its output "
+                        "gradient is already summed over the batch and per-sample norms cannot "
+                        "be formed. Give the layer one row per sample, e.g. Hugging Face "
+                        "models' position_ids=torch.arange(T).expand(B, T) (their default is "
+                        "(1, T)), or freeze the layer (requires_grad_(False)).")
                 raise ValueError(
                     f"layer {layer.name} saw a batch of {a.shape[0]} but the loss has {B} values; "
                     'the loss must have one value per sample: compute it with reduction="none" '
@@ -150,11 +162,20 @@ class PerSampleClipper:
             pairs, k = self._merged(layer, pairs)
             if k > 1:
                 dims = [replace(d, T=d.T * k, io_size=d.io_size * k) for d in dims]
-            if any(a.shape[0] != B for a, _ in pairs):
-                # instantiated per row and summed per sample, kept for the clipped sum
-                grads, dims = self._rows_grads(layer, pairs, dims)
+            tied = self.tied.covers(layer.module)
+            if tied or any(a.shape[0] != B for a, _ in pairs):
+                # instantiated (per row and summed per sample), kept for the clipped sum; a tied
+                # layer's gradients are summed with the other uses of its parameters first
+                if any(a.shape[0] != B for a, _ in pairs):
+                    grads, dims = self._rows_grads(layer, pairs, dims)
+                else:
+                    grads = layer.rule.per_sample_grads(layer.module, pairs)
+                    dims = [replace(d, ghost_capable=False) for d in dims]
                 decision = decide(layer.name, layer.module, dims, self.mode)
-                self.keep_grads(layer.module, grads)
+                if tied:
+                    self.tied.add(layer.module, grads)
+                else:
+                    self.keep_grads(layer.module, grads)
                 contrib = None
                 keep_calls = self.strategy.rows_layer(layer)
             else:
@@ -226,6 +247,7 @@ class PerSampleClipper:
             self._set_capturing(False)
             if not ok:
                 self._kept_pairs, self._kept_grads, self._kept_groups = [], [], []
+                self.tied.reset()
             self.strategy.norm_pass_done(self, inputs, ok)
         return norms
 
@@ -251,6 +273,7 @@ class PerSampleClipper:
         ``‖g_i‖ = (Σ_l N_l²)^{1/2}``: the sum in float64 raised by ``γ^{(64)}_{L+2}`` (L terms, any
         order), the square root by one more ulp."""
         self._keep_extra_grads()
+        self._kept_grads.extend(self.tied.take())
         items, self._kept_grads = self._kept_grads, []
         self._kept_groups, terms = group_kept_grads(items, self.batch_size)
         self._norm_terms.extend(terms)
@@ -418,6 +441,7 @@ class PerSampleClipper:
     def release(self) -> None:
         """Drop every record and everything a norm pass kept (after an error, or when done)."""
         self._kept_pairs, self._kept_grads, self._kept_groups = [], [], []
+        self.tied.reset()
         self.strategy.reset()
         self.recorder.reset()
 

@@ -1,8 +1,8 @@
 """Per-layer clipping (Opacus' ``clipping="per_layer"``): one threshold ``R_k`` per parameter
-tensor k, ``C_{i,k} = min(1, R_k / (‖G_i^k‖ + 1e-6))``, from instantiated per-sample gradients;
-the release is ``Σ_i C_{i,k} G_i^k`` of those very tensors, so the certified norm is ``‖G_i^k‖``
-summed in float64 (:func:`private_engine.layers.base.certified_kept`). Sensitivity:
-``(Σ_k R_k²)^{1/2}``."""
+tensor k, ``C_{i,k} = min(1, R_k / (‖G_i^k‖ + 1e-6))``, from instantiated per-sample gradients
+(a tied tensor's per-sample gradient is the sum of its uses); the release is ``Σ_i C_{i,k} G_i^k``
+of those very tensors, so the certified norm is ``‖G_i^k‖`` summed in float64
+(:func:`private_engine.layers.base.certified_kept`). Sensitivity: ``(Σ_k R_k²)^{1/2}``."""
 from __future__ import annotations
 
 from typing import Dict, List, Sequence, Tuple
@@ -31,17 +31,21 @@ def per_layer_clipped_sums(stored: Sequence[Tuple[object, list]], thresholds: Di
             "be batch-first (batch dimension 0) and each backward must come from one forward "
             "pass."
         )
-    out = []
-    for layer, pairs in stored:
+    summed: Dict[int, Tuple[nn.Parameter, torch.Tensor]] = {}
+    for layer, pairs in stored:  # a tied parameter's per-sample gradient: the sum of its uses
         for name, grad in layer.rule.per_sample_grads(layer.module, pairs).items():
             p = getattr(layer.module, name)
-            r = thresholds.get(id(p))
-            if r is None:
-                raise RuntimeError(
-                    f"no per-layer max_grad_norm bound for parameter {names.get(id(p))}.")
-            norms = certified_kept([grad], grad).sqrt() * scale
-            ok = torch.isfinite(norms)
-            factors = torch.where(ok, abadi_clip(torch.where(ok, norms, 0.0), r), 0.0) * scale
-            grad = torch.where(ok.reshape(-1, *([1] * (grad.dim() - 1))), grad, 0.0)
-            out.append((p, torch.tensordot(cast_down(factors, grad.dtype), grad, dims=1)))
+            held = summed.get(id(p))
+            summed[id(p)] = (p, grad if held is None else held[1] + grad)
+    out = []
+    for p, grad in summed.values():
+        r = thresholds.get(id(p))
+        if r is None:
+            raise RuntimeError(
+                f"no per-layer max_grad_norm bound for parameter {names.get(id(p))}.")
+        norms = certified_kept([grad], grad).sqrt() * scale
+        ok = torch.isfinite(norms)
+        factors = torch.where(ok, abadi_clip(torch.where(ok, norms, 0.0), r), 0.0) * scale
+        grad = torch.where(ok.reshape(-1, *([1] * (grad.dim() - 1))), grad, 0.0)
+        out.append((p, torch.tensordot(cast_down(factors, grad.dtype), grad, dims=1)))
     return out

@@ -6,7 +6,7 @@ from __future__ import annotations
 import inspect
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from torch import nn
 
@@ -161,6 +161,15 @@ def scan_model(model: nn.Module) -> ModelScan:
         traced.extend(missing)
         if len(missing) < len(own):
             layers.append((name, module, rule))
+    # an attribute of another module that is a ruled layer's own parameter (BERT's
+    # ``cls.predictions.bias``, the decoder's bias) is an alias: clipped by that layer; a direct
+    # use outside the layer's forward is refused at the first step (the graph walk)
+    ruled = {id(getattr(m, pname)) for _, m, rule in layers for pname in rule.param_names
+             if isinstance(getattr(m, pname, None), nn.Parameter)}
+    aliases = {n for n, p in traced if id(p) in ruled}
+    traced = [(n, p) for n, p in traced if n not in aliases]
+    for names in owners.values():
+        names[:] = [n for n in names if n not in aliases]
     return ModelScan(layers, traced, fallbacks, owners)
 
 
@@ -215,23 +224,74 @@ def clipped_layers(model: nn.Module, strict: bool = True,
                    scan: Optional[ModelScan] = None) -> List[Tuple[str, nn.Module, LayerRule]]:
     """``[(name, module, rule)]`` for every module whose direct trainable parameters a rule covers.
 
-    With ``strict``, rules check their module and a parameter shared between modules raises
-    (never silently clipped twice or left unclipped). Parameters without a rule are not listed
-    here: see :func:`scan_model` (tracer and fallback); pass its ``scan`` to avoid a second scan.
+    With ``strict``, rules check their module, and a parameter shared between modules is checked
+    by :func:`check_shared_parameters` (tied weights of ruled layers are clipped together; any
+    other sharing raises, never silently clipped twice or left unclipped). Parameters without a
+    rule are not listed here: see :func:`scan_model` (tracer and fallback); pass its ``scan`` to
+    avoid a second scan.
     """
     scan = scan_model(model) if scan is None else scan
-    layers, owners = scan.layers, scan.owners
+    layers = scan.layers
     if not strict:
         return layers
     for name, module, rule in layers:
         rule.check(module)
         check_certifiable(name, module, rule)
         check_rule_signature(name, module, rule)
-    shared = [names for names in owners.values() if len(names) > 1]
-    if shared:
-        raise ValueError(
-            "parameters shared between modules are not supported yet (their per-sample gradients "
-            "add up "
-            f"across modules): {shared}. Untie them or freeze them (requires_grad_(False))."
-        )
+    check_shared_parameters(scan)
     return layers
+
+
+def tied_layers(layers: Sequence[Tuple[str, nn.Module, LayerRule]]) -> List[List[str]]:
+    """Groups of ruled layers that share a trainable parameter (tied weights: GPT-2's ``wte`` and
+    ``lm_head``, BERT's word embeddings and MLM decoder), as lists of layer names; layers linked
+    through a chain of shared parameters form one group.
+
+    The per-sample gradient of a shared tensor is the sum of its uses,
+    ``∂L_i/∂W = Σ_k ∂L_i/∂W|_k``, so its squared norm has cross terms
+    ``2·Σ_{k<l} ⟨∂L_i/∂W|_k, ∂L_i/∂W|_l⟩``: the clipping core forms the norm of the sum, never
+    the sum of the norms (:mod:`private_engine.clipping.tied`)."""
+    parent = {name: name for name, _, _ in layers}
+
+    def root(n):
+        while parent[n] != n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    seen: Dict[int, str] = {}
+    for name, module, rule in layers:
+        for pname in rule.param_names:
+            p = getattr(module, pname, None)
+            if not (isinstance(p, nn.Parameter) and p.requires_grad):
+                continue
+            if id(p) in seen:
+                parent[root(name)] = root(seen[id(p)])
+            else:
+                seen[id(p)] = name
+    groups: Dict[str, List[str]] = {}
+    for name, _, _ in layers:
+        groups.setdefault(root(name), []).append(name)
+    return [g for g in groups.values() if len(g) > 1]
+
+
+def check_shared_parameters(scan: ModelScan) -> None:
+    """Refuse a trainable parameter shared between modules unless every use is a ruled layer's
+    own parameter (tied weights, clipped together by the clipping core). A parameter shared with
+    the parameter tracer or a ``torch.func`` fallback module would be normed in two places
+    without its cross terms: refused, naming it and its owners."""
+    ruled = {}
+    for name, module, rule in scan.layers:
+        prefix = f"{name}." if name else ""
+        for pname in rule.param_names:
+            p = getattr(module, pname, None)
+            if isinstance(p, nn.Parameter) and p.requires_grad:
+                ruled.setdefault(id(p), []).append(prefix + pname)
+    bad = [names for pid, names in scan.owners.items()
+           if len(names) > 1 and len(ruled.get(pid, ())) != len(names)]
+    if bad:
+        raise ValueError(
+            "parameters shared between modules can be clipped only when every module using them "
+            "has a layer rule (tied Linear/Embedding/Conv/norm weights); these are shared with a "
+            f"module clipped by the parameter tracer or the torch.func fallback: {bad}. Untie "
+            "them or freeze them (requires_grad_(False)).")

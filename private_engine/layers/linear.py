@@ -1,9 +1,12 @@
-"""Rule for ``nn.Linear`` with inputs of any rank ≥ 2: (B, d), (B, T, d), (B, H, W, d), …
+"""Rules for ``nn.Linear`` with inputs of any rank ≥ 2: (B, d), (B, T, d), (B, H, W, d), …, and
+for the transposed-weight ``Conv1D`` of Hugging Face transformers (GPT-2, GPT: ``y = x·W + b``
+with ``W`` of shape ``(d, p)``, one ``addmm``).
 
 With a_i ∈ R^{T×d} and g_i ∈ R^{T×p} (positions flattened, calls concatenated), the per-sample
 weight gradient is ``G_i = g_iᵀ a_i`` and its ghost norm ``‖G_i‖²_F = ⟨a_i a_iᵀ, g_i g_iᵀ⟩``
 (Bu, Mao & Xu 2022, "Scalable and Efficient Training of Large Convolutional Neural Networks with
-Differential Privacy", eq. 2.7); the bias gradient is ``Σ_t g_{i,t}``.
+Differential Privacy", eq. 2.7); the bias gradient is ``Σ_t g_{i,t}``. ``Conv1D``'s weight
+gradient is the transpose ``a_iᵀ g_i``: the same norms, the same rounding, the same certificate.
 """
 from __future__ import annotations
 
@@ -15,34 +18,42 @@ from torch import nn
 from .base import (LayerDims, LayerRule, accumulation_dtype, cast, certified_kept, compute_dtype,
                    flatten_positions, gram_inner, gram_unit, mm_into, release_dtype, row_norm_sq,
                    scale_samples, sum_into, trainable, weighted_sum_into, zeros_like_batch)
-from .registry import register_rule
+from .registry import register_named_rule, register_rule
 from .rounding import (certified_ghost, certified_instantiated, gram_coefficient,
                        instantiation_coefficient, pair_mass, release_coefficient)
 
 
 class LinearRule(LayerRule):
     module_types = (nn.Linear,)
+    #: the weight is stored ``(in, out)`` (Conv1D) rather than ``(out, in)``
+    transposed = False
+
+    def features(self, module: nn.Module):
+        """``(in_features, out_features)`` of the module."""
+        return module.in_features, module.out_features
 
     def _views(self, module: nn.Linear, calls, dtype=None):
         A, G = [], []
+        d_in, d_out = self.features(module)
         for a, g in calls:
-            if a.shape[-1] != module.in_features or g.shape[-1] != module.out_features:
+            if a.shape[-1] != d_in or g.shape[-1] != d_out:
                 raise ValueError(
                     f"{type(module).__name__}: recorded shapes {tuple(a.shape)} -> "
-                    f"{tuple(g.shape)} do not match in_features={module.in_features}, "
-                    f"out_features={module.out_features}; a subclass that changes Linear's forward "
+                    f"{tuple(g.shape)} do not match in_features={d_in}, "
+                    f"out_features={d_out}; a subclass that changes Linear's forward "
                     "needs its own rule (private_engine.layers.register_rule)."
                 )
             dt = compute_dtype(g) if dtype is None else dtype
-            A.append(cast(flatten_positions(a, module.in_features), dt))
-            G.append(cast(flatten_positions(g, module.out_features), dt))
+            A.append(cast(flatten_positions(a, d_in), dt))
+            G.append(cast(flatten_positions(g, d_out), dt))
         if len(calls) == 1:
             return A[0], G[0]
         return torch.cat(A, 1), torch.cat(G, 1)
 
     def dims(self, module, activation, output):
-        T = output.numel() // (output.shape[0] * module.out_features) if output.shape[0] else 1
-        return LayerDims(T=T, D=module.in_features, p=module.out_features)
+        d_in, d_out = self.features(module)
+        T = output.numel() // (output.shape[0] * d_out) if output.shape[0] else 1
+        return LayerDims(T=T, D=d_in, p=d_out)
 
     def ghost_norm_sq(self, module, calls):
         A, G = self._views(module, calls)
@@ -57,7 +68,8 @@ class LinearRule(LayerRule):
         A, G = self._views(module, calls)
         out = {}
         if trainable(module, "weight"):
-            out["weight"] = torch.bmm(G.transpose(1, 2), A)
+            out["weight"] = (torch.bmm(A.transpose(1, 2), G) if self.transposed
+                             else torch.bmm(G.transpose(1, 2), A))
         if trainable(module, "bias"):
             out["bias"] = G.sum(1, dtype=accumulation_dtype(G))
         return out
@@ -86,7 +98,8 @@ class LinearRule(LayerRule):
         grads = self.per_sample_grads(module, calls) if grads is None else grads
         norm_sq = sum(row_norm_sq(g) for g in grads.values())
         c_inst = instantiation_coefficient(G.dtype, G.device, T)
-        terms = module.out_features * (module.in_features + 1)
+        d_in, d_out = self.features(module)
+        terms = d_out * (d_in + 1)
         return certified_instantiated(norm_sq, mass, c_inst, c_rel, terms)
 
     def weighted_grads(self, module, calls, factors, out=None) -> Dict[str, torch.Tensor]:
@@ -104,8 +117,9 @@ class LinearRule(LayerRule):
                 A = scale_samples(A, factors)
             else:
                 G = scaled_g = scale_samples(G, factors)
-            res["weight"] = mm_into(out.get("weight"), G.reshape(-1, G.shape[-1]).t(),
-                                    A.reshape(-1, A.shape[-1]))
+            A2, G2 = A.reshape(-1, A.shape[-1]), G.reshape(-1, G.shape[-1])
+            res["weight"] = (mm_into(out.get("weight"), A2.t(), G2) if self.transposed
+                             else mm_into(out.get("weight"), G2.t(), A2))
         if trainable(module, "bias"):
             if scaled_g is not None:
                 res["bias"] = sum_into(out.get("bias"), scaled_g, (0, 1))
@@ -115,4 +129,19 @@ class LinearRule(LayerRule):
         return res
 
 
+
+class TransposedLinearRule(LinearRule):
+    """Hugging Face transformers' ``Conv1D`` (GPT-2, GPT): ``y = addmm(b, x, W)``, ``W: (d, p)``.
+    Per-sample weight gradient ``a_iᵀ g_i`` (d×p), clipped sum ``Aᵀ·diag(C)·G``; norms and
+    certificate as :class:`LinearRule`'s (a transpose changes neither)."""
+
+    module_types = ()
+    transposed = True
+
+    def features(self, module: nn.Module):
+        """``(nx, nf)``: Conv1D's input and output widths (its weight is ``(nx, nf)``)."""
+        return module.weight.shape[0], module.weight.shape[1]
+
+
 register_rule(LinearRule())
+register_named_rule(TransposedLinearRule(), "transformers.pytorch_utils.Conv1D")

@@ -22,6 +22,9 @@ class Registry:
 
     def __init__(self) -> None:
         self.rules: Dict[Type[nn.Module], object] = {}
+        #: rules for classes of optional libraries, by qualified name (matched without importing
+        #: the library)
+        self.named_rules: Dict[str, object] = {}
         #: module classes clipped by the torch.func fallback (qualified names)
         self.fallback_classes: Set[str] = {
             # weights used inside F.multi_head_attention_forward
@@ -42,6 +45,13 @@ class Registry:
             self.rules[cls] = rule
         return rule
 
+    def register_named_rule(self, rule, *qualified_names: str):
+        """Clip the classes called ``qualified_names`` (``module.QualName``) by ``rule``, without
+        importing their library."""
+        for name in qualified_names:
+            self.named_rules[name] = rule
+        return rule
+
     def register_fallback(self, cls: type) -> type:
         """Clip every module of class ``cls`` (and its subtree) by the ``torch.func`` fallback."""
         self.fallback_classes.add(qualified_name(cls))
@@ -50,6 +60,7 @@ class Registry:
     def unregister(self, cls: type) -> None:
         """Forget whatever was registered for ``cls`` (a rule or the fallback)."""
         self.rules.pop(cls, None)
+        self.named_rules.pop(qualified_name(cls), None)
         self.fallback_classes.discard(qualified_name(cls))
 
     def find_rule(self, module: nn.Module):
@@ -64,6 +75,8 @@ class Registry:
         """
         for cls in type(module).__mro__:
             rule = self.rules.get(cls)
+            if rule is None and self.named_rules:
+                rule = self.named_rules.get(qualified_name(cls))
             if rule is not None:
                 return rule
             if "forward" in vars(cls) and qualified_name(cls) not in self.same_math_subclasses:
@@ -78,11 +91,13 @@ class Registry:
         """True for a module without a rule whose class derives from one that has a rule (a
         subclass that overrides ``forward``): it is clipped by the torch.func fallback."""
         return self.find_rule(module) is None and \
-            any(cls in self.rules for cls in type(module).__mro__)
+            any(cls in self.rules or qualified_name(cls) in self.named_rules
+                for cls in type(module).__mro__)
 
 
 REGISTRY = Registry()
 register_rule = REGISTRY.register_rule
+register_named_rule = REGISTRY.register_named_rule
 register_fallback = REGISTRY.register_fallback
 unregister = REGISTRY.unregister
 find_rule = REGISTRY.find_rule

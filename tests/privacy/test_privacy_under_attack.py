@@ -863,3 +863,43 @@ def test_sample_with_a_zero_gradient_layer(door, how):
     case = dead_relu_case()
     assert true_norm(case.model, *case.crafted) > 2 * R
     assert_bounded(*run_pair(case, door, how), what=f"dead ReLU {door}-{how}")
+
+
+class SharedWeight(nn.Module):
+    """One weight applied by two Linears (tied): ``y = W·tanh(W·x) + b``. The per-sample gradient
+    of ``W`` is the sum of its two uses; its norm needs their cross term."""
+
+    def __init__(self, d: int = 6):
+        super().__init__()
+        self.first = nn.Linear(d, d, bias=False)
+        self.second = nn.Linear(d, d)
+        self.second.weight = self.first.weight
+
+    def forward(self, x):
+        return self.second(torch.tanh(self.first(x)))
+
+
+def tied_case(seed: int = 56) -> Case:
+    """A crafted sample whose two uses of the tied weight point the same way (found by a search
+    over seeds, float64): ``‖G¹ + G²‖² ≈ 1.39·(‖G¹‖² + ‖G²‖²)``, so norms taken use by use would
+    release ``≈ 1.18·R``."""
+    torch.manual_seed(0)
+    model = SharedWeight()
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, 6, generator=g, dtype=torch.float64) * 30
+    t = torch.randn(1, 6, generator=g, dtype=torch.float64) * 30
+    untied = copy.deepcopy(model).double()
+    untied.second.weight = nn.Parameter(untied.first.weight.detach().clone())
+    g1, g2 = torch.autograd.grad(mse(untied(x), t).sum(),
+                                 [untied.first.weight, untied.second.weight])
+    assert float((g1 + g2).pow(2).sum()) > 1.3 * float(g1.pow(2).sum() + g2.pow(2).sum())
+    honest = (torch.randn(3, 6, generator=g), torch.randn(3, 6, generator=g))
+    return Case(model, honest, (x.float(), t.float()))
+
+
+@pytest.mark.parametrize("door,how", DOORS, ids=DOOR_IDS)
+def test_tied_weight_uses_that_align(door, how):
+    """Tied weights: the crafted sample's two uses add up; the step still moves by at most R."""
+    case = tied_case()
+    assert_large(case)
+    assert_bounded(*run_pair(case, door, how), what=f"tied {door}-{how}")

@@ -1,0 +1,235 @@
+"""Tied weights: one trainable tensor used by several ruled layers, clipped exactly.
+
+The per-sample gradient of a shared tensor is the sum of its uses, so its norm includes the cross
+terms between uses. Checked against the float64 one-sample-at-a-time reference
+(tests/reference.py) in every clipping mode and clipping function, for a GPT-2-style tied
+``wte``/``lm_head`` pair, two Linears sharing one weight, Hugging Face GPT-2 (tied embeddings and
+``Conv1D`` layers) and BERT's masked-LM head, in the native engine and through the Opacus door.
+Sharing the engine cannot clip exactly (a parameter shared with a traced or ``torch.func`` use)
+is refused, naming the parameter.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import private_engine as pe
+from private_engine import opacus_compat
+from engine_checks import CLIPS, MODES, check_against_reference, one_thread  # noqa: F401
+from reference import assert_close_rel, reference_clipped_sum
+
+
+class TinyTiedLM(nn.Module):
+    """GPT-2's shape in miniature: token and position embeddings, a residual MLP, and an output
+    projection tied to the token embedding (``lm_head.weight is wte.weight``)."""
+
+    def __init__(self, vocab: int = 13, d: int = 6, positions: int = 5):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.wpe = nn.Embedding(positions, d)
+        self.ln = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, ids):
+        pos = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
+        h = self.wte(ids) + self.wpe(pos)
+        h = h + torch.tanh(self.fc(self.ln(h)))
+        return self.lm_head(h)
+
+
+class SharedLinear(nn.Module):
+    """One square weight applied twice by two Linears, the second with a bias of its own:
+    ``y = W·tanh(W·x) + b``."""
+
+    def __init__(self, d: int = 5):
+        super().__init__()
+        self.first = nn.Linear(d, d, bias=False)
+        self.second = nn.Linear(d, d)
+        self.second.weight = self.first.weight
+
+    def forward(self, x):
+        return self.second(torch.tanh(self.first(x)))
+
+
+def lm_loss(model, ids, tgt):
+    """Per-sample next-token cross-entropy, summed over positions."""
+    return F.cross_entropy(model(ids).transpose(1, 2), tgt, reduction="none").sum(1)
+
+
+def square_loss(model, x, t):
+    """Per-sample ``Σ (y − t)²``."""
+    return (model(x) - t).pow(2).flatten(1).sum(1)
+
+
+def tokens(B=6, T=5, vocab=13, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (B, T), generator=g), torch.randint(0, vocab, (B, T),
+                                                                         generator=g)
+
+
+@pytest.mark.parametrize("clip", CLIPS)
+@pytest.mark.parametrize("mode", MODES)
+def test_tied_embedding_and_output_projection_are_exact(mode, clip):
+    torch.manual_seed(0)
+    model = TinyTiedLM().double()
+    engine = check_against_reference(model, list(tokens()), lm_loss, mode=mode, clip=clip)
+    tied = {d.name: d for d in engine.layer_plan if d.name in ("wte", "lm_head")}
+    assert set(tied) == {"wte", "lm_head"} and not any(d.use_ghost for d in tied.values())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_one_weight_in_two_linears_is_exact(mode):
+    torch.manual_seed(0)
+    model = SharedLinear().double()
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(6, 3, 5, generator=g, dtype=torch.float64)
+    t = torch.randn(6, 3, 5, generator=g, dtype=torch.float64)
+    for clip in ("abadi", "automatic"):
+        check_against_reference(model, [x, t], square_loss, mode=mode, clip=clip)
+
+
+def test_cross_terms_matter_for_these_cases():
+    """The tests above would fail without the cross terms: the norm of the sum of the uses is not
+    the norm of their norms (float64, one sample)."""
+    torch.manual_seed(0)
+    model = TinyTiedLM().double()
+    untied = copy.deepcopy(model)
+    untied.lm_head.weight = nn.Parameter(untied.wte.weight.detach().clone())
+    ids, tgt = tokens(B=1)
+    g_emb, g_head = torch.autograd.grad(lm_loss(untied, ids, tgt).sum(),
+                                        [untied.wte.weight, untied.lm_head.weight])
+    joint = (g_emb + g_head).pow(2).sum()
+    apart = g_emb.pow(2).sum() + g_head.pow(2).sum()
+    assert abs(float(joint / apart) - 1) > 1e-3
+
+
+def test_shared_with_a_traced_use_is_refused_naming_it():
+    class Mixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.scale = self.lin.bias  # the same tensor, used directly as a raw parameter
+
+        def forward(self, x):
+            return self.lin(x) * self.scale
+
+    model = Mixed()
+    engine = pe.PrivacyEngine(model, batch_size=3, sample_size=30, max_grad_norm=1.0,
+                              noise_multiplier=0.0)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    engine.attach(opt)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"lin\.bias|scale"):
+        opt.step(loss=model(torch.randn(3, 4)).sum(1))
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+# -- Hugging Face language models (transformers is a test extra) ------------------------------
+def gpt2(vocab=31):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=vocab, n_positions=8, n_embd=8, n_layer=1, n_head=2,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                  bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(cfg).double()
+
+
+def hf_lm_loss(model, ids):
+    """GPT-2's next-token loss per sample, with per-sample ``position_ids``."""
+    pos = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
+    logits = model(input_ids=ids, position_ids=pos).logits
+    return F.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:],
+                           reduction="none").sum(1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_gpt2_full_fine_tuning_is_exact(mode):
+    model = gpt2()
+    assert model.lm_head.weight is model.transformer.wte.weight
+    ids = torch.randint(0, 31, (4, 6), generator=torch.Generator().manual_seed(3))
+    engine = check_against_reference(model, [ids], hf_lm_loss, mode=mode, clip="abadi")
+    types = {d.layer_type for d in engine.layer_plan}
+    assert "Conv1D" in types and "Embedding" in types
+
+
+def test_gpt2_default_position_ids_are_refused_with_the_fix():
+    """Hugging Face's default ``position_ids`` have batch 1: the position embedding's output
+    gradient is then the batch sum; refused before anything is released, saying what to pass."""
+    model = gpt2()
+    engine = pe.PrivacyEngine(model, batch_size=4, sample_size=40, max_grad_norm=1.0,
+                              noise_multiplier=0.0)
+    ids = torch.randint(0, 31, (4, 6))
+    logits = model(input_ids=ids).logits
+    loss = F.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none").sum(1)
+    with pytest.raises(ValueError, match=r"transformer\.wpe.*position_ids"):
+        engine.clipped_grad_sum(loss)
+
+
+@pytest.mark.parametrize("mode", ["bk_mixed", "mixed", "per_sample"])
+def test_bert_masked_lm_head_is_exact(mode):
+    """BERT's decoder shares the word embeddings, and its bias is also an attribute of the
+    prediction head (an alias, clipped with the decoder)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(vocab_size=23, hidden_size=8, num_hidden_layers=1,
+                                  num_attention_heads=2, intermediate_size=12,
+                                  max_position_embeddings=8, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    model = transformers.BertForMaskedLM(cfg).double()
+    g = torch.Generator().manual_seed(4)
+    ids, labels = torch.randint(0, 23, (4, 6), generator=g), torch.randint(0, 23, (4, 6),
+                                                                           generator=g)
+
+    def loss_fn(m, ids, labels):
+        pos = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
+        logits = m(input_ids=ids, position_ids=pos).logits
+        return F.cross_entropy(logits.transpose(1, 2), labels, reduction="none").sum(1)
+
+    check_against_reference(model, [ids, labels], loss_fn, mode=mode, clip="abadi")
+
+
+# -- the Opacus door ----------------------------------------------------------------------------
+def opacus_step(model, batch, loss_fn, R, grad_sample_mode="hooks"):
+    """One ``make_private`` step (SGD lr 1, noise 0, the loader's fixed batch, mean loss):
+    returns the parameter change."""
+    model = copy.deepcopy(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    before = [p.detach().clone() for p in params]
+    B = batch[0].shape[0]
+    loader = DataLoader(TensorDataset(*batch), batch_size=B)
+    opt = torch.optim.SGD(params, lr=1.0)
+    engine = opacus_compat.PrivacyEngine(accountant="rdp")
+    module, opt, loader = engine.make_private(module=model, optimizer=opt, data_loader=loader,
+                                              noise_multiplier=0.0, max_grad_norm=R,
+                                              poisson_sampling=False,
+                                              grad_sample_mode=grad_sample_mode)
+    opt.zero_grad()
+    loss_fn(module, *batch).mean().backward()
+    opt.step()
+    return [p.detach() - b for p, b in zip(params, before)]
+
+
+@pytest.mark.parametrize("case", ["tiny-tied-lm", "gpt2"])
+def test_opacus_door_tied_weights_are_exact(case):
+    if case == "gpt2":
+        model = gpt2()
+        batch = [torch.randint(0, 31, (4, 6), generator=torch.Generator().manual_seed(3))]
+        loss_fn = hf_lm_loss
+    else:
+        torch.manual_seed(0)
+        model, batch, loss_fn = TinyTiedLM().double(), list(tokens()), lm_loss
+    _, norms = reference_clipped_sum(model, batch, loss_fn, 1.0,
+                                     lambda n, r: torch.ones_like(n))
+    R = float(norms.median())
+    ref, _ = reference_clipped_sum(model, batch, loss_fn, R,
+                                   lambda n, r: torch.clamp(r / (n + 1e-6), max=1.0))
+    delta = opacus_step(model, batch, loss_fn, R)
+    B = batch[0].shape[0]
+    assert_close_rel(delta, [-r / B for r in ref], 1e-9)
