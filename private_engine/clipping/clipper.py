@@ -34,9 +34,11 @@ from ..layers.rounding import gamma
 from .functions import ClipFn, clip_factors, resolve_clipping_fn
 from .grad_sums import FlatLayout, GradSums
 from .kept import group_kept_grads, kept_pair_params, per_sample_numel, rows_kept
-from .plan import DEFAULT_CLIPPING_MODE, LayerDecision, check_mode, decide, is_book_keeping
+from .plan import (DEFAULT_CLIPPING_MODE, LayerDecision, check_mode, decide, is_book_keeping,
+                   use_ghost)
 from .release import strategy_for
 from .tied import TiedGroups
+from .tied_ghost import joint_dims
 
 
 class PerSampleClipper:
@@ -163,7 +165,14 @@ class PerSampleClipper:
             if k > 1:
                 dims = [replace(d, T=d.T * k, io_size=d.io_size * k) for d in dims]
             tied = self.tied.covers(layer.module)
-            if tied or any(a.shape[0] != B for a, _ in pairs):
+            if tied and self._tied_ghost(self.tied.group(layer.module)):
+                # normed with the other uses of its weight at the end of the pass
+                decision = replace(decide(layer.name, layer.module, dims, self.mode),
+                                   use_ghost=True)
+                self.keep_pairs(layer.module, layer.rule, pairs)
+                self.tied.group(layer.module).pairs.append((layer.module, layer.rule, pairs))
+                contrib = None
+            elif tied or any(a.shape[0] != B for a, _ in pairs):
                 # instantiated (per row and summed per sample), kept for the clipped sum; a tied
                 # layer's gradients are summed with the other uses of its parameters first
                 if any(a.shape[0] != B for a, _ in pairs):
@@ -189,6 +198,24 @@ class PerSampleClipper:
                 layer.clear_grads()
             else:
                 layer.release()
+
+    def _tied_ghost(self, group) -> bool:
+        """Whether a tied group is normed by its joint ghost norm in this pass (decided once, at
+        its first layer): book-keeping modes, Embeddings and Linears sharing one weight, every
+        recorded call with one row per sample, and the mode's rule picking the ghost norm for
+        the stacked rows (:func:`private_engine.clipping.tied_ghost.joint_dims`)."""
+        if group.use_ghost is None:
+            group.use_ghost = False
+            if self.book_keeping and group.ghost_capable:
+                ids = {id(m) for _, m, _ in group.members}
+                recs = [r for r in self.recorder.layers if id(r.module) in ids]
+                calls = [c for r in recs for c in r.calls]
+                if calls and all(c.activation is not None and
+                                 c.activation.shape[0] == self.batch_size for c in calls):
+                    dims = joint_dims([(r.module, r.rule, [c.dims for c in r.calls])
+                                       for r in recs])
+                    group.use_ghost = use_ghost(dims, self.mode)
+        return group.use_ghost
 
     def _rows_grads(self, layer: RecordedLayer, pairs, dims):
         """Per-sample gradients of a (non-Linear) layer that sees ``k·B`` rows, k consecutive rows
@@ -274,6 +301,7 @@ class PerSampleClipper:
         order), the square root by one more ulp."""
         self._keep_extra_grads()
         self._kept_grads.extend(self.tied.take())
+        self._norm_terms.extend(self.tied.joint_norms())
         items, self._kept_grads = self._kept_grads, []
         self._kept_groups, terms = group_kept_grads(items, self.batch_size)
         self._norm_terms.extend(terms)

@@ -10,15 +10,37 @@ is kept, normed and released as ``Σ_i C_i G_i`` like any kept per-sample gradie
 (:func:`private_engine.layers.base.certified_kept`: the release is the very tensor that was
 normed, so the certificate needs no term for the cross products). Memory per sample: the shared
 tensor's size (``V·d`` for a tied vocabulary matrix).
+
+In the book-keeping modes, a group of Embeddings and Linears sharing one weight is normed by the
+joint ghost norm instead when the memory rule of the mode picks the ghost norm for the stacked
+rows (:mod:`.tied_ghost`): ``T×T`` Grams with the cross terms, no ``V×d`` per-sample matrix.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Set, Tuple
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from ..guards.model_check import tied_layers
+from .tied_ghost import certified_joint_norm_sq, ghost_capable
+
+
+@dataclass
+class TiedGroup:
+    """Ruled layers linked by shared parameters, and what the running norm pass holds of them."""
+
+    members: List[Tuple[str, nn.Module, object]]
+    #: the joint ghost norm (True) or instantiation (False) for this pass; None: not decided yet
+    use_ghost: Optional[bool] = None
+    #: ``[(module, rule, pairs)]`` of the members normed jointly
+    pairs: list = field(default_factory=list)
+
+    @property
+    def ghost_capable(self) -> bool:
+        """Embeddings and Linears sharing one weight (:func:`.tied_ghost.ghost_capable`)."""
+        return ghost_capable([(m, r) for _, m, r in self.members])
 
 
 class TiedGroups:
@@ -26,18 +48,24 @@ class TiedGroups:
     running norm pass summed per parameter."""
 
     def __init__(self, layers: Sequence[Tuple[str, nn.Module, object]]):
-        #: groups of layer names linked by shared parameters (empty: no tied weights)
-        self.groups: List[List[str]] = tied_layers(layers)
-        grouped = {n for g in self.groups for n in g}
-        self._modules: Set[int] = {id(m) for n, m, _ in layers if n in grouped}
+        by_name = {n: (n, m, r) for n, m, r in layers}
+        #: groups of layers linked by shared parameters (empty: no tied weights)
+        self.groups: List[TiedGroup] = [TiedGroup([by_name[n] for n in names])
+                                        for names in tied_layers(layers)]
+        self._group_of: Dict[int, TiedGroup] = {id(m): g for g in self.groups
+                                                for _, m, _ in g.members}
         self._sums: Dict[int, Tuple[nn.Parameter, torch.Tensor]] = {}
 
     def __bool__(self) -> bool:
-        return bool(self._modules)
+        return bool(self.groups)
 
     def covers(self, module: nn.Module) -> bool:
         """True when ``module`` shares a parameter with another ruled layer."""
-        return id(module) in self._modules
+        return id(module) in self._group_of
+
+    def group(self, module: nn.Module) -> TiedGroup:
+        """The group of a covered module."""
+        return self._group_of[id(module)]
 
     def add(self, module: nn.Module, grads: Dict[str, torch.Tensor]) -> None:
         """Add one layer's per-sample gradients ``{name: (B, *shape)}``: ``G_i += G_i^k`` for each
@@ -52,6 +80,15 @@ class TiedGroups:
         out, self._sums = list(self._sums.values()), {}
         return out
 
+    def joint_norms(self) -> List[torch.Tensor]:
+        """The certified squared norms of the groups normed jointly in this pass (and forget
+        their records)."""
+        terms = [certified_joint_norm_sq(g.pairs) for g in self.groups if g.use_ghost and g.pairs]
+        self.reset()
+        return terms
+
     def reset(self) -> None:
-        """Forget the sums of an abandoned norm pass."""
+        """Forget what a norm pass held."""
         self._sums = {}
+        for g in self.groups:
+            g.use_ghost, g.pairs = None, []
