@@ -476,3 +476,15 @@ def test_scripts_run_from_anywhere(script, tmp_path):
     out = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--help"], cwd=tmp_path,
                          capture_output=True, text=True, check=True).stdout
     assert out.startswith("usage:")
+
+
+def test_tied_lm_runs(capsys):
+    from bench.investigate import tied_lm as module
+
+    result = module.main(["--vocab", "256", "--dim", "16", "--seq", "8", "--layers", "1",
+                          "--batch-size", "3", "--rounds", "1"])
+    assert set(result) == set(module.METHODS)
+    assert result["bk_mixed"]["tied"] == "joint ghost"
+    assert result["bk_mixopt"]["tied"] == "instantiated"
+    assert all(r["ms"] > 0 and r["peak_mib"] >= 0 for r in result.values())
+    assert "| bk_mixed | joint ghost |" in capsys.readouterr().out
