@@ -16,15 +16,19 @@ from .functions import abadi_clip
 
 
 def per_layer_clipped_sums(stored: Sequence[Tuple[object, list]], thresholds: Dict[int, float],
-                           scale: float, names: Dict[int, str]
+                           scale: float, names: Dict[int, str],
+                           extra: Sequence[Tuple[nn.Parameter, torch.Tensor]] = ()
                            ) -> List[Tuple[nn.Parameter, torch.Tensor]]:
-    """``[(parameter, Σ_i C_{i,k} G_i^k)]`` for recorded layers ``stored = [(layer, pairs)]``.
+    """``[(parameter, Σ_i C_{i,k} G_i^k)]`` for recorded layers ``stored = [(layer, pairs)]`` and
+    ``extra = [(parameter, G (B, *shape))]``, per-sample gradients instantiated elsewhere (the
+    parameter-entry tracer, torch.func fallback modules).
 
     ``thresholds``: ``{id(parameter): R_k}``. ``scale``: the factor by which the recorded output
     gradients are multiplied first (B for a mean-reduced loss). A sample whose norm is not finite
     gets ``C_{i,k} = 0`` and its rows are zeroed.
     """
     batches = {g.shape[0] for _, pairs in stored for _, g in pairs}
+    batches |= {g.shape[0] for _, g in extra}
     if len(batches) > 1:
         raise ValueError(
             f"layers saw different batch sizes {sorted(batches)} in one backward; inputs must "
@@ -37,6 +41,9 @@ def per_layer_clipped_sums(stored: Sequence[Tuple[object, list]], thresholds: Di
             p = getattr(layer.module, name)
             held = summed.get(id(p))
             summed[id(p)] = (p, grad if held is None else held[1] + grad)
+    for p, grad in extra:
+        held = summed.get(id(p))
+        summed[id(p)] = (p, grad if held is None else held[1] + grad)
     out = []
     for p, grad in summed.values():
         r = thresholds.get(id(p))

@@ -36,7 +36,14 @@ Networks with Differential Privacy", eq. 4.1 — applied to what book-keeping ke
 =================  ===========================================================================
 
 ``clipping="per_layer"`` (not with the "ghost" modes, as in Opacus) instantiates per-sample
-gradients, one threshold per parameter tensor (:mod:`.module`).
+gradients, one threshold per parameter tensor (:mod:`.module`). ``clipping="adaptive"`` (Andrew,
+Thakkar, McMahan & Ramaswamy 2021, "Differentially Private Learning with Adaptive Clipping"):
+Opacus' ``AdaClipDPOptimizer`` arguments and accounting, on our clipped sums and counts
+(:class:`~.optimizer.AdaptiveClippedSumOptimizer`).
+
+Parameters outside a ruled layer are clipped as in the native engine: by the parameter-entry
+tracer (:mod:`private_engine.capture.tracer`) and the ``torch.func`` fallback
+(:mod:`private_engine.capture.fallback`), batch-first inputs only.
 
 Distributed data parallel, as in Opacus 1.6: a model wrapped in Opacus'
 ``DifferentiallyPrivateDistributedDataParallel`` (DPDDP) or torch's ``DistributedDataParallel``
@@ -66,8 +73,9 @@ from ..optim.noise import entropy_seeded_generator
 from ..guards.model_check import check_no_batchnorm, clipped_layers, scan_model
 from .loss import PrivateLoss
 from .module import PrivateModule
-from .optimizer import (ClippedSumOptimizer, DistributedClippedSumOptimizer,
-                        DistributedPerLayerClippedSumOptimizer, PerLayerClippedSumOptimizer)
+from .optimizer import (AdaptiveClippedSumOptimizer, ClippedSumOptimizer,
+                        DistributedClippedSumOptimizer, DistributedPerLayerClippedSumOptimizer,
+                        PerLayerClippedSumOptimizer)
 from ..layers.sequence_bias import PREPARED, SequenceBias
 
 #: grad_sample_mode strings accepted by opacus 1.6 (what each runs: the table above)
@@ -108,11 +116,12 @@ class PrivacyEngine(opacus.PrivacyEngine):
         check_no_batchnorm(inner)
         scan = scan_model(inner)
         layers = _clipped_layers(inner, scan)
-        _refuse_traced_and_fallback(inner, scan)
         _check_attention_layout(inner, batch_first)
+        # parameters outside a ruled layer: the native engine's tracer and torch.func fallback
         self._module = PrivateModule(inner, layers, max_grad_norm=max_grad_norm,
                                      loss_reduction=loss_reduction, mode=self.clipping_mode,
-                                     batch_first=batch_first, wrapper=wrapper)
+                                     batch_first=batch_first, wrapper=wrapper,
+                                     traced=scan.traced, fallbacks=scan.fallbacks)
         return self._module
 
     def _prepare_optimizer(self, *, optimizer: optim.Optimizer, noise_multiplier: float,
@@ -135,6 +144,15 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 PerLayerClippedSumOptimizer
             dp_optimizer = cls(optimizer, max_grad_norm=max_grad_norm, **common)
             self._module.bind_per_layer_norms(dp_optimizer.params, max_grad_norm)
+            return dp_optimizer
+        if clipping == "adaptive":
+            if distributed:  # Opacus' get_optimizer_class refuses it with this message too
+                raise ValueError("Unexpected optimizer parameters. Clipping: adaptive, "
+                                 "distributed: True (adaptive clipping is not supported in "
+                                 "distributed training).")
+            dp_optimizer = AdaptiveClippedSumOptimizer(optimizer, max_grad_norm=max_grad_norm,
+                                                       **common)
+            self._module.bind_optimizer(dp_optimizer)  # clipping follows the adapted bound
             return dp_optimizer
         cls = DistributedClippedSumOptimizer if distributed else ClippedSumOptimizer
         dp_optimizer = cls(optimizer, max_grad_norm=max_grad_norm, **common)
@@ -275,9 +293,9 @@ def _check_arguments(*, module, optimizer, noise_multiplier, max_grad_norm, batc
                          f"{', '.join(sorted(GRAD_SAMPLE_MODES))}.")
     if loss_reduction not in ("mean", "sum"):
         raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}.")
-    if clipping not in ("flat", "per_layer"):
-        raise ValueError(f"clipping={clipping!r} is not supported by private_engine; use 'flat' "
-                         "or 'per_layer' (adaptive clipping: use opacus directly).")
+    if clipping not in ("flat", "per_layer", "adaptive"):
+        raise ValueError(f"Unexpected clipping={clipping!r}: use 'flat', 'per_layer' or "
+                         "'adaptive'.")
     if clipping == "per_layer":
         if "ghost" in grad_sample_mode:
             raise ValueError(f"Unsupported combination of parameters. Clipping: {clipping} and "
@@ -288,7 +306,7 @@ def _check_arguments(*, module, optimizer, noise_multiplier, max_grad_norm, batc
             raise ValueError("clipping='per_layer' needs max_grad_norm as a list of positive "
                              "numbers, one per optimizer parameter tensor.")
     elif not _positive(max_grad_norm):
-        raise ValueError("max_grad_norm must be a positive number for clipping='flat', "
+        raise ValueError(f"max_grad_norm must be a positive number for clipping={clipping!r}, "
                          f"got {max_grad_norm!r} (a list is for clipping='per_layer').")
     if (isinstance(noise_multiplier, bool) or not isinstance(noise_multiplier, (int, float))
             or noise_multiplier < 0):
@@ -368,28 +386,3 @@ def _check_attention_layout(module: nn.Module, batch_first: bool) -> None:
                 f"make_private got batch_first={batch_first}; its linear maps would see the batch "
                 f"in the wrong dimension. Construct it with batch_first={batch_first} (and give "
                 "inputs in that layout).")
-
-
-def _refuse_traced_and_fallback(module: nn.Module, scan) -> None:
-    """The Opacus-compatible flows clip through layer rules only (Linear, Conv, Embedding, norms,
-    Opacus' DP layers). Parameters the native engine clips by its parameter-entry tracer or
-    torch.func fallback (timm ViT ``cls_token``/``pos_embed``, LayerScale gammas,
-    ``nn.MultiheadAttention``, …) are refused here, at ``make_private`` time, naming them — never
-    left unclipped in the middle of training."""
-    traced, fallbacks = scan.traced, scan.fallbacks
-
-    def owner(n: str) -> nn.Module:
-        return module.get_submodule(n.rpartition('.')[0]) if '.' in n else module
-
-    missing = [f"{type(owner(n)).__name__}: {n}" for n, _ in traced]
-    missing += [f"{type(m).__name__}: {n or '(the model)'} (torch.func fallback)"
-                for n, m in fallbacks]
-    if missing:
-        raise ValueError(
-            "the Opacus-compatible API (make_private) clips parameters of Linear, Conv, Embedding, "
-            "LayerNorm, GroupNorm and Opacus' DP layers only; these trainable parameters need the "
-            "native engine's parameter tracer or torch.func fallback:\n  "
-            + "\n  ".join(missing) + "\n"
-            "Use the native API (private_engine.PrivacyEngine(model, batch_size=..., ...), which "
-            "clips them exactly), or freeze them with p.requires_grad_(False)."
-        )

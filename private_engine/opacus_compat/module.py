@@ -77,11 +77,17 @@ class PrivateModule(nn.Module):
             backward all-reduce is turned off while the hooks are on (``remove_hooks`` restores
             it): its reducer would average raw, unclipped gradients into ``p.grad``; the DP
             optimizer all-reduces the clipped sums instead.
+        traced / fallbacks: parameters used outside a ruled layer (``x @ self.w``,
+            ``F.linear(x, self.w)``, tokens, gammas) and modules clipped by ``torch.func``, as found
+            by :func:`private_engine.guards.model_check.scan_model`: the clipping core's
+            parameter-entry tracer and fallback modules give their per-sample gradients, exactly
+            as in the native engine (batch-first inputs only).
     """
 
     def __init__(self, module: nn.Module, layers, *, max_grad_norm, loss_reduction: str = "mean",
                  mode: str = "bk_mixed", batch_first: bool = True,
-                 wrapper: Optional[nn.Module] = None):
+                 wrapper: Optional[nn.Module] = None, traced: Sequence = (),
+                 fallbacks: Sequence = ()):
         super().__init__()
         if not is_book_keeping(mode):
             raise ValueError("PrivateModule clips in a plain backward, so it needs a book-keeping "
@@ -98,11 +104,29 @@ class PrivateModule(nn.Module):
         self._params = [p for p in module.parameters() if p.requires_grad]
         self._param_ids = frozenset(id(p) for p in self._params)
         self._names = {id(p): n for n, p in module.named_parameters()}
+        if (traced or fallbacks) and not batch_first:
+            names = [n for n, _ in traced] + [f"{n or '(the model)'} (torch.func fallback)"
+                                              for n, _ in fallbacks]
+            raise ValueError(
+                f"make_private(batch_first=False): {names} are clipped by the parameter-entry "
+                "tracer or the torch.func fallback, which need batch-first inputs (the batch in "
+                "dimension 0). Use batch_first=True with batch-first inputs, or freeze them "
+                "(requires_grad_(False)).")
+        extra = dict(model=module, traced=traced, fallbacks=fallbacks) if (traced or fallbacks) \
+            else {}
         self.clipper = PerSampleClipper(layers, self._params, mode=mode,
-                                        max_grad_norm=1.0 if self.per_layer else self.max_grad_norm)
+                                        max_grad_norm=1.0 if self.per_layer else self.max_grad_norm,
+                                        **extra)
+        if self.clipper.probe is not None:  # this module runs its own probe (from the outputs)
+            self.clipper.probe.remove()
+            self.clipper.probe = None
         self.recorder = self.clipper.recorder
         self.recorder.on_layer_ready = self._on_layer_ready_plain
-        self.recorder.capturing = True
+        #: the parameter-entry tracer (None when the layer rules cover every parameter) and the
+        #: torch.func fallback modules
+        self.tracer = self.clipper.tracer
+        self.fallbacks = self.clipper.fallbacks
+        self._set_capturing(True)
         self._norms_by_param: Dict[int, float] = {}
         self._dp_optimizer = None
         #: layer call counts at the start of an eval-mode forward (its records are dropped at its
@@ -122,6 +146,13 @@ class PrivateModule(nn.Module):
         self._consumed = False
         #: per-sample gradient norms ‖g_i‖ of the last backward (flat clipping)
         self.last_norms: Optional[torch.Tensor] = None
+        #: samples clipped, and those left unclipped (clip factor 1), since the optimizer last
+        #: consumed p.grad (flat clipping; read by the adaptive-clipping optimizer)
+        self.sample_count = 0
+        self.unclipped_count: Optional[torch.Tensor] = None
+        #: a backward ran after optimizer.step() without zero_grad(): p.grad holds the noised
+        #: gradient of the last step, so the next step is refused (as Opacus' is) until zero_grad()
+        self._stale_grads = False
         self._reset_plain()
         self._graph_checked = False
         self._param_handles = [p.register_hook(self._discard_raw_grad) for p in self._params]
@@ -151,17 +182,35 @@ class PrivateModule(nn.Module):
     def forward(self, *args, **kwargs):
         return self._module(*args, **kwargs)
 
+    def _set_capturing(self, on: bool) -> None:
+        """Whether backward passes are recorded: the layer recorder, the tracer, the fallbacks."""
+        self.recorder.capturing = on
+        for extra in self.recorder.extras:
+            extra.capturing = on
+
     def _eval_snapshot(self, module, inputs) -> None:
-        self._eval_marks = (None if module.training
-                            else [len(layer.calls) for layer in self.recorder.layers])
+        self._eval_marks = (None if module.training else
+                            [len(layer.calls) for layer in self.recorder.layers]
+                            + [len(self.tracer.entries) if self.tracer is not None else 0]
+                            + [len(fb.calls) for fb in self.fallbacks])
 
     def _drop_eval_records(self) -> None:
-        """A forward in eval mode is not recorded (as in Opacus): its calls are dropped right away,
-        so evaluating without ``torch.no_grad()`` does not pile up activations."""
-        for layer, mark in zip(self.recorder.layers, self._eval_marks):
+        """A forward in eval mode is not recorded (as in Opacus): its calls (and tracer entries,
+        fallback calls) are dropped right away, so evaluating without ``torch.no_grad()`` does not
+        pile up activations."""
+        marks = self._eval_marks
+        n = len(self.recorder.layers)
+        for layer, mark in zip(self.recorder.layers, marks[:n]):
             for c in layer.calls[mark:]:
                 c.activation = c.grad = c.edge = c.input_node = None
             del layer.calls[mark:]
+        if self.tracer is not None:
+            for e in self.tracer.entries[marks[n]:]:
+                e.base = e.edge = e.out_node = None
+                e.batched_nodes = []
+            del self.tracer.entries[marks[n]:]
+        for fb, mark in zip(self.fallbacks, marks[n + 1:]):
+            del fb.calls[mark:]
         self._eval_marks = None
 
     def _check_graph_hook(self, module, inputs, out) -> None:
@@ -243,11 +292,11 @@ class PrivateModule(nn.Module):
         """Backward passes compute ordinary (unclipped) gradients until :meth:`enable_hooks`; the
         optimizer refuses to step on them (as Opacus' does) until ``zero_grad()``."""
         self._hooks_enabled = False
-        self.recorder.capturing = False
+        self._set_capturing(False)
 
     def enable_hooks(self) -> None:
         self._hooks_enabled = True
-        self.recorder.capturing = True
+        self._set_capturing(True)
 
     def remove_hooks(self) -> None:
         """Remove every hook; the wrapped module is back to a plain ``nn.Module``. Its gradients are
@@ -293,12 +342,34 @@ class PrivateModule(nn.Module):
         self._consumed = True
         self.backward_passes = 0
         self._clipped_at = set()
+        self._reset_counts()
 
     def optimizer_zero_grad(self) -> None:
         self._consumed = False
         self.backward_passes = 0
         self._unclipped_grads = False
+        self._stale_grads = False
         self._clipped_at = set()
+        self._reset_counts()
+
+    def _reset_counts(self) -> None:
+        self.sample_count = 0
+        self.unclipped_count = None
+
+    def _count_unclipped(self, factors: torch.Tensor, dropped=None) -> None:
+        """Add a batch to :attr:`sample_count` and :attr:`unclipped_count`: samples whose clip
+        factor is 1 (``‖g_i‖ + 1e-6 ≤ R``, Opacus' ``AdaClipDPOptimizer`` count), without the
+        dropped ones (``dropped``: a bool mask of them, or their number when they are among the
+        factors with factor 1). No host synchronisation."""
+        unclipped = (factors >= 1)
+        if isinstance(dropped, torch.Tensor):
+            unclipped = unclipped & ~dropped
+        count = unclipped.sum()
+        if isinstance(dropped, int):
+            count = count - dropped
+        self.sample_count += factors.shape[0]
+        self.unclipped_count = count if self.unclipped_count is None \
+            else self.unclipped_count + count
 
     def check_releasable(self, params: Sequence[torch.Tensor]) -> None:
         """Called by the optimizer before it reads ``p.grad`` (``pre_step``): refuse to release
@@ -308,6 +379,13 @@ class PrivateModule(nn.Module):
                 "the privacy hooks of this module were removed (remove_hooks()/cleanup()), so its "
                 "gradients are not clipped; nothing was released. Call make_private again to train "
                 "privately."
+            )
+        if self._stale_grads:
+            raise ValueError(
+                "Gradients haven't been cleared since the last optimizer step: a backward ran "
+                "after optimizer.step() without optimizer.zero_grad(), so p.grad mixes the noised "
+                "gradient of the last step with new clipped sums; nothing was released. Call "
+                "optimizer.zero_grad() after every optimizer.step()."
             )
         if self._unclipped_grads:
             raise ValueError(
@@ -336,19 +414,20 @@ class PrivateModule(nn.Module):
                 "Call make_private again with the new set of trainable parameters."
             )
 
-    def _start_backward(self) -> None:
+    def _start_backward(self) -> bool:
+        """Checks at the start of a backward's clipping. Returns False when p.grad still holds the
+        noised gradient of the last step (no ``zero_grad()`` since ``step()``): the backward is
+        not clipped, and the next step raises (Opacus refuses at that step too)."""
         if self._consumed:
-            raise RuntimeError(
-                "backward after optimizer.step() without optimizer.zero_grad(): p.grad still "
-                "holds the noised gradient of the last step. Call optimizer.zero_grad() after "
-                "every optimizer.step()."
-            )
+            self._stale_grads = True
+            return False
         if not self.grad_accumulation_allowed and self.backward_passes > 0:
             raise ValueError(
                 "Poisson sampling is not compatible with grad accumulation. You need to call "
                 "optimizer.step() after every forward/backward pass or consider using "
                 "BatchMemoryManager."
             )
+        return True
 
     # -- plain loss.backward(): book-keeping ----------------------------------------------------
     def _reset_plain(self) -> None:
@@ -369,6 +448,8 @@ class PrivateModule(nn.Module):
         """Tensor hook on each parameter: its unclipped gradient is replaced by zeros (the clipped
         sum is added at the end of the backward)."""
         if self._in_criterion:  # the criterion flow's own backward passes
+            return None
+        if self.tracer is not None and self.tracer.in_vjp:  # the tracer's per-sample vjp
             return None
         # disable_hooks(): an ordinary gradient, never released by the optimizer
         if not self._hooks_enabled:
@@ -421,14 +502,18 @@ class PrivateModule(nn.Module):
         ``Σ_i C_i g_iᵀ a_i``."""
         try:
             try:
-                self._start_backward()
+                fresh = self._start_backward()
                 self._check_trainable(self._module.parameters())
             except BaseException:
                 self.recorder.reset()
                 raise
+            if not fresh:  # refused at the next step; nothing is clipped into the stale p.grad
+                self.recorder.reset()
+                return
             self.recorder.finish_unfired()  # layers the loss does not reach contribute nothing
-            self.recorder.reset()
-            if not (self._started or self._stored):
+            extras = self._extras_fired()
+            if not (self._started or self._stored or extras):
+                self.recorder.reset()
                 if not self._saw_batch:  # parameter gradients but no recorded call: not a new batch
                     raise ValueError(
                         "this backward reached no recorded layer call: it went through a graph "
@@ -439,10 +524,18 @@ class PrivateModule(nn.Module):
                     )
                 self.backward_passes += 1
                 return
+            # the tracer's and fallbacks' per-sample gradients are read before their records go
             if self.per_layer:
-                self._write_per_layer()
+                extra = self._extra_grads()
+                self.recorder.reset()
+                self._write_per_layer(extra)
             else:
-                self._write_flat()
+                if not self._started:  # only traced parameters / fallback modules were reached
+                    self.clipper.start_pass(self.tracer.batch_size)
+                    self._started = True
+                norms = self.clipper.end_norm_pass(self._params[0].device)
+                self.recorder.reset()
+                self._write_flat(norms)
             self.backward_passes += 1
         except BaseException:
             self.clipper.release()
@@ -455,24 +548,50 @@ class PrivateModule(nn.Module):
         so norms and sums are taken of ``B·g`` (as Opacus does); 1 for "sum"."""
         return float(batch) if self.loss_reduction == "mean" else 1.0
 
-    def _write_flat(self) -> None:
+    def _extras_fired(self) -> bool:
+        """Whether this backward reached a traced parameter's entry or a fallback module's output
+        (a batch to clip even when it reached no ruled layer)."""
+        if self.tracer is None or not self.tracer.batch_size:
+            return False
+        return (any(e.fired for e in self.tracer.entries)
+                or any(g is not None for fb in self.fallbacks for c in fb.calls for g in c.grads))
+
+    def _extra_grads(self) -> List[Tuple[nn.Parameter, torch.Tensor]]:
+        """``[(parameter, (B, *shape) per-sample gradients)]`` of the traced parameters and the
+        fallback modules' parameters in this backward (per-layer clipping)."""
+        if not self._extras_fired():
+            return []
+        tracked = {name: p for name, p in self.tracer.tracked.values()}
+        out = [(tracked[n], g) for n, g in self.tracer.per_sample_grads().items()]
+        for fb in self.fallbacks:
+            if fb.calls:
+                owned = dict(fb.params)
+                out += [(owned[n], g)
+                        for n, g in fb.per_sample_grads(self.tracer.batch_size).items()]
+        return out
+
+    def _write_flat(self, norms: torch.Tensor) -> None:
+        """``p.grad += Σ_i C_i g_i`` from the certified norms of the norm pass just ended."""
         clipper = self.clipper
         batch = clipper.batch_size
         scale = self._mean_scale(batch)
-        norms = clipper.end_norm_pass(self._params[0].device) * scale
+        norms = norms * scale
         clipper.max_grad_norm = self.current_max_grad_norm()
         self._clipped_at.add(clipper.max_grad_norm)
         norms, factors, keep, _ = clipper.finite_factors(norms)
         self.last_norms = norms.detach()
+        self._count_unclipped(factors, None if keep is None else ~keep)
         grads = clipper.clipped_sums(None, factors * scale, keep=keep).own_grads()
         for p, g in zip(self._params, grads):
             _add_grad(p, g)
 
-    def _write_per_layer(self) -> None:
+    def _write_per_layer(self, extra: Sequence[Tuple[nn.Parameter, torch.Tensor]] = ()) -> None:
         """Per-layer clipping by the clipping core
-        (:func:`private_engine.clipping.per_layer.per_layer_clipped_sums`)."""
-        scale = self._mean_scale(self._stored[0][1][0][1].shape[0])
-        for p, g in per_layer_clipped_sums(self._stored, self._norms_by_param, scale, self._names):
+        (:func:`private_engine.clipping.per_layer.per_layer_clipped_sums`); ``extra``: the traced
+        parameters' and fallback modules' per-sample gradients."""
+        batch = self._stored[0][1][0][1].shape[0] if self._stored else extra[0][1].shape[0]
+        for p, g in per_layer_clipped_sums(self._stored, self._norms_by_param,
+                                           self._mean_scale(batch), self._names, extra=extra):
             _add_grad(p, g)
 
     # -- criterion flow ---------------------------------------------------------------------------
@@ -482,7 +601,7 @@ class PrivateModule(nn.Module):
         backward)."""
         try:
             check_per_sample_loss(loss_per_sample, name="the per-sample loss")
-            self._start_backward()
+            fresh = self._start_backward()
             self._check_trainable(self._module.parameters())
             if self.per_layer:
                 raise ValueError("clipping='per_layer' is not supported with "
@@ -490,6 +609,9 @@ class PrivateModule(nn.Module):
         except BaseException:
             self.recorder.reset()
             raise
+        if not fresh:  # refused at the next step; nothing is clipped into the stale p.grad
+            self.recorder.reset()
+            return
         self.recorder.on_layer_ready = self._on_layer_ready_criterion
         self.clipper.max_grad_norm = self.current_max_grad_norm()
         capturing = self.recorder.capturing  # False after disable_hooks(): restored as left
@@ -498,11 +620,13 @@ class PrivateModule(nn.Module):
             batch = clip_batch(self.clipper, loss_per_sample, names=self._names)
         finally:
             self.recorder.on_layer_ready = self._on_layer_ready_plain
-            self.recorder.capturing = capturing
+            self._set_capturing(capturing)
             self._in_criterion = False
         if batch.size:
             self._clipped_at.add(self.clipper.max_grad_norm)
             self.last_norms = batch.norms
+            # dropped samples have norm 0 here: their factor 1 is taken off the count
+            self._count_unclipped(self.clipper.clip_factors(batch.norms), batch.dropped)
             for p, g in zip(self._params, batch.sums.own_grads()):
                 _add_grad(p, g)
         self.backward_passes += 1
