@@ -162,7 +162,11 @@ class LayerRecorder:
     def install(self) -> None:
         """(Re-)register the forward hooks; a no-op while they are installed."""
         if not self._handles:
-            self._handles = [layer.module.register_forward_hook(self._make_forward_hook(layer))
+            # prepended: the call is recorded with the layer's own output, before any forward
+            # hook the user registered can replace it (such a hook is then part of the rest of
+            # the network, and a parameter it uses is caught by the graph walk)
+            self._handles = [layer.module.register_forward_hook(self._make_forward_hook(layer),
+                                                                prepend=True)
                              for layer in self.layers]
         for extra in self.extras:
             extra.install()

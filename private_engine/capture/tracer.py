@@ -151,6 +151,8 @@ class ParamTracer(TorchFunctionMode):
         self.batch_size: Optional[int] = None
         self.capturing = False
         self.active = False
+        #: True while a per-sample vjp through a batch-free chain runs (a nested backward)
+        self.in_vjp = False
         #: per-sample gradients ``{id(P): (B, *P.shape)}`` accumulated in the norm pass
         self.grads: Dict[int, torch.Tensor] = {}
         #: counts what the tracer did beyond following batched data (ops on tracked or derived
@@ -686,11 +688,15 @@ class ParamTracer(TorchFunctionMode):
             P = entry.params[0]
             grads = [cot.reshape(B, *P.shape)]
         else:
-            with torch.enable_grad():
-                grads = torch.autograd.grad(base, entry.params,
-                                            grad_outputs=cot.reshape(B, *base.shape),
-                                            is_grads_batched=True, retain_graph=True,
-                                            allow_unused=True)
+            self.in_vjp = True  # parameter hooks (the Opacus door's) must leave this vjp alone
+            try:
+                with torch.enable_grad():
+                    grads = torch.autograd.grad(base, entry.params,
+                                                grad_outputs=cot.reshape(B, *base.shape),
+                                                is_grads_batched=True, retain_graph=True,
+                                                allow_unused=True)
+            finally:
+                self.in_vjp = False
         for P, g in zip(entry.params, grads):
             if g is None:
                 continue

@@ -70,6 +70,11 @@ class PerSampleClipper:
         self._param_ids = {id(p) for p in self.params}
         #: ruled layers sharing parameters (tied weights): instantiated, summed per parameter
         self.tied = TiedGroups(layers)
+        #: every ruled layer's parameters as built: ``[(layer name, module, name, parameter)]``
+        self._ruled = [(n, m, pn, getattr(m, pn)) for n, m, rule in layers
+                       for pn in rule.param_names
+                       if isinstance(getattr(m, pn, None), nn.Parameter)]
+        self._ruled_ids = {id(p) for _, _, _, p in self._ruled}
         self.recorder: LayerRecorder = build_capture(layers, model, traced, fallbacks,
                                                      on_layer_ready=self.on_layer_ready)
         #: the parameter-entry tracer and the torch.func fallback modules (None / empty when the
@@ -104,12 +109,34 @@ class PerSampleClipper:
     def start_pass(self, batch_size: int) -> None:
         """Begin the norm pass of a physical batch of ``batch_size`` samples (drops what an earlier
         one kept)."""
+        self._check_ruled_params()
         self.batch_size = batch_size
         self._norm_terms = []
         self._plan = []
         self._kept_pairs, self._kept_grads, self._kept_groups = [], [], []
         self.tied.reset()
         self.strategy.start()
+
+    def _check_ruled_params(self) -> None:
+        """Refuse a ruled layer whose parameter was replaced after the engine was built (weights
+        tied later, ``tie_weights()``): which layers share a tensor decides how their norms are
+        formed, and uses normed apart would lose their cross terms."""
+        moved = [f"{n}.{pn}" if n else pn for n, m, pn, p in self._ruled
+                 if getattr(m, pn, None) is not p]
+        if moved:
+            raise ValueError(
+                f"parameter(s) {moved} were replaced after the engine was built (e.g. weights tied "
+                "by tie_weights() or an assignment): the engine groups layers that share a "
+                "tensor when it is built. Tie or replace weights first, then build the engine "
+                "(or call make_private). Nothing was updated.")
+
+    def _handed_over(self, module: nn.Module, rule) -> bool:
+        """True when the tracer also follows this ruled layer's parameters (the layer was applied
+        to a batch-free constant as well): its per-sample gradients are then summed with the
+        tracer's before the norm, as for a tied weight."""
+        if self.tracer is None:
+            return False
+        return any(id(getattr(module, pn, None)) in self.tracer.tracked for pn in rule.param_names)
 
     def keep_pairs(self, module: nn.Module, rule, pairs) -> None:
         """Keep a layer's ``(a, g)`` for its clipped sum ``gᵀ·diag(C)·a``."""
@@ -124,6 +151,12 @@ class PerSampleClipper:
         for a, g in pairs:
             if a.shape[0] != g.shape[0] or a.shape[0] % max(B, 1) or B == 0 or \
                     (a.shape[0] != B and not layer.rows_ok()) or layer.batch_moved():
+                if a.shape[0] != g.shape[0]:
+                    raise ValueError(
+                        f"layer {layer.name}: the first dimension of its input "
+                        f"({a.shape[0]}) differs from its output's ({g.shape[0]}): the layer "
+                        "was applied to a tensor that is not batch-first. Inputs of clipped "
+                        "layers must have the batch in dimension 0.")
                 if a.shape[0] == 1 < B:
                     raise ValueError(
                         f"layer {layer.name} saw a batch of 1 but the loss has {B} values: its "
@@ -164,8 +197,9 @@ class PerSampleClipper:
             pairs, k = self._merged(layer, pairs)
             if k > 1:
                 dims = [replace(d, T=d.T * k, io_size=d.io_size * k) for d in dims]
-            tied = self.tied.covers(layer.module)
-            if tied and self._tied_ghost(self.tied.group(layer.module)):
+            handed = self._handed_over(layer.module, layer.rule)
+            tied = handed or self.tied.covers(layer.module)
+            if tied and not handed and self._tied_ghost(self.tied.group(layer.module)):
                 # normed with the other uses of its weight at the end of the pass
                 decision = replace(decide(layer.name, layer.module, dims, self.mode),
                                    use_ghost=True)
@@ -206,7 +240,8 @@ class PerSampleClipper:
         the stacked rows (:func:`private_engine.clipping.tied_ghost.joint_dims`)."""
         if group.use_ghost is None:
             group.use_ghost = False
-            if self.book_keeping and group.ghost_capable:
+            if self.book_keeping and group.ghost_capable and \
+                    not any(self._handed_over(m, r) for _, m, r in group.members):
                 ids = {id(m) for _, m, _ in group.members}
                 recs = [r for r in self.recorder.layers if id(r.module) in ids]
                 calls = [c for r in recs for c in r.calls]
@@ -326,7 +361,12 @@ class PerSampleClipper:
             return
         params = {name: p for name, p in self.tracer.tracked.values()}
         for name, g in self.tracer.per_sample_grads().items():
-            self._keep_extra(name, "param-entry", [g], [params[name]])
+            p = params[name]
+            if id(p) in self._ruled_ids:  # a ruled layer's parameter, also used on a constant
+                self._check_extra_rows(name, g)
+                self.tied.add_param(p, g)
+            else:
+                self._keep_extra(name, "param-entry", [g], [p])
         for fb in self.fallbacks:
             if not fb.calls:
                 continue
@@ -336,13 +376,16 @@ class PerSampleClipper:
                 self._keep_extra(fb.name, f"fallback:{type(fb.module).__name__}",
                                  list(grads.values()), [owned[n] for n in grads])
 
-    def _keep_extra(self, name: str, layer_type: str, grads: Sequence[torch.Tensor],
-                    params: Sequence[nn.Parameter]) -> None:
-        rows = grads[0].shape[0]
+    def _check_extra_rows(self, name: str, grad: torch.Tensor) -> None:
+        rows = grad.shape[0]
         if rows != self.batch_size:
             raise ValueError(
                 f"{name} saw a batch of {rows} but the loss has {self.batch_size} values; the "
                 "loss must have one value per sample (batch-first inputs).")
+
+    def _keep_extra(self, name: str, layer_type: str, grads: Sequence[torch.Tensor],
+                    params: Sequence[nn.Parameter]) -> None:
+        self._check_extra_rows(name, grads[0])
         numel = sum(per_sample_numel(g) for g in grads)
         self._plan.append(LayerDecision(name=name, layer_type=layer_type, T=1, D=1, p=numel,
                                         ghost_cost=0, instantiate_cost=numel, use_ghost=False,

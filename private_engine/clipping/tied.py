@@ -56,8 +56,6 @@ class TiedGroups:
                                                 for _, m, _ in g.members}
         self._sums: Dict[int, Tuple[nn.Parameter, torch.Tensor]] = {}
 
-    def __bool__(self) -> bool:
-        return bool(self.groups)
 
     def covers(self, module: nn.Module) -> bool:
         """True when ``module`` shares a parameter with another ruled layer."""
@@ -74,6 +72,12 @@ class TiedGroups:
             p = getattr(module, name)
             held = self._sums.get(id(p))
             self._sums[id(p)] = (p, g if held is None else held[1] + g)
+
+    def add_param(self, p: nn.Parameter, grad: torch.Tensor) -> None:
+        """Add per-sample gradients ``(B, *p.shape)`` of ``p`` from another use (the
+        parameter-entry tracer following a ruled layer applied to a batch-free constant)."""
+        held = self._sums.get(id(p))
+        self._sums[id(p)] = (p, grad if held is None else held[1] + grad)
 
     def take(self) -> List[Tuple[nn.Parameter, torch.Tensor]]:
         """The summed per-sample gradients ``[(parameter, G (B, *shape))]`` (and forget them)."""

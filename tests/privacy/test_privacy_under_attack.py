@@ -907,3 +907,84 @@ def test_tied_weight_uses_that_align(door, how, scale):
     if scale < 1e10:
         assert_large(case)
     assert_bounded(*run_pair(case, door, how), what=f"tied {door}-{how} x{scale:g}")
+
+
+class ConstantUse(nn.Module):
+    """A ruled Linear applied to the batch and to a batch-free constant (``lin(x·gain) +
+    lin(c)``; ``gain`` is a traced parameter, so the parameter tracer follows the constant call):
+    the Linear's per-sample gradient is the sum of both uses."""
+
+    def __init__(self, d: int = 6, o: int = 6):
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(d))
+        self.lin = nn.Linear(d, o, bias=False)
+        self.register_buffer("const", torch.linspace(0.5, 1.5, d).reshape(1, d))
+
+    def forward(self, x):
+        return self.lin(x * self.gain) + self.lin(self.const)
+
+
+@pytest.mark.parametrize("door,how", DOORS, ids=DOOR_IDS)
+def test_layer_also_applied_to_a_constant(door, how):
+    """The crafted sample equals the constant, so both uses of the weight align: normed apart
+    (rule and tracer without their cross term) it would be released at ≈ √2·R."""
+    torch.manual_seed(0)
+    model = ConstantUse()
+    g = torch.Generator().manual_seed(1)
+    honest = (torch.randn(3, 1, 6, generator=g), torch.randn(3, 1, 6, generator=g))
+    crafted = (model.const.clone().reshape(1, 1, 6), torch.full((1, 1, 6), 1e3))
+    case = Case(model, honest, crafted)
+    assert_large(case)
+    assert_bounded(*run_pair(case, door, how), may_refuse=door == "opacus",
+                   what=f"constant use {door}-{how}")
+
+
+@pytest.mark.parametrize("door,how", DOORS, ids=DOOR_IDS)
+def test_weights_tied_after_the_engine_is_built_are_refused(door, how):
+    """Tying after the engine exists (a late ``tie_weights()``) would leave the uses normed apart:
+    refused at the step, before anything is released."""
+    case = tied_case()
+    untied = SharedWeight()
+    untied.load_state_dict(case.model.state_dict())  # the same weights, not tied
+    untied.second.weight = nn.Parameter(untied.first.weight.detach().clone())
+
+    def tie_late(model):
+        model.second.weight = model.first.weight
+
+    for batch in (case.with_sample, case.honest):
+        model = copy.deepcopy(untied)
+        if door == "native":
+            engine = pe.PrivacyEngine(model, batch_size=B, sample_size=10 * B, max_grad_norm=R,
+                                      noise_multiplier=0.0, clipping_mode=how)
+            opt = CapturingSGD(model.parameters())
+            engine.attach(opt)
+            tie_late(model)
+            with pytest.raises(ValueError, match=r"second\.weight.*replaced"):
+                opt.step(loss=mse(model(batch[0]), batch[1]))
+        else:
+            opt = CapturingSGD(model.parameters())
+            out = opacus_private(opacus_compat.PrivacyEngine(accountant="rdp"), model, opt, how)
+            tie_late(model)
+            with pytest.raises(ValueError, match=r"second\.weight.*replaced"):
+                y = out[0](batch[0])
+                opacus_objective(out, how, y, batch[1]).backward()
+                out[1].step()
+        assert opt.steps == 0
+
+
+def test_user_forward_hook_using_another_parameter_is_refused():
+    """A forward hook registered before the engine that adds another layer's bias to a ruled
+    layer's output: that use is outside the bias's layer, so the step is refused naming it
+    (the engine records the layer's own output, before user hooks)."""
+    torch.manual_seed(0)
+    a, b = nn.Linear(6, 6), nn.Linear(6, 6)
+    model = nn.Sequential(a, nn.Tanh(), b)
+    a.register_forward_hook(lambda m, i, o: o + b.bias * 50)
+    x, t = torch.randn(4, 6), torch.randn(4, 6)
+    engine = pe.PrivacyEngine(model, batch_size=4, sample_size=40, max_grad_norm=R,
+                              noise_multiplier=0.0)
+    opt = CapturingSGD(model.parameters())
+    engine.attach(opt)
+    with pytest.raises(ValueError, match=r"2\.bias"):
+        opt.step(loss=mse(model(x), t))
+    assert opt.steps == 0
