@@ -55,6 +55,8 @@ for _n in _ELEMENTWISE_NAMES:
                 ELEMENTWISE.add(_f)
 ELEMENTWISE |= {torch.Tensor.__truediv__, torch.Tensor.__rtruediv__, torch.Tensor.__itruediv__}
 CONCAT = {torch.cat, torch.concat, torch.concatenate, torch.stack}
+#: ``x @ W`` with a tracked 2-D ``W`` and batched ``x``: a per-sample weight (instantiated)
+MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm}
 EXPANDS = {torch.Tensor.expand, torch.Tensor.expand_as}
 #: shape ops through which a row-expanded tensor stays row-expanded (each use is verified)
 ROWWISE = {torch.Tensor.reshape, torch.Tensor.view, torch.Tensor.permute, torch.Tensor.transpose,
@@ -535,6 +537,14 @@ class ParamTracer(TorchFunctionMode):
                 args = tuple(args[:3]) + (d_b,) + tuple(args[4:])
             else:
                 kwargs = dict(kwargs, attn_mask=d_b)
+        elif func in MATMULS:
+            x = args[0] if args else kwargs.get("input")
+            W = args[1] if len(args) > 1 else kwargs.get("other", kwargs.get("mat2"))
+            if not (isinstance(W, torch.Tensor) and self.is_tracked(W) and W.dim() == 2) or \
+                    self.is_tracked(x) or x.dim() < 2:
+                self._fail(func, tracked, "only x @ W with a batched x and a tracked 2-D W is "
+                                          "supported")
+            out = self._weight_entry(func, x, W, False, new_entries, rows_ok, moved)
         elif func is F.linear:
             out, is_entry = self._linear_entry(args, kwargs, tracked, new_entries)
             if not is_entry:  # F.linear on a batch-free input: a chain op after all
@@ -544,7 +554,7 @@ class ParamTracer(TorchFunctionMode):
                 batched_nodes = new_entries[-1].batched_nodes
         else:
             self._fail(func, tracked, "this op is not a supported entry")
-        if func is not F.linear:
+        if func is not F.linear and func not in MATMULS:
             out = func(*args, **kwargs)
         for t in _outputs(out):
             self.batched[t] = 0 if rows_ok else -1
@@ -577,7 +587,22 @@ class ParamTracer(TorchFunctionMode):
         x, W, b = vals
         tr = [isinstance(t, torch.Tensor) and self.is_tracked(t) for t in (x, W, b)]
         if tr[1]:
-            self._fail(F.linear, tracked, "a tracked tensor used as the weight")
+            if tr[0] or W.dim() != 2 or x.dim() < 2 or id(W) in self.linear_layers:
+                self._fail(F.linear, tracked, "a tracked tensor used as the weight of a "
+                                              "batch-free input or of a recorded Linear")
+            tensors = [t for t in (x, W, b) if isinstance(t, torch.Tensor)]
+            y = self._weight_entry(F.linear, x, W, True, new_entries, self._rows_ok(tensors),
+                                   self._moved(tensors))
+            if b is None:
+                return y, True
+            if tr[2]:
+                b_b, e = self._substitute(b, tuple(y.shape), F.linear)
+                new_entries.append(e)
+                return y + b_b.to(y.dtype), True
+            if isinstance(b, nn.Parameter) and b.requires_grad:
+                self._fail(F.linear, tracked, "the bias is a trainable parameter of no recorded "
+                                              "Linear")
+            return y + b.to(y.dtype), True
         if tr[0]:
             info = self._info(x)
             layer = self.linear_layers.get(id(W))
@@ -638,6 +663,26 @@ class ParamTracer(TorchFunctionMode):
         e.batched_nodes = [get_gradient_edge(y).node] if y.requires_grad else []
         new_entries.append(e)
         return y + b_b.to(y.dtype), True  # F.linear's dtype under autocast (its bias is cast too)
+
+    def _weight_entry(self, func, x, W, transposed: bool, new_entries, rows_ok, moved):
+        """``x @ W`` (``transposed``: ``x @ Wᵀ``, F.linear) for a batched ``x: (n, …, d)`` and a
+        tracked 2-D ``W``: computed as ``x_i @ W_b[i]`` with ``W_b`` the weight expanded to one
+        copy per sample, so that the gradient reaching ``W_b`` is the per-sample gradient
+        ``∂L_i/∂W = Σ_t x_{i,t}ᵀ g_{i,t}`` (instantiated, as every traced parameter's). The rows of
+        ``x`` must be the samples (or k consecutive rows per sample)."""
+        B, n, d = self.batch_size, x.shape[0], x.shape[-1]
+        if (n % B if B else n):
+            self._fail(func, [W], f"the batched operand has {n} rows, not a multiple of the "
+                                  f"batch size {B} (inputs must be batch-first)")
+        W_b, e = self._substitute(W, (B,) + tuple(W.shape), func, rows_ok=rows_ok, moved=moved)
+        new_entries.append(e)
+        inner = 1
+        for k in x.shape[1:-1]:
+            inner *= k
+        per_sample = (n // B) * inner if B else inner
+        Wm = W_b.transpose(1, 2) if transposed else W_b
+        y = torch.matmul(x.reshape(B, per_sample, d), Wm)
+        return y.reshape(*x.shape[:-1], Wm.shape[-1])
 
     def handover(self, name: str, module: nn.Module, rule, inputs, output) -> bool:
         """Take over a layer call whose input is a batch-free constant (XCiT's Fourier position

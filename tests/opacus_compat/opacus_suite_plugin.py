@@ -7,7 +7,7 @@ imported, it
   :class:`private_engine.opacus_compat.PrivacyEngine` (what a user switching imports gets),
   unless ``PE_OPACUS_SUITE_ENGINE=opacus`` (the baseline: Opacus' own engine);
 * runs torch on one thread and loads a hypothesis profile with few examples and no deadline;
-* deselects the tests of :data:`EXCLUDED` and :data:`AWAITING_TIED_WEIGHTS`, each with its reason
+* deselects the tests of :data:`EXCLUDED`, each with its reason
   (``PE_OPACUS_SUITE_EXCLUDE=0`` runs them too).
 
 Used by ``test_opacus_shipped_suite.py``.
@@ -52,6 +52,11 @@ EXCLUDED = {
         "expects torch.manual_seed to fix the noise; the drop-in draws it from a secret generator",
     "randomness_test.py::PrivacyEngineSecureModeTest::test_global_seed":
         "expects torch.manual_seed to fix the noise; the drop-in draws it from a secret generator",
+    "privacy_engine_test.py::PrivacyEngineCustomLayer*::test_noise_level":
+        "a 15 % band on the norm of the noise of a 92-parameter model, about 2 standard "
+        "deviations: passes on Opacus for the seed torch.manual_seed fixes, fails in a few per "
+        "cent of the drop-in's secret draws (its mean and spread match σ: 1.004 ± 0.069 over 150 "
+        "runs)",
     # Opacus internals: per-sample gradients are never materialised
     "privacy_engine_test.py::*::test_sample_grad_aggregation":
         "reads p.grad_sample (per-sample gradients are never stored)",
@@ -70,34 +75,16 @@ EXCLUDED = {
     "privacy_engine_validation_test.py::*::test_extra_param_ew":
         "expects ExpandedWeights' RuntimeError for a raw matmul; 'ew' runs the drop-in's clipping",
     # exactness: refused, naming the parameters
-    "privacy_engine_validation_test.py::*::test_custom_linear_ew":
-        "F.linear on the model's own raw weight: the parameter tracer clips elementwise uses only "
-        "and refuses it at the first forward (register_fallback(cls) clips it by torch.func)",
     "privacy_engine_test.py::PrivacyEngineText*::test_make_private_with_epsilon":
         "make_private(batch_first=True) on a sequence-first DPMultiheadAttention: refused, its "
         "per-sample gradients would be taken over the wrong dimension",
 }
 
-EXCLUDED.update({
-    f"privacy_engine_test.py::PrivacyEngineCustomLayer*::test_{name}":
-        "x.matmul(model.extra_param) on the model itself: the parameter tracer refuses it at the "
-        "first forward (register_fallback(cls) clips it by torch.func)"
-    for name in ("basic", "checkpoints", "compare_to_vanilla", "flat_clipping",
-                 "make_private_with_epsilon", "noise_changes_every_time", "noise_level",
-                 "per_layer_clipping")})
-
-#: tests failing only because of a parameter shared by two modules (tied weights) or GPT-2's
-#: Conv1D; to be run again once the clipping core covers them (none at present: Opacus' tied
-#: weights tests pass)
-AWAITING_TIED_WEIGHTS: dict = {}
-
-
 def _reason(nodeid: str):
     rel = nodeid.split("opacus/tests/")[-1]
-    for table in (EXCLUDED, AWAITING_TIED_WEIGHTS):
-        for pattern, why in table.items():
-            if fnmatch.fnmatchcase(rel, pattern):
-                return why
+    for pattern, why in EXCLUDED.items():
+        if fnmatch.fnmatchcase(rel, pattern):
+            return why
     return None
 
 

@@ -5,7 +5,7 @@ tests use ``opacus.PrivacyEngine``: the pytest plugin ``opacus_suite_plugin.py``
 replaces ``opacus.PrivacyEngine`` and ``opacus.privacy_engine.PrivacyEngine`` before the test
 modules are imported, runs torch on one thread with a hypothesis profile of few examples, and
 deselects the tests of its ``EXCLUDED`` table (each with its reason: Opacus internals such as
-``p.grad_sample``, or a refusal for a privacy or exactness reason) and ``AWAITING_TIED_WEIGHTS``.
+``p.grad_sample``, or a refusal for a privacy or exactness reason).
 
 The suite runs in a subprocess (``python -m pytest`` on the installed files, JUnit XML report):
 this test fails when any test that is not excluded fails or errors, or when too few ran.

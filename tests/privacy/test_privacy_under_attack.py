@@ -44,6 +44,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import pytest
 import torch
 from torch import nn
+import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import private_engine as pe
@@ -988,3 +989,33 @@ def test_user_forward_hook_using_another_parameter_is_refused():
     with pytest.raises(ValueError, match=r"2\.bias"):
         opt.step(loss=mse(model(x), t))
     assert opt.steps == 0
+
+
+class RawMatmul(nn.Module):
+    """``F.linear`` with a module's own raw weight, then ``@`` a raw (d, p) parameter: both
+    followed by the parameter tracer as per-sample weights."""
+
+    def __init__(self, d: int = 6, o: int = 4):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d, d) * 0.3)
+        self.bias = nn.Parameter(torch.randn(d) * 0.3)
+        self.extra = nn.Parameter(torch.randn(d, o) * 0.3)
+
+    def forward(self, x):
+        return torch.tanh(F.linear(x, self.weight, self.bias)) @ self.extra
+
+
+@pytest.mark.parametrize("scale", [1e3, 1e18])
+@pytest.mark.parametrize("door,how", DOORS, ids=DOOR_IDS)
+def test_raw_weights_in_a_matmul(door, how, scale):
+    """A crafted sample of huge values through raw matmul weights: clipped to R (or dropped when
+    it overflows) in every mode and both doors."""
+    torch.manual_seed(0)
+    model = RawMatmul()
+    g = torch.Generator().manual_seed(2)
+    honest = (torch.randn(3, 6, generator=g), torch.randn(3, 4, generator=g))
+    crafted = (torch.randn(1, 6, generator=g) * scale, torch.full((1, 4), scale))
+    case = Case(model, honest, crafted)
+    if scale < 1e10:
+        assert_large(case)
+    assert_bounded(*run_pair(case, door, how), what=f"raw matmul {door}-{how} x{scale:g}")
