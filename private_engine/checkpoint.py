@@ -269,6 +269,7 @@ def save_checkpoint(path, *, model: nn.Module, optimizer: torch.optim.Optimizer,
     Secret: the file holds the noise generator's state and un-noised clipped sums; keep it as
     private as the training data.
     """
+    _refuse_sharded(engine)
     _check_attached(engine, optimizer)
     _check_model(engine, model)
     if _distributed(engine) and not _draws_noise(engine):
@@ -296,6 +297,7 @@ def load_checkpoint(path, *, model: nn.Module, optimizer: torch.optim.Optimizer,
     anything changes. Data-parallel: every rank loads rank 0's file; only rank 0 restores the
     noise generator. Secret: see :func:`save_checkpoint`.
     """
+    _refuse_sharded(engine)
     _check_attached(engine, optimizer)
     _check_model(engine, model)
     checkpoint = torch.load(path, map_location="cpu", weights_only=True)
@@ -337,6 +339,21 @@ def atomic_save(obj: Any, path) -> None:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+
+
+def _refuse_sharded(engine) -> None:
+    """Refuse an engine on an FSDP2 (``fully_shard``) model: its model and optimizer states are
+    ``DTensor`` shards, one part per rank, and every rank's engine holds its own noise generator,
+    so one file written by rank 0 would hold a fraction of the model. Save the shards with
+    ``torch.distributed.checkpoint`` and ``engine.state_dict()`` on every rank instead."""
+    if getattr(engine, "sharded", False):
+        raise ValueError(
+            "save_checkpoint / load_checkpoint do not handle FSDP2 (fully_shard) models: the "
+            "model and optimizer states are shards, one part per rank, and each rank's engine "
+            "holds its own noise generator. Save model and optimizer with "
+            "torch.distributed.checkpoint (get_model_state_dict / get_optimizer_state_dict) and "
+            "engine.state_dict() on every rank, each rank loading its own "
+            "(docs/distributed.md, \"FSDP2\").")
 
 
 def _check_attached(engine, optimizer) -> None:

@@ -14,6 +14,7 @@ engine trains data-parallel (:mod:`private_engine.optim.distributed`, docs/distr
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import List, Optional, Sequence, Union
 
@@ -32,6 +33,7 @@ from .guards.buffers import BufferGuard
 from .guards.model_check import check_no_batchnorm, clipped_layers, scan_model
 from .optim import noise as _noise
 from .optim.private_step import check_clipped_params
+from .optim.sharded import ShardedDataParallel, fsdp1_names, fsdp2_modules
 
 
 class PrivacyEngine:
@@ -99,6 +101,11 @@ class PrivacyEngine:
             generator. At construction the parameters and buffers are broadcast from rank 0
             (as ``DistributedDataParallel`` does). Pass the bare module, not a
             ``DistributedDataParallel`` wrapper. Every rank must call ``step`` together.
+            A model sharded by FSDP2 (``fully_shard``) trains sharded under an initialised
+            process group (``distributed`` None or True): each rank clips its samples on the
+            unsharded parameters, the clipped sums are reduce-scattered into the shards and
+            each rank adds the noise of the rows it owns
+            (:mod:`private_engine.optim.sharded`; docs/distributed.md, "FSDP2").
         check_replicas: (debugging, data-parallel only) after every step compare a float64
             checksum of the parameters across ranks and raise
             :class:`private_engine.optim.ReplicaMismatchError` if they differ.
@@ -126,7 +133,8 @@ class PrivacyEngine:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}.")
         _refuse_data_parallel_wrapper(model)
-        _refuse_sharded_parameters(model)
+        _refuse_fsdp1(model)
+        sharded = bool(fsdp2_modules(model))
         if not (isinstance(batch_size, int) and batch_size > 0):
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}.")
         if not (isinstance(sample_size, int) and sample_size >= batch_size):
@@ -157,12 +165,16 @@ class PrivacyEngine:
         self.accountant_name = accountant
         self.accountant = make_accountant(accountant)
         self.clipping_mode = clipping_mode
-        #: the collectives of data-parallel training (None: one process)
-        self.distributed: Optional[_optim.DataParallel] = _optim.data_parallel(
-            distributed, _noise.parameters_device(model))
+        #: the collectives of data-parallel training (None: one process); a
+        #: :class:`ShardedDataParallel` on an FSDP2 model
+        self.distributed: Optional[_optim.DataParallel] = (
+            _sharded(model, distributed, check_replicas) if sharded else
+            _optim.data_parallel(distributed, _noise.parameters_device(model)))
         self.check_replicas = bool(check_replicas)
         generator = _noise.engine_noise_generator(model, noise_generator, secure_mode,
                                                   draws=self.draws_noise)
+        if self.sharded:
+            self.distributed.check_generators(generator)
         if target_epsilon is not None:
             self.steps = steps_for(epochs, steps, self.sample_rate)
             sigma = calibrate_noise_multiplier(
@@ -189,24 +201,37 @@ class PrivacyEngine:
         check_no_batchnorm(model)
         #: refuses a training forward that changes a buffer from the data (a release without noise)
         self.buffer_guard = BufferGuard(model, allow=data_free_buffers).install()
-        scan = scan_model(model)
-        layers = clipped_layers(model, strict=True, scan=scan)
+        #: the trainable parameters the optimizer updates (FSDP2: the DTensor shards)
         self.params: List[nn.Parameter] = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("the model has no trainable parameters (requires_grad=True).")
-        self._names = self.parameter_names()
-        if self.distributed is not None:
-            self.distributed.broadcast_module(model)  # the replicas start identical
-        self.clipper = PerSampleClipper(
-            layers,
-            self.params,
-            mode=clipping_mode,
-            clipping_fn=clipping_fn,
-            max_grad_norm=max_grad_norm,
-            model=model,
-            traced=scan.traced,
-            fallbacks=scan.fallbacks,
-        )
+        # FSDP2: the clipping core is built on the unsharded parameters, the tensors the modules
+        # hold while they compute (the modules hold them inside unsharded())
+        with self._unsharded():
+            scan = scan_model(model)
+            layers = clipped_layers(model, strict=True, scan=scan)
+            clip_params = (self.distributed.unsharded_params(self.params) if self.sharded
+                           else self.params)
+            if self.sharded and scan.fallbacks:
+                raise ValueError(
+                    "PrivacyEngine on an FSDP2 (fully_shard) model: the torch.func fallback is "
+                    f"not supported ({[n for n, _ in scan.fallbacks]}): it replays modules "
+                    "functionally on parameters that FSDP2 swaps between shards and gathered "
+                    "tensors. Register a layer rule for these modules, or train them unsharded "
+                    "(docs/distributed.md, \"FSDP2\").")
+            self._names = self.parameter_names()
+            if self.distributed is not None:
+                self.distributed.broadcast_module(model)  # the replicas start identical
+            self.clipper = PerSampleClipper(
+                layers,
+                clip_params,
+                mode=clipping_mode,
+                clipping_fn=clipping_fn,
+                max_grad_norm=max_grad_norm,
+                model=model,
+                traced=scan.traced,
+                fallbacks=scan.fallbacks,
+            )
         self._attached: List[_optim.PrivateStep] = []
         #: certified per-sample gradient norms ‖g_i‖ of the last clipped physical batch (None before
         #: the first)
@@ -229,8 +254,19 @@ class PrivacyEngine:
     @property
     def draws_noise(self) -> bool:
         """Whether this process draws the noise: one process, or rank 0 of a data-parallel
-        group (the others add none: the all-reduced sum carries rank 0's one draw)."""
+        group (the others add none: the all-reduced sum carries rank 0's one draw), or every
+        rank of an FSDP2 model (each draws the noise of the rows it owns)."""
         return self.distributed is None or self.distributed.adds_noise
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the model is sharded by FSDP2 (:mod:`private_engine.optim.sharded`)."""
+        return isinstance(self.distributed, ShardedDataParallel)
+
+    def _unsharded(self):
+        """FSDP2: every module holds its unsharded parameters inside
+        (:meth:`ShardedDataParallel.unsharded`); otherwise nothing."""
+        return self.distributed.unsharded() if self.sharded else contextlib.nullcontext()
 
     @property
     def secure_mode(self) -> bool:
@@ -257,6 +293,8 @@ class PrivacyEngine:
         if any(s.optimizer is optimizer and s.attached for s in self._attached):
             raise RuntimeError("this optimizer is already attached to the engine.")
         self.clipper.install()  # hooks removed by detach() come back
+        if self.sharded:
+            self.distributed.take_over_fsdp()
         self.buffer_guard.install()
         state = _optim.PrivateStep(optimizer, self.params, self.clip_batch,
                                    lambda: self.clipper.max_grad_norm, self.noise,
@@ -275,12 +313,15 @@ class PrivacyEngine:
         check_clipped_params(optimizer, {id(p) for p in self.params}, self.parameter_names)
 
     def detach(self) -> None:
-        """Remove the hooks and restore every attached optimizer's own ``step``."""
+        """Remove the hooks and restore every attached optimizer's own ``step`` (and, on an
+        FSDP2 model, FSDP2's own gradient reduction and resharding settings)."""
         for state in self._attached:
             _optim.detach(state)
         self._attached = []
         self.clipper.remove()
         self.buffer_guard.remove()
+        if self.sharded:  # FSDP2 reduces its own gradients again
+            self.distributed.restore_fsdp()
 
     # -- clipping ------------------------------------------------------------------------------
     def clipped_grad_sum(self, loss: torch.Tensor):
@@ -303,10 +344,13 @@ class PrivacyEngine:
         """One physical batch through the clipping core
         (:func:`private_engine.clipping.batch.clip_batch`), with this engine's loss scaling; the
         norms and dropped samples are recorded for :attr:`last_norms` / :attr:`dropped_samples`."""
-        batch = clip_batch(self.clipper, loss, loss_scaling=self.loss_scaling,
-                           names=self._names,
-                           all_dropped_hint="the model may have diverged (lower the learning "
-                           "rate; float16: pass grad_scaler=).")
+        if self.sharded:
+            self.distributed.check_fsdp_state()
+        with self._unsharded():  # FSDP2: one all-gather per physical batch on every rank
+            batch = clip_batch(self.clipper, loss, loss_scaling=self.loss_scaling,
+                               names=self._names,
+                               all_dropped_hint="the model may have diverged (lower the learning "
+                               "rate; float16: pass grad_scaler=).")
         if batch.norms is not None:
             self.last_norms = batch.norms
         self.dropped_samples += batch.dropped
@@ -364,8 +408,15 @@ class PrivacyEngine:
                                   self.sampling_check.mean_batch_size, self.batch_size)
 
     def parameter_names(self) -> dict:
-        """``{id(parameter): qualified name}`` of the model as it is now."""
-        return {id(p): n for n, p in self.model.named_parameters()}
+        """``{id(parameter): qualified name}`` of the model as it is now (FSDP2: of its
+        ``DTensor`` shards and of the unsharded parameters the clipper holds)."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        if self.sharded:
+            for p in self.params:
+                if id(p) in names:
+                    u = self.distributed.unsharded_params([p])[0]
+                    names[id(u)] = names[id(p)]
+        return names
 
     # -- copies ------------------------------------------------------------------------------
     def _refuse_copy(self, *args):
@@ -398,7 +449,11 @@ class PrivacyEngine:
         sums; keep it as private as the training data."""
         from .checkpoint import engine_state_dict
 
-        return engine_state_dict(self)
+        state = engine_state_dict(self)
+        if self.sharded:  # each rank's own generator: a state is loaded on the rank that wrote it
+            state["shard"] = {"rank": self.distributed.rank,
+                              "world_size": self.distributed.world_size}
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` (attach the optimizers first); a state written under other
@@ -406,6 +461,15 @@ class PrivacyEngine:
         (:func:`private_engine.checkpoint.load_engine_state_dict`)."""
         from .checkpoint import load_engine_state_dict
 
+        if self.sharded:
+            mine = {"rank": self.distributed.rank, "world_size": self.distributed.world_size}
+            if not isinstance(state, dict) or state.get("shard") != mine:
+                raise ValueError(
+                    f"this FSDP2 engine (rank {mine['rank']} of {mine['world_size']}) loads only "
+                    f"the state its own rank wrote (engine.state_dict() on rank {mine['rank']}); "
+                    f"this one is {state.get('shard') if isinstance(state, dict) else None}: "
+                    "each rank draws the noise of its own rows from its own generator, and "
+                    "two ranks restoring one state would repeat their noise.")
         load_engine_state_dict(self, state)
 
 
@@ -424,17 +488,29 @@ def _refuse_data_parallel_wrapper(model: nn.Module) -> None:
             "(distributed=None detects it).")
 
 
-def _refuse_sharded_parameters(model: nn.Module) -> None:
-    """Refuse a model whose parameters are sharded (FSDP2's ``fully_shard`` turns them into
-    ``DTensor`` shards, FSDP1 flattens them): a per-sample gradient, its norm and its clipped sum
-    are computed for the full parameter, which a shard is not (docs/distributed.md, "FSDP")."""
-    sharded = [n for n, p in model.named_parameters()
-               if type(p).__name__ == "DTensor" or type(p.data).__name__ == "DTensor"
-               or n.endswith("_flat_param") or "_fsdp_wrapped_module" in n]
-    if sharded or type(model).__name__ in ("FullyShardedDataParallel",):
+def _refuse_fsdp1(model: nn.Module) -> None:
+    """Refuse a model wrapped by FSDP1 (``FullyShardedDataParallel``): it flattens parameters into
+    one flat parameter per unit, so no layer owns its own weight and no per-sample gradient can be
+    formed per layer. FSDP2 (``fully_shard``) keeps each parameter and is supported."""
+    names = fsdp1_names(model)
+    if names:
         raise ValueError(
-            f"PrivacyEngine got a model with sharded parameters ({sharded[:3] or 'FSDP'}): FSDP "
-            "is not supported yet (per-sample clipping needs each layer's full gradient; the "
-            "design is in docs/distributed.md). Build the engine on the unsharded model; for "
-            "data parallel training use the bare module under torch.distributed.")
+            f"PrivacyEngine got a model wrapped by FSDP1 ({names[:3]}): its flat parameters hide "
+            "the layers' own weights, which per-sample clipping needs. Shard it with FSDP2 "
+            "instead (torch.distributed.fsdp.fully_shard), which the engine supports "
+            "(docs/distributed.md, \"FSDP2\").")
 
+
+def _sharded(model: nn.Module, distributed: Optional[bool],
+             check_replicas: bool) -> ShardedDataParallel:
+    """The :class:`ShardedDataParallel` of an FSDP2 model: ``distributed`` must not be False (the
+    shards are one model only together) and ``check_replicas`` must be off (no replicas)."""
+    if distributed is False:
+        raise ValueError(
+            "PrivacyEngine got an FSDP2 (fully_shard) model with distributed=False: its "
+            "parameters are shards of one model held by all the ranks; leave distributed=None.")
+    if check_replicas:
+        raise ValueError(
+            "check_replicas=True compares replicas; under FSDP2 the ranks hold different shards "
+            "of the parameters, not replicas.")
+    return ShardedDataParallel(model, _noise.parameters_device(model))

@@ -9,8 +9,14 @@ samples. Non-private: ``torch.nn.parallel.DistributedDataParallel`` with a mean 
 ``optimizer.step(loss=per_sample_losses)`` — clipping on each rank, one all-reduce of the flat
 clipped sums, noise once on rank 0.
 
+With ``--fsdp`` both models are sharded by FSDP2 (``fully_shard`` on every transformer block,
+then on the root): non-private FSDP2 (mean loss, ``backward``, FSDP2's reduce-scatter, the
+optimizer's step on the shards) against the engine on the sharded model (one all-gather of the
+model per step, clipping on each rank, one reduce-scatter of the clipped sums, each rank noising
+its own rows; :mod:`private_engine.optim.sharded`).
+
     python bench/investigate/ddp_scaling.py --world-sizes 1 2 --model vit_tiny_patch16_224 \\
-        --img-size 32 --batch-size 32 --steps 8
+        --img-size 32 --batch-size 32 --steps 8 [--fsdp]
 
 Prints, per world size, samples per second of both and the private/non-private time ratio.
 """
@@ -41,6 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mode", default="bk_mixed", help="clipping mode")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per process")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--fsdp", action="store_true",
+                   help="shard both models with FSDP2 (fully_shard) instead of DDP")
     return p.parse_args(argv)
 
 
@@ -58,6 +66,16 @@ def _build(args):
                              num_classes=10)
 
 
+def _shard(model):
+    """FSDP2: ``fully_shard`` on every block (``blocks`` of a timm ViT), then on the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in getattr(model, "blocks", []):
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
 def _worker(rank: int, world: int, port: int, args, out_dir: str) -> None:
     import private_engine as pe
 
@@ -72,10 +90,12 @@ def _worker(rank: int, world: int, port: int, args, out_dir: str) -> None:
     y = torch.randint(0, 10, (local,), generator=gen).to(device)
 
     plain = _build(args).to(device)
-    ddp = torch.nn.parallel.DistributedDataParallel(plain)
+    ddp = _shard(plain) if args.fsdp else torch.nn.parallel.DistributedDataParallel(plain)
     plain_opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
 
     model = _build(args).to(device)
+    if args.fsdp:
+        model = _shard(model)
     engine = pe.PrivacyEngine(model, batch_size=args.batch_size,
                               sample_size=100 * args.batch_size, max_grad_norm=1.0,
                               noise_multiplier=1.0, clipping_mode=args.mode)
@@ -115,6 +135,7 @@ def _worker(rank: int, world: int, port: int, args, out_dir: str) -> None:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     results = {}
+    base_name = "FSDP2" if args.fsdp else "DDP"
     with tempfile.TemporaryDirectory() as out_dir:
         for world in args.world_sizes:
             mp.spawn(_worker, args=(world, _free_port(), args, out_dir), nprocs=world, join=True)
@@ -122,7 +143,7 @@ def main(argv=None) -> dict:
             nondp = statistics.median(times["nondp"])
             private = statistics.median(times["private"])
             results[world] = dict(nondp=nondp, private=private)
-            print(f"world {world}: non-DP {args.batch_size / nondp:8.1f} samples/s, "
+            print(f"world {world} ({base_name}): non-DP {args.batch_size / nondp:8.1f} samples/s, "
                   f"private ({args.mode}) {args.batch_size / private:8.1f} samples/s, "
                   f"private/non-DP time {private / nondp:.2f}×")
     base = results.get(min(results))

@@ -83,7 +83,9 @@ class PrivateStep:
             noise (the sampling-rate check); raising refuses the step, nothing changed.
         reducer: data-parallel training (:class:`.distributed.DataParallel`): the sample counts
             (``pre_release``, ``step_hook``) and the released sums are the ranks' totals, the
-            noise is drawn on rank 0 only (:meth:`reduce_sums`). None: one process.
+            noise is drawn on rank 0 only (:meth:`reduce_sums`); on an FSDP2 model
+            (:class:`.sharded.ShardedDataParallel`, ``params`` its ``DTensor`` shards), each rank
+            noises the rows it owns. None: one process.
         post_step: called after a step succeeded and was accounted (the replica check).
     """
 
@@ -182,7 +184,9 @@ class PrivateStep:
         """:meth:`noisy_gradients` over the ranks: clip the local batch, add the local running
         sums, exchange the counts (the global count ``Σ_r samples_r`` goes to ``pre_release``;
         a rank whose clipping raised makes every rank raise), then :meth:`reduce_sums` and the
-        division by the global expected batch size B."""
+        division by the global expected batch size B. On an FSDP2 model
+        (:class:`.sharded.ShardedDataParallel`) the sums are reduce-scattered instead, each rank
+        noises the rows it owns and the gradients are the parameters' ``DTensor`` shards."""
         try:
             batch = self.clip(loss)
         except Exception:
@@ -199,6 +203,11 @@ class PrivateStep:
                 "data-parallel step is refused on every rank; nothing was updated.")
         if self.pre_release is not None:
             self.pre_release(counts.samples)
+        if getattr(self.reducer, "sharded", False):  # FSDP2: reduce-scatter, noise per shard
+            std = self.noise.noise_multiplier * self.max_grad_norm()
+            grads = self.reducer.release(sums, self.params, std, self.noise.expected_batch_size,
+                                         self.noise.generator, self.noise.secure_mode)
+            return grads, counts.samples
         return self.scale_grad(self.reduce_sums(sums, counts.same_layout)), counts.samples
 
     def step(self, loss):

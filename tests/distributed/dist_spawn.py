@@ -8,6 +8,7 @@ process) and returns what each rank returned, through files in ``out_dir``
 """
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import time
@@ -35,6 +36,10 @@ def _entry(rank: int, fn, port: int, out_dir: str) -> None:
         result = fn(rank, out_dir)
         torch.save(result, os.path.join(out_dir, f"result{rank}.pt"))
     finally:
+        # objects of the run (engines' hooks, FSDP2 states) sit in reference cycles that hold
+        # the group's resources: free them while the group is alive, the ranks in step
+        gc.collect()
+        dist.barrier()
         dist.destroy_process_group()
 
 

@@ -73,20 +73,44 @@ def test_world_of_one_runs_the_data_parallel_path(no_group):
         dist.destroy_process_group()
 
 
-def test_fsdp_sharded_model_is_refused(tmp_path):
-    """FSDP2's fully_shard (here on a one-process gloo group) makes DTensor shards: refused."""
-    import torch.distributed as dist
-
+def test_fsdp2_on_a_world_of_one_trains_like_one_process(tmp_path):
+    """FSDP2's fully_shard on a one-process gloo group: the engine takes the sharded path (the
+    shards are the whole parameters, DTensors) and reaches the unsharded model's update, with
+    accumulation; distributed=False is refused (a sharded model needs its process group)."""
     fsdp = pytest.importorskip("torch.distributed.fsdp")
     if not hasattr(fsdp, "fully_shard"):
         pytest.skip("no FSDP2 in this torch")
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
                             world_size=1)
     try:
-        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
-        fsdp.fully_shard(model)
-        with pytest.raises(ValueError, match="sharded parameters.*FSDP is not supported"):
-            pe.PrivacyEngine(model, batch_size=4, sample_size=40, max_grad_norm=1.0,
-                             noise_multiplier=1.0)
+        x, y = torch.randn(8, 6, dtype=torch.float64), torch.randint(0, 3, (8,))
+        results = []
+        for sharded in (True, False):
+            model = _mlp()
+            if sharded:
+                fsdp.fully_shard(model[0])
+                fsdp.fully_shard(model)
+            engine = _engine(model)
+            assert engine.sharded == sharded
+            opt = engine.attach(torch.optim.SGD(model.parameters(), lr=0.5))
+            opt.virtual_step(loss=F.cross_entropy(model(x[:3]), y[:3], reduction="none"))
+            opt.step(loss=F.cross_entropy(model(x[3:]), y[3:], reduction="none"))
+            results.append(torch.cat([getattr(p, "full_tensor", lambda p=p: p)().detach().flatten()
+                                      for p in model.parameters()]))
+        assert type(next(_fsdp_params(fsdp))).__name__ == "DTensor"
+        assert (results[0] - _flat_initial()).abs().max() > 1e-3
+        assert torch.allclose(results[0], results[1], atol=1e-12, rtol=0)
+        with pytest.raises(ValueError, match="distributed=False"):
+            _engine(fsdp.fully_shard(_mlp()), distributed=False)
     finally:
         dist.destroy_process_group()
+
+
+def _fsdp_params(fsdp):
+    model = _mlp()
+    fsdp.fully_shard(model)
+    return model.parameters()
+
+
+def _flat_initial():
+    return torch.cat([p.detach().flatten() for p in _mlp().parameters()])

@@ -1,0 +1,311 @@
+"""Private steps on an FSDP2-sharded model (``torch.distributed.fsdp.fully_shard``): each rank clips
+its own samples on the unsharded parameters, the full-size clipped sums are reduce-scattered into
+the parameters' dim-0 shards, and each shard's owner adds the noise of the coordinates it owns.
+
+FSDP2 keeps each parameter as a ``DTensor`` shard, ``Shard(0)``: with W ranks and a parameter of
+``d₀`` rows, rank r owns rows ``[r·c, min((r+1)·c, d₀))``, ``c = ⌈d₀/W⌉`` (the last shards padded
+or empty). For a module's forward and backward it all-gathers the rows into one unsharded
+``nn.Parameter`` per parameter — an object FSDP2 creates once and keeps, refilling its storage at
+every all-gather — and assigns it to the module. Everything the clipping core knows about a
+parameter (layer rules, tracer, graph walk, flat buffers) is keyed by the tensor the module holds
+while it computes, so the engine builds its clipper on these unsharded objects and keeps the
+``DTensor`` shards for the optimizer. A logical batch, on rank r with its samples S_r:
+
+1. for each physical batch the engine all-gathers every FSDP module once
+   (:meth:`ShardedDataParallel.unsharded`: the same collectives on every rank whatever its
+   batch, so that the engine's backward passes — norm pass, separability probe, second pass —
+   need no communication, and a rank with an empty batch runs none), clips
+   ``s_r = Σ_{i ∈ S_r} C_i g_i`` into full-size flat buffers and reshards. FSDP2's own gradient
+   reduction is switched off (``set_requires_gradient_sync(False)``), and the norm pass forms no
+   ``.grad`` anyway: it asks autograd for activation gradients only;
+2. at the step, one ``reduce_scatter(SUM)`` per accumulation dtype gives rank r the rows it owns of
+   ``s = Σ_q s_q`` (the sum is linear, so summing the full-size sums and cutting them into shards
+   commute);
+3. rank r adds ``σR·ξ_r`` to its own rows only, ξ_r ~ N(0, I) from its own generator, divides by
+   the global expected batch size B and sets its shard of ``(s + σR·ξ)/B`` as the ``DTensor``
+   ``.grad`` of each parameter; the wrapped optimizer steps on the shards, as under FSDP2 alone.
+
+Why this is as private as one process (Abadi et al. 2016, "Deep Learning with Differential
+Privacy"): the shards partition the coordinates, so every coordinate's noise is drawn by exactly
+one rank, once; the ranks' generators are independent (entropy-seeded on each rank; generators
+given by the user are checked to differ), so the noise of the whole released vector is
+``(ξ_0, …, ξ_{W−1})·σR ~ N(0, σ²R²I)`` — the Gaussian mechanism at noise multiplier σ on
+``F(D) = Σ_q s_q``, whose sensitivity is R (one sample sits on one rank and moves its ``s_q`` by at
+most R; cutting a vector into shards does not change its norm). No coordinate gets noise twice
+(which would be √2 too much) or not at all. As in data-parallel training, the ranks are trusted
+with the data they hold: rank r sees the sum of the ranks' clipped sums on its rows before it
+noises them, as rank 0 of the data-parallel path knows the noise it adds; the guarantee is about
+what is released, the updated parameters.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from typing import Dict, Iterator, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..clipping.grad_sums import GradSums
+from .distributed import DataParallel, process_group_ready
+from .noise import add_gaussian_noise
+
+
+def fsdp2_modules(model: nn.Module) -> List[nn.Module]:
+    """The modules of ``model`` that FSDP2's ``fully_shard`` was applied to, in ``modules()``
+    order (the same order on every rank)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2
+        return []
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def fsdp1_names(model: nn.Module) -> List[str]:
+    """Names of FSDP1 flat parameters / wrapped modules in ``model`` (empty when none)."""
+    names = [n for n, _ in model.named_parameters()
+             if n.endswith("_flat_param") or "_fsdp_wrapped_module" in n]
+    if any(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()):
+        names.append("FullyShardedDataParallel")
+    return names
+
+
+def _refuse(what: str, why: str) -> ValueError:
+    return ValueError(f"PrivacyEngine on an FSDP2 (fully_shard) model: {what} is not supported: "
+                      f"{why} (docs/distributed.md, \"FSDP2\").")
+
+
+class ShardedDataParallel(DataParallel):
+    """The collectives of private training on an FSDP2-sharded model over the default process
+    group (module docstring).
+
+    Args:
+        model: the model, ``fully_shard`` applied to its root (and to any submodules); every
+            trainable parameter must be managed by FSDP2, sharded ``Shard(0)`` over one 1-D mesh
+            of all the ranks, without a mixed-precision policy or CPU offloading.
+        device: the device of the small tensors of the collectives.
+
+    Refuses (``ValueError``, naming what and why) what the engine cannot clip exactly: trainable
+    parameters outside FSDP2, other placements or meshes (HSDP, tensor parallelism), FSDP2's
+    mixed precision (parameters computed in another dtype than the shards the optimizer updates)
+    and CPU offloading, parameters shared between modules.
+    """
+
+    #: every rank holds shards and steps on its own rows
+    sharded = True
+
+    def __init__(self, model: nn.Module, device: torch.device = torch.device("cpu")):
+        if not process_group_ready():
+            raise ValueError("an FSDP2 (fully_shard) model needs an initialised default process "
+                             "group (torch.distributed.init_process_group).")
+        super().__init__(device)
+        self.modules = fsdp2_modules(model)
+        groups = [g for m in self.modules for g in m._get_fsdp_state()._fsdp_param_groups]
+        #: id(sharded DTensor parameter) -> FSDP2's FSDPParam
+        self._fsdp: Dict[int, object] = {id(fp.sharded_param): fp
+                                          for g in groups for fp in g.fsdp_params}
+        names = {id(p): n for n, p in model.named_parameters()}
+        outside = [n for n, p in model.named_parameters()
+                   if p.requires_grad and id(p) not in self._fsdp]
+        if outside:
+            raise _refuse("trainable parameters outside fully_shard", f"{outside[:5]} are not "
+                          "managed by FSDP2 (apply fully_shard to the root module too)")
+        for fp in self._fsdp.values():
+            self._check_param(fp, names.get(id(fp.sharded_param), repr(fp)))
+        self._groups = groups
+        #: FSDP2's own settings, restored by :meth:`restore_fsdp` (engine.detach())
+        self._fsdp_settings = [(g.reduce_grads, g.all_reduce_grads, g.reshard_after_backward)
+                               for g in groups]
+        self.take_over_fsdp()
+        with self.unsharded():  # FSDP2 creates its unsharded parameters at the first all-gather
+            self._unsharded = {k: fp._unsharded_param for k, fp in self._fsdp.items()}
+
+    def _check_param(self, fp, name: str) -> None:
+        from torch.distributed.tensor import Shard
+
+        mesh = fp.sharded_param.device_mesh
+        if mesh.ndim != 1 or mesh.size() != self.world_size:
+            raise _refuse(f"the mesh of {name}", f"{mesh.ndim}-D of size {mesh.size()}; the "
+                          f"engine supports a 1-D mesh of all {self.world_size} ranks (HSDP and "
+                          "tensor parallelism are not supported)")
+        if getattr(fp, "is_dtensor", False) or fp.fsdp_placement != Shard(0):
+            raise _refuse(f"the placement of {name}", f"{fp.fsdp_placement}; only FSDP2's "
+                          "default Shard(0) of plain parameters is supported")
+        policy = fp.mp_policy
+        dtypes = (policy.param_dtype, policy.reduce_dtype)
+        if any(d is not None and d != fp.sharded_param.dtype for d in dtypes):
+            raise _refuse("MixedPrecisionPolicy", "the per-sample norms would be computed on "
+                          "parameters of another dtype than the shards that are released; use "
+                          "torch.autocast (bfloat16) for mixed precision instead")
+        if getattr(fp, "offload_to_cpu", False):
+            raise _refuse("CPUOffloadPolicy", "the shards live on the CPU while the clipped sums "
+                          "are reduced on the device")
+        if fp._module_info.shared_modules:
+            raise _refuse(f"the shared (tied) parameter {name}", "its uses are clipped together "
+                          "by the clipping core on unsharded models only; untie or freeze it")
+
+    def take_over_fsdp(self) -> None:
+        """Switch FSDP2's gradient reduction off (no raw gradient is ever reduce-scattered: the
+        engine reduces the clipped sums) and its reshard after backward (the engine reshards once
+        its clipping is done, :meth:`unsharded`)."""
+        for g in self._groups:
+            g.reduce_grads = g.all_reduce_grads = False
+            g.reshard_after_backward = False
+
+    def restore_fsdp(self) -> None:
+        """Give FSDP2 its own settings back (the engine is detached: training without it)."""
+        for g, (reduce, all_reduce, reshard) in zip(self._groups, self._fsdp_settings):
+            g.reduce_grads, g.all_reduce_grads, g.reshard_after_backward = reduce, all_reduce, \
+                reshard
+
+    # -- noise -----------------------------------------------------------------------------------
+    @property
+    def adds_noise(self) -> bool:
+        """True on every rank: each adds the noise of the rows it owns."""
+        return True
+
+    def check_generators(self, generator: Optional[torch.Generator]) -> None:
+        """Refuse (on every rank) noise generators whose states are equal on two ranks: their
+        draws would repeat across shards, so the released vector's noise would not be
+        ``N(0, σ²R²I)`` (two shards' noises equal: their difference would be noise-free). One
+        ``all_gather`` of a 56-bit hash of each rank's state (None: secure mode, nothing to
+        compare)."""
+        code = 0
+        if generator is not None:
+            state = generator.get_state().cpu().numpy().tobytes()
+            code = int.from_bytes(hashlib.blake2b(state, digest_size=7).digest(), "little") + 1
+        mine = torch.tensor([code], dtype=torch.int64, device=self.device)
+        everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(everyone, mine)
+        codes = [int(t.item()) for t in everyone]
+        if any(c and codes.count(c) > 1 for c in codes):
+            raise ValueError(
+                "noise_generator: the ranks' generators are in the same state, so the shards "
+                "they noise would get the same noise. Under FSDP2 every rank draws the noise of "
+                "its own rows: give each rank its own generator (or leave noise_generator=None "
+                "for one seeded from OS entropy on each rank).")
+
+    # -- parameters ------------------------------------------------------------------------------
+    def unsharded_params(self, params: Sequence[nn.Parameter]) -> List[nn.Parameter]:
+        """FSDP2's unsharded parameter object of each sharded parameter of ``params``: what the
+        modules hold while they compute, hence what the clipping core keys on."""
+        return [self._unsharded[id(p)] for p in params]
+
+    @contextlib.contextmanager
+    def unsharded(self) -> Iterator[None]:
+        """All-gather every FSDP2 module (``FSDPModule.unshard``, in ``modules()`` order: the same
+        collectives on every rank), run the body, reshard (no communication). Inside, every module
+        holds its unsharded parameters, so the engine's backward passes — whose number per
+        physical batch differs between ranks (an empty batch runs none, the separability probe
+        runs on a rank's first batch of a new input signature with at least two samples) —
+        communicate nothing: FSDP2's pre-backward all-gather is a no-op on unsharded modules and
+        its post-backward reshard and gradient reduction are off."""
+        for m in self.modules:
+            m.unshard()
+        try:
+            yield
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.modules[0].reset_iter_state()  # an aborted backward: FSDP2's states reset
+            raise
+        finally:
+            for m in self.modules:
+                m.reshard()
+
+    def check_fsdp_state(self) -> None:
+        """Before a release: FSDP2's gradient reduction is still off and its parameter objects
+        are the ones the clipper was built on (a ``load_state_dict(assign=True)`` or ``to()``
+        that replaced them would leave the clipper keyed on stale tensors)."""
+        for g in self._groups:
+            if g.reduce_grads or g.all_reduce_grads:
+                raise RuntimeError(
+                    "FSDP2's gradient reduction was switched back on "
+                    "(set_requires_gradient_sync(True)): it would reduce raw, unclipped "
+                    "gradients. The engine reduces the clipped sums itself; leave it off.")
+        for k, fp in self._fsdp.items():
+            if id(fp.sharded_param) != k or fp._unsharded_param is not self._unsharded[k]:
+                raise RuntimeError(
+                    "FSDP2 replaced a parameter object after the engine was built (e.g. "
+                    "load_state_dict(assign=True) or module.to()): build the engine again.")
+
+    # -- the release -----------------------------------------------------------------------------
+    def release(self, sums: GradSums, params: Sequence[nn.Parameter], std: float,
+                expected_batch_size: int, generator: Optional[torch.Generator] = None,
+                secure_mode: bool = False) -> List[torch.Tensor]:
+        """``[(shard_r(Σ_q s_q) + σR·ξ_r) / B]``: rank r's rows of the noisy clipped sum of
+        every parameter of ``params`` (the sharded ``DTensor`` parameters, in the order of
+        ``sums.grads``, which are full-size), as ``DTensor`` gradients of the parameters' own
+        placement, each on storage of its own.
+
+        Per accumulation dtype, the full-size sums are laid out rank-major — row r holds, for every
+        parameter, its FSDP2 chunk r zero-padded to the padded chunk size — and reduced by one
+        ``reduce_scatter(SUM)``; ``σR·ξ_r`` is added to the real (unpadded) rows only, then the
+        division by B and the cast to the parameter's dtype."""
+        from torch.distributed.tensor import DTensor
+
+        self.check_fsdp_state()
+        W = self.world_size
+        fps = [self._fsdp[id(p)] for p in params]
+        out: List[Optional[torch.Tensor]] = [None] * len(fps)
+        by_dtype: Dict[tuple, List[int]] = {}
+        for k, g in enumerate(sums.grads):
+            by_dtype.setdefault((g.device, g.dtype), []).append(k)
+        for (device, dtype), ks in by_dtype.items():
+            sizes = [fps[k].padded_sharded_param_size.numel() for k in ks]
+            total = sum(sizes)
+            send = torch.zeros(W, total, device=device, dtype=dtype)
+            offset = 0
+            for k, size in zip(ks, sizes):
+                flat = sums.grads[k].reshape(-1)
+                for q in range(W):
+                    lo, hi = q * size, min(flat.numel(), (q + 1) * size)
+                    if hi > lo:
+                        send[q, offset:offset + hi - lo].copy_(flat[lo:hi])
+                offset += size
+            mine = torch.empty(total, device=device, dtype=dtype)
+            reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+            reduce_scatter(mine, send.reshape(-1), op=dist.ReduceOp.SUM)
+            del send
+            views, offset = [], 0
+            for k, size in zip(ks, sizes):
+                fp = fps[k]
+                self._own_rows(fp)
+                views.append(mine[offset:offset + fp.sharded_size.numel()].view(fp.sharded_size))
+                offset += size
+            if std > 0:
+                add_gaussian_noise([v for v in views if v.numel()], std, generator, secure_mode)
+            local = torch._foreach_div(views, float(expected_batch_size))
+            for k, g in zip(ks, local):
+                p = params[k]
+                g = g.to(p.dtype).contiguous()
+                out[k] = DTensor.from_local(g, p.device_mesh, p.placements, run_check=False,
+                                            shape=p.shape, stride=p.stride())
+        return out
+
+    def _own_rows(self, fp) -> int:
+        """Rows of the parameter this rank owns: ``max(0, min(d₀, (r+1)c) − r·c)``, checked against
+        FSDP2's shard size (the layout of the reduce-scatter must be FSDP2's)."""
+        d0, c = fp._orig_size[0], fp.padded_sharded_param_size[0]
+        rows = max(0, min(d0, (self.rank + 1) * c) - self.rank * c)
+        if rows != fp.sharded_size[0]:
+            raise RuntimeError(f"internal error: FSDP2's shard of {fp} has {fp.sharded_size[0]} "
+                               f"rows on rank {self.rank}, expected {rows}.")
+        return rows
+
+    # -- replicas --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def broadcast_module(self, model: nn.Module) -> None:
+        """``b ← b of rank 0`` for every buffer (FSDP2 shards parameters, not buffers; the
+        parameters are not replicas: each rank's shard is its own)."""
+        for b in model.buffers():
+            tmp = b.data.contiguous()
+            dist.broadcast(tmp, src=0)
+            if tmp is not b.data:
+                b.data.copy_(tmp)
+
+    def check_replicas(self, params) -> None:
+        raise _refuse("check_replicas=True", "the ranks hold different shards, not replicas")
+
+
+__all__ = ["ShardedDataParallel", "fsdp1_names", "fsdp2_modules"]
