@@ -488,3 +488,20 @@ def test_tied_lm_runs(capsys):
     assert result["bk_mixopt"]["tied"] == "instantiated"
     assert all(r["ms"] > 0 and r["peak_mib"] >= 0 for r in result.values())
     assert "| bk_mixed | joint ghost |" in capsys.readouterr().out
+
+
+def test_mae_step_runs(capsys):
+    from bench.investigate import mae_step as module
+
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        result = module.main(["--img-size", "16", "--patch-size", "8", "--depth", "1",
+                              "--decoder-depth", "1", "--batch-size", "3", "--rounds", "1",
+                              "--warmup", "0"])
+    finally:
+        torch.set_num_threads(threads)
+    assert result["ratio"] > 0
+    assert all(result[k]["median_ms"] > 0 for k in result if k != "ratio")
+    assert capsys.readouterr().out
