@@ -247,14 +247,14 @@ def test_multihead_attention_as_the_whole_model():
 
 # -- the tracer refuses what it cannot clip; the fallback takes it ---------------------------------
 class MatmulParam(nn.Module):
-    """A parameter used by a matmul with the batch: not an entry op of the tracer."""
+    """A parameter used by an einsum with the batch: not an entry op of the tracer."""
 
     def __init__(self):
         super().__init__()
         self.w = nn.Parameter(torch.randn(4, 3))
 
     def forward(self, x):
-        return x @ self.w
+        return torch.einsum("bi,ij->bj", x, self.w)
 
 
 class WithMatmul(nn.Module):
