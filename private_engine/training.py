@@ -11,7 +11,7 @@ from .data import physical_chunks
 
 def private_logical_step(optimizer: torch.optim.Optimizer, batch: Sequence[torch.Tensor],
                          per_sample_loss: Callable[..., torch.Tensor], physical_batch_size: int,
-                         device: Optional[torch.device] = None) -> float:
+                         device: Optional[torch.device] = None, lockstep: bool = False) -> float:
     """One DP step on a logical ``batch`` (batch-first tensors), in physical chunks of
     ≤ ``physical_batch_size``.
 
@@ -20,12 +20,38 @@ def private_logical_step(optimizer: torch.optim.Optimizer, batch: Sequence[torch
     last through ``optimizer.step(loss=…)`` (noise once, update). An empty (Poisson) batch still
     takes a step — noise only — as the accountant assumes. Returns the batch's mean loss (0.0 if
     empty), with one host synchronisation.
+
+    ``lockstep`` (FSDP2-sharded models, whose every forward runs collectives): the ranks agree on
+    the number of chunks (one all-reduce of its maximum) and each runs that many forwards, empty
+    chunks included, whatever its own (Poisson) batch size.
     """
+    if lockstep:
+        return _lockstep_step(optimizer, batch, per_sample_loss, physical_batch_size, device)
     if batch[0].shape[0] == 0:
         optimizer.step(loss=torch.zeros(0, device=device))
         optimizer.zero_grad(set_to_none=True)
         return 0.0
     chunks = list(physical_chunks(batch, physical_batch_size))
+    return _run_chunks(optimizer, chunks, per_sample_loss, device)
+
+
+def _lockstep_step(optimizer, batch, per_sample_loss, physical_batch_size, device) -> float:
+    """:func:`private_logical_step` with the same number of chunks on every rank."""
+    import torch.distributed as dist
+
+    chunks = list(physical_chunks(batch, physical_batch_size))
+    at = device if device is not None else batch[0].device
+    if dist.get_backend() == "nccl" and torch.device(at).type != "cuda":
+        at = torch.device("cuda", torch.cuda.current_device())
+    count = torch.tensor([max(len(chunks), 1)], device=at)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    empty = tuple(t[:0] for t in batch)
+    chunks += [empty] * (int(count.item()) - len(chunks))
+    return _run_chunks(optimizer, chunks, per_sample_loss, device)
+
+
+def _run_chunks(optimizer, chunks, per_sample_loss, device) -> float:
+    """Forward, clip and accumulate each chunk; the last one steps."""
     total, count = None, 0
     for k, chunk in enumerate(chunks):
         if device is not None:

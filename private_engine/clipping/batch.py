@@ -12,6 +12,7 @@ from typing import Dict, Optional
 import torch
 
 from ..capture.graph_walk import outside_error
+from ..layers.base import accumulation_dtype
 from .clipper import PerSampleClipper
 from .grad_sums import GradSums
 from .loss_scaling import LossScaling
@@ -75,7 +76,9 @@ def clip_batch(clipper: PerSampleClipper, loss: torch.Tensor, *,
     check_per_sample_loss(loss)
     if loss.numel() == 0:  # an empty (Poisson) batch contributes nothing
         clipper.release()
-        zeros = [torch.zeros_like(p) for p in clipper.params]
+        # in the sums' dtype (at least float32), as a non-empty batch's: accumulated and reduced
+        # across ranks alike
+        zeros = [torch.zeros_like(p, dtype=accumulation_dtype(p)) for p in clipper.params]
         return ClippedBatch(GradSums.separate(zeros), 0, None, 0)
     walk = clipper.recorder.walk(loss, clipper.params)
     if walk.outside:

@@ -180,9 +180,12 @@ class AdaptiveClippedSumOptimizer(ClippedSumOptimizer, AdaClipDPOptimizer):
         noisy fraction ``b̃ = (noisy Σ b_i − n/2) / m + 1/2``."""
         m = self._expected_samples
         frac = (float(self.unclipped_num) - self.sample_size / 2) / m + 0.5
-        bound = float(self.max_grad_norm) * math.exp(
-            -self.clipbound_learning_rate * (frac - self.target_unclipped_quantile))
-        self.max_grad_norm = min(max(bound, self.min_clipbound), self.max_clipbound)
+        # in log space, clamped before the exp: a large η cannot overflow (Opacus' torch.exp
+        # gives inf, clamped to max_clipbound: the same bound)
+        log_bound = math.log(float(self.max_grad_norm)) - \
+            self.clipbound_learning_rate * (frac - self.target_unclipped_quantile)
+        log_bound = min(max(log_bound, math.log(self.min_clipbound)), math.log(self.max_clipbound))
+        self.max_grad_norm = min(max(math.exp(log_bound), self.min_clipbound), self.max_clipbound)
 
 
 class PerLayerClippedSumOptimizer(ClippedSumOptimizer):

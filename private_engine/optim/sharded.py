@@ -48,6 +48,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..clipping.grad_sums import GradSums
+from ..layers.base import accumulation_dtype
 from .distributed import DataParallel, process_group_ready
 from .noise import add_gaussian_noise
 
@@ -153,8 +154,20 @@ class ShardedDataParallel(DataParallel):
             g.reduce_grads = g.all_reduce_grads = False
             g.reshard_after_backward = False
 
+    def drop_raw_grads(self) -> None:
+        """Drop any raw (unclipped) gradient on FSDP2's unsharded parameters and its
+        accumulation buffer: released nowhere, and never reduce-scattered later."""
+        for fp in self._fsdp.values():
+            unsharded = getattr(fp, "_unsharded_param", None)
+            if unsharded is not None and unsharded.grad is not None:
+                unsharded.grad = None
+            if getattr(fp, "unsharded_accumulated_grad", None) is not None:
+                fp.unsharded_accumulated_grad = None
+
     def restore_fsdp(self) -> None:
-        """Give FSDP2 its own settings back (the engine is detached: training without it)."""
+        """Give FSDP2 its own settings back (the engine is detached: training without it); raw
+        gradients left on the unsharded parameters are dropped first."""
+        self.drop_raw_grads()
         for g, (reduce, all_reduce, reshard) in zip(self._groups, self._fsdp_settings):
             g.reduce_grads, g.all_reduce_grads, g.reshard_after_backward = reduce, all_reduce, \
                 reshard
@@ -214,15 +227,25 @@ class ShardedDataParallel(DataParallel):
                 m.reshard()
 
     def check_fsdp_state(self) -> None:
-        """Before a release: FSDP2's gradient reduction is still off and its parameter objects
-        are the ones the clipper was built on (a ``load_state_dict(assign=True)`` or ``to()``
-        that replaced them would leave the clipper keyed on stale tensors)."""
+        """Before each clipping and release: FSDP2's gradient reduction and its reshard after
+        backward are still off, its parameter objects are the ones the clipper was built on (a
+        ``load_state_dict(assign=True)`` or ``to()`` that replaced them would leave the clipper
+        keyed on stale tensors), and no raw gradient waits on an unsharded parameter (a
+        ``loss.backward()`` of the user's: dropped, as the step would overwrite it on an
+        unsharded model, so that FSDP2 never reduces it later)."""
         for g in self._groups:
             if g.reduce_grads or g.all_reduce_grads:
                 raise RuntimeError(
                     "FSDP2's gradient reduction was switched back on "
                     "(set_requires_gradient_sync(True)): it would reduce raw, unclipped "
                     "gradients. The engine reduces the clipped sums itself; leave it off.")
+            if g.reshard_after_backward:
+                raise RuntimeError(
+                    "FSDP2's reshard after backward was switched back on "
+                    "(set_reshard_after_backward(True)): the engine's norm pass needs the "
+                    "unsharded parameters until its clipping is done, and reshards itself. "
+                    "Leave it off while the engine is attached. Nothing was updated.")
+        self.drop_raw_grads()
         for k, fp in self._fsdp.items():
             if id(fp.sharded_param) != k or fp._unsharded_param is not self._unsharded[k]:
                 raise RuntimeError(
@@ -249,7 +272,9 @@ class ShardedDataParallel(DataParallel):
         fps = [self._fsdp[id(p)] for p in params]
         out: List[Optional[torch.Tensor]] = [None] * len(fps)
         by_dtype: Dict[tuple, List[int]] = {}
-        for k, g in enumerate(sums.grads):
+        grads = [g if g.dtype == accumulation_dtype(g) else g.to(accumulation_dtype(g))
+                 for g in sums.grads]  # one dtype per parameter on every rank, whatever its batch
+        for k, g in enumerate(grads):
             by_dtype.setdefault((g.device, g.dtype), []).append(k)
         for (device, dtype), ks in by_dtype.items():
             sizes = [fps[k].padded_sharded_param_size.numel() for k in ks]
@@ -257,7 +282,7 @@ class ShardedDataParallel(DataParallel):
             send = torch.zeros(W, total, device=device, dtype=dtype)
             offset = 0
             for k, size in zip(ks, sizes):
-                flat = sums.grads[k].reshape(-1)
+                flat = grads[k].reshape(-1)
                 for q in range(W):
                     lo, hi = q * size, min(flat.numel(), (q + 1) * size)
                     if hi > lo:

@@ -278,6 +278,12 @@ def test_adaptive_clip_bound_update_rule():
                                       ada=dict(ADA, clipbound_learning_rate=50.0))
     assert all(ADA["min_clipbound"] <= r <= ADA["max_clipbound"] for r in bounds[1:])
     assert ADA["min_clipbound"] in bounds or ADA["max_clipbound"] in bounds
+    # a learning rate whose exp overflows a float: clamped as Opacus' torch.exp (inf) is
+    _, bounds, _, _, _ = adaptive_run(opacus_compat.PrivacyEngine, noise=0.0, std=1e-12,
+                                      ada=dict(ADA, clipbound_learning_rate=1e4,
+                                               target_unclipped_quantile=0.9))
+    assert all(ADA["min_clipbound"] <= r <= ADA["max_clipbound"] for r in bounds[1:])
+    assert ADA["max_clipbound"] in bounds
 
 
 def test_adaptive_clipping_refusals_follow_opacus():
