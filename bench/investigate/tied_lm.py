@@ -5,8 +5,8 @@ summed per-sample gradients ("bk_mixopt"), against non-private training and Opac
 The model: token and position embeddings (``V×d``), ``--layers`` residual MLP blocks, and an output
 projection tied to the token embedding. Times are interleaved round by round in one process (the
 machine's load drifts over every method alike); the peak resident memory of one step is measured
-per method in a fresh subprocess (``ru_maxrss`` after two steps minus after building the model and
-batch).
+per method in a fresh subprocess (resident memory sampled every millisecond during two steps,
+minus what the process held after building the model and batch).
 
     python bench/investigate/tied_lm.py --vocab 8192 --dim 128 --seq 64 --batch-size 8
 """
@@ -117,13 +117,37 @@ def tied_note(engine) -> str:
     return "joint ghost" if all(d.use_ghost for d in tied) else "instantiated"
 
 
+def _rss_mib() -> float:
+    """Resident memory of this process now (Linux ``/proc/self/statm``), MiB."""
+    with open("/proc/self/statm") as f:
+        pages = int(f.read().split()[1])
+    return pages * resource.getpagesize() / 2 ** 20
+
+
 def peak_memory(method: str, args) -> float:
-    """MiB of resident memory a step adds (run in this process: call in a fresh one)."""
+    """MiB of resident memory two steps add at their peak over what the process held before
+    them, sampled every millisecond by a thread (run in a fresh process: call it there)."""
+    import threading
+
     step, _ = build(method, args)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    step()
-    step()
-    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    before = _rss_mib()
+    peak = [before]
+    done = threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], _rss_mib())
+            time.sleep(0.001)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        step()
+        step()
+    finally:
+        done.set()
+        sampler.join()
+    return max(peak[0], _rss_mib()) - before
 
 
 def main(argv=None) -> dict:
