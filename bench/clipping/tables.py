@@ -76,7 +76,8 @@ def time_vs_nondp(results: Dict[str, dict], m: str) -> float:
 
 
 def target_lines(args, results: Dict[str, dict]) -> List[str]:
-    """Issue 6's targets, met or not for each of our methods that ran (a failed one says why).
+    """The benchmark's speed and memory targets, met or not for each of our methods that ran (a
+    failed one says why).
 
     CPU: seconds per step ≤ 1.15× non-DP (the target is set for ViT-Tiny at batch 16; other
     models are reported against the same bound). CUDA: the same time bound, peak memory Δ ≤ 1.10×
