@@ -75,6 +75,8 @@ class PerSampleClipper:
                        for pn in rule.param_names
                        if isinstance(getattr(m, pn, None), nn.Parameter)]
         self._ruled_ids = {id(p) for _, _, _, p in self._ruled}
+        #: ruled modules the tracer also follows in the running norm pass (:meth:`_find_handed`)
+        self._handed: set = set()
         self.recorder: LayerRecorder = build_capture(layers, model, traced, fallbacks,
                                                      on_layer_ready=self.on_layer_ready)
         #: the parameter-entry tracer and the torch.func fallback modules (None / empty when the
@@ -110,6 +112,7 @@ class PerSampleClipper:
         """Begin the norm pass of a physical batch of ``batch_size`` samples (drops what an earlier
         one kept)."""
         self._check_ruled_params()
+        self._handed = self._find_handed()
         self.batch_size = batch_size
         self._norm_terms = []
         self._plan = []
@@ -122,7 +125,7 @@ class PerSampleClipper:
         tied later, ``tie_weights()``): which layers share a tensor decides how their norms are
         formed, and uses normed apart would lose their cross terms."""
         moved = [f"{n}.{pn}" if n else pn for n, m, pn, p in self._ruled
-                 if getattr(m, pn, None) is not p]
+                 if m._parameters.get(pn) is not p]
         if moved:
             raise ValueError(
                 f"parameter(s) {moved} were replaced after the engine was built (e.g. weights tied "
@@ -130,13 +133,20 @@ class PerSampleClipper:
                 "tensor when it is built. Tie or replace weights first, then build the engine "
                 "(or call make_private). Nothing was updated.")
 
-    def _handed_over(self, module: nn.Module, rule) -> bool:
+    def _handed_over(self, module: nn.Module) -> bool:
         """True when the tracer also follows this ruled layer's parameters (the layer was applied
         to a batch-free constant as well): its per-sample gradients are then summed with the
-        tracer's before the norm, as for a tied weight."""
+        tracer's before the norm, as for a tied weight. The set of such layers is formed once per
+        norm pass, after the forward that handed them over."""
+        return id(module) in self._handed
+
+    def _find_handed(self) -> set:
+        """Ids of the ruled modules whose parameters the tracer follows (a few per model at
+        most: the tracer's parameters are scanned, not the layers)."""
         if self.tracer is None:
-            return False
-        return any(id(getattr(module, pn, None)) in self.tracer.tracked for pn in rule.param_names)
+            return set()
+        ids = {pid for pid in self.tracer.tracked if pid in self._ruled_ids}
+        return {id(m) for _, m, _, p in self._ruled if id(p) in ids} if ids else set()
 
     def keep_pairs(self, module: nn.Module, rule, pairs) -> None:
         """Keep a layer's ``(a, g)`` for its clipped sum ``gᵀ·diag(C)·a``."""
@@ -197,7 +207,7 @@ class PerSampleClipper:
             pairs, k = self._merged(layer, pairs)
             if k > 1:
                 dims = [replace(d, T=d.T * k, io_size=d.io_size * k) for d in dims]
-            handed = self._handed_over(layer.module, layer.rule)
+            handed = self._handed_over(layer.module)
             tied = handed or self.tied.covers(layer.module)
             if tied and not handed and self._tied_ghost(self.tied.group(layer.module)):
                 # normed with the other uses of its weight at the end of the pass
@@ -241,7 +251,7 @@ class PerSampleClipper:
         if group.use_ghost is None:
             group.use_ghost = False
             if self.book_keeping and group.ghost_capable and \
-                    not any(self._handed_over(m, r) for _, m, r in group.members):
+                    not any(self._handed_over(m) for _, m, _ in group.members):
                 ids = {id(m) for _, m, _ in group.members}
                 recs = [r for r in self.recorder.layers if id(r.module) in ids]
                 calls = [c for r in recs for c in r.calls]
