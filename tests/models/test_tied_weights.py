@@ -22,6 +22,7 @@ import private_engine as pe
 from private_engine import opacus_compat
 from engine_checks import CLIPS, MODES, check_against_reference, one_thread  # noqa: F401
 from reference import assert_close_rel, reference_clipped_sum
+from tied_models import SharedLinear
 
 
 class TinyTiedLM(nn.Module):
@@ -42,20 +43,6 @@ class TinyTiedLM(nn.Module):
         h = self.wte(ids) + self.wpe(pos)
         h = h + torch.tanh(self.fc(self.ln(h)))
         return self.lm_head(h)
-
-
-class SharedLinear(nn.Module):
-    """One square weight applied twice by two Linears, the second with a bias of its own:
-    ``y = W·tanh(W·x) + b``."""
-
-    def __init__(self, d: int = 5):
-        super().__init__()
-        self.first = nn.Linear(d, d, bias=False)
-        self.second = nn.Linear(d, d)
-        self.second.weight = self.first.weight
-
-    def forward(self, x):
-        return self.second(torch.tanh(self.first(x)))
 
 
 def lm_loss(model, ids, tgt):

@@ -51,6 +51,7 @@ import private_engine as pe
 from private_engine import opacus_compat
 from engine_checks import one_thread  # noqa: F401  (autouse: samples were searched on 1 thread)
 from reference import reference_clipped_sum
+from tied_models import SharedLinear
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -866,26 +867,12 @@ def test_sample_with_a_zero_gradient_layer(door, how):
     assert_bounded(*run_pair(case, door, how), what=f"dead ReLU {door}-{how}")
 
 
-class SharedWeight(nn.Module):
-    """One weight applied by two Linears (tied): ``y = W·tanh(W·x) + b``. The per-sample gradient
-    of ``W`` is the sum of its two uses; its norm needs their cross term."""
-
-    def __init__(self, d: int = 6):
-        super().__init__()
-        self.first = nn.Linear(d, d, bias=False)
-        self.second = nn.Linear(d, d)
-        self.second.weight = self.first.weight
-
-    def forward(self, x):
-        return self.second(torch.tanh(self.first(x)))
-
-
 def tied_case(seed: int = 56, scale: float = 1.0) -> Case:
     """A crafted sample whose two uses of the tied weight point the same way (found by a search
     over seeds, float64): ``‖G¹ + G²‖² ≈ 1.39·(‖G¹‖² + ‖G²‖²)``, so norms taken use by use would
     release ``≈ 1.18·R``."""
     torch.manual_seed(0)
-    model = SharedWeight()
+    model = SharedLinear(6)
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(1, 6, generator=g, dtype=torch.float64) * 30
     t = torch.randn(1, 6, generator=g, dtype=torch.float64) * 30
@@ -945,7 +932,7 @@ def test_weights_tied_after_the_engine_is_built_are_refused(door, how):
     """Tying after the engine exists (a late ``tie_weights()``) would leave the uses normed apart:
     refused at the step, before anything is released."""
     case = tied_case()
-    untied = SharedWeight()
+    untied = SharedLinear(6)
     untied.load_state_dict(case.model.state_dict())  # the same weights, not tied
     untied.second.weight = nn.Parameter(untied.first.weight.detach().clone())
 
