@@ -31,6 +31,7 @@ registered as a call for the engine's graph walk (``params_reached_outside_calls
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -676,9 +677,7 @@ class ParamTracer(TorchFunctionMode):
                                   f"batch size {B} (inputs must be batch-first)")
         W_b, e = self._substitute(W, (B,) + tuple(W.shape), func, rows_ok=rows_ok, moved=moved)
         new_entries.append(e)
-        inner = 1
-        for k in x.shape[1:-1]:
-            inner *= k
+        inner = math.prod(x.shape[1:-1])
         per_sample = (n // B) * inner if B else inner
         Wm = W_b.transpose(1, 2) if transposed else W_b
         y = torch.matmul(x.reshape(B, per_sample, d), Wm)

@@ -27,6 +27,7 @@ from torch import nn
 from ..capture.graph_walk import GraphWalk
 from ..capture.recorder import LayerRecorder, RecordedLayer
 from ..capture.setup import build_capture
+from ..guards.model_check import ruled_parameters
 from ..guards.separability import SeparabilityProbe
 from ..layers.base import sum_per_sample, weighted_sum_into
 from ..layers.linear import LinearRule
@@ -71,9 +72,7 @@ class PerSampleClipper:
         #: ruled layers sharing parameters (tied weights): instantiated, summed per parameter
         self.tied = TiedGroups(layers)
         #: every ruled layer's parameters as built: ``[(layer name, module, name, parameter)]``
-        self._ruled = [(n, m, pn, getattr(m, pn)) for n, m, rule in layers
-                       for pn in rule.param_names
-                       if isinstance(getattr(m, pn, None), nn.Parameter)]
+        self._ruled = ruled_parameters(layers)
         self._ruled_ids = {id(p) for _, _, _, p in self._ruled}
         #: ruled modules the tracer also follows in the running norm pass (:meth:`_find_handed`)
         self._handed: set = set()
@@ -209,6 +208,7 @@ class PerSampleClipper:
                 dims = [replace(d, T=d.T * k, io_size=d.io_size * k) for d in dims]
             handed = self._handed_over(layer.module)
             tied = handed or self.tied.covers(layer.module)
+            rows = any(a.shape[0] != B for a, _ in pairs)  # k·B rows (Swin windows, LeViT)
             if tied and not handed and self._tied_ghost(self.tied.group(layer.module)):
                 # normed with the other uses of its weight at the end of the pass
                 decision = replace(decide(layer.name, layer.module, dims, self.mode),
@@ -216,10 +216,10 @@ class PerSampleClipper:
                 self.keep_pairs(layer.module, layer.rule, pairs)
                 self.tied.group(layer.module).pairs.append((layer.module, layer.rule, pairs))
                 contrib = None
-            elif tied or any(a.shape[0] != B for a, _ in pairs):
+            elif tied or rows:
                 # instantiated (per row and summed per sample), kept for the clipped sum; a tied
                 # layer's gradients are summed with the other uses of its parameters first
-                if any(a.shape[0] != B for a, _ in pairs):
+                if rows:
                     grads, dims = self._rows_grads(layer, pairs, dims)
                 else:
                     grads = layer.rule.per_sample_grads(layer.module, pairs)

@@ -13,6 +13,7 @@ from torch import nn
 from ..layers.base import certified_kept
 from ..layers.rounding import cast_down
 from .functions import abadi_clip
+from .tied import PerParameter, add_per_parameter
 
 
 def per_layer_clipped_sums(stored: Sequence[Tuple[object, list]], thresholds: Dict[int, float],
@@ -35,15 +36,12 @@ def per_layer_clipped_sums(stored: Sequence[Tuple[object, list]], thresholds: Di
             "be batch-first (batch dimension 0) and each backward must come from one forward "
             "pass."
         )
-    summed: Dict[int, Tuple[nn.Parameter, torch.Tensor]] = {}
+    summed: PerParameter = {}
     for layer, pairs in stored:  # a tied parameter's per-sample gradient: the sum of its uses
         for name, grad in layer.rule.per_sample_grads(layer.module, pairs).items():
-            p = getattr(layer.module, name)
-            held = summed.get(id(p))
-            summed[id(p)] = (p, grad if held is None else held[1] + grad)
+            add_per_parameter(summed, getattr(layer.module, name), grad)
     for p, grad in extra:
-        held = summed.get(id(p))
-        summed[id(p)] = (p, grad if held is None else held[1] + grad)
+        add_per_parameter(summed, p, grad)
     out = []
     for p, grad in summed.values():
         r = thresholds.get(id(p))

@@ -27,6 +27,16 @@ from ..guards.model_check import tied_layers
 from .tied_ghost import certified_joint_norm_sq, ghost_capable
 
 
+PerParameter = Dict[int, Tuple[nn.Parameter, torch.Tensor]]
+
+
+def add_per_parameter(sums: PerParameter, p: nn.Parameter, grad: torch.Tensor) -> None:
+    """``sums[p] += grad`` for per-sample gradients ``(B, *p.shape)`` of one use of ``p`` (the
+    first use stored as is; a sum is formed in the wider of the two dtypes)."""
+    held = sums.get(id(p))
+    sums[id(p)] = (p, grad if held is None else held[1] + grad)
+
+
 @dataclass
 class TiedGroup:
     """Ruled layers linked by shared parameters, and what the running norm pass holds of them."""
@@ -54,8 +64,7 @@ class TiedGroups:
                                         for names in tied_layers(layers)]
         self._group_of: Dict[int, TiedGroup] = {id(m): g for g in self.groups
                                                 for _, m, _ in g.members}
-        self._sums: Dict[int, Tuple[nn.Parameter, torch.Tensor]] = {}
-
+        self._sums: PerParameter = {}
 
     def covers(self, module: nn.Module) -> bool:
         """True when ``module`` shares a parameter with another ruled layer."""
@@ -69,15 +78,12 @@ class TiedGroups:
         """Add one layer's per-sample gradients ``{name: (B, *shape)}``: ``G_i += G_i^k`` for each
         of its parameters (the sum is formed in the wider of the two dtypes)."""
         for name, g in grads.items():
-            p = getattr(module, name)
-            held = self._sums.get(id(p))
-            self._sums[id(p)] = (p, g if held is None else held[1] + g)
+            add_per_parameter(self._sums, getattr(module, name), g)
 
     def add_param(self, p: nn.Parameter, grad: torch.Tensor) -> None:
         """Add per-sample gradients ``(B, *p.shape)`` of ``p`` from another use (the
         parameter-entry tracer following a ruled layer applied to a batch-free constant)."""
-        held = self._sums.get(id(p))
-        self._sums[id(p)] = (p, grad if held is None else held[1] + grad)
+        add_per_parameter(self._sums, p, grad)
 
     def take(self) -> List[Tuple[nn.Parameter, torch.Tensor]]:
         """The summed per-sample gradients ``[(parameter, G (B, *shape))]`` (and forget them)."""

@@ -164,8 +164,7 @@ def scan_model(model: nn.Module) -> ModelScan:
     # an attribute of another module that is a ruled layer's own parameter (BERT's
     # ``cls.predictions.bias``, the decoder's bias) is an alias: clipped by that layer; a direct
     # use outside the layer's forward is refused at the first step (the graph walk)
-    ruled = {id(getattr(m, pname)) for _, m, rule in layers for pname in rule.param_names
-             if isinstance(getattr(m, pname, None), nn.Parameter)}
+    ruled = {id(p) for _, _, _, p in ruled_parameters(layers)}
     aliases = {n for n, p in traced if id(p) in ruled}
     traced = [(n, p) for n, p in traced if n not in aliases]
     for names in owners.values():
@@ -242,6 +241,15 @@ def clipped_layers(model: nn.Module, strict: bool = True,
     return layers
 
 
+def ruled_parameters(layers: Sequence[Tuple[str, nn.Module, LayerRule]]
+                     ) -> List[Tuple[str, nn.Module, str, nn.Parameter]]:
+    """``[(layer name, module, parameter name, parameter)]``: the parameters the rules of
+    ``layers`` cover (frozen ones included), one entry per use of a tensor."""
+    return [(name, module, pname, getattr(module, pname)) for name, module, rule in layers
+            for pname in rule.param_names
+            if isinstance(getattr(module, pname, None), nn.Parameter)]
+
+
 def tied_layers(layers: Sequence[Tuple[str, nn.Module, LayerRule]]) -> List[List[str]]:
     """Groups of ruled layers that share a trainable parameter (tied weights: GPT-2's ``wte`` and
     ``lm_head``, BERT's word embeddings and MLM decoder), as lists of layer names; layers linked
@@ -260,15 +268,13 @@ def tied_layers(layers: Sequence[Tuple[str, nn.Module, LayerRule]]) -> List[List
         return n
 
     seen: Dict[int, str] = {}
-    for name, module, rule in layers:
-        for pname in rule.param_names:
-            p = getattr(module, pname, None)
-            if not (isinstance(p, nn.Parameter) and p.requires_grad):
-                continue
-            if id(p) in seen:
-                parent[root(name)] = root(seen[id(p)])
-            else:
-                seen[id(p)] = name
+    for name, _, _, p in ruled_parameters(layers):
+        if not p.requires_grad:
+            continue
+        if id(p) in seen:
+            parent[root(name)] = root(seen[id(p)])
+        else:
+            seen[id(p)] = name
     groups: Dict[str, List[str]] = {}
     for name, _, _ in layers:
         groups.setdefault(root(name), []).append(name)
@@ -280,13 +286,10 @@ def check_shared_parameters(scan: ModelScan) -> None:
     own parameter (tied weights, clipped together by the clipping core). A parameter shared with
     the parameter tracer or a ``torch.func`` fallback module would be normed in two places
     without its cross terms: refused, naming it and its owners."""
-    ruled = {}
-    for name, module, rule in scan.layers:
-        prefix = f"{name}." if name else ""
-        for pname in rule.param_names:
-            p = getattr(module, pname, None)
-            if isinstance(p, nn.Parameter) and p.requires_grad:
-                ruled.setdefault(id(p), []).append(prefix + pname)
+    ruled: Dict[int, List[str]] = {}
+    for name, _, pname, p in ruled_parameters(scan.layers):
+        if p.requires_grad:
+            ruled.setdefault(id(p), []).append(f"{name}.{pname}" if name else pname)
     bad = [names for pid, names in scan.owners.items()
            if len(names) > 1 and len(ruled.get(pid, ())) != len(names)]
     if bad:
