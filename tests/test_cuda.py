@@ -148,8 +148,9 @@ def test_cuda_noise_std():
 
 def test_cuda_ghost_gram_on_padded_rows():
     """bf16 Grams with T = 197 (ViT at 224²) are computed on rows zero-padded to 200 (aligned for
-    the tensor-core kernels): the padding is exact, the result float32 and within bf16 precision of
-    the float64 value."""
+    the tensor-core kernels): the padding is exact; the products of bf16 values are exact in the
+    float32 accumulator, so the float64 inner product is within float32 accumulation error of the
+    float64 value."""
     from private_engine.layers.base import aligned_positions, gram_inner
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -163,6 +164,6 @@ def test_cuda_ghost_gram_on_padded_rows():
     ad, gd = a.double(), g.double()
     ref = ((ad @ ad.mT) * (gd @ gd.mT)).sum((1, 2))
     got = gram_inner(a, g)
-    assert got.dtype == torch.float32
-    torch.testing.assert_close(got.double(), ref, rtol=2e-2, atol=0)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=0)
     torch.testing.assert_close(gram_inner(a.float(), g.float()).double(), ref, rtol=1e-5, atol=0)

@@ -21,6 +21,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from typing import Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: package `bench`
 from bench.clipping import cli  # noqa: E402
@@ -73,6 +74,16 @@ def count_syncs(step, device: str) -> int:
     return sum("synchroniz" in str(w.message).lower() for w in caught)
 
 
+def device_work(prof, steps: int) -> Tuple[float, float]:
+    """Kernels and copies the device ran per step, and the sum of their durations in ms (the
+    device's busy time if they never overlap): both 0 on the CPU."""
+    from torch.autograd import DeviceType
+
+    events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    busy_us = sum(e.time_range.elapsed_us() for e in events)
+    return len(events) / steps, busy_us / 1e3 / steps
+
+
 def profile_method(method: str, args) -> str:
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -96,11 +107,13 @@ def profile_method(method: str, args) -> str:
             runner.step()
         synchronize(args.device)
     sort = "self_cuda_time_total" if args.device == "cuda" else "self_cpu_time_total"
+    device_ops, device_ms = device_work(prof, args.profile_steps)
     averages = prof.key_averages(group_by_input_shape=args.by_shape)
     widths = ({"max_name_column_width": 40, "max_shapes_column_width": 70} if args.by_shape
               else {})
     lines = [f"== {method}: {statistics.median(times):.4f} s/step (median of {len(times)}), "
-             f"{syncs} host-device syncs per step; profiled {args.profile_steps} steps ==",
+             f"{syncs} host-device syncs per step; profiled {args.profile_steps} steps; "
+             f"{device_ops:.0f} device kernels and copies per step, busy {device_ms:.2f} ms ==",
              averages.table(sort_by=sort, row_limit=args.rows, **widths)]
     if args.device == "cuda":
         lines.append(averages.table(sort_by="self_cpu_time_total", row_limit=args.rows, **widths))

@@ -53,7 +53,9 @@ def _autocast_reference(model, x, y, dtype):
 @pytest.mark.parametrize("build", [_vit, _cnn], ids=["vit", "cnn"])
 def test_bfloat16_autocast_matches_the_per_sample_autocast_reference(build, mode, device):
     """bf16 matmuls inside the rules, certified norms in float64: within bf16 precision (≈ 2⁻⁸) of
-    the sample-by-sample gradients of the same autocast forward; clipped sums are float32."""
+    the sample-by-sample gradients of the same autocast forward; clipped sums are float32. On
+    CUDA the batched and the one-sample convolutions run different cuDNN bf16 kernels (their
+    per-sample gradients differ by about 1 %, seen on an H100), so norms get the sums' 2e-2."""
     model = build().to(device)
     gen = gen_for(1)
     x = torch.randn(6, 3, 32, 32, generator=gen).to(device)
@@ -65,7 +67,8 @@ def test_bfloat16_autocast_matches_the_per_sample_autocast_reference(build, mode
         out = model(x)
     grads, _ = engine.clipped_grad_sum(F.cross_entropy(out.float(), y, reduction="none"))
     assert engine.last_norms.dtype == torch.float64 and all(g.dtype == torch.float32 for g in grads)
-    assert_close_rel([engine.last_norms.cpu()], [ref_norms.cpu()], 1e-2, ["norms"])
+    norm_tol = 2e-2 if device == "cuda" else 1e-2
+    assert_close_rel([engine.last_norms.cpu()], [ref_norms.cpu()], norm_tol, ["norms"])
     flat = lambda gs: [torch.cat([g.double().cpu().flatten() for g in gs])]  # noqa: E731
     assert_close_rel(flat(grads), flat(ref_sum), 2e-2, ["clipped sum"])
 

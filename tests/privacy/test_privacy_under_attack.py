@@ -120,11 +120,11 @@ def refused(error: ValueError, stage: str, opt: Optional[CapturingSGD]) -> Refus
     return Refused(error, stage)
 
 
-def autocast(dtype: Optional[torch.dtype]):
-    """CPU autocast to ``dtype`` (a no-op context for None)."""
+def autocast(dtype: Optional[torch.dtype], device: str = "cpu"):
+    """Autocast to ``dtype`` on ``device`` (a no-op context for None)."""
     if dtype is None:
         return contextlib.nullcontext()
-    return torch.autocast("cpu", dtype=dtype)
+    return torch.autocast(device, dtype=dtype)
 
 
 def mse(y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -144,12 +144,13 @@ def rolled(loss: Callable) -> Callable:
 
 def native_release(model: nn.Module, x: torch.Tensor, t: torch.Tensor, mode: str, *,
                    loss: Callable = mse, clip="abadi", amp: Optional[torch.dtype] = None,
-                   scaler_args: Optional[dict] = None, batch: int = B):
-    """One private step of the native engine on a fresh copy of ``model`` (forward and loss
-    under ``amp`` autocast; ``scaler_args``: a ``GradScaler("cpu", **scaler_args)``). Returns
-    the released tensors, or :class:`Refused`."""
-    model = copy.deepcopy(model)
-    scaler = torch.amp.GradScaler("cpu", **scaler_args) if scaler_args is not None else None
+                   scaler_args: Optional[dict] = None, batch: int = B, device: str = "cpu"):
+    """One private step of the native engine on a fresh copy of ``model`` moved to ``device``
+    (forward and loss under ``amp`` autocast; ``scaler_args``: a ``GradScaler(device,
+    **scaler_args)``). Returns the released tensors, or :class:`Refused`."""
+    model = copy.deepcopy(model).to(device)
+    x, t = x.to(device), t.to(device)
+    scaler = torch.amp.GradScaler(device, **scaler_args) if scaler_args is not None else None
     try:
         engine = pe.PrivacyEngine(model, batch_size=batch, sample_size=10 * batch,
                                   max_grad_norm=R, noise_multiplier=0.0, clipping_mode=mode,
@@ -159,7 +160,7 @@ def native_release(model: nn.Module, x: torch.Tensor, t: torch.Tensor, mode: str
     except ValueError as e:
         return refused(e, "construction", None)
     try:
-        with autocast(amp):
+        with autocast(amp, device):
             losses = loss(model(x), t)
         opt.step(loss=losses)
     except ValueError as e:
@@ -191,7 +192,8 @@ def opacus_objective(out, flow: str, y: torch.Tensor, t: torch.Tensor,
 
 def opacus_release(model: nn.Module, x: torch.Tensor, t: torch.Tensor, flow: str, *,
                    loss: Callable = mse, amp: Optional[torch.dtype] = None,
-                   order: str = "batch", action: Optional[str] = None, wrap_model: bool = True):
+                   order: str = "batch", action: Optional[str] = None, wrap_model: bool = True,
+                   device: str = "cpu"):
     """One step of the Opacus-compatible door on a fresh copy of ``model``: ``make_private``
     (SGD lr 1, noise 0, no Poisson sampling, a loader of 10·B rows: expected batch size B).
 
@@ -199,9 +201,11 @@ def opacus_release(model: nn.Module, x: torch.Tensor, t: torch.Tensor, flow: str
     (``nn.MSELoss`` per sample through Opacus' ``shape=`` argument, times the number of outputs
     per sample: the per-sample loss of ``mse``), given reversed outputs and targets when
     ``order="flip"``. ``action``: a method of the returned handle called before the forward
-    ("remove_hooks", "cleanup", "disable_hooks"). Returns the released tensors, or
-    :class:`Refused` (then nothing was accounted either)."""
-    model = copy.deepcopy(model)
+    ("remove_hooks", "cleanup", "disable_hooks"). ``device``: where the copy of the model and
+    the batch run. Returns the released tensors, or :class:`Refused` (then nothing was accounted
+    either)."""
+    model = copy.deepcopy(model).to(device)
+    x, t = x.to(device), t.to(device)
     opt = CapturingSGD(model.parameters())
     engine = opacus_compat.PrivacyEngine(accountant="rdp")
     try:
@@ -213,7 +217,7 @@ def opacus_release(model: nn.Module, x: torch.Tensor, t: torch.Tensor, flow: str
     try:
         if action is not None:
             getattr(handle, action)()
-        with autocast(amp):
+        with autocast(amp, device):
             y = module(x)
             if flow == "ghost" and order == "flip":
                 y, t = y.flip(0), t.flip(0)
