@@ -69,7 +69,7 @@ class PrivacyEngine:
         accountant: "rdp", "prv" or "gdp" (Opacus' accountants).
         noise_generator: optional ``torch.Generator`` for the noise. By default (None) the noise
             comes from a generator on the parameters' device whose state is drawn from OS entropy
-            (``private_engine.optim.noise.entropy_seeded_generator``), never from torch's global
+            (``private_engine.randomness.entropy_seeded_generator``), never from torch's global
             one, so ``torch.manual_seed`` does not make it reproducible. A generator given here is
             used as is and warns once (``ReproducibleNoiseWarning``): anyone who knows its seed can
             subtract the noise.

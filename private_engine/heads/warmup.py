@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..optim.noise import entropy_seeded_generator
+from ..randomness import entropy_seeded_generator
 from ..clipping.plan import DEFAULT_CLIPPING_MODE
 from .features import penultimate_features
 from .mean_estimator import DPMeanEstimator
@@ -170,7 +170,7 @@ def warmup_finetune(model: nn.Module, X: torch.Tensor, y: torch.Tensor, *, epsil
         eval_data: optional ``(X_test, y_test)`` evaluated after each epoch (recorded in history).
         generator: source of the three random draws that the privacy guarantee needs secret:
             the centres' Gaussian noise, the Poisson batches and DP-SGD's noise. None (default):
-            each comes from :func:`private_engine.optim.noise.entropy_seeded_generator` (state
+            each comes from :func:`private_engine.randomness.entropy_seeded_generator` (state
             from OS entropy), independent of ``torch.manual_seed``. A ``torch.Generator`` given
             keys one generator for each (the engine then warns: ``ReproducibleNoiseWarning``); a
             seeded one reproduces the run, and makes that randomness known to whoever knows the

@@ -14,7 +14,7 @@ seeds.
 One default differs: with ``secure_mode=False`` and no ``noise_generator``, Opacus draws the noise
 and the Poisson sampling from torch's global generator, which scripts seed publicly
 (``torch.manual_seed``); whoever knows that seed can subtract the noise and knows each batch.
-Here both come from :func:`~private_engine.optim.noise.entropy_seeded_generator` (state from OS
+Here both come from :func:`~private_engine.randomness.entropy_seeded_generator` (state from OS
 entropy): the noise from one on the parameters' device, the sampling from one on the CPU unless
 the data loader has its own ``generator``. A ``noise_generator`` given makes the run Opacus'
 reproducible run: noise from it, sampling from the loader's generator or torch's global one (as
@@ -69,7 +69,7 @@ from opacus.optimizers import DPOptimizer
 from torch import nn, optim
 from torch.nn.parallel import DistributedDataParallel
 
-from ..optim.noise import entropy_seeded_generator
+from ..randomness import entropy_seeded_generator
 from ..guards.model_check import check_no_batchnorm, clipped_layers, scan_model
 from .loss import PrivateLoss
 from .module import PrivateModule

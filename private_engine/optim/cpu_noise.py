@@ -19,34 +19,27 @@ steps.
 
 The result depends only on the generator's state and the tensor's size, not on the number of threads
 (blocks are fixed; one thread draws them one after another). The states are written into torch's
-``get_state()`` layout; that layout is checked once against Python's own MT19937 (``random``), and
-if it ever differs (another torch version) every draw falls back to one ``normal_`` of the caller's
-generator.
+``get_state()`` layout (:func:`private_engine.randomness.generator_from_words`, checked once
+against Python's own MT19937); if it ever differs (another torch version) every draw falls back to
+one ``normal_`` of the caller's generator.
 """
 from __future__ import annotations
 
 import hashlib
 import os
-import random
-import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import List, Optional
 
 import torch
 
+from ..randomness import MT_N, generator_from_words, is_mt19937, mt19937_template
+
 #: coordinates per block (each block has its own generator); fixed, so the noise does not depend on
 #: threads
 BLOCK = 1 << 20
 
-_MT_N = 624  # words of MT19937 state
-_STATE_BYTES = 5056  # sizeof(CPUGeneratorImplState), torch ≥ 1.6 (checked at run time)
-_LEFT, _NEXT, _WORDS = 8, 16, 24  # byte offsets of `left`, `next` and the 624 uint64 state words
-_NORMAL_VALID, _FLOAT_NORMAL_VALID = 5040, 5052  # cached Box–Muller samples: must read "not valid"
-
 _lock = threading.Lock()
-_template: Optional[torch.Tensor] = None
-_checked = False
 _pool: Optional[ThreadPoolExecutor] = None
 _pool_pid = -1
 
@@ -72,8 +65,8 @@ def fill_normal_(
     ):
         return t.normal_(0.0, std, generator=generator)
     parent = torch.default_generator if generator is None else generator
-    template = _checked_template()
-    if template is None or not _is_mt19937(parent):
+    template = mt19937_template()
+    if template is None or not is_mt19937(parent):
         return t.normal_(0.0, std, generator=generator)
     blocks = t.view(-1).split(BLOCK)
     gens = block_generators(parent, len(blocks), template)
@@ -95,7 +88,7 @@ def block_generators(
     """``n`` CPU generators with full MT19937 states ``SHAKE-256(key)``, ``key`` = nine 31-bit
     numbers (279 bits) drawn from ``parent`` (which advances). Raises if the state layout is not the
     checked one (see :func:`parallel_draw_available`)."""
-    template = _checked_template() if template is None else template
+    template = mt19937_template() if template is None else template
     if template is None:
         raise RuntimeError(
             "this torch's CPU generator state layout is not the one "
@@ -107,103 +100,16 @@ def block_generators(
     stream = hashlib.shake_256(
         _DOMAIN + b"".join(v.to_bytes(4, "little") for v in key)
     )
-    words = torch.frombuffer(bytearray(stream.digest(4 * _MT_N * n)), dtype=torch.int32).view(
-        n, _MT_N
+    words = torch.frombuffer(bytearray(stream.digest(4 * MT_N * n)), dtype=torch.int32).view(
+        n, MT_N
     )
-    return [_generator_from_words(template, w.to(torch.int64) & 0xFFFFFFFF) for w in words]
+    return [generator_from_words(template, w.to(torch.int64) & 0xFFFFFFFF) for w in words]
 
 
 def parallel_draw_available() -> bool:
     """Whether this torch's CPU generator state has the layout :func:`block_generators` writes
     (checked once)."""
-    return _checked_template() is not None
-
-
-def _generator_from_words(template: torch.Tensor, words: torch.Tensor) -> torch.Generator:
-    """A CPU generator whose MT19937 state is ``words`` (624 values < 2³²), positioned so that its
-    next draw twists the state first (``left = 1``, ``next = 0``: what a freshly seeded generator
-    holds)."""
-    state = template.clone()
-    state[_WORDS : _WORDS + 8 * _MT_N] = words.view(torch.uint8)
-    g = torch.Generator()
-    g.set_state(state)
-    return g
-
-
-def _checked_template() -> Optional[torch.Tensor]:
-    """A freshly seeded CPU generator's state, if its layout is the expected one; else None. The
-    check: the state words of ``manual_seed(5489)`` are MT19937's initialisation, ``left``/``next``
-    are 1/0, no cached normal sample; a generator given words W by :func:`_generator_from_words`
-    twists W as Python's ``random`` (MT19937) does; and the words of seed 5489 written by hand draw
-    what ``manual_seed(5489)`` draws."""
-    global _template, _checked
-    with _lock:
-        if _checked:
-            return _template
-        _checked = True
-        try:
-            _template = _verified_template()
-        except Exception:  # noqa: BLE001 - any surprise means: do not write states, draw serially
-            _template = None
-        return _template
-
-
-def _verified_template() -> Optional[torch.Tensor]:
-    if sys.byteorder != "little":
-        return None
-    g = torch.Generator()
-    g.manual_seed(5489)
-    state = g.get_state()
-    if state.dtype != torch.uint8 or state.numel() != _STATE_BYTES:
-        return None
-    words = state[_WORDS : _WORDS + 8 * _MT_N].view(torch.int64).tolist()
-    if words != _mt_init(5489):
-        return None
-    if (
-        state[_LEFT : _LEFT + 4].view(torch.int32).item() != 1
-        or state[_NEXT : _NEXT + 8].view(torch.int64).item() != 0
-        or state[_NORMAL_VALID : _NORMAL_VALID + 4].view(torch.int32).item() != 0
-        or state[_FLOAT_NORMAL_VALID].item() != 0
-    ):
-        return None
-    # words written by _generator_from_words are the MT19937 state: its next draw twists them as
-    # Python's MT19937 does, and the initialisation of 5489 written by hand draws what
-    # manual_seed(5489) draws
-    probe = [(2654435761 * (i + 1)) & 0xFFFFFFFF for i in range(_MT_N)]
-    mine = _generator_from_words(state, torch.tensor(probe, dtype=torch.int64))
-    torch.randint(0, 2, (1,), generator=mine)
-    reference = random.Random()
-    reference.setstate((3, tuple(probe) + (_MT_N,), None))
-    reference.getrandbits(32)
-    if mine.get_state()[_WORDS : _WORDS + 8 * _MT_N].view(torch.int64).tolist() != list(
-        reference.getstate()[1][:_MT_N]
-    ):
-        return None
-    seeded = torch.Generator()
-    seeded.manual_seed(5489)
-    written = _generator_from_words(state, torch.tensor(_mt_init(5489), dtype=torch.int64))
-    if not torch.equal(torch.randn(1000, generator=seeded), torch.randn(1000, generator=written)):
-        return None
-    return state
-
-
-def _mt_init(seed: int) -> List[int]:
-    """MT19937's state after ``init_genrand(seed)`` (Matsumoto & Nishimura 1998)."""
-    mt = [seed & 0xFFFFFFFF]
-    for i in range(1, _MT_N):
-        mt.append((1812433253 * (mt[-1] ^ (mt[-1] >> 30)) + i) & 0xFFFFFFFF)
-    return mt
-
-
-def _is_mt19937(g: torch.Generator) -> bool:
-    """A CPU generator whose state has the size of torch's own MT19937 state (not, e.g., a
-    CSPRNG's)."""
-    if g.device.type != "cpu":
-        return False
-    try:
-        return g.get_state().numel() == _STATE_BYTES
-    except Exception:  # noqa: BLE001 - a generator without a readable state is not ours to split
-        return False
+    return mt19937_template() is not None
 
 
 def _reset_after_fork() -> None:

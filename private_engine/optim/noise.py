@@ -5,7 +5,9 @@ only if the noise is unknown to the adversary. Noise drawn from a generator with
 not: whoever re-runs the training on a neighbouring dataset with that seed draws the same noise,
 and the difference of the two releases is the difference of the clipped gradients, noiseless. So
 
-* by default (``secure_mode=False``) the engine draws from :func:`entropy_seeded_generator`: a
+* by default (``secure_mode=False``) the engine draws from
+  :func:`private_engine.randomness.entropy_seeded_generator` (the library's one randomness
+  policy, :mod:`private_engine.randomness`): a
   ``torch.Generator`` on the parameters' device whose state comes from the operating system's
   entropy (``os.urandom``) — on the CPU the whole 19,968-bit MT19937 state, elsewhere the 64-bit
   seed the generator keeps (Philox on CUDA) — never from torch's global generator, which user
@@ -32,13 +34,14 @@ from __future__ import annotations
 
 import math
 import os
-import secrets
 import warnings
-from typing import List, Optional, Sequence, Union
+from typing import List, Optional, Sequence
 
 import torch
 from torch import nn
 
+from ..randomness import (ReproducibleRandomnessWarning, derived_generator,
+                          entropy_seeded_generator)
 from . import cpu_noise
 
 #: coordinates per piece of a secure-mode draw (32 MiB of OS randomness, ~100 MiB of float64 work)
@@ -48,36 +51,11 @@ SECURE_DRAWS = 4
 #: int64 words of OS randomness requested by one ``os.urandom`` call (1 MiB)
 _URANDOM_WORDS = 1 << 17
 
-DeviceLike = Union[str, torch.device]
 
 
-class ReproducibleNoiseWarning(UserWarning):
+
+class ReproducibleNoiseWarning(ReproducibleRandomnessWarning):
     """The engine's noise comes from a user's generator: it is reproducible from its seed."""
-
-
-def entropy_seeded_generator(device: DeviceLike = "cpu") -> torch.Generator:
-    """A ``torch.Generator`` on ``device`` whose state is drawn from OS entropy (``os.urandom``).
-
-    On the CPU the generator is torch's MT19937 (Matsumoto & Nishimura 1998) and its full state —
-    624 words of 32 bits, 19,968 bits — is written from OS entropy: ``manual_seed`` would keep only
-    the low 32 bits of any seed (``manual_seed(s)`` and ``manual_seed(s + 2**32)`` draw the same
-    numbers), few enough to enumerate. If this torch's state layout is not the one
-    :mod:`private_engine.optim.cpu_noise` checks, it falls back to ``manual_seed`` of 64 random
-    bits, with a warning. On other devices (CUDA's Philox) ``manual_seed`` keeps all 64 bits, so the
-    seed is 64 bits from ``secrets``. The result is unpredictable but not a cryptographic generator;
-    ``secure_mode=True`` draws from the OS generator itself.
-    """
-    device = torch.device(device)
-    if device.type == "cpu":
-        template = cpu_noise._checked_template()
-        if template is not None:
-            raw = torch.frombuffer(bytearray(os.urandom(4 * cpu_noise._MT_N)), dtype=torch.int32)
-            return cpu_noise._generator_from_words(template, raw.to(torch.int64) & 0xFFFFFFFF)
-        warnings.warn(
-            "this torch's CPU generator state has an unknown layout: the noise generator is seeded "
-            "by manual_seed, of which torch keeps 32 bits only; use secure_mode=True for noise "
-            "that cannot be predicted.", RuntimeWarning, stacklevel=2)
-    return torch.Generator(device=device).manual_seed(secrets.randbits(64))
 
 
 def parameters_device(model: nn.Module) -> torch.device:
@@ -139,36 +117,8 @@ def gaussian_noise_(t: torch.Tensor, std: float, generator: Optional[torch.Gener
     return cpu_noise.fill_normal_(t, std, generator_on(generator, t.device))
 
 
-def generator_on(generator: Optional[torch.Generator],
-                 device: DeviceLike) -> Optional[torch.Generator]:
-    """``generator`` if it lives on ``device`` (or is None); else a generator on ``device`` keyed
-    from ``generator``'s draws, so that a model spread over devices is noised from one generator.
-
-    A CPU target gets a full MT19937 state (624 words of 32 bits drawn from ``generator``), another
-    device a 64-bit seed (two 32-bit draws). The parent advances; the result is reproducible from
-    it.
-    """
-    device = torch.device(device)
-    if generator is None or _same_device(generator.device, device):
-        return generator
-    template = cpu_noise._checked_template() if device.type == "cpu" else None
-    count = cpu_noise._MT_N if template is not None else 2
-    words = torch.randint(0, 1 << 32, (count,), generator=generator, dtype=torch.int64,
-                          device=generator.device).cpu()
-    if template is not None:
-        return cpu_noise._generator_from_words(template, words)
-    return torch.Generator(device=device).manual_seed(int(words[0]) << 32 | int(words[1]))
-
-
-def _same_device(a: torch.device, b: torch.device) -> bool:
-    """Equal devices, a missing index read as the current one."""
-    if a.type != b.type:
-        return False
-    if a.type == "cuda":
-        current = torch.cuda.current_device()
-        index_a = current if a.index is None else a.index
-        return index_a == (current if b.index is None else b.index)
-    return a.index == b.index or a.index is None or b.index is None
+#: a generator on another device keyed from a parent's draws (the one policy's function)
+generator_on = derived_generator
 
 
 def secure_normal_(t: torch.Tensor, std: float) -> torch.Tensor:

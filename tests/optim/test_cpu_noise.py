@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 
+from private_engine import randomness
 from private_engine.optim import cpu_noise
 from private_engine import optim as pe_optim
 
@@ -122,7 +123,7 @@ def test_serial_draw_where_blocks_do_not_apply(small_blocks, monkeypatch):
     assert not strided().is_contiguous()
     assert torch.equal(cpu_noise.fill_normal_(strided(), 1.5, torch.Generator().manual_seed(3)),
                        serial(strided(), 3))
-    monkeypatch.setattr(cpu_noise, "_checked_template", lambda: None)
+    monkeypatch.setattr(cpu_noise, "mt19937_template", lambda: None)
     big = torch.empty(5 * small_blocks)
     assert torch.equal(cpu_noise.fill_normal_(big.clone(), 1.5, torch.Generator().manual_seed(3)),
                        serial(big, 3))
@@ -133,8 +134,8 @@ def test_serial_draw_where_blocks_do_not_apply(small_blocks, monkeypatch):
 def test_a_changed_layout_is_refused(monkeypatch):
     """The layout check fails when the state words are not where it expects them (simulated by
     another offset)."""
-    monkeypatch.setattr(cpu_noise, "_WORDS", 32)
-    assert cpu_noise._verified_template() is None
+    monkeypatch.setattr(randomness, "_WORDS", 32)
+    assert randomness._verified_template() is None
 
 
 def test_add_gaussian_noise_uses_the_blocks(small_blocks):

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import private_engine as pe
-from private_engine.optim import cpu_noise, noise
+from private_engine import randomness
+from private_engine.optim import noise
 from private_engine.optim.noise import ReproducibleNoiseWarning
 from engine_checks import one_thread  # noqa: F401  (autouse: one intra-op thread)
 
@@ -80,7 +81,7 @@ def test_default_generator_is_fresh_full_entropy_on_the_parameters_device():
     for words in (words_a, words_b):
         # not manual_seed(s) for any s: its words follow MT19937's initialisation recursion from
         # word 0 (only 32 bits of entropy); a full random state breaks it (chance 2⁻³²)
-        assert words != cpu_noise._mt_init(words[0])
+        assert words != randomness.mt_init(words[0])
         assert words[1] != (1812433253 * (words[0] ^ (words[0] >> 30)) + 1) & 0xFFFFFFFF
     assert not torch.equal(torch.randn(8, generator=a.noise_generator),
                            torch.randn(8, generator=b.noise_generator))
@@ -88,7 +89,8 @@ def test_default_generator_is_fresh_full_entropy_on_the_parameters_device():
 
 def _mt_words(g: torch.Generator):
     state = g.get_state()
-    return state[cpu_noise._WORDS:cpu_noise._WORDS + 8 * cpu_noise._MT_N].view(torch.int64).tolist()
+    words = state[randomness._WORDS:randomness._WORDS + 8 * randomness.MT_N]
+    return words.view(torch.int64).tolist()
 
 
 def test_entropy_seeded_generators_are_independent_of_torch_seed():
@@ -203,7 +205,7 @@ def test_a_generator_on_another_device_keys_a_full_state_one(monkeypatch):
     the CPU: a full MT19937 state from the parent's draws, reproducible from the parent."""
     parent = torch.Generator().manual_seed(5)
     assert noise.generator_on(parent, "cpu") is parent and noise.generator_on(None, "cpu") is None
-    monkeypatch.setattr(noise, "_same_device", lambda a, b: False)
+    monkeypatch.setattr(randomness, "_same_device", lambda a, b: False)
     derived = noise.generator_on(parent, "cpu")
     again = noise.generator_on(torch.Generator().manual_seed(5), "cpu")
     assert derived is not parent and torch.equal(derived.get_state(), again.get_state())

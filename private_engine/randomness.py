@@ -1,0 +1,249 @@
+"""The one randomness policy: every random draw that touches a release comes from here.
+
+Differential privacy holds only if the adversary cannot predict the mechanism's randomness: the
+Gaussian noise (Abadi et al. 2016, "Deep Learning with Differential Privacy"), the Poisson batch
+membership that privacy amplification by subsampling assumes, and any randomness a private loss
+uses (masked-autoencoder masks, dropout). A generator with a public seed, or with a seed small
+enough to enumerate, gives that randomness away: whoever knows the other records re-runs the
+computation for each candidate seed and subtracts. So
+
+* :func:`entropy_seeded_generator` gives a ``torch.Generator`` whose whole state comes from the
+  operating system's entropy (``os.urandom``): on the CPU all 19,968 bits of torch's MT19937
+  (``manual_seed`` would keep only the low 32 bits of any seed: ``manual_seed(s)`` and
+  ``manual_seed(s + 2**32)`` draw the same numbers), on CUDA the 64-bit Philox key;
+* :func:`secret_generator` is the one entry point for code that accepts a user's generator or seed
+  (``noise_generator=``, ``random_state=``, ``generator=``): ``None`` gives a fresh
+  :func:`entropy_seeded_generator`; anything else is used as given, with a
+  :class:`ReproducibleRandomnessWarning` that names what it makes reproducible; an integer seed is
+  expanded by SHAKE-256 to a full state (never truncated to 32 bits);
+* :func:`derived_generator` keys a generator on another device from a parent's draws (the parent
+  advances), with a full state on the CPU.
+
+None of these is a cryptographic generator (MT19937 and Philox are not); the engine's
+``secure_mode`` draws its noise from the OS generator itself.
+"""
+from __future__ import annotations
+
+import hashlib
+import numbers
+import os
+import random
+import secrets
+import sys
+import threading
+import warnings
+from typing import Any, List, Optional, Union
+
+import torch
+
+DeviceLike = Union[str, torch.device]
+
+MT_N = 624  # words of MT19937 state
+_STATE_BYTES = 5056  # sizeof(CPUGeneratorImplState), torch ≥ 1.6 (checked at run time)
+_LEFT, _NEXT, _WORDS = 8, 16, 24  # byte offsets of `left`, `next` and the 624 uint64 state words
+_NORMAL_VALID, _FLOAT_NORMAL_VALID = 5040, 5052  # cached Box–Muller samples: must read "not valid"
+#: the domain tag hashed with an integer seed (fixed bytes: a seed draws the same whatever the
+#: package layout)
+_SEED_DOMAIN = b"private_engine.randomness.seed"
+
+_lock = threading.Lock()
+_template: Optional[torch.Tensor] = None
+_checked = False
+
+
+class ReproducibleRandomnessWarning(UserWarning):
+    """Randomness that touches a release comes from a user's generator or seed: whoever knows it
+    can reproduce the draws (and remove noise, or predict masks and batches)."""
+
+
+def entropy_seeded_generator(device: DeviceLike = "cpu") -> torch.Generator:
+    """A ``torch.Generator`` on ``device`` whose state is drawn from OS entropy (``os.urandom``).
+
+    On the CPU the generator is torch's MT19937 (Matsumoto & Nishimura 1998) and its full state —
+    624 words of 32 bits, 19,968 bits — is written from OS entropy. If this torch's state layout is
+    not the one :func:`mt19937_template` checks, it falls back to ``manual_seed`` of 64 random bits,
+    with a warning (torch then keeps 32 of them). On other devices (CUDA's Philox) ``manual_seed``
+    keeps all 64 bits, so the seed is 64 bits from ``secrets``.
+    """
+    device = torch.device(device)
+    if device.type == "cpu":
+        template = mt19937_template()
+        if template is not None:
+            raw = torch.frombuffer(bytearray(os.urandom(4 * MT_N)), dtype=torch.int32)
+            return generator_from_words(template, raw.to(torch.int64) & 0xFFFFFFFF)
+        warnings.warn(
+            "this torch's CPU generator state has an unknown layout: the generator is seeded by "
+            "manual_seed, of which torch keeps 32 bits only; use secure_mode=True for noise "
+            "that cannot be predicted.", RuntimeWarning, stacklevel=2)
+    return torch.Generator(device=device).manual_seed(secrets.randbits(64))
+
+
+def secret_generator(given: Any, device: DeviceLike, what: str,
+                     stacklevel: int = 2) -> torch.Generator:
+    """The generator for a private draw on ``device``: the policy of the whole library.
+
+    * ``given=None``: :func:`entropy_seeded_generator` (secret, full entropy) — the default
+      everywhere;
+    * a ``torch.Generator``: used as given (on another device: :func:`derived_generator` of it);
+    * an integer seed: a generator whose full state is SHAKE-256 of the seed (all its bits count;
+      ``manual_seed`` would keep 32 on the CPU);
+    * a ``numpy.random.Generator``: 256 bits drawn from it key the state the same way.
+
+    Anything but None warns once with :class:`ReproducibleRandomnessWarning`, naming ``what``
+    (e.g. "the noise of DPLeastSquares"): it is reproducible by whoever knows the seed.
+    """
+    if given is None:
+        return entropy_seeded_generator(device)
+    if isinstance(given, torch.Generator):
+        generator = derived_generator(given, device)
+    elif isinstance(given, numbers.Integral) and not isinstance(given, bool):
+        generator = seeded_generator(int(given), device)
+    elif type(given).__module__.startswith("numpy") and hasattr(given, "integers"):
+        key = int.from_bytes(bytes(given.integers(0, 256, 32, dtype="uint8").tolist()), "little")
+        generator = seeded_generator(key, device)
+    else:
+        raise TypeError(f"{what}: expected None (secret randomness from OS entropy), a "
+                        f"torch.Generator, an int or a numpy Generator, got "
+                        f"{type(given).__name__}.")
+    warnings.warn(
+        f"{what} is reproducible from the generator or seed given; anyone who knows it can "
+        f"reproduce the draws (leave it None for secret randomness from OS entropy).",
+        ReproducibleRandomnessWarning, stacklevel=stacklevel + 1)
+    return generator
+
+
+def seeded_generator(seed: int, device: DeviceLike = "cpu") -> torch.Generator:
+    """A generator on ``device`` keyed by every bit of the integer ``seed`` (reproducible, not
+    secret): on the CPU a full MT19937 state ``SHAKE-256(tag‖seed)``, elsewhere a 64-bit key from
+    the same stream."""
+    if seed < 0:
+        raise ValueError(f"a seed must be ≥ 0, got {seed}.")
+    raw = seed.to_bytes(max(1, (seed.bit_length() + 7) // 8), "little")
+    stream = hashlib.shake_256(_SEED_DOMAIN + len(raw).to_bytes(8, "little") + raw)
+    device = torch.device(device)
+    template = mt19937_template() if device.type == "cpu" else None
+    if template is not None:
+        words = torch.frombuffer(bytearray(stream.digest(4 * MT_N)), dtype=torch.int32)
+        return generator_from_words(template, words.to(torch.int64) & 0xFFFFFFFF)
+    key = int.from_bytes(stream.digest(8), "little")
+    return torch.Generator(device=device).manual_seed(key)
+
+
+def derived_generator(generator: Optional[torch.Generator],
+                      device: DeviceLike) -> Optional[torch.Generator]:
+    """``generator`` if it lives on ``device`` (or is None); else a generator on ``device`` keyed
+    from ``generator``'s draws, so that several devices draw from one generator.
+
+    A CPU target gets a full MT19937 state (624 words of 32 bits drawn from ``generator``), another
+    device a 64-bit seed (two 32-bit draws). The parent advances; the result is reproducible from
+    it.
+    """
+    device = torch.device(device)
+    if generator is None or _same_device(generator.device, device):
+        return generator
+    template = mt19937_template() if device.type == "cpu" else None
+    count = MT_N if template is not None else 2
+    words = torch.randint(0, 1 << 32, (count,), generator=generator, dtype=torch.int64,
+                          device=generator.device).cpu()
+    if template is not None:
+        return generator_from_words(template, words)
+    return torch.Generator(device=device).manual_seed(int(words[0]) << 32 | int(words[1]))
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """Equal devices, a missing index read as the current one."""
+    if a.type != b.type:
+        return False
+    if a.type == "cuda":
+        current = torch.cuda.current_device()
+        index_a = current if a.index is None else a.index
+        return index_a == (current if b.index is None else b.index)
+    return a.index == b.index or a.index is None or b.index is None
+
+
+# -- torch's CPU MT19937 state -------------------------------------------------------------------
+def generator_from_words(template: torch.Tensor, words: torch.Tensor) -> torch.Generator:
+    """A CPU generator whose MT19937 state is ``words`` (624 values < 2³²), positioned so that its
+    next draw twists the state first (``left = 1``, ``next = 0``: what a freshly seeded generator
+    holds)."""
+    state = template.clone()
+    state[_WORDS : _WORDS + 8 * MT_N] = words.view(torch.uint8)
+    g = torch.Generator()
+    g.set_state(state)
+    return g
+
+
+def mt19937_template() -> Optional[torch.Tensor]:
+    """A freshly seeded CPU generator's state, if its layout is the expected one; else None. The
+    check: the state words of ``manual_seed(5489)`` are MT19937's initialisation, ``left``/``next``
+    are 1/0, no cached normal sample; a generator given words W by :func:`generator_from_words`
+    twists W as Python's ``random`` (MT19937) does; and the words of seed 5489 written by hand draw
+    what ``manual_seed(5489)`` draws."""
+    global _template, _checked
+    with _lock:
+        if _checked:
+            return _template
+        _checked = True
+        try:
+            _template = _verified_template()
+        except Exception:  # noqa: BLE001 - any surprise means: do not write states, draw serially
+            _template = None
+        return _template
+
+
+def _verified_template() -> Optional[torch.Tensor]:
+    if sys.byteorder != "little":
+        return None
+    g = torch.Generator()
+    g.manual_seed(5489)
+    state = g.get_state()
+    if state.dtype != torch.uint8 or state.numel() != _STATE_BYTES:
+        return None
+    words = state[_WORDS : _WORDS + 8 * MT_N].view(torch.int64).tolist()
+    if words != mt_init(5489):
+        return None
+    if (
+        state[_LEFT : _LEFT + 4].view(torch.int32).item() != 1
+        or state[_NEXT : _NEXT + 8].view(torch.int64).item() != 0
+        or state[_NORMAL_VALID : _NORMAL_VALID + 4].view(torch.int32).item() != 0
+        or state[_FLOAT_NORMAL_VALID].item() != 0
+    ):
+        return None
+    # words written by generator_from_words are the MT19937 state: its next draw twists them as
+    # Python's MT19937 does, and the initialisation of 5489 written by hand draws what
+    # manual_seed(5489) draws
+    probe = [(2654435761 * (i + 1)) & 0xFFFFFFFF for i in range(MT_N)]
+    mine = generator_from_words(state, torch.tensor(probe, dtype=torch.int64))
+    torch.randint(0, 2, (1,), generator=mine)
+    reference = random.Random()
+    reference.setstate((3, tuple(probe) + (MT_N,), None))
+    reference.getrandbits(32)
+    if mine.get_state()[_WORDS : _WORDS + 8 * MT_N].view(torch.int64).tolist() != list(
+        reference.getstate()[1][:MT_N]
+    ):
+        return None
+    seeded = torch.Generator()
+    seeded.manual_seed(5489)
+    written = generator_from_words(state, torch.tensor(mt_init(5489), dtype=torch.int64))
+    if not torch.equal(torch.randn(1000, generator=seeded), torch.randn(1000, generator=written)):
+        return None
+    return state
+
+
+def mt_init(seed: int) -> List[int]:
+    """MT19937's state after ``init_genrand(seed)`` (Matsumoto & Nishimura 1998)."""
+    mt = [seed & 0xFFFFFFFF]
+    for i in range(1, MT_N):
+        mt.append((1812433253 * (mt[-1] ^ (mt[-1] >> 30)) + i) & 0xFFFFFFFF)
+    return mt
+
+
+def is_mt19937(g: torch.Generator) -> bool:
+    """A CPU generator whose state has the size of torch's own MT19937 state (not, e.g., a
+    CSPRNG's)."""
+    if g.device.type != "cpu":
+        return False
+    try:
+        return g.get_state().numel() == _STATE_BYTES
+    except Exception:  # noqa: BLE001 - a generator without a readable state is not ours to split
+        return False
