@@ -30,6 +30,7 @@ from .clipping.functions import ClipFn
 from .clipping.loss_scaling import LossScaling
 from .clipping.plan import DEFAULT_CLIPPING_MODE, LayerDecision, check_mode, is_book_keeping
 from .guards.buffers import BufferGuard
+from .guards.state import StepStateGuard
 from .guards.model_check import check_no_batchnorm, clipped_layers, scan_model
 from .optim import noise as _noise
 from .optim.private_step import check_clipped_params
@@ -201,6 +202,10 @@ class PrivacyEngine:
         check_no_batchnorm(model)
         #: refuses a training forward that changes a buffer from the data (a release without noise)
         self.buffer_guard = BufferGuard(model, allow=data_free_buffers).install()
+        #: refuses a step during which a parameter or buffer changed outside the optimizer (in the
+        #: forward, the loss or a backward hook): checked before every release
+        self.state_guard = StepStateGuard(model, allow=data_free_buffers,
+                                          compare_identity=not sharded).install()
         #: the trainable parameters the optimizer updates (FSDP2: the DTensor shards)
         self.params: List[nn.Parameter] = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
@@ -296,6 +301,7 @@ class PrivacyEngine:
         if self.sharded:
             self.distributed.take_over_fsdp()
         self.buffer_guard.install()
+        self.state_guard.install()
         state = _optim.PrivateStep(optimizer, self.params, self.clip_batch,
                                    lambda: self.clipper.max_grad_norm, self.noise,
                                    self.parameter_names, step_hook=self._account_step,
@@ -320,6 +326,7 @@ class PrivacyEngine:
         self._attached = []
         self.clipper.remove()
         self.buffer_guard.remove()
+        self.state_guard.remove()
         if self.sharded:  # FSDP2 reduces its own gradients again
             self.distributed.restore_fsdp()
 
@@ -346,11 +353,16 @@ class PrivacyEngine:
         norms and dropped samples are recorded for :attr:`last_norms` / :attr:`dropped_samples`."""
         if self.sharded:
             self.distributed.check_fsdp_state()
-        with self._unsharded():  # FSDP2: one all-gather per physical batch on every rank
-            batch = clip_batch(self.clipper, loss, loss_scaling=self.loss_scaling,
-                               names=self._names,
-                               all_dropped_hint="the model may have diverged (lower the learning "
-                               "rate; float16: pass grad_scaler=).")
+        try:
+            with self._unsharded():  # FSDP2: one all-gather per physical batch on every rank
+                batch = clip_batch(self.clipper, loss, loss_scaling=self.loss_scaling,
+                                   names=self._names,
+                                   all_dropped_hint="the model may have diverged (lower the "
+                                   "learning rate; float16: pass grad_scaler=).")
+            self.state_guard.check()  # nothing of this batch is released before it
+        except BaseException:
+            self.state_guard.disarm()
+            raise
         if batch.norms is not None:
             self.last_norms = batch.norms
         self.dropped_samples += batch.dropped

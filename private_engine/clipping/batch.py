@@ -73,6 +73,7 @@ def clip_batch(clipper: PerSampleClipper, loss: torch.Tensor, *,
     for messages. ``all_dropped_hint``: when given, a ``RuntimeWarning`` with this advice, at the
     user's line, says that every sample of a batch was dropped.
     """
+    clipper.check_loss(loss)
     check_per_sample_loss(loss)
     if loss.numel() == 0:  # an empty (Poisson) batch contributes nothing
         clipper.release()

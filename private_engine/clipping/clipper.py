@@ -27,6 +27,7 @@ from torch import nn
 from ..capture.graph_walk import GraphWalk
 from ..capture.recorder import LayerRecorder, RecordedLayer
 from ..capture.setup import build_capture
+from ..guards.batch_flow import BatchFlow
 from ..guards.model_check import ruled_parameters
 from ..guards.separability import SeparabilityProbe
 from ..layers.base import sum_per_sample, weighted_sum_into
@@ -85,9 +86,13 @@ class PerSampleClipper:
         #: checks that the model and loss are sample-separable at the first step of each input
         #: signature
         self.probe: Optional[SeparabilityProbe] = None
+        #: follows the batch through every op of each step's forward and loss (checked when the
+        #: loss arrives: :meth:`check_loss`)
+        self.batch_flow: Optional[BatchFlow] = None
         if model is not None:
             self.probe = SeparabilityProbe(model)
             self.probe.install()
+            self.batch_flow = BatchFlow(model).install()
         #: book-keeping (one backward) or two passes (:mod:`.release`)
         self.book_keeping = is_book_keeping(self.mode)
         self.strategy = strategy_for(self.mode, self.book_keeping)
@@ -527,13 +532,28 @@ class PerSampleClipper:
         self.recorder.reset()
 
     def install(self) -> None:
-        """(Re-)install the recording hooks and the separability probe."""
+        """(Re-)install the recording hooks, the separability probe and the batch flow."""
         self.recorder.install()
         if self.probe is not None:
             self.probe.install()
+        if self.batch_flow is not None:
+            self.batch_flow.install()
 
     def remove(self) -> None:
-        """Remove the recording hooks and the separability probe."""
+        """Remove the recording hooks, the separability probe and the batch flow."""
         self.recorder.remove()
         if self.probe is not None:
             self.probe.remove()
+        if self.batch_flow is not None:
+            self.batch_flow.remove()
+
+    def check_loss(self, loss: torch.Tensor) -> None:
+        """Refuse a loss vector whose entry i depends on other samples than i, followed through
+        every op of the step (:class:`private_engine.guards.batch_flow.BatchFlow`), before
+        anything is computed from it."""
+        if self.batch_flow is not None and isinstance(loss, torch.Tensor):
+            try:
+                self.batch_flow.check_loss(loss)
+            except BaseException:
+                self.release()
+                raise

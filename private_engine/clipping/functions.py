@@ -59,13 +59,42 @@ def resolve_clipping_fn(clipping_fn: Union[str, ClipFn]) -> Tuple[ClipFn, bool]:
     return CLIPPING_FUNCTIONS[clipping_fn], False
 
 
+def per_sample_factors(clip_fn: ClipFn, norms: torch.Tensor,
+                       max_grad_norm: float) -> torch.Tensor:
+    """``C_i = clip_fn(‖g_i‖, R)`` evaluated on each sample's norm alone, so that no factor can
+    depend on another sample's norm (a user's ``R / norms.max()`` would couple every sample's
+    factor to the largest norm of the batch, and one sample could then move all the others).
+
+    ``torch.vmap`` over ``norms.view(B, 1)`` calls the function on a batch of one norm per sample,
+    in one vectorised call; a function vmap cannot run (data-dependent control flow, random draws)
+    is called once per sample instead. Returns ``(B,)`` factors, or whatever the function returned
+    if it does not give one value per call (refused by :func:`clip_factors`).
+    """
+    one_each = norms.reshape(-1, 1)
+    try:
+        out = torch.vmap(lambda n: clip_fn(n, max_grad_norm))(one_each)
+    except Exception:  # noqa: BLE001 - anything vmap cannot run is run sample by sample
+        outs = [clip_fn(one_each[i], max_grad_norm) for i in range(one_each.shape[0])]
+        if not all(isinstance(o, torch.Tensor) and o.numel() == 1 for o in outs):
+            return outs[0] if outs else norms.new_zeros(0)
+        return torch.stack([o.reshape(()) for o in outs]).to(norms.dtype) if outs else \
+            norms.new_zeros(0)
+    if not isinstance(out, torch.Tensor) or out.numel() != norms.numel():
+        return out
+    return out.reshape(norms.shape)
+
+
 def clip_factors(
     clip_fn: ClipFn, norms: torch.Tensor, max_grad_norm: float, checked: bool = False
 ) -> torch.Tensor:
-    """``C_i = clip_fn(‖g_i‖, R)``. ``checked`` (a user's function): the factors must be finite,
-    ``≥ 0`` and keep ``C_i·‖g_i‖ ≤ R`` (to a relative 1e-6), or a ValueError is raised before
-    anything is released."""
-    factors = clip_fn(norms, max_grad_norm)
+    """``C_i = clip_fn(‖g_i‖, R)``. ``checked`` (a user's function): evaluated per sample
+    (:func:`per_sample_factors`), and the factors must be finite, ``≥ 0`` and keep
+    ``C_i·‖g_i‖ ≤ R`` (to a relative 1e-6), or a ValueError is raised before anything is
+    released."""
+    if checked:
+        factors = per_sample_factors(clip_fn, norms, max_grad_norm)
+    else:
+        factors = clip_fn(norms, max_grad_norm)
     if checked:
         if not isinstance(factors, torch.Tensor) or factors.shape != norms.shape:
             raise ValueError(

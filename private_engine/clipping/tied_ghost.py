@@ -36,8 +36,8 @@ from torch import nn
 from ..layers.base import LayerDims, accumulation_dtype, release_dtype
 from ..layers.embedding import EmbeddingRule
 from ..layers.linear import LinearRule
-from ..layers.rounding import (gamma, gram_coefficient, pair_mass, release_coefficient,
-                               row_norms64, unit_roundoff)
+from ..layers.rounding import (ETA64, gamma, ghost_underflow, gram_coefficient, pair_mass,
+                               release_coefficient, row_norms64, unit_roundoff)
 
 Member = Tuple[nn.Module, object, list]  # (module, rule, [(a, g)])
 
@@ -126,7 +126,11 @@ def certified_joint_norm_sq(members: Sequence[Member]) -> torch.Tensor:
     released = sum(c * m for c, m in zip(c_rel, masses))
     acc = accumulation_dtype(members[0][0].weight)
     adding = gamma(len(members), unit_roundoff(acc)) * (1 + max(c_rel)) * mass
-    base = (nu.clamp(min=0) + c_nu * mass * mass).sqrt()
+    u_sum = sum(row_norms64(u).sum(1) if kind == "dense" else
+                torch.full_like(mass, float(u.shape[1])) for kind, u in us)
+    lost = ghost_underflow(row_norms64(Vrows).sum(1), u_sum, Vrows.shape[2], widest, positions,
+                           ETA64)
+    base = (nu.clamp(min=0) + c_nu * mass * mass + lost).sqrt()
     return (base + released + adding).square()
 
 

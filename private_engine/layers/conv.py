@@ -24,8 +24,9 @@ from .base import (LayerDims, LayerRule, accumulation_dtype, cast, certified_kep
                    gram_inner, gram_unit, put_into, row_norm_sq, scale_samples, trainable,
                    weighted_sum_into, zeros_like_batch)
 from .registry import register_rule
-from .rounding import (certified_ghost, certified_instantiated, gamma, gram_coefficient,
-                       instantiation_coefficient, release_coefficient, row_norms64, unit_roundoff)
+from .rounding import (ETA64, certified_ghost, certified_instantiated, gamma, ghost_underflow,
+                       gram_coefficient, gram_eta, instantiation_coefficient, release_coefficient,
+                       row_norms64, unit_roundoff)
 
 
 def unfold_conv_input(module: nn.modules.conv._ConvNd, a: torch.Tensor) -> torch.Tensor:
@@ -122,7 +123,8 @@ class ConvRule(LayerRule):
             window = conv(x, ones, None, module.stride, padding, module.dilation, groups)
             terms = (C // groups) * math.prod(module.kernel_size) + 2
             window = window.reshape(B, groups, -1).double() * (1 + gamma(terms, unit_roundoff(acc)))
-            window = window + terms * 2.0 ** -149  # squares in float32's subnormal range
+            # squares below float32's (or float64's) normal range
+            window = window + terms * (2.0 ** -149 + ETA64)
             if bias:
                 window = window + 1
             per_group = g.reshape(B, groups, module.out_channels // groups, -1)
@@ -131,7 +133,8 @@ class ConvRule(LayerRule):
             total = m if total is None else total + m
         positions = sum(g[0].numel() // module.out_channels for _, g in calls) * groups
         slack = 1 + gamma(positions + module.out_channels + 4, unit_roundoff(torch.float64))
-        return total * slack  # the float64 norms and sums of positive terms
+        # the float64 norms and sums of positive terms, and products below the normal range
+        return total * slack + positions * ETA64
 
     def certified_norm_sq(self, module, calls, use_ghost, grads=None):
         """Certified ``‖release_i‖²`` bound at C_i = 1 (:mod:`private_engine.layers.rounding`): the
@@ -156,10 +159,14 @@ class ConvRule(LayerRule):
             D = U.shape[2]
             c_nu = gram_coefficient(D + bias, G.shape[2], T, gram_unit(U))
             nu = gram_inner(U, G, bias=bias)
+            lost = ghost_underflow(row_norms64(U).sum(1) + (T if bias else 0),
+                                   row_norms64(G).sum(1), D + bias, G.shape[2], T,
+                                   gram_eta(gram_unit(U)))
             if module.groups > 1:  # the groups' terms (each within ±M_γ², Σ M_γ² ≤ M²) summed
                 nu = nu.reshape(B, module.groups).sum(1)
+                lost = lost.reshape(B, module.groups).sum(1)
                 c_nu += 2 * gamma(module.groups + 1, unit_roundoff(torch.float64))
-            return certified_ghost(nu, mass, c_nu, c_rel)
+            return certified_ghost(nu, mass, c_nu, c_rel, lost)
         grads = self.per_sample_grads(module, calls) if grads is None else grads
         norm_sq = sum(row_norm_sq(g) for g in grads.values())
         c_inst = instantiation_coefficient(dt, g0.device, T + len(calls), conv=True)

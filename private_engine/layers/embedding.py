@@ -17,8 +17,9 @@ from torch import nn
 from .base import (LayerDims, LayerRule, accumulation_dtype, cast, put_into, row_norm_sq,
                    scale_samples, trainable, zeros_like_batch)
 from .registry import register_rule
-from .rounding import (certified_ghost, certified_instantiated, gamma, gram_coefficient,
-                       instantiation_coefficient, release_coefficient, row_norms64, unit_roundoff)
+from .rounding import (ETA64, certified_ghost, certified_instantiated, gamma, ghost_underflow,
+                       gram_coefficient, instantiation_coefficient, release_coefficient,
+                       row_norms64, unit_roundoff)
 
 
 class EmbeddingRule(LayerRule):
@@ -86,7 +87,8 @@ class EmbeddingRule(LayerRule):
         c_rel = release_coefficient(G.dtype, G.device, B * T)
         if use_ghost:
             c_nu = gram_coefficient(1, G.shape[2], T, unit_roundoff(torch.float64))
-            return certified_ghost(_ghost(ids, G), mass, c_nu, c_rel)
+            lost = ghost_underflow(torch.full_like(mass, float(T)), mass, 1, G.shape[2], T, ETA64)
+            return certified_ghost(_ghost(ids, G), mass, c_nu, c_rel, lost)
         grads = self.per_sample_grads(module, calls) if grads is None else grads
         c_inst = instantiation_coefficient(G.dtype, G.device, T)
         norm_sq = row_norm_sq(grads["weight"])

@@ -19,8 +19,9 @@ from .base import (LayerDims, LayerRule, accumulation_dtype, cast, certified_kep
                    flatten_positions, gram_inner, gram_unit, mm_into, release_dtype, row_norm_sq,
                    scale_samples, sum_into, trainable, weighted_sum_into, zeros_like_batch)
 from .registry import register_named_rule, register_rule
-from .rounding import (certified_ghost, certified_instantiated, gram_coefficient,
-                       instantiation_coefficient, pair_mass, release_coefficient)
+from .rounding import (certified_ghost, certified_instantiated, ghost_underflow, gram_coefficient,
+                       gram_eta, instantiation_coefficient, pair_mass, release_coefficient,
+                       row_norms64)
 
 
 class LinearRule(LayerRule):
@@ -94,7 +95,10 @@ class LinearRule(LayerRule):
         c_rel = release_coefficient(release_dtype(G), G.device, B * T)
         if use_ghost:
             c_nu = gram_coefficient(A.shape[2] + bias, G.shape[2], T, gram_unit(A))
-            return certified_ghost(gram_inner(A, G, bias=bias), mass, c_nu, c_rel)
+            lost = ghost_underflow(row_norms64(A).sum(1) + (T if bias else 0),
+                                   row_norms64(G).sum(1), A.shape[2] + bias, G.shape[2], T,
+                                   gram_eta(gram_unit(A)))
+            return certified_ghost(gram_inner(A, G, bias=bias), mass, c_nu, c_rel, lost)
         grads = self.per_sample_grads(module, calls) if grads is None else grads
         norm_sq = sum(row_norm_sq(g) for g in grads.values())
         c_inst = instantiation_coefficient(G.dtype, G.device, T)

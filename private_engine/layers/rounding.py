@@ -101,15 +101,55 @@ def gram_coefficient(width_a: int, width_g: int, positions: int, gram_unit: floa
 
 
 def certified_ghost(nu: torch.Tensor, mass: torch.Tensor, c_nu: float,
-                    c_rel: float) -> torch.Tensor:
-    """Certified squared norm from a ghost norm: ``(√(max(ν̃, 0) + c_ν·M²) + c_r·M)²``.
+                    c_rel: float, underflow: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Certified squared norm from a ghost norm: ``(√(max(ν̃, 0) + c_ν·M² + U) + c_r·M)²``.
 
-    ``√(ν̃ + c_ν M²) ≥ ‖G‖`` (the ghost norm's own rounding), ``+ c_r·M`` the release's
+    ``√(ν̃ + c_ν M² + U) ≥ ‖G‖`` (the ghost norm's own rounding, and ``U`` its products that
+    underflowed: :func:`ghost_underflow`), ``+ c_r·M`` the release's
     (:func:`release_coefficient`). A negative ``ν̃`` (cancellation) is clamped: the bound holds
     all the same, so a crafted sample is clipped, never makes the step fail."""
     nu, mass = nu.double(), mass.double()
-    base = (nu.clamp(min=0) + c_nu * mass * mass).sqrt()
-    return (base + c_rel * mass).square()
+    base = nu.clamp(min=0) + c_nu * mass * mass
+    if underflow is not None:
+        base = base + underflow
+    return (base.sqrt() + c_rel * mass).square()
+
+
+#: half the smallest positive subnormal of float64 (2⁻¹⁰⁷⁴) and of float32 (2⁻¹⁴⁹): the most a
+#: product, square or quotient that underflows loses in IEEE arithmetic with gradual underflow
+#: (Higham 2002, §2.4: ``fl(x∘y) = (x∘y)(1+δ) + η``, ``|η| ≤`` half the subnormal step; sums of
+#: subnormals are exact). Taken whole (not halved), so that rounding the slack itself only adds.
+ETA64 = 2.0 ** -1074
+ETA32 = 2.0 ** -149
+#: what a float32-accumulating tensor-core product may lose per term: the NVIDIA tensor cores are
+#: not specified to keep subnormal results (Fasi, Higham, Mikaitis & Pranesh 2021, "Numerical
+#: behavior of NVIDIA tensor cores": no subnormal support in some formats and paths), so a flushed
+#: product loses up to the smallest normal float32, 2⁻¹²⁶
+ETA_TENSOR_CORE = 2.0 ** -126
+
+
+def gram_eta(gram_unit: float) -> float:
+    """The absolute loss per product of the Grams ``ã ãᵀ``, ``g gᵀ`` formed at ``gram_unit``
+    (:func:`private_engine.layers.base.gram_unit`): float64 Grams of float64 operands may
+    underflow (``ETA64``); float32-accumulated Grams of 16-bit CUDA operands may flush
+    (``ETA_TENSOR_CORE``)."""
+    return ETA64 if gram_unit == unit_roundoff(torch.float64) else ETA_TENSOR_CORE
+
+
+def ghost_underflow(a_sum: torch.Tensor, g_sum: torch.Tensor, width_a: int, width_g: int,
+                    positions: int, eta: float) -> torch.Tensor:
+    """``U``: what products lost below the normal range can take from a ghost norm ``ν̃ =
+    ⟨Ã, G̃⟩`` of Grams ``Ã = ã ãᵀ`` (``width_a`` columns) and ``G̃ = g gᵀ`` (``width_g``).
+
+    Each Gram entry sums ``width`` products, each losing at most ``eta``: ``|ΔÃ_ts| ≤ width_a·η``,
+    which meets ``|G_ts| ≤ ‖g_t‖‖g_s‖`` in the inner product, so the ghost norm loses at most
+    ``η·(width_a·(Σ_t‖g_t‖)² + width_g·(Σ_t‖ã_t‖)²)`` to the Grams' underflow, and
+    ``2T²·2⁻¹⁰⁷⁴`` to its own float64 products (every factor raised by 2 for the cross terms and
+    the rounding of the bound itself). ``a_sum``, ``g_sum``: upper bounds of ``Σ_t ‖ã_t‖`` and
+    ``Σ_t ‖g_t‖`` per sample (:func:`row_norms64`, which count their own underflow)."""
+    a_sum, g_sum = a_sum.double(), g_sum.double()
+    lost = (width_a * g_sum.square() + width_g * a_sum.square()) * (2 * eta)
+    return lost + 4.0 * positions * positions * ETA64
 
 
 def certified_instantiated(norm_sq: torch.Tensor, mass: Optional[torch.Tensor], c_inst: float,
@@ -129,7 +169,7 @@ def certified_instantiated(norm_sq: torch.Tensor, mass: Optional[torch.Tensor], 
 SQUARE_BLOCK = 64
 #: absolute slack per element for squares in float32's subnormal range: each is lost or rounded by
 #: at most half its smallest subnormal step, 2⁻¹⁵⁰ (taken as 2⁻¹⁴⁹)
-_UNDERFLOW = 2.0 ** -149
+_UNDERFLOW = ETA32
 
 
 def _norms32(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -143,7 +183,9 @@ def _norms32(t: torch.Tensor, dim: int) -> torch.Tensor:
 def norm_sq64(t: torch.Tensor) -> torch.Tensor:
     """An upper bound (float64) of ``‖t_i‖²`` per leading index, rounding included.
 
-    float64 tensors: summed in float64 (relative error ``γ^{(64)}_n``, covered by the callers).
+    float64 tensors: summed in float64 (relative error ``γ^{(64)}_n``, covered by the callers),
+    raised by ``n·2⁻¹⁰⁷⁴`` for squares below float64's normal range (a sample of values near 1e-160
+    would otherwise get a norm of 0).
     Others, without a float64 copy of ``t`` (one would cost twice its memory and, on the CPU, 25×
     the time): the squares of each block of ``SQUARE_BLOCK`` consecutive elements are summed in
     float32 — positive terms, so the block's norm is exact to ``(1 + γ_L)(1 + u)`` whatever the
@@ -152,9 +194,9 @@ def norm_sq64(t: torch.Tensor) -> torch.Tensor:
     overflows float32 (|x| > 1.8e19) gives ``inf``: the engine then drops the sample."""
     B = t.shape[0]
     flat = t.reshape(B, -1)
-    if flat.dtype == torch.float64:
-        return torch.linalg.vector_norm(flat, dim=1).square()
     n = flat.shape[1]
+    if flat.dtype == torch.float64:
+        return torch.linalg.vector_norm(flat, dim=1).square() + n * ETA64
     m = n // SQUARE_BLOCK
     total = torch.zeros(B, dtype=torch.float64, device=t.device)
     if m:
@@ -174,9 +216,9 @@ def row_norms64(t: torch.Tensor) -> torch.Tensor:
     computed in float32 (float64 stays float64) and raised by ``(1 + γ_{k+2})`` and the underflow
     slack — the rounding of a sum of k positive squares and of the square root."""
     norms = _norms32(t, -1)
-    if t.dtype == torch.float64:
-        return norms
     k = t.shape[-1]
+    if t.dtype == torch.float64:
+        return norms + (k * ETA64) ** 0.5
     return norms * (1 + gamma(k + 2, unit_roundoff(torch.float32))) + (k * _UNDERFLOW) ** 0.5
 
 
@@ -190,9 +232,10 @@ def pair_mass(a: torch.Tensor, g: torch.Tensor, bias: bool, weight: bool = True)
         na = row_norms64(a)
         if bias:
             na = (na.square() + 1).sqrt()
-    # positive terms summed in float64: raised by γ_{T+2} (and float64 row norms by the same order)
+    # positive terms summed in float64: raised by γ_{T+2} (and float64 row norms by the same order),
+    # and by T·2⁻¹⁰⁷⁴ for products below the normal range
     slack = 1 + gamma(ng.shape[-1] + a.shape[-1] + 4, unit_roundoff(torch.float64))
-    return (na * ng).sum(1) * slack
+    return (na * ng).sum(1) * slack + ng.shape[-1] * ETA64
 
 
 def cast_down(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

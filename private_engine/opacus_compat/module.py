@@ -56,7 +56,9 @@ from ..clipping.batch import check_per_sample_loss, clip_batch
 from ..clipping.clipper import PerSampleClipper
 from ..clipping.per_layer import per_layer_clipped_sums
 from ..clipping.plan import is_book_keeping
+from ..guards.batch_flow import BatchFlow
 from ..guards.separability import SeparabilityProbe
+from ..guards.state import StepStateGuard
 from ..capture.recorder import RecordedLayer
 
 
@@ -120,6 +122,9 @@ class PrivateModule(nn.Module):
         if self.clipper.probe is not None:  # this module runs its own probe (from the outputs)
             self.clipper.probe.remove()
             self.clipper.probe = None
+        if self.clipper.batch_flow is not None:  # and its own batch flow (ending with the forward)
+            self.clipper.batch_flow.remove()
+            self.clipper.batch_flow = None
         self.recorder = self.clipper.recorder
         self.recorder.on_layer_ready = self._on_layer_ready_plain
         #: the parameter-entry tracer (None when the layer rules cover every parameter) and the
@@ -167,6 +172,11 @@ class PrivateModule(nn.Module):
         #: checks, at the first forward of each input signature, that the model is sample-separable
         self.probe = SeparabilityProbe(module, batch_dim=0 if batch_first else None)
         self.probe.install()
+        #: follows the batch through every op of every forward; the outputs are checked at its end
+        self.batch_flow = BatchFlow(module, batch_dim=0 if batch_first else 1,
+                                    until_loss=False).install()
+        #: refuses a step during which a parameter or buffer changed outside the optimizer
+        self.state_guard = StepStateGuard(module).install()
         self._hooks_enabled = True
         #: inside criterion_backward: its own backward passes leave the parameter gradients alone
         self._in_criterion = False
@@ -216,7 +226,13 @@ class PrivateModule(nn.Module):
     def _check_graph_hook(self, module, inputs, out) -> None:
         if self._eval_marks is not None:
             self._drop_eval_records()
+            self.batch_flow.end()
             return
+        try:
+            self.batch_flow.check_outputs(out)
+        except BaseException:
+            self.recorder.reset()
+            raise
         if self.probe.pending and torch.is_grad_enabled():
             self._check_separable(out)
         if not self._graph_checked and torch.is_grad_enabled():
@@ -312,6 +328,8 @@ class PrivateModule(nn.Module):
         self.clipper.remove()
         self.buffer_guard.remove()
         self.probe.remove()
+        self.batch_flow.remove()
+        self.state_guard.remove()
 
     cleanup = remove_hooks
 
@@ -394,6 +412,7 @@ class PrivateModule(nn.Module):
                 "enable_hooks() before the backward."
             )
         self._check_trainable(params)
+        self.state_guard.check()
         if self._clipped_at and self._clipped_at != {self.current_max_grad_norm()}:
             raise ValueError(
                 "the gradients in p.grad were clipped at max_grad_norm "

@@ -15,10 +15,9 @@ written against, each with its defense now:
 1. The separability probe is a numerical test at the batch it is given. A sample that saturates
    the mixing op (softmax over the batch dimension: every other row's weight underflows to 0, so
    every gradient through it is exactly 0) or makes every row non-finite (a NaN input through a
-   batch mean) leaves the probe nothing to compare. The probe now records a verdict only for a
-   batch whose gradients reach two samples at every point, so later batches are probed and
-   refused; the batch holding the sample is still released unverified (marked xfail: a verdict
-   independent of the data needs a probe on synthetic inputs).
+   batch mean) leaves the probe nothing to compare. The batch flow
+   (:mod:`private_engine.guards.batch_flow`) follows the ops rather than the values, so both
+   batches are refused at the step, whatever the sample.
 2. ``nn.Embedding(max_norm=...)`` renormalises, in place and without noise, the weight rows of
    the tokens a batch contains: the released parameters move with the sample. Refused.
 3. ``engine.max_grad_norm`` (native) or ``optimizer.max_grad_norm`` (Opacus door) lowered while
@@ -67,24 +66,12 @@ def saturated_softmax_case() -> Case:
     return Case(model, honest_vectors(model), (saturating_input(model), torch.zeros(1, 4)))
 
 
-#: the separability probe compares the gradients of the private batch itself, so a crafted sample
-#: can leave it without a verdict for that batch (the step is released unverified; the signature
-#: stays unprobed and the next batches are probed: see the test after this one). A verdict that
-#: does not depend on the data would need a probe on synthetic inputs (docs/engine.md)
-FIRST_BATCH = pytest.mark.xfail(
-    strict=True, reason="a probe on the private batch: one batch's verdict can be delayed")
-
-
-@FIRST_BATCH
 @pytest.mark.parametrize("door,how", DOORS, ids=DOOR_IDS)
 def test_saturating_sample_blinds_the_separability_probe(door, how):
-    """``softmax(h, dim=0)`` inside the model: the probe refuses the honest batch
-    (BatchMixingError), but with the saturating sample every gradient reaching ``l1`` and the
-    model input is exactly 0 in both probe passes, the comparison passes, and the step releases.
-    Whether the step happens depends on the sample.
-
-    The probe no longer records such a batch as a verdict (a point whose gradient reached fewer
-    than two samples is silent), but the step holding the sample is still released unverified."""
+    """``softmax(h, dim=0)`` inside the model: with the saturating sample every gradient reaching
+    ``l1`` and the model input is exactly 0 in both passes of the numerical separability probe,
+    which then has no verdict. The batch flow follows the softmax over the batch dimension
+    whatever the values, so both batches are refused at the step."""
     case = saturated_softmax_case()
     assert_bounded(*run_pair(case, door, how), may_refuse=True,
                    what=f"saturated softmax(h, 0) {door}-{how}")
@@ -115,7 +102,7 @@ def test_probe_blinded_once_lets_later_batches_mix(mode):
     input signature probed). Step 2 runs on the honest batch with, and without, an ordinary
     large sample: the model mixes (softmax over the batch), and before the probe counted only
     batches whose gradients reach two samples, nothing checked it any more: one sample moved the
-    second release by 1.54·R. Now the second batch is probed and refused."""
+    second release by 1.54·R. The batch flow refuses both steps, whatever the data."""
     case = saturated_softmax_case()
     blind = case.with_sample
     big = large_vector_case().crafted
@@ -123,7 +110,7 @@ def test_probe_blinded_once_lets_later_batches_mix(mode):
     with_big = (torch.cat([honest[0], big[0]]), torch.cat([honest[1], big[1]]))
     first_w, second_w = two_native_steps(case.model, [blind, with_big], mode)
     _, second_wo = two_native_steps(case.model, [blind, honest], mode)
-    assert not isinstance(first_w, Refused)  # the blinding batch itself is released
+    assert isinstance(first_w, Refused)  # the blinding batch itself is refused
     assert_bounded(second_w, second_wo, may_refuse=True,
                    what=f"softmax(h, 0) after a blinded probe, {mode}")
 
@@ -134,17 +121,14 @@ NAN_CASES = [("center", "native", m) for m in MODES] + \
     [("softmax-dim0", d, h) for d, h in DOORS]
 
 
-@FIRST_BATCH
 @pytest.mark.parametrize("mix,door,how", NAN_CASES,
                          ids=[f"{m}-{d}-{h}" for m, d, h in NAN_CASES])
 def test_non_finite_sample_hides_batch_mixing(mix, door, how):
     """A NaN input in a batch of a mixing model (``h - h.mean(0)``, ``softmax(h, 0)``): the mix
     spreads it to every row, the probe compares only finite rows (none), returns without a
     verdict, and the step goes on (every sample dropped: a release of zeros) — while the batch
-    without the sample is refused. One sample decides whether the step happens.
-
-    The probe leaves the signature unprobed, so the next batch is probed and refused; the step
-    holding the sample is released unverified (with every sample dropped)."""
+    without the sample is refused. The batch flow refuses both: it follows the ops, not the
+    values."""
     model = Mixer(mix)
     case = Case(model, honest_vectors(model), (torch.full((1, 8), math.nan), torch.zeros(1, 4)))
     assert_bounded(*run_pair(case, door, how), may_refuse=True,

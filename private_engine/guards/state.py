@@ -1,0 +1,131 @@
+"""Model state that changes during a private step outside the optimizer's update: refused.
+
+The release of a step is the noised sum of clipped per-sample gradients; everything else the model
+holds must be a function of earlier releases (or public data). A parameter or buffer that the step
+itself changes — a frozen ``nn.Parameter`` used as running statistics and updated in the forward,
+a buffer updated by a tensor hook during the backward (an EMA of gradient statistics), a value
+written by the loss — holds this batch's data without noise: it ships in the ``state_dict`` and
+reaches later steps' gradients outside the clipping bound.
+
+:class:`StepStateGuard` records, at the model's first forward of a step (a forward pre-hook with
+grad enabled), every parameter and buffer tensor with its version counter (``_version``, moved by
+every in-place write), and :meth:`StepStateGuard.check` compares them after the step's backward,
+before anything is released: an in-place write, or a parameter or buffer of the model replaced by
+another tensor, raises ``ValueError`` naming it. That is a few integer comparisons per tensor, no
+tensor operation. Buffers declared data-free (``data_free_buffers``, ``fnmatch`` patterns) are
+skipped, as the forward's :class:`private_engine.guards.buffers.BufferGuard` skips them.
+
+Not seen: state kept in Python attributes (numbers, or tensors that are not registered parameters or
+buffers; a tensor kept from an earlier batch and used again is refused by the batch flow) and writes
+through ``.data`` of a tensor whose version counter they do not move.
+"""
+from __future__ import annotations
+
+import fnmatch
+from typing import Iterable, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from ..capture.fallback import replaying
+
+
+class StateChangedError(ValueError):
+    """A parameter or buffer changed during a private step outside the optimizer's update."""
+
+
+class StepStateGuard:
+    """Refuse a step that changes the model's parameters or buffers (module docstring).
+
+    ``compare_identity``: also refuse a parameter or buffer replaced by another tensor (off for
+    FSDP2 models, whose modules swap sharded and unsharded parameters within a step).
+    """
+
+    def __init__(self, model: nn.Module, allow: Iterable[str] = (),
+                 compare_identity: bool = True):
+        if isinstance(allow, str):
+            allow = (allow,)
+        self.model = model
+        self.allow: Tuple[str, ...] = tuple(allow)
+        self.compare_identity = compare_identity
+        self._slots: List[Tuple[str, nn.Module, str, str]] = []
+        self._armed: Optional[List[Tuple[object, int]]] = None
+        self._handle = None
+
+    def install(self) -> "StepStateGuard":
+        """Register the forward pre-hook that records the state at a step's first forward."""
+        if self._handle is None:
+            self._handle = self.model.register_forward_pre_hook(self._pre, prepend=True)
+        return self
+
+    def remove(self) -> None:
+        """Remove the hook and forget any recorded state."""
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        self._armed = None
+
+    def _pre(self, module, args) -> None:
+        if self._armed is None and torch.is_grad_enabled() and not replaying():
+            self.arm()
+        return None
+
+    def arm(self) -> None:
+        """Record every parameter and buffer and its version counter."""
+        self._slots = [
+            (f"{name}.{attr}" if name else attr, m, attr, kind)
+            for name, m in self.model.named_modules()
+            for kind, table in (("parameter", m._parameters), ("buffer", m._buffers))
+            for attr in table
+            if not (kind == "buffer" and self._allowed(f"{name}.{attr}" if name else attr))]
+        self._armed = [(t, _version(t)) for t in self._tensors()]
+
+    def _allowed(self, qualified: str) -> bool:
+        return any(fnmatch.fnmatchcase(qualified, p) for p in self.allow)
+
+    def _tensors(self) -> List[object]:
+        out = []
+        for _, m, attr, kind in self._slots:
+            table = m._parameters if kind == "parameter" else m._buffers
+            out.append(table.get(attr))
+        return out
+
+    def disarm(self) -> None:
+        """Forget the recorded state (the next forward records it again)."""
+        self._armed = None
+
+    def check(self) -> None:
+        """Raise :class:`StateChangedError` naming the first parameter or buffer that changed since
+        the step's first forward; forget the recorded state either way."""
+        armed, self._armed = self._armed, None
+        if armed is None:
+            return
+        now = self._tensors() if self.compare_identity else None
+        for k, ((qualified, m, attr, kind), (t, version)) in enumerate(zip(self._slots, armed)):
+            if t is None:
+                continue
+            if _version(t) != version:
+                raise StateChangedError(_message(qualified, kind, "modified in place"))
+            if now is not None and now[k] is not t and now[k] is not None:
+                raise StateChangedError(_message(qualified, kind, "replaced by another tensor"))
+
+
+def _message(qualified: str, kind: str, what: str) -> str:
+    return (
+        f"{kind} {qualified} was {what} during a private step (in the forward, the loss or a "
+        "backward hook), before the release: its value now depends on this batch without noise, "
+        "and it would be released (in the state_dict, and to later steps) outside the DP "
+        "guarantee. Nothing was released. Keep state that depends on the data out of the model "
+        "(compute it inside the forward from the current inputs), update parameters only "
+        "through the optimizer, and reload the model before releasing anything."
+        + (f" If the buffer depends only on shapes (a cache), allow it: "
+           f"PrivacyEngine(..., data_free_buffers=[{qualified!r}])." if kind == "buffer" else ""))
+
+
+def _version(t) -> int:
+    if not isinstance(t, torch.Tensor) or t.is_inference():
+        return -1
+    try:
+        return t._version
+    except (RuntimeError, AttributeError):
+        return -1
