@@ -31,6 +31,7 @@ from .clipping.loss_scaling import LossScaling
 from .clipping.plan import DEFAULT_CLIPPING_MODE, LayerDecision, check_mode, is_book_keeping
 from .guards.buffers import BufferGuard
 from .guards.state import StepStateGuard
+from .randomness import SecretModelRandomness, keyed_by_state
 from .guards.model_check import check_no_batchnorm, clipped_layers, scan_model
 from .optim import noise as _noise
 from .optim.private_step import check_clipped_params
@@ -202,6 +203,11 @@ class PrivacyEngine:
         check_no_batchnorm(model)
         #: refuses a training forward that changes a buffer from the data (a release without noise)
         self.buffer_guard = BufferGuard(model, allow=data_free_buffers).install()
+        #: the randomness of training forwards (dropout) from a secret generator, not torch's
+        #: publicly seeded global one (keyed from the user's noise_generator when one is given)
+        self.model_randomness = SecretModelRandomness(
+            model, generator=None if noise_generator is None else
+            keyed_by_state(noise_generator)).install()
         #: refuses a step during which a parameter or buffer changed outside the optimizer (in the
         #: forward, the loss or a backward hook): checked before every release
         self.state_guard = StepStateGuard(model, allow=data_free_buffers,
@@ -302,6 +308,7 @@ class PrivacyEngine:
             self.distributed.take_over_fsdp()
         self.buffer_guard.install()
         self.state_guard.install()
+        self.model_randomness.install()
         state = _optim.PrivateStep(optimizer, self.params, self.clip_batch,
                                    lambda: self.clipper.max_grad_norm, self.noise,
                                    self.parameter_names, step_hook=self._account_step,
@@ -327,6 +334,7 @@ class PrivacyEngine:
         self.clipper.remove()
         self.buffer_guard.remove()
         self.state_guard.remove()
+        self.model_randomness.remove()
         if self.sharded:  # FSDP2 reduces its own gradients again
             self.distributed.restore_fsdp()
 

@@ -129,6 +129,14 @@ def seeded_generator(seed: int, device: DeviceLike = "cpu") -> torch.Generator:
     return torch.Generator(device=device).manual_seed(key)
 
 
+def keyed_by_state(generator: torch.Generator) -> torch.Generator:
+    """A CPU generator keyed by SHA-256 of ``generator``'s state, without drawing from it (its own
+    draws are unchanged): a second stream reproducible from a user's generator, independent of
+    the first."""
+    digest = hashlib.sha256(bytes(generator.get_state().tolist())).digest()
+    return seeded_generator(int.from_bytes(digest, "little"), "cpu")
+
+
 def derived_generator(generator: Optional[torch.Generator],
                       device: DeviceLike) -> Optional[torch.Generator]:
     """``generator`` if it lives on ``device`` (or is None); else a generator on ``device`` keyed
@@ -247,3 +255,84 @@ def is_mt19937(g: torch.Generator) -> bool:
         return g.get_state().numel() == _STATE_BYTES
     except Exception:  # noqa: BLE001 - a generator without a readable state is not ours to split
         return False
+
+
+# -- the model's own randomness ------------------------------------------------------------------
+class SecretModelRandomness:
+    """Draws the randomness of a model's training forwards (dropout, stochastic depth, anything
+    that reads torch's default generators) from a secret generator.
+
+    Scripts seed torch's global generator publicly (``torch.manual_seed(0)``) for reproducible
+    initialisation and data order; dropout masks drawn from it would be known to whoever knows the
+    seed, and they are drawn position by position over the batch, so one sample's presence shifts
+    every later sample's mask. With secret masks drawn afresh for every forward, the honest
+    samples' masks are independent of the data and identically distributed with or without any
+    one sample: conditioned on the masks the step is the Gaussian mechanism on per-sample clipped
+    gradients, so the guarantee holds for the mixture over masks too (each sample's mask is a
+    secret random input of its own loss, like a random augmentation).
+
+    ``install()`` registers a forward pre-hook and a forward hook on ``model``: a forward with grad
+    enabled in training mode swaps torch's CPU default generator (and the CUDA default generator
+    of every device the model's parameters live on) for a state keyed from the secret generator
+    (a full MT19937 state on the CPU, a 64-bit Philox key on CUDA), and the hook puts the user's
+    states back, so the user's own draws (data order, augmentation in the loop) continue as if
+    the forward had drawn nothing. Activation checkpointing replays the forward with the state it
+    saved, the secret one.
+    """
+
+    def __init__(self, model, generator: Optional[torch.Generator] = None):
+        self.model = model
+        self.generator = generator if generator is not None else entropy_seeded_generator("cpu")
+        self._saved: List[tuple] = []
+        self._handles: list = []
+
+    def install(self) -> "SecretModelRandomness":
+        """Register the hooks (again after :meth:`remove`); returns self."""
+        if not self._handles:
+            self._handles = [
+                self.model.register_forward_pre_hook(self._pre, prepend=True),
+                self.model.register_forward_hook(self._post, always_call=True)]
+        return self
+
+    def remove(self) -> None:
+        """Remove the hooks (and put back any user state still swapped out)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        while self._saved:
+            self._restore()
+
+    def _devices(self) -> List[torch.device]:
+        devices = {p.device for p in self.model.parameters() if p.device.type == "cuda"}
+        return sorted(devices, key=lambda d: -1 if d.index is None else d.index)
+
+    def _pre(self, module, args) -> None:
+        if not (module.training and torch.is_grad_enabled()):
+            self._saved.append(())
+            return None
+        saved = [("cpu", None, torch.default_generator.get_state())]
+        template = mt19937_template()
+        if template is not None:
+            words = torch.randint(0, 1 << 32, (MT_N,), generator=self.generator,
+                                  dtype=torch.int64)
+            torch.default_generator.set_state(
+                generator_from_words(template, words).get_state())
+        else:
+            torch.default_generator.manual_seed(
+                int(torch.randint(0, 1 << 62, (1,), generator=self.generator)))
+        for device in self._devices():
+            cuda = torch.cuda.default_generators[device.index or torch.cuda.current_device()]
+            saved.append(("cuda", cuda, cuda.get_state()))
+            words = torch.randint(0, 1 << 32, (2,), generator=self.generator, dtype=torch.int64)
+            cuda.manual_seed(int(words[0]) << 32 | int(words[1]))
+        self._saved.append(tuple(saved))
+        return None
+
+    def _post(self, module, args, output) -> None:
+        if self._saved:
+            self._restore()
+        return None
+
+    def _restore(self) -> None:
+        for kind, gen, state in self._saved.pop():
+            (torch.default_generator if kind == "cpu" else gen).set_state(state)

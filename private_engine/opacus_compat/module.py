@@ -59,6 +59,7 @@ from ..clipping.plan import is_book_keeping
 from ..guards.batch_flow import BatchFlow
 from ..guards.separability import SeparabilityProbe
 from ..guards.state import StepStateGuard
+from ..randomness import SecretModelRandomness
 from ..capture.recorder import RecordedLayer
 
 
@@ -172,11 +173,14 @@ class PrivateModule(nn.Module):
         #: checks, at the first forward of each input signature, that the model is sample-separable
         self.probe = SeparabilityProbe(module, batch_dim=0 if batch_first else None)
         self.probe.install()
-        #: follows the batch through every op of every forward; the outputs are checked at its end
-        self.batch_flow = BatchFlow(module, batch_dim=0 if batch_first else 1,
-                                    until_loss=False).install()
+        #: follows the batch through every op of every forward and loss: the outputs are checked at
+        #: the forward's end, the loss when the backward starts. The model's inputs are batch-first
+        #: as Opacus' data loaders give them (batch_first=False is about the layers' inputs)
+        self.batch_flow = BatchFlow(module).install()
         #: refuses a step during which a parameter or buffer changed outside the optimizer
         self.state_guard = StepStateGuard(module).install()
+        #: the randomness of training forwards (dropout) from a secret generator
+        self.model_randomness = SecretModelRandomness(module).install()
         self._hooks_enabled = True
         #: inside criterion_backward: its own backward passes leave the parameter gradients alone
         self._in_criterion = False
@@ -330,6 +334,7 @@ class PrivateModule(nn.Module):
         self.probe.remove()
         self.batch_flow.remove()
         self.state_guard.remove()
+        self.model_randomness.remove()
 
     cleanup = remove_hooks
 
@@ -500,6 +505,11 @@ class PrivateModule(nn.Module):
         """One layer of a plain backward, handed to the clipper (certified norm, what the sum needs
         kept)."""
         self._to_batch_first(layer)
+        try:
+            self.batch_flow.check_root()  # the backward's loss (once: the region ends here)
+        except BaseException:
+            self.recorder.reset()
+            raise
         pairs = layer.pairs()
         if pairs:
             self._saw_batch = True
@@ -619,6 +629,7 @@ class PrivateModule(nn.Module):
         clipping core (:func:`private_engine.clipping.batch.clip_batch`; book-keeping, one
         backward)."""
         try:
+            self.batch_flow.check_loss(loss_per_sample)
             check_per_sample_loss(loss_per_sample, name="the per-sample loss")
             fresh = self._start_backward()
             self._check_trainable(self._module.parameters())

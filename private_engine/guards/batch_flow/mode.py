@@ -13,8 +13,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 
 from ...capture.fallback import replaying
 from ..separability import BatchMixingError
-from .rules import RULES, VALUE_FREE, flat_tensors, is_pointwise, pointwise, written
-from .tags import Iota, Mix, Mixed, Rows, first_mixed, join, mixed, user_line
+from .rules import RULES, VALUE_FREE, flat_tensors, is_pointwise, pointwise, summed, written
+from .tags import Iota, Mix, Mixed, Rows, Summed, first_mixed, join, mixed, user_line
 
 aten = torch.ops.aten
 #: the tracker whose region is open in this process (one at a time: a new region closes another
@@ -26,22 +26,22 @@ _FREE = ("free",)
 
 
 class BatchFlow(TorchDispatchMode):
-    """Tags the tensors of a step's forward (and, with ``until_loss``, of the user's loss) with
-    the samples they depend on (:mod:`private_engine.guards.batch_flow`).
+    """Tags the tensors of a step's forward and of the user's loss with the samples they depend
+    on (:mod:`private_engine.guards.batch_flow`).
 
     ``install()`` registers a forward pre-hook on ``model``: a forward with grad enabled on a batch
     of two or more samples opens a *region* (the mode goes on the dispatch stack) and tags the
     model's tensor arguments of the batch's size along ``batch_dim`` as its rows. The region ends
-    at :meth:`check_loss` (native door, ``until_loss=True``) or with the forward
-    (:meth:`check_outputs`, the Opacus door), at a forward without grad, or at a forward on a batch
-    of another size (which starts the next region).
+    when the engine takes the loss (:meth:`check_loss`: the native door's per-sample losses, the
+    Opacus door's criterion; :meth:`check_root`: the start of the Opacus door's plain
+    ``backward()``), at a forward that raised or runs without grad, or at a forward on a batch of
+    another size (which starts the next region).
     """
 
-    def __init__(self, model: nn.Module, batch_dim: int = 0, until_loss: bool = True):
+    def __init__(self, model: nn.Module, batch_dim: int = 0):
         super().__init__()
         self.model = model
         self.batch_dim = batch_dim
-        self.until_loss = until_loss
         #: rows of the model's batch inputs in the open region (None: no region)
         self.batch: Optional[int] = None
         self.active = False
@@ -50,6 +50,9 @@ class BatchFlow(TorchDispatchMode):
         self._tags: Dict[int, Tuple[weakref.ref, Any, int]] = {}
         self._buffers: set = set()
         self._handles: list = []
+        #: the last differentiable scalar the region computed (the loss a plain ``backward()`` of
+        #: the Opacus door starts from)
+        self.last_scalar: Optional[weakref.ref] = None
 
     # -- installation --------------------------------------------------------------------------
     def install(self) -> "BatchFlow":
@@ -105,6 +108,7 @@ class BatchFlow(TorchDispatchMode):
         self.batch = rows
         self.active = True
         self.epoch += 1
+        self.last_scalar = None
         self._buffers = {id(b) for b in self.model.buffers()}
         if not self.pushed:
             self.__enter__()
@@ -135,6 +139,11 @@ class BatchFlow(TorchDispatchMode):
                     f"other samples' data through {tag.why}. Per-sample clipping bounds a "
                     "sample's influence only when each loss entry is a function of that sample "
                     "alone; nothing was released. " + advice(tag.why))
+            if isinstance(tag, Summed):
+                raise BatchMixingError(
+                    f"the loss vector is a sum over the batch ({tag.how}), not one loss per "
+                    "sample: compute it with reduction=\"none\" and reduce each sample's rows "
+                    "alone; nothing was released.")
             if isinstance(tag, Rows):
                 self._check_loss_rows(loss.shape[0], tag)
         finally:
@@ -156,21 +165,43 @@ class BatchFlow(TorchDispatchMode):
                 "reduction=\"none\"); nothing was released.")
 
     def check_outputs(self, outputs: Any) -> None:
-        """Raise :class:`BatchMixingError` if a tensor the model returned mixes samples (rows of
-        the batch dimension must be the inputs' own); the region ends either way."""
+        """Raise :class:`BatchMixingError` (and close the region) if a tensor the model returned
+        mixes samples: the rows of every non-scalar output must be the inputs' own. A scalar
+        output (a loss the model computes) is checked if ``backward()`` starts from it
+        (:meth:`check_root`)."""
+        if not self.active:
+            return
+        for t in flat_tensors(outputs):
+            if t.dim() == 0:
+                continue
+            tag = self.tag(t)
+            if isinstance(tag, Rows) and (tag.mod != self.batch or tag.off % tag.mod):
+                tag = Mixed("an output whose rows are not the inputs' rows in batch order")
+            if isinstance(tag, Summed):
+                tag = Mixed(f"an output summed over the batch ({tag.how})")
+            if isinstance(tag, Mixed):
+                self.end()
+                raise BatchMixingError(
+                    f"the model's output mixes samples: it depends on other samples' data "
+                    f"through {tag.why}. Per-sample clipping bounds a sample's influence "
+                    "only when row i of every output is a function of sample i alone; "
+                    "nothing was released. " + advice(tag.why))
+
+    def check_root(self) -> None:
+        """At the start of a plain ``loss.backward()`` (the Opacus door's hooks): raise
+        :class:`BatchMixingError` if the last differentiable scalar of the region — the loss — is
+        not a sum over the batch of per-sample terms; the region ends either way."""
         try:
-            if not self.active:
+            if not self.active or self.last_scalar is None:
                 return
-            for t in flat_tensors(outputs):
-                tag = self.tag(t)
-                if isinstance(tag, Rows) and (tag.mod != self.batch or tag.off % tag.mod):
-                    tag = Mixed("an output whose rows are not the inputs' rows in batch order")
-                if isinstance(tag, Mixed):
-                    raise BatchMixingError(
-                        f"the model's output mixes samples: it depends on other samples' data "
-                        f"through {tag.why}. Per-sample clipping bounds a sample's influence "
-                        "only when row i of every output is a function of sample i alone; "
-                        "nothing was released. " + advice(tag.why))
+            loss = self.last_scalar()
+            tag = None if loss is None else self.tag(loss)
+            if isinstance(tag, Mixed):
+                raise BatchMixingError(
+                    f"the loss mixes samples beyond a sum over the batch: it depends on the "
+                    f"samples' data through {tag.why}. The hooks clip each sample's share of a "
+                    "sum (or mean over the batch size) of per-sample losses; nothing was "
+                    "released. " + advice(tag.why))
         finally:
             self.end()
 
@@ -228,6 +259,8 @@ class BatchFlow(TorchDispatchMode):
         try:
             if found is not None and rule not in VALUE_FREE:
                 result = found
+            elif rule not in VALUE_FREE and any(isinstance(t, Summed) for t in tags):
+                result = summed(self, func, args, kwargs, tags)
             elif rule is not None:
                 result = rule(self, func, args, kwargs, out)
             elif is_pointwise(func):
@@ -241,6 +274,8 @@ class BatchFlow(TorchDispatchMode):
         except Exception as e:  # noqa: BLE001 - a rule that cannot read the op refuses, loudly
             result = mixed(func, f"(its batch layout could not be read: {e!r})")
         self._assign(func, args, kwargs, out, result, epoch)
+        if isinstance(out, torch.Tensor) and out.dim() == 0 and out.requires_grad:
+            self.last_scalar = weakref.ref(out)
         return out
 
     def _mark_free(self, func, out) -> None:

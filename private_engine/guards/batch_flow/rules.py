@@ -12,7 +12,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .tags import Iota, Mix, Rows, broadcast_shapes, dims_arg, join, norm_dim, reshape_rows
+from .tags import (Iota, Mix, Rows, Summed, broadcast_shapes, dims_arg, join, norm_dim,
+                   reshape_rows)
 
 aten = torch.ops.aten
 Tag = Any
@@ -334,8 +335,13 @@ def reduce(flow, func, args, kwargs, out):
     dims = dims_arg(arg(func, args, kwargs, "dim"), t.dim())
     keep = bool(arg(func, args, kwargs, "keepdim", False))
     if dims is None or tag.dim in dims:
+        if func.overloadpacket in _LINEAR_REDUCTIONS:
+            return Summed(f"{func.overloadpacket.__name__} over the batch")
         raise Mix("reduces over the batch dimension")
     return tag if keep else tag.at(tag.dim - sum(x < tag.dim for x in dims))
+
+
+_LINEAR_REDUCTIONS = {aten.sum, aten.mean, aten.nansum}
 
 
 def along(flow, func, args, kwargs, out):
@@ -398,13 +404,22 @@ def _matmul(a, ta, b, tb, batched: bool) -> Tag:
     """``a @ b`` (``mm``: 2-D; ``bmm``: 3-D with a shared leading dim): a batch dimension on a
     kept dim stays; one on the contracted dim sums over samples."""
     lead = 1 if batched else 0
-    result = None
+    result, contracted = None, []
     for tag, keep in ((ta, lead), (tb, lead + 1)):
         if tag is None:
             continue
         if not ((batched and tag.dim == 0) or tag.dim == keep):
-            raise Mix("contracts the batch dimension (a matrix product over samples)")
+            contracted.append(tag)
+            continue
         result = tag if result is None else join(result, tag)
+    if contracted:
+        # Σ_j a_j b_j over the samples' rows: a sum of per-sample terms, unless a kept dim
+        # carries samples too (then every output row mixes samples)
+        if result is not None or (len(contracted) == 2 and contracted[0].dim != lead + 1):
+            raise Mix("contracts the batch dimension (a matrix product over samples)")
+        if len(contracted) == 2:
+            join(contracted[0].at(0), contracted[1].at(0))
+        return Summed("a matrix product over the batch")
     return result
 
 
@@ -538,10 +553,11 @@ def losses(flow, func, args, kwargs, out):
     if reduction != 0:
         if not any(isinstance(t, Rows) for t in tags):
             return None
-        if nll:
-            raise Mix(f"with reduction=\"{'mean' if reduction == 1 else 'sum'}\" (a mean over "
-                      "the batch's non-ignored targets divides by a count over all samples)")
-        raise Mix("reduces over the batch (reduction=\"mean\" or \"sum\")")
+        if nll and reduction == 1 and not _one_target_per_row(flow, func, args, kwargs):
+            raise Mix("with reduction=\"mean\" over several targets per sample (a mean over the "
+                      "batch's non-ignored targets divides by a count over all samples)")
+        return [Summed(f"{func.overloadpacket.__name__} with a reduction")] + \
+            [None] * (len(outs) - 1)
     shape = tuple(outs[0].shape)
     if not nll:
         return [aligned(list(zip(tensors, tags)), shape)] + [None] * (len(outs) - 1)
@@ -556,6 +572,43 @@ def losses(flow, func, args, kwargs, out):
             raise Mix("sums over classes along the dimension that holds the batch")
         pairs.append((outs[0], tx.at(tx.dim - (tx.dim > 1))))
     return [aligned(pairs, shape)] + [None] * (len(outs) - 1)
+
+
+def _one_target_per_row(flow, func, args, kwargs) -> bool:
+    """``nll_loss`` with ``reduction="mean"`` divides by the number of targets not ignored (their
+    class weights, when given): with one target per sample and no class weights, one sample moves
+    that count by one, which moves the other samples' terms by at most R in all (their factor
+    changes by ``1/n``); with several targets per sample (tokens) or class weights, one sample
+    moves it without bound."""
+    target, weight = arg(func, args, kwargs, "target"), arg(func, args, kwargs, "weight")
+    tag = flow.tag(target)
+    return (weight is None and isinstance(tag, Rows) and target.dim() == 1 and tag.per == 1
+            and func.overloadpacket is aten.nll_loss_forward)
+
+
+# -- sums over the batch ------------------------------------------------------------------------
+#: ops through which a sum over the batch stays a sum over the batch: linear in it, with every other
+#: operand of no sample
+_SUMMED_LINEAR = {aten.add, aten.sub, aten.mul, aten.div, aten.neg, aten.clone, aten._to_copy,
+                  aten.detach, aten.alias, aten.view, aten._unsafe_view, aten.reshape,
+                  aten.expand, aten.squeeze, aten.unsqueeze, aten.permute, aten.transpose, aten.t,
+                  aten.select, aten.slice, aten.sum, aten.mean, aten.lift_fresh, aten.add_,
+                  aten.sub_, aten.mul_, aten.div_, aten.neg_, aten.copy_, aten.contiguous}
+
+
+def summed(flow, func, args, kwargs, tags) -> Any:
+    """The tag of an op with a :class:`Summed` input: still a sum over the batch when the op is
+    linear in it and every other operand is of no sample (a quotient only by such an operand);
+    a sum of sums for ``add``/``sub``; else it mixes."""
+    packet = func.overloadpacket
+    sums = [t for t in tags if isinstance(t, Summed)]
+    others = [t for t in tags if t is not None and not isinstance(t, (Summed, Iota))]
+    if packet in _SUMMED_LINEAR and not others:
+        if len(sums) == 1 or packet in (aten.add, aten.sub, aten.add_, aten.sub_):
+            if packet in (aten.div, aten.div_) and not isinstance(tags[0], Summed):
+                raise Mix("divides by a sum over the batch")
+            return sums[0]
+    raise Mix(f"on a sum over the batch ({sums[0].how})")
 
 
 # -- indexing ------------------------------------------------------------------------------------

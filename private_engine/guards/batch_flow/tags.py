@@ -12,7 +12,10 @@
   that input row i is sample ``i mod L`` (``cat([x, aug(x)], 0)`` stacks views of one batch);
 * :class:`Iota`: ``arange(n)`` along a dim (an index selecting every row of the batch dimension
   for itself, as in ``logits[arange(B), y]``);
-* :class:`Mixed`: depends on several samples; ``why`` names the op and the user's line.
+* :class:`Summed`: a sum over the batch of per-sample values with coefficients of no sample (a
+  mean or sum reduction, a matrix product contracting the batch dimension): the loss of the
+  Opacus door's ``loss.backward()``, whose per-sample terms its hooks clip;
+* :class:`Mixed`: depends on several samples otherwise; ``why`` names the op and the user's line.
 """
 from __future__ import annotations
 
@@ -46,6 +49,13 @@ class Iota(NamedTuple):
     """The values ``0, 1, …, n−1`` along ``dim`` (constant along the others)."""
 
     dim: int
+
+
+class Summed(NamedTuple):
+    """``Σ_j f_j(x_j)``: per-sample values summed over the batch with coefficients of no sample;
+    ``how`` names the reduction."""
+
+    how: str
 
 
 class Mixed(NamedTuple):
