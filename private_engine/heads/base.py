@@ -31,19 +31,27 @@ for the paper's i.i.d. matrix N, i.e. symmetrising the paper's release — pure 
 Positive definiteness is restored by post-processing only: eigenvalues of the noisy symmetric
 system matrix are floored at ``eig_floor`` (default 0: projection onto the PSD cone) before the
 ridge ``λI`` is added, so every matrix that is inverted has eigenvalues ≥ λ > 0.
+
+Randomness
+----------
+Every head draws its noise from :func:`private_engine.randomness.secret_generator` (the library's
+one randomness policy): ``random_state=None`` (default) gives a generator whose whole state comes
+from OS entropy (the 19,968-bit MT19937 state on the CPU); an int, a ``torch.Generator`` or a
+numpy ``Generator`` makes the noise reproducible (an int keys the whole state through SHAKE-256,
+all of its bits count) and warns with a ``ReproducibleRandomnessWarning``.
 """
 from __future__ import annotations
 
 import contextlib
 import inspect
 import math
-import numbers
 from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 import torch
 
 from ..accounting.zcdp import (CONVERSIONS, ZCDPLedger, epsilon_to_rho, rho_to_epsilon)
+from ..randomness import secret_generator
 
 __all__ = ["NotFittedError", "DPHeadBase", "to_tensor", "encode_labels", "clip_rows",
            "normalize_rows", "symmetric_noise", "psd_floor", "sym_eigh", "solve", "NoiseSource"]
@@ -150,22 +158,30 @@ class NoiseSource:
     ``release(name, value, sensitivity, noise_multiplier)`` returns ``value + N(0, (σΔ)²)``
     (or the isometric symmetric noise of the module docstring with ``symmetric=True``) and records
     ``(Δ, σΔ)`` in the ledger. ``count`` records several same-size mechanisms at once (e.g. the m
-    per-class gradients of DP-Newton).
+    per-class gradients of DP-Newton). ``generator`` may be None only for releases without noise
+    (σ = 0).
     """
 
-    def __init__(self, generator: torch.Generator, ledger: Optional[ZCDPLedger] = None):
+    def __init__(self, generator: Optional[torch.Generator],
+                 ledger: Optional[ZCDPLedger] = None):
         self.generator = generator
         self.ledger = ledger if ledger is not None else ZCDPLedger()
 
+    def _source(self) -> torch.Generator:
+        if self.generator is None:  # never fall back on torch's global (user-seeded) generator
+            raise RuntimeError("this NoiseSource has no generator: it serves releases with σ = 0 "
+                               "only.")
+        return self.generator
+
     def gaussian(self, shape, std: float, like: torch.Tensor) -> torch.Tensor:
         """i.i.d. ``N(0, std²)`` of ``shape`` with ``like``'s dtype and device (not recorded)."""
-        return torch.randn(shape, generator=self.generator, dtype=like.dtype,
+        return torch.randn(shape, generator=self._source(), dtype=like.dtype,
                            device=like.device) * std
 
     def symmetric(self, d: int, std: float, like: torch.Tensor,
                   batch: Tuple[int, ...] = ()) -> torch.Tensor:
         """Symmetric d×d noise of :func:`symmetric_noise` (not recorded)."""
-        return symmetric_noise(d, std, self.generator, like.dtype, like.device, batch)
+        return symmetric_noise(d, std, self._source(), like.dtype, like.device, batch)
 
     def release(self, name: str, value: torch.Tensor, sensitivity: float, noise_multiplier: float,
                 symmetric: bool = False, count: int = 1, record: bool = True) -> torch.Tensor:
@@ -243,27 +259,6 @@ def psd_floor(M: torch.Tensor, floor: float = 0.0) -> Tuple[torch.Tensor, torch.
     return torch.clamp(evals, min=floor), evecs
 
 
-def make_generator(random_state: Any, device: torch.device) -> torch.Generator:
-    """A torch.Generator on ``device`` seeded from ``random_state`` (int, Generator or
-    None=fresh)."""
-    if isinstance(random_state, torch.Generator):
-        if random_state.device.type != torch.device(device).type:
-            raise ValueError(f"random_state generator is on {random_state.device}, "
-                             f"data is on {device}.")
-        return random_state
-    g = torch.Generator(device=device)
-    if random_state is None:
-        g.seed()
-    elif isinstance(random_state, numbers.Integral):
-        g.manual_seed(int(random_state))
-    elif isinstance(random_state, np.random.Generator):
-        g.manual_seed(int(random_state.integers(0, 2 ** 63 - 1)))
-    else:
-        raise TypeError("random_state must be None, an int or a torch.Generator, "
-                        f"got {type(random_state).__name__}.")
-    return g
-
-
 # ----------------------------------------------------------------------------- estimator base
 class DPHeadBase:
     """Base class of the DP feature heads (sklearn-style estimator).
@@ -276,6 +271,12 @@ class DPHeadBase:
       :func:`~private_engine.accounting.zcdp.epsilon_to_rho`). ``epsilon=float("inf")`` fits
       without noise and without clipping.
     * ``noise_multiplier``: σ directly; ``epsilon_`` is then reported if ``delta`` is given.
+
+    ``random_state``: None (default) draws the noise from a generator whose whole state comes
+    from OS entropy (:func:`~private_engine.randomness.entropy_seeded_generator`); an int, a
+    ``torch.Generator`` or a numpy ``Generator`` makes it reproducible — and known to whoever
+    knows the seed — with a ``ReproducibleRandomnessWarning``
+    (:func:`~private_engine.randomness.secret_generator`).
 
     Fitted attributes common to all heads: ``classes_``, ``n_features_in_``,
     ``noise_multiplier_`` (σ), ``rho_`` (zCDP of the fit, from the release ledger),
@@ -415,10 +416,17 @@ class DPHeadBase:
         return normalize_rows(X) if self.normalize else X
 
     def fit(self, X, y) -> "DPHeadBase":
-        """Fit the head on features ``X`` (n, d) and integer labels ``y`` (n,)."""
+        """Fit the head on features ``X`` (n, d) and integer labels ``y`` (n,).
+
+        The noise comes from ``secret_generator(random_state, device, ...)``
+        (:mod:`private_engine.randomness`): secret and full-entropy for ``random_state=None``,
+        reproducible (with a ``ReproducibleRandomnessWarning``) for an int or a generator.
+        """
         sigma = self._resolve_noise_multiplier()
         Xt, Y = self._prepare_fit(X, y)
-        gen = make_generator(self.random_state, Xt.device)
+        # a fit without noise (σ = 0) draws nothing, so it needs no generator
+        gen = (secret_generator(self.random_state, Xt.device,
+                                f"the noise of {type(self).__name__}") if sigma > 0 else None)
         noise = NoiseSource(gen)
         # small CPU problems run single-threaded: faster, and robust on a busy machine
         # (see small_lapack)
