@@ -31,12 +31,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..randomness import entropy_seeded_generator, seeded_generator
 from ..clipping.plan import DEFAULT_CLIPPING_MODE
-from .features import penultimate_features
+from .base import normalize_rows
+from .features import penultimate_features, saturating_float32
 from .mean_estimator import DPMeanEstimator
 
 __all__ = ["residual_loss", "WarmupClassifier", "WarmupResult", "warmup_finetune"]
@@ -83,7 +83,7 @@ class WarmupClassifier(nn.Module):
         """``h(x)/temperature`` with ``h(x)_j = cos(φ(x), q_j)``."""
         with torch.no_grad():
             self.feature_extractor.eval()
-            phi = F.normalize(self.feature_fn(self.feature_extractor, x).float(), dim=1)
+            phi = normalize_rows(saturating_float32(self.feature_fn(self.feature_extractor, x)))
         return phi @ self.centers.T / self.temperature
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -141,7 +141,8 @@ def _features_of(extractor: nn.Module, X: torch.Tensor, batch_size: int, device,
     extractor.eval()
     with torch.no_grad():
         for s in range(0, X.shape[0], batch_size):
-            out.append(feature_fn(extractor, X[s:s + batch_size].to(device)).float().cpu())
+            out.append(saturating_float32(feature_fn(extractor,
+                                                     X[s:s + batch_size].to(device))).cpu())
     return torch.cat(out)
 
 
@@ -246,7 +247,7 @@ def warmup_finetune(model: nn.Module, X: torch.Tensor, y: torch.Tensor, *, epsil
     centres.fit(phi, y)
     q = centres.centers_.float()
     # 2. prior h(x_i) for every training example (post-processing of q, per example)
-    H = (F.normalize(phi, dim=1) @ q.T) / temperature
+    H = (normalize_rows(phi) @ q.T) / temperature
 
     # 3. DP full fine-tuning on the residual loss (budget (ε2, δ2))
     dataset = torch.utils.data.TensorDataset(X, y, H)
