@@ -183,9 +183,14 @@ def rounding_margin(k: int, dtype: torch.dtype) -> float:
     ``u = eps/2`` the unit roundoff), and scaling by ``C/‖u‖`` adds two more roundings: a
     computed clipped row is within ``(1 + (k/2 + 5)·u)`` of the bound. Shrinking the bound by
     ``(k + 16)·eps`` (four times that, covering second-order terms) makes ``‖x̃‖ ≤ C`` hold
-    for the floating-point result. In float64 this is ≈ 1e-13 for k = 512.
+    for the floating-point result. In float64 this is ≈ 1e-13 for k = 512. A margin above 1 %
+    (float32 with more than about 84,000 entries) is refused with a ValueError: fit in float64.
     """
-    return (int(k) + 16) * torch.finfo(dtype).eps
+    margin = (int(k) + 16) * torch.finfo(dtype).eps
+    if margin > 1e-2:
+        raise ValueError(f"{k} features are too many to clip exactly in {dtype} (rounding margin "
+                         f"{margin:.3g}); fit with dtype=torch.float64.")
+    return margin
 
 
 def clip_rows(X: torch.Tensor, C: float) -> torch.Tensor:

@@ -119,7 +119,7 @@ class DPLeastSquares(DPHeadBase):
         if not (isinstance(self.k, (int, np.integer)) and self.k >= 1):
             raise ValueError(f"k must be an integer ≥ 1, got {self.k!r}.")
         private = sigma > 0
-        C = check_clip_norm("clip_norm", self.clip_norm, X.shape[0] * self.k, X.dtype)
+        C = check_clip_norm("clip_norm", self.clip_norm, X.shape[0], X.dtype)
         sk = math.sqrt(self.k)
         s_G, s_A, s_b = self._split_sigmas(sigma)
         Xc = clip_rows(X, C) if private else X

@@ -292,6 +292,9 @@ def test_out_of_range_settings_are_refused_by_name():
         DPNewton(noise_multiplier=1.0, clip_norm=0.0).fit(X, y)
     with pytest.raises(ValueError, match="dtype must be torch.float64"):
         DPMeanEstimator(noise_multiplier=1.0, dtype=torch.float16).fit(X, y)
+    with pytest.raises(ValueError, match="too many to clip exactly in torch.float32"):
+        DPMeanEstimator(noise_multiplier=1.0, dtype=torch.float32).fit(np.ones((4, 90_000)),
+                                                                       [0, 1, 0, 1])
     with pytest.raises(ValueError, match="NaN or infinite"):
         DPLeastSquares(noise_multiplier=1.0).fit(np.vstack([X, np.full(D, np.inf)]),
                                                  np.append(y, 0))
