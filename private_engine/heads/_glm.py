@@ -3,11 +3,19 @@
 For logits ``z_i = W x_i + b`` (W: m×d, b: m) the per-example gradient of the loss is the outer
 product ``r_i ⊗ [x_i; 1]`` with residual ``r_i = p_i − y_i``, where ``p_i = s(z_i)`` (sigmoid,
 one-vs-rest; ``‖r_i‖ ≤ √m``) or ``softmax(z_i)`` (``‖r_i‖ ≤ √2``). Its Frobenius norm is
-``‖r_i‖·sqrt(‖x_i‖² + [bias])``, so the clipped sum (Abadi et al. 2016)::
+``‖r_i‖·‖[x_i; 1]‖``, so the clipped sum (Abadi et al. 2016, "Deep Learning with Differential
+Privacy")::
 
-    Σ_i clip_C(∇ℓ_i) = Σ_i c_i r_i ⊗ [x_i; 1],   c_i = min(1, C / (‖r_i‖·sqrt(‖x_i‖² + [bias])))
+    Σ_i clip_C(∇ℓ_i) = Σ_i c_i r_i ⊗ [x_i; 1],   c_i = min(1, C / (‖r_i‖·‖[x_i; 1]‖))
 
-is ``(c ⊙ R)ᵀ X`` (and ``Σ_i c_i r_i`` for the bias): one matrix product.
+is one matrix product. It is computed for every finite record, whatever its magnitude: with
+``t_i = max(max_j |x_ij|, 1)`` (just ``max_j |x_ij|`` without a bias) and ``v_i = [x_i; 1]/t_i``
+(entries ≤ 1, ``‖v_i‖ ≥ 1``), ``c_i r_i ⊗ [x_i; 1] = a_i r_i ⊗ v_i`` with
+``a_i = min(t_i, C'/(‖r_i‖·‖v_i‖))``, ``C' = C·(1 − rounding_margin)`` — no square of x is
+formed, ``a_i‖r_i‖ ≤ C'`` is finite, and the computed clipped gradient has norm ≤ C. The
+logits are ``s_i·(W u_i) + b`` with ``u_i = x_i/s_i`` (:func:`~.base.row_scales`), clamped to
+``±finfo.max/4``: a record near the largest float saturates the link instead of giving
+``inf − inf = NaN``.
 """
 from __future__ import annotations
 
@@ -15,7 +23,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .base import DPHeadBase
+from .base import DPHeadBase, rounding_margin, row_scales
 
 LOSSES = ("sigmoid", "softmax")
 
@@ -29,22 +37,53 @@ def probabilities(Z: torch.Tensor, loss: str) -> torch.Tensor:
     raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}.")
 
 
-def clipped_gradient_sum(
-        X: torch.Tensor, Y: torch.Tensor, W: torch.Tensor, b: Optional[torch.Tensor], loss: str,
-        clip: Optional[float]) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
-    """``(Σ c_i r_i x_iᵀ, Σ c_i r_i or None, per-example norms)``; ``clip=None`` disables
-    clipping."""
-    Z = X @ W.T
+def logits(X: torch.Tensor, W: torch.Tensor, b: Optional[torch.Tensor],
+           rows: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+    """``Z = X Wᵀ + b`` computed as ``s ⊙ (U Wᵀ) + b`` (``rows = (s, U)`` of
+    :func:`~.base.row_scales`, computed if not given) and clamped to ``±finfo.max/4``.
+
+    ``U Wᵀ`` is finite for finite W, and ``s_i·(Wu_i)`` overflows only to an infinity of the
+    right sign, which the clamp turns into a saturated (finite) logit: sigmoid and softmax then
+    give the limit probabilities, never NaN.
+    """
+    s, U = rows if rows is not None else row_scales(X)
+    Z = s[:, None] * (U @ W.T)
     if b is not None:
         Z = Z + b
-    R = probabilities(Z, loss) - Y
-    sq = (X * X).sum(dim=1) + (1.0 if b is not None else 0.0)
-    norms = torch.linalg.vector_norm(R, dim=1) * torch.sqrt(sq)
-    if clip is not None:
-        c = torch.clamp(clip / torch.clamp(norms, min=1e-300), max=1.0)
-        R = R * c[:, None]
-    gW = R.T @ X
-    gb = R.sum(dim=0) if b is not None else None
+    top = torch.finfo(Z.dtype).max / 4
+    return Z.clamp(-top, top)
+
+
+def clipped_gradient_sum(
+        X: torch.Tensor, Y: torch.Tensor, W: torch.Tensor, b: Optional[torch.Tensor], loss: str,
+        clip: Optional[float], rows: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """``(Σ c_i r_i x_iᵀ, Σ c_i r_i or None, per-example gradient norms)`` (module docstring);
+    ``clip=None`` disables clipping. ``rows = row_scales(X)`` may be passed to save recomputing
+    it at every step. The norms are ``‖r_i‖·‖[x_i; 1]‖`` (``inf`` only where that exceeds the
+    dtype's range); with clipping each clipped gradient has norm ≤ ``clip`` in floating point.
+    """
+    s, U = rows if rows is not None else row_scales(X)
+    R = probabilities(logits(X, W, b, (s, U)), loss) - Y
+    r_norm = torch.linalg.vector_norm(R, dim=1)
+    # v_i = [x_i; 1]/t_i: entries ≤ 1 and ‖v_i‖ ≥ 1 (for a nonzero row or with a bias)
+    t = torch.clamp(s, min=1.0) if b is not None else s
+    V = X / t[:, None]
+    v_sq = (V * V).sum(dim=1)
+    if b is not None:
+        v_bias = 1.0 / t
+        v_sq = v_sq + v_bias * v_bias
+    v_norm = torch.sqrt(v_sq)
+    norms = r_norm * t * v_norm
+    if clip is None:
+        gW = R.T @ X
+        return gW, (R.sum(dim=0) if b is not None else None), norms
+    bound = float(clip) * (1.0 - rounding_margin(X.shape[1] + 1 + R.shape[1], X.dtype))
+    # a_i = min(t_i, C'/(‖r_i‖·‖v_i‖)); a zero residual or a zero row gives C'/0 = inf, i.e. t_i
+    a = torch.minimum(t, bound / (r_norm * v_norm))
+    Ra = R * a[:, None]  # ‖a_i r_i‖ ≤ C'/‖v_i‖: finite
+    gW = Ra.T @ V
+    gb = (Ra * v_bias[:, None]).sum(dim=0) if b is not None else None
     return gW, gb, norms
 
 
@@ -56,8 +95,7 @@ class GLMHead(DPHeadBase):
         return self.coef_.device
 
     def _decision(self, X: torch.Tensor) -> torch.Tensor:
-        Z = X @ self.coef_.T
-        return Z + self.intercept_ if self.intercept_ is not None else Z
+        return logits(X, self.coef_, self.intercept_)
 
     def predict_proba(self, X):
         """Class probabilities: softmax, or one-vs-rest sigmoids normalised to sum to 1."""

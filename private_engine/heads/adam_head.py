@@ -18,7 +18,7 @@ from typing import Any, Optional, Tuple
 import torch
 
 from ._glm import LOSSES, GLMHead, clipped_gradient_sum
-from .base import NoiseSource
+from .base import NoiseSource, check_clip_norm, row_scales
 
 __all__ = ["DPAdamHead"]
 
@@ -72,11 +72,10 @@ class DPAdamHead(GLMHead):
             raise ValueError(f"steps must be an integer ≥ 1, got {self.steps!r}.")
         if self.loss not in LOSSES:
             raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}.")
-        if not (self.clip_norm > 0):
-            raise ValueError(f"clip_norm must be > 0, got {self.clip_norm}.")
-        private = sigma > 0
-        C = float(self.clip_norm)
         n, d = X.shape
+        C = check_clip_norm("clip_norm", self.clip_norm, n, X.dtype)
+        private = sigma > 0
+        rows = row_scales(X)  # per-record scaling, shared by every step
         m = Y.shape[1]
         b0 = self.intercept_init if self.loss == "sigmoid" else 0.0
         params = [torch.zeros(m, d, dtype=X.dtype, device=X.device)]
@@ -88,7 +87,8 @@ class DPAdamHead(GLMHead):
         for t in range(1, self.steps + 1):
             W = params[0]
             b = params[1] if self.fit_intercept else None
-            gW, gb, _ = clipped_gradient_sum(X, Y, W, b, self.loss, C if private else None)
+            gW, gb, _ = clipped_gradient_sum(X, Y, W, b, self.loss, C if private else None,
+                                             rows)
             flat = torch.cat([gW.reshape(-1)] + ([gb] if gb is not None else []))
             flat = noise.release(f"gradient[t={t - 1}]", flat, C, sigma) / n
             grads = [flat[:m * d].reshape(m, d)] + ([flat[m * d:]] if gb is not None else [])

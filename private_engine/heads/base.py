@@ -31,22 +31,40 @@ for the paper's i.i.d. matrix N, i.e. symmetrising the paper's release — pure 
 Positive definiteness is restored by post-processing only: eigenvalues of the noisy symmetric
 system matrix are floored at ``eig_floor`` (default 0: projection onto the PSD cone) before the
 ridge ``λI`` is added, so every matrix that is inverted has eigenvalues ≥ λ > 0.
+
+Randomness
+----------
+Every head draws its noise from :func:`private_engine.randomness.secret_generator` (the library's
+one randomness policy): ``random_state=None`` (default) gives a generator whose whole state comes
+from OS entropy (the 19,968-bit MT19937 state on the CPU); an int, a ``torch.Generator`` or a
+numpy ``Generator`` makes the noise reproducible (an int keys the whole state through SHAKE-256,
+all of its bits count) and warns with a ``ReproducibleRandomnessWarning``.
+
+Extreme records
+---------------
+Clipping and normalisation hold for every finite record, whatever its magnitude (subnormal,
+near the largest float, mixed): a row is first scaled by its largest magnitude,
+``u = x/max_j|x_j|`` (so ``1 ≤ ‖u‖ ≤ √d`` and no square under- or overflows), and the clipping
+norm is shrunk by a rounding margin ``(d + 16)·eps`` so that the computed clipped row has
+``‖x̃‖ ≤ C`` in floating point, not only in exact arithmetic (:func:`clip_rows`,
+:func:`normalize_rows`, :func:`row_scales`).
 """
 from __future__ import annotations
 
 import contextlib
 import inspect
 import math
-import numbers
 from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 import torch
 
 from ..accounting.zcdp import (CONVERSIONS, ZCDPLedger, epsilon_to_rho, rho_to_epsilon)
+from ..randomness import secret_generator
 
-__all__ = ["NotFittedError", "DPHeadBase", "to_tensor", "encode_labels", "clip_rows",
-           "normalize_rows", "symmetric_noise", "psd_floor", "sym_eigh", "solve", "NoiseSource"]
+__all__ = ["NotFittedError", "DPHeadBase", "to_tensor", "encode_labels", "row_scales",
+           "row_norms", "rounding_margin", "clip_rows", "normalize_rows", "check_clip_norm",
+           "symmetric_noise", "psd_floor", "sym_eigh", "solve", "NoiseSource"]
 
 
 class NotFittedError(ValueError, AttributeError):
@@ -58,11 +76,16 @@ def to_tensor(X: Any, dtype: torch.dtype = torch.float64, device: Optional[torch
               name: str = "X") -> torch.Tensor:
     """2-D float tensor from a numpy array, torch tensor or nested list; keeps a tensor's device.
 
-    Raises a ValueError naming the problem for wrong rank, empty input or non-finite values.
+    Raises a ValueError naming the problem for wrong rank, empty input or non-finite values (NaN
+    or ±inf in the input itself). A finite value beyond the range of ``dtype`` (e.g. 1e300 fitted
+    in float32) saturates at ``±finfo(dtype).max`` instead of becoming infinite: a fixed map
+    applied to each value on its own, so it costs no privacy, and every record stays finite (the
+    clipping that follows bounds its influence whatever its values).
     """
     if isinstance(X, torch.Tensor):
         t = X.detach()
-        t = t.to(device=device if device is not None else t.device, dtype=dtype)
+        if device is not None:
+            t = t.to(device=device)
     else:
         try:
             arr = np.asarray(X)
@@ -71,15 +94,21 @@ def to_tensor(X: Any, dtype: torch.dtype = torch.float64, device: Optional[torch
                             f"got {type(X).__name__}.") from exc
         if arr.dtype == object or not np.issubdtype(arr.dtype, np.number) and arr.dtype != bool:
             raise TypeError(f"{name} must hold numbers, got dtype {arr.dtype}.")
-        t = torch.as_tensor(arr.astype(np.float64, copy=False), dtype=dtype, device=device)
+        t = torch.as_tensor(arr.astype(np.float64, copy=False), device=device)
     if t.dim() != 2:
         raise ValueError(f"{name} must be 2-D (n_samples, n_features), got shape {tuple(t.shape)}; "
                          "reshape a single sample with X.reshape(1, -1).")
     if t.shape[0] == 0 or t.shape[1] == 0:
         raise ValueError(f"{name} is empty (shape {tuple(t.shape)}).")
-    if not bool(torch.isfinite(t).all()):
-        raise ValueError(f"{name} contains NaN or infinite values; clean the features first.")
-    return t
+    if t.is_complex():
+        raise TypeError(f"{name} must hold real numbers, got dtype {t.dtype}.")
+    if t.is_floating_point():
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{name} contains NaN or infinite values; clean the features first.")
+        top = torch.finfo(dtype).max
+        if torch.finfo(t.dtype).max > top:
+            t = t.clamp(-top, top)  # saturating cast: finite stays finite
+    return t.to(dtype=dtype)
 
 
 def _labels_to_numpy(y: Any) -> np.ndarray:
@@ -125,22 +154,96 @@ def encode_labels(y: Any, classes: Optional[np.ndarray] = None) -> Tuple[np.ndar
 
 
 # ----------------------------------------------------------------------------- clipping
+def row_scales(X: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(s, U)`` with ``s_i = max_j |x_ij|`` (1 for a zero row) and ``U = X / s`` row-wise.
+
+    Every ``|u_ij| ≤ 1`` and a nonzero row's largest is exactly 1, so ``1 ≤ ‖u_i‖₂ ≤ √d``: the
+    squares in ``‖u_i‖`` neither overflow (rows near the largest float) nor all underflow
+    (subnormal rows), and ``‖x_i‖ = s_i·‖u_i‖`` (the scaling of LAPACK's ``dnrm2``; Higham,
+    "Accuracy and Stability of Numerical Algorithms", §27.5). A zero row gives ``u_i = 0``.
+    """
+    s = torch.amax(X.abs(), dim=1)
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    return s, X / s[:, None]
+
+
 def row_norms(X: torch.Tensor) -> torch.Tensor:
-    """``‖x_i‖₂`` for every row ``x_i`` of X."""
-    return torch.linalg.vector_norm(X, dim=1)
+    """``‖x_i‖₂`` for every row ``x_i`` of X, as ``s_i·‖u_i‖`` (:func:`row_scales`): exact to
+    rounding for every finite row; ``inf`` only where the norm itself exceeds the dtype's range."""
+    s, U = row_scales(X)
+    return s * torch.linalg.vector_norm(U, dim=1)
+
+
+def rounding_margin(k: int, dtype: torch.dtype) -> float:
+    """``(k + 16)·eps``: relative shrink of a clipping bound that absorbs the rounding of
+    clipping a vector of ``k`` entries in ``dtype``.
+
+    The computed ``‖u‖`` of :func:`row_scales`'s ``u`` has relative error at most about
+    ``(k/2 + 2)·u`` (squares, any summation order, square root; Higham, Lemma 3.1, with
+    ``u = eps/2`` the unit roundoff), and scaling by ``C/‖u‖`` adds two more roundings: a
+    computed clipped row is within ``(1 + (k/2 + 5)·u)`` of the bound. Shrinking the bound by
+    ``(k + 16)·eps`` (four times that, covering second-order terms) makes ``‖x̃‖ ≤ C`` hold
+    for the floating-point result. In float64 this is ≈ 1e-13 for k = 512. A margin above 1 %
+    (float32 with more than about 84,000 entries) is refused with a ValueError: fit in float64.
+    """
+    margin = (int(k) + 16) * torch.finfo(dtype).eps
+    if margin > 1e-2:
+        raise ValueError(f"{k} features are too many to clip exactly in {dtype} (rounding margin "
+                         f"{margin:.3g}); fit with dtype=torch.float64.")
+    return margin
 
 
 def clip_rows(X: torch.Tensor, C: float) -> torch.Tensor:
-    """``clip(x) = x·min(1, C/‖x‖₂)`` row-wise (Mehta et al., Alg. 1 line 1)."""
-    norms = row_norms(X)
-    factor = torch.clamp(C / torch.clamp(norms, min=1e-300), max=1.0)
-    return X * factor[:, None]
+    """``clip(x) = x·min(1, C/‖x‖₂)`` row-wise (Mehta et al., Alg. 1 line 1), for every finite x.
+
+    Computed on ``u = x/max|x|`` (:func:`row_scales`) against ``C' = C·(1 − m)``,
+    ``m = rounding_margin(d)``: a row with ``‖u‖ ≤ C'/s`` (``‖x‖ ≤ C'``) is returned unchanged,
+    any other becomes ``u·C'/‖u‖``, so the floating-point result has ``‖x̃‖ ≤ C`` whether x is
+    subnormal, near the largest float, or mixes both (no square is formed of x itself, so
+    nothing under- or overflows; ``C'/s`` is 0 or inf only where the answer is clear: ``s`` is
+    then far above C, resp. ``‖x‖ ≤ √d·s`` far below it). Zero rows stay zero.
+    """
+    s, U = row_scales(X)
+    nu = torch.linalg.vector_norm(U, dim=1)
+    bound = float(C) * (1.0 - rounding_margin(X.shape[1], X.dtype))
+    keep = nu <= bound / s
+    factor = bound / torch.where(nu > 0, nu, torch.ones_like(nu))
+    return torch.where(keep[:, None], X, U * factor[:, None])
 
 
 def normalize_rows(X: torch.Tensor) -> torch.Tensor:
-    """``x/‖x‖₂`` row-wise (zero rows stay zero): a per-example map, free of privacy cost."""
-    norms = row_norms(X)
-    return X / torch.where(norms > 0, norms, torch.ones_like(norms))[:, None]
+    """``φ(x) = x/‖x‖₂`` row-wise (zero rows stay zero): a per-example map, free of privacy cost.
+
+    Computed as ``u·(1 − m)/‖u‖`` with ``u = x/max|x|`` (:func:`row_scales`) and
+    ``m = rounding_margin(d)``, so ``1 − 2m ≤ ‖φ(x)‖ ≤ 1`` in floating point for every finite
+    nonzero x: subnormal rows (whose squares would underflow) and rows near the largest float
+    (whose squares would overflow) included.
+    """
+    _, U = row_scales(X)
+    nu = torch.linalg.vector_norm(U, dim=1)
+    scale = (1.0 - rounding_margin(X.shape[1], X.dtype)) / torch.where(nu > 0, nu,
+                                                                       torch.ones_like(nu))
+    return U * scale[:, None]
+
+
+def check_clip_norm(name: str, value: float, n: int, dtype: torch.dtype) -> float:
+    """``float(value)`` if it is a usable clipping norm C for ``n`` examples in ``dtype``, else a
+    ValueError naming it: ``C > 0`` finite, ``C²`` not below the smallest normal number (the
+    Gram sensitivity C² and its noise would lose their precision) and ``(n + 1)·C²`` finite (the
+    clipped sums stay finite)."""
+    try:
+        C = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number > 0, got {value!r}.") from None
+    info = torch.finfo(dtype)
+    if not (C > 0 and math.isfinite(C)):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}.")
+    if C * C < info.tiny or (n + 1) * C * C > info.max:
+        raise ValueError(
+            f"{name}={value!r} is out of range for {dtype} with {n} examples: C² must lie in "
+            f"[{info.tiny:.3g}, {info.max / (n + 1):.3g}]. Rescale the features (and C) or fit "
+            "in float64.")
+    return C
 
 
 # ----------------------------------------------------------------------------- noise
@@ -150,22 +253,30 @@ class NoiseSource:
     ``release(name, value, sensitivity, noise_multiplier)`` returns ``value + N(0, (σΔ)²)``
     (or the isometric symmetric noise of the module docstring with ``symmetric=True``) and records
     ``(Δ, σΔ)`` in the ledger. ``count`` records several same-size mechanisms at once (e.g. the m
-    per-class gradients of DP-Newton).
+    per-class gradients of DP-Newton). ``generator`` may be None only for releases without noise
+    (σ = 0).
     """
 
-    def __init__(self, generator: torch.Generator, ledger: Optional[ZCDPLedger] = None):
+    def __init__(self, generator: Optional[torch.Generator],
+                 ledger: Optional[ZCDPLedger] = None):
         self.generator = generator
         self.ledger = ledger if ledger is not None else ZCDPLedger()
 
+    def _source(self) -> torch.Generator:
+        if self.generator is None:  # never fall back on torch's global (user-seeded) generator
+            raise RuntimeError("this NoiseSource has no generator: it serves releases with σ = 0 "
+                               "only.")
+        return self.generator
+
     def gaussian(self, shape, std: float, like: torch.Tensor) -> torch.Tensor:
         """i.i.d. ``N(0, std²)`` of ``shape`` with ``like``'s dtype and device (not recorded)."""
-        return torch.randn(shape, generator=self.generator, dtype=like.dtype,
+        return torch.randn(shape, generator=self._source(), dtype=like.dtype,
                            device=like.device) * std
 
     def symmetric(self, d: int, std: float, like: torch.Tensor,
                   batch: Tuple[int, ...] = ()) -> torch.Tensor:
         """Symmetric d×d noise of :func:`symmetric_noise` (not recorded)."""
-        return symmetric_noise(d, std, self.generator, like.dtype, like.device, batch)
+        return symmetric_noise(d, std, self._source(), like.dtype, like.device, batch)
 
     def release(self, name: str, value: torch.Tensor, sensitivity: float, noise_multiplier: float,
                 symmetric: bool = False, count: int = 1, record: bool = True) -> torch.Tensor:
@@ -243,27 +354,6 @@ def psd_floor(M: torch.Tensor, floor: float = 0.0) -> Tuple[torch.Tensor, torch.
     return torch.clamp(evals, min=floor), evecs
 
 
-def make_generator(random_state: Any, device: torch.device) -> torch.Generator:
-    """A torch.Generator on ``device`` seeded from ``random_state`` (int, Generator or
-    None=fresh)."""
-    if isinstance(random_state, torch.Generator):
-        if random_state.device.type != torch.device(device).type:
-            raise ValueError(f"random_state generator is on {random_state.device}, "
-                             f"data is on {device}.")
-        return random_state
-    g = torch.Generator(device=device)
-    if random_state is None:
-        g.seed()
-    elif isinstance(random_state, numbers.Integral):
-        g.manual_seed(int(random_state))
-    elif isinstance(random_state, np.random.Generator):
-        g.manual_seed(int(random_state.integers(0, 2 ** 63 - 1)))
-    else:
-        raise TypeError("random_state must be None, an int or a torch.Generator, "
-                        f"got {type(random_state).__name__}.")
-    return g
-
-
 # ----------------------------------------------------------------------------- estimator base
 class DPHeadBase:
     """Base class of the DP feature heads (sklearn-style estimator).
@@ -276,6 +366,13 @@ class DPHeadBase:
       :func:`~private_engine.accounting.zcdp.epsilon_to_rho`). ``epsilon=float("inf")`` fits
       without noise and without clipping.
     * ``noise_multiplier``: σ directly; ``epsilon_`` is then reported if ``delta`` is given.
+
+    ``random_state``: None (default) draws the noise from a generator whose whole state comes
+    from OS entropy (:func:`~private_engine.randomness.entropy_seeded_generator`); an int, a
+    ``torch.Generator`` or a numpy ``Generator`` makes it reproducible — and known to whoever
+    knows the seed — with a ``ReproducibleRandomnessWarning``
+    (:func:`~private_engine.randomness.secret_generator`). ``dtype``: float64 (default) or
+    float32.
 
     Fitted attributes common to all heads: ``classes_``, ``n_features_in_``,
     ``noise_multiplier_`` (σ), ``rho_`` (zCDP of the fit, from the release ledger),
@@ -415,10 +512,21 @@ class DPHeadBase:
         return normalize_rows(X) if self.normalize else X
 
     def fit(self, X, y) -> "DPHeadBase":
-        """Fit the head on features ``X`` (n, d) and integer labels ``y`` (n,)."""
+        """Fit the head on features ``X`` (n, d) and integer labels ``y`` (n,).
+
+        The noise comes from ``secret_generator(random_state, device, ...)``
+        (:mod:`private_engine.randomness`): secret and full-entropy for ``random_state=None``,
+        reproducible (with a ``ReproducibleRandomnessWarning``) for an int or a generator.
+        """
         sigma = self._resolve_noise_multiplier()
+        if self.dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"dtype must be torch.float64 (default) or torch.float32, got "
+                             f"{self.dtype!r}: the sufficient statistics and their noise need at "
+                             "least single precision.")
         Xt, Y = self._prepare_fit(X, y)
-        gen = make_generator(self.random_state, Xt.device)
+        # a fit without noise (σ = 0) draws nothing, so it needs no generator
+        gen = (secret_generator(self.random_state, Xt.device,
+                                f"the noise of {type(self).__name__}") if sigma > 0 else None)
         noise = NoiseSource(gen)
         # small CPU problems run single-threaded: faster, and robust on a busy machine
         # (see small_lapack)

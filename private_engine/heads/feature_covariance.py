@@ -25,7 +25,8 @@ from typing import Any, Optional
 import torch
 
 from ._glm import LOSSES, GLMHead, clipped_gradient_sum
-from .base import NoiseSource, clip_rows, psd_floor, sym_eigh
+from .base import (NoiseSource, check_clip_norm, clip_rows, psd_floor, row_scales,
+                   sym_eigh)
 
 __all__ = ["DPFeatureCovariance"]
 
@@ -87,11 +88,10 @@ class DPFeatureCovariance(GLMHead):
             raise ValueError(f"steps must be an integer ≥ 1, got {self.steps!r}.")
         if self.loss not in LOSSES:
             raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}.")
-        if not (self.clip_norm_cov > 0 and self.clip_norm_grad > 0):
-            raise ValueError("clip_norm_cov and clip_norm_grad must be > 0.")
-        private = sigma > 0
-        CG, Cg = float(self.clip_norm_cov), float(self.clip_norm_grad)
         n, d = X.shape
+        CG = check_clip_norm("clip_norm_cov", self.clip_norm_cov, n, X.dtype)
+        Cg = check_clip_norm("clip_norm_grad", self.clip_norm_grad, n, X.dtype)
+        private = sigma > 0
         m = Y.shape[1]
         Xg = clip_rows(X, CG) if private else X
         G = noise.release("feature covariance", Xg.T @ Xg, CG * CG, sigma, symmetric=True) / n
@@ -115,8 +115,9 @@ class DPFeatureCovariance(GLMHead):
         b = (torch.full((m,), float(b0), dtype=X.dtype, device=X.device)
              if self.fit_intercept else None)
         clip = Cg if private else None
+        rows = row_scales(X)  # per-record scaling, shared by every step
         for t in range(self.steps):
-            gW, gb, _ = clipped_gradient_sum(X, Y, W, b, self.loss, clip)
+            gW, gb, _ = clipped_gradient_sum(X, Y, W, b, self.loss, clip, rows)
             if b is not None:
                 flat = torch.cat([gW.reshape(-1), gb])
                 flat = noise.release(f"gradient[t={t}]", flat, Cg, sigma) / n

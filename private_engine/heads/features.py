@@ -35,7 +35,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data._utils.collate import default_collate
 
-__all__ = ["FeatureSet", "extract_features", "penultimate_features", "model_fingerprint"]
+__all__ = ["FeatureSet", "extract_features", "penultimate_features", "model_fingerprint",
+           "saturating_float32"]
 
 
 class FeatureSet(NamedTuple):
@@ -84,6 +85,20 @@ def penultimate_features(model: nn.Module, x: torch.Tensor,
         raise RuntimeError(f"the feature layer {layer or type(target).__name__} was not called "
                            "in forward.")
     return captured[-1].flatten(1)
+
+
+def saturating_float32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as float32, finite values beyond float32's range saturating at ``±3.4028e38``.
+
+    A plain ``.float()`` turns a finite float64 feature above float32's largest value into
+    ``inf``, which a head then refuses: one record would decide whether a fit happens at all.
+    Saturation is a fixed map of each value on its own, so it costs no privacy; the heads'
+    clipping and normalisation then bound the record's influence. NaN and ±inf stay as they are.
+    """
+    if t.is_floating_point() and torch.finfo(t.dtype).max > torch.finfo(torch.float32).max:
+        top = torch.finfo(torch.float32).max
+        t = torch.where(torch.isfinite(t), t.clamp(-top, top), t)
+    return t.float()
 
 
 # ----------------------------------------------------------------------------- hashing
@@ -232,7 +247,8 @@ def extract_features(model: Union[nn.Module, str], data: Any, batch_size: int = 
         progress: show tqdm progress bars.
 
     Returns:
-        ``FeatureSet(features (N, d) float32 on CPU, labels or None, cache_path or None)``.
+        ``FeatureSet(features (N, d) float32 on CPU, labels or None, cache_path or None)``;
+        float64 features beyond float32's range saturate (:func:`saturating_float32`).
     """
     from tqdm.auto import tqdm
 
@@ -318,7 +334,7 @@ def extract_features(model: Union[nn.Module, str], data: Any, batch_size: int = 
                     x = x.to(device)
                     if transform is not None:
                         x = transform(x)
-                    f = penultimate_features(model, x, layer).float().cpu()
+                    f = saturating_float32(penultimate_features(model, x, layer)).cpu()
                     feats[b] = f
                     labs[b] = y.cpu() if y is not None else None
                     if parts_dir is not None:

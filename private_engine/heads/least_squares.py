@@ -28,7 +28,8 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-from .base import DPHeadBase, NoiseSource, clip_rows, psd_floor, solve, to_tensor
+from .base import (DPHeadBase, NoiseSource, check_clip_norm, clip_rows, psd_floor, solve,
+                   to_tensor)
 
 __all__ = ["DPLeastSquares"]
 
@@ -115,12 +116,10 @@ class DPLeastSquares(DPHeadBase):
     def _fit(self, X: torch.Tensor, Y: torch.Tensor, sigma: float, noise: NoiseSource) -> None:
         if self.alpha < 0:
             raise ValueError(f"alpha must be ≥ 0, got {self.alpha}.")
-        if not (self.clip_norm > 0):
-            raise ValueError(f"clip_norm must be > 0, got {self.clip_norm}.")
         if not (isinstance(self.k, (int, np.integer)) and self.k >= 1):
             raise ValueError(f"k must be an integer ≥ 1, got {self.k!r}.")
         private = sigma > 0
-        C = float(self.clip_norm)
+        C = check_clip_norm("clip_norm", self.clip_norm, X.shape[0], X.dtype)
         sk = math.sqrt(self.k)
         s_G, s_A, s_b = self._split_sigmas(sigma)
         Xc = clip_rows(X, C) if private else X

@@ -10,6 +10,12 @@ Training: features are mapped to the unit sphere, ``φ(x) = x/‖x‖`` (Zhu & Z
 Class centres are ``q_j = S̃_j / max(ñ_j, min_count)``; inference is the nearest centre in cosine
 similarity, ``argmax_j cos(φ(x), q_j)``.
 
+φ is :func:`~private_engine.heads.base.normalize_rows`: ``u·(1 − m)/‖u‖`` with
+``u = x/max_j|x_j|`` and a rounding margin m ≈ (d + 16)·eps, so ``‖φ(x)‖ ≤ 1`` holds for the
+floating-point result and every finite record — also one whose squared entries underflow
+(subnormal features, where ``x/sqrt(Σx²)`` can have norm up to √(d/2)) or overflow (features near
+the largest float, where it would be 0) — and the sensitivity below holds for what is computed.
+
 Sensitivity of the released pair (derived here; add/remove-one adjacency)
 ------------------------------------------------------------------------
 All sums and counts form one vector ``R(D) = (S_1, …, S_K, n_1, …, n_K) ∈ R^{K(d+1)}`` and are

@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 import torch
 
-from .base import DPHeadBase, NoiseSource, clip_rows, psd_floor, solve
+from .base import DPHeadBase, NoiseSource, check_clip_norm, clip_rows, psd_floor, solve
 
 __all__ = ["DPNewton"]
 
@@ -79,10 +79,10 @@ class DPNewton(DPHeadBase):
     def _fit(self, X: torch.Tensor, Y: torch.Tensor, sigma: float, noise: NoiseSource) -> None:
         if not (isinstance(self.steps, int) and self.steps >= 1):
             raise ValueError(f"steps must be an integer ≥ 1, got {self.steps!r}.")
-        if not (self.clip_norm > 0) or not (self.beta_h > 0):
-            raise ValueError("clip_norm and beta_h must be > 0.")
+        if not (self.beta_h > 0):
+            raise ValueError(f"beta_h must be > 0, got {self.beta_h!r}.")
         private = sigma > 0
-        C = float(self.clip_norm)
+        C = check_clip_norm("clip_norm", self.clip_norm, X.shape[0], X.dtype)
         Xc = clip_rows(X, C) if private else X
         n, d = Xc.shape
         m = Y.shape[1]

@@ -23,6 +23,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from ..randomness import seeded_generator
 from .adam_head import DPAdamHead
 from .feature_covariance import DPFeatureCovariance
 from .least_squares import DPLeastSquares
@@ -32,7 +33,7 @@ from .newton import DPNewton
 __all__ = ["METHODS", "add_probe_arguments", "run_probe", "probe_sweep", "ProbeResults",
            "load_probe_data", "format_table", "plot_results"]
 
-# name -> (display name, factory(epsilon, delta, seed, accounting) -> estimator)
+# name -> (display name, factory(epsilon, delta, random_state, accounting) -> estimator)
 METHODS: Dict[str, Tuple[str, Callable]] = {
     "ls": ("DP-LS", lambda e, d, s, a: DPLeastSquares(epsilon=e, delta=d, normalize=True,
                                                       random_state=s, accounting=a)),
@@ -95,7 +96,12 @@ def add_probe_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     s.add_argument("--accounting", choices=["rdp", "gdp", "classical"], default="rdp",
                    help="zCDP → (ε, δ) conversion of the heads of Mehta et al. "
                         "(DP-Mean always uses the exact analytic Gaussian)")
-    s.add_argument("--seeds", type=int, default=3, help="noise seeds per (method, ε)")
+    s.add_argument("--seeds", type=int, default=3,
+                   help="fits per (method, ε), each with its own noise draw (secret, from OS "
+                        "entropy, unless --noise-seed is given)")
+    s.add_argument("--noise-seed", type=int, default=None,
+                   help="make the heads' noise reproducible from this seed (for debugging: "
+                        "whoever knows it can remove the noise; default: secret noise)")
     s.add_argument("--seed", type=int, default=0,
                    help="data split / synthetic data / backbone init seed")
     o = parser.add_argument_group("output")
@@ -184,7 +190,7 @@ def load_probe_data(args) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
 # ----------------------------------------------------------------------------- sweep
 @dataclass
 class ProbeResults:
-    """accuracies[method][i] = list of test accuracies (one per seed) at ``epsilons[i]``."""
+    """accuracies[method][i] = list of test accuracies (one per fit) at ``epsilons[i]``."""
 
     epsilons: List[float]
     delta: float
@@ -207,15 +213,22 @@ class ProbeResults:
 def probe_sweep(X_train, y_train, X_test, y_test, methods: Sequence[str] = tuple(METHODS),
                 epsilons: Sequence[float] = (0.1, 1.0, 8.0, math.inf), delta: float = 1e-5,
                 seeds: int = 3, accounting: str = "rdp", progress: bool = True,
-                description: str = "") -> ProbeResults:
-    """Fit every method at every ε with ``seeds`` noise seeds; test accuracies in a
-    :class:`ProbeResults`."""
+                description: str = "", noise_seed: Optional[int] = None) -> ProbeResults:
+    """Fit every method at every ε ``seeds`` times; test accuracies in a :class:`ProbeResults`.
+
+    Each fit draws its own noise: secret (``random_state=None``, a generator whose whole state
+    comes from OS entropy, :mod:`private_engine.randomness`) by default; with ``noise_seed`` all
+    fits draw in turn from one generator keyed by every bit of it
+    (:func:`~private_engine.randomness.seeded_generator`), so the sweep is reproducible — and its
+    noise known to whoever knows the seed (each fit warns: ``ReproducibleRandomnessWarning``).
+    """
     from tqdm.auto import tqdm
 
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise ValueError(f"unknown methods {unknown}; choose from {list(METHODS)}.")
     res = ProbeResults(list(epsilons), delta, description=description)
+    parent = None if noise_seed is None else seeded_generator(int(noise_seed))
     bar = tqdm(total=len(methods) * len(epsilons), desc="probe sweep", disable=not progress)
     for name in methods:
         _, factory = METHODS[name]
@@ -223,8 +236,8 @@ def probe_sweep(X_train, y_train, X_test, y_test, methods: Sequence[str] = tuple
         res.accuracies[name] = []
         for eps in epsilons:
             n_seeds = 1 if math.isinf(eps) else seeds  # the non-private fit is deterministic
-            accs = [factory(eps, delta, s, accounting).fit(X_train, y_train).score(X_test, y_test)
-                    for s in range(n_seeds)]
+            accs = [factory(eps, delta, parent, accounting).fit(X_train, y_train)
+                    .score(X_test, y_test) for _ in range(n_seeds)]
             res.accuracies[name].append(accs)
             bar.update(1)
         res.seconds[name] = time.perf_counter() - start
@@ -233,7 +246,7 @@ def probe_sweep(X_train, y_train, X_test, y_test, methods: Sequence[str] = tuple
 
 
 def format_table(res: ProbeResults) -> str:
-    """Markdown table: methods × ε, test accuracy in % as mean ± std over seeds."""
+    """Markdown table: methods × ε, test accuracy in % as mean ± std over fits."""
     heads = (["method"] + [("ε=∞" if math.isinf(e) else f"ε={e:g}") for e in res.epsilons]
              + ["time (s)"])
     lines = ["| " + " | ".join(heads) + " |",
@@ -289,10 +302,13 @@ def run_probe(args) -> int:
     Xtr, ytr, Xte, yte, desc = load_probe_data(args)
     t_feat = time.perf_counter() - t0
     print(f"{desc}; train n={len(ytr)}, test n={len(yte)}, features in {t_feat:.1f}s")
+    noise_seed = getattr(args, "noise_seed", None)
     res = probe_sweep(Xtr, ytr, Xte, yte, args.methods, args.epsilons, args.delta, args.seeds,
-                      args.accounting, progress=not args.quiet, description=desc)
-    print(f"\nTest accuracy (%), mean ± std over {args.seeds} noise seeds, δ = {args.delta:g}, "
-          f"accounting = {args.accounting}:\n")
+                      args.accounting, progress=not args.quiet, description=desc,
+                      noise_seed=noise_seed)
+    noise = "secret noise" if noise_seed is None else f"noise seeded by {noise_seed}"
+    print(f"\nTest accuracy (%), mean ± std over {args.seeds} fits ({noise}), "
+          f"δ = {args.delta:g}, accounting = {args.accounting}:\n")
     print(format_table(res))
     if args.plot:
         plot_results(res, args.plot)

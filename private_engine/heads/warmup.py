@@ -31,12 +31,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ..randomness import entropy_seeded_generator
+from ..randomness import entropy_seeded_generator, seeded_generator
 from ..clipping.plan import DEFAULT_CLIPPING_MODE
-from .features import penultimate_features
+from .base import normalize_rows
+from .features import penultimate_features, saturating_float32
 from .mean_estimator import DPMeanEstimator
 
 __all__ = ["residual_loss", "WarmupClassifier", "WarmupResult", "warmup_finetune"]
@@ -83,7 +83,7 @@ class WarmupClassifier(nn.Module):
         """``h(x)/temperature`` with ``h(x)_j = cos(φ(x), q_j)``."""
         with torch.no_grad():
             self.feature_extractor.eval()
-            phi = F.normalize(self.feature_fn(self.feature_extractor, x).float(), dim=1)
+            phi = normalize_rows(saturating_float32(self.feature_fn(self.feature_extractor, x)))
         return phi @ self.centers.T / self.temperature
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -114,15 +114,25 @@ class WarmupResult:
         return self.delta_centres + self.delta_train
 
 
+#: 32-bit words drawn from a parent generator to key each of the warm-up's generators (256 bits)
+_KEY_WORDS = 8
+
+
 def _dp_generator(parent: Optional[torch.Generator], device) -> torch.Generator:
-    """A generator on ``device`` for one of the warm-up's private draws: seeded from OS entropy
-    (:func:`entropy_seeded_generator`) without ``parent``, else keyed by 64 bits drawn from
-    ``parent`` (reproducible from it; the parent advances)."""
+    """A generator on ``device`` for one of the warm-up's private draws.
+
+    Without ``parent``: :func:`~private_engine.randomness.entropy_seeded_generator` (its whole
+    state from OS entropy). With one: :func:`~private_engine.randomness.seeded_generator` of a
+    256-bit key drawn from ``parent`` — a full MT19937 state (SHAKE-256 of the key) on the CPU,
+    a 64-bit Philox key on CUDA — reproducible from the parent (which advances), and a separate
+    generator for each draw it keys.
+    """
     if parent is None:
         return entropy_seeded_generator(device)
-    words = torch.randint(0, 1 << 32, (2,), generator=parent, dtype=torch.int64,
-                          device=parent.device).cpu()
-    return torch.Generator(device=device).manual_seed(int(words[0]) << 32 | int(words[1]))
+    words = torch.randint(0, 1 << 32, (_KEY_WORDS,), generator=parent, dtype=torch.int64,
+                          device=parent.device).cpu().tolist()
+    key = sum(int(w) << (32 * i) for i, w in enumerate(words))
+    return seeded_generator(key, device)
 
 
 def _features_of(extractor: nn.Module, X: torch.Tensor, batch_size: int, device,
@@ -131,7 +141,8 @@ def _features_of(extractor: nn.Module, X: torch.Tensor, batch_size: int, device,
     extractor.eval()
     with torch.no_grad():
         for s in range(0, X.shape[0], batch_size):
-            out.append(feature_fn(extractor, X[s:s + batch_size].to(device)).float().cpu())
+            out.append(saturating_float32(feature_fn(extractor,
+                                                     X[s:s + batch_size].to(device))).cpu())
     return torch.cat(out)
 
 
@@ -172,9 +183,11 @@ def warmup_finetune(model: nn.Module, X: torch.Tensor, y: torch.Tensor, *, epsil
             the centres' Gaussian noise, the Poisson batches and DP-SGD's noise. None (default):
             each comes from :func:`private_engine.randomness.entropy_seeded_generator` (state
             from OS entropy), independent of ``torch.manual_seed``. A ``torch.Generator`` given
-            keys one generator for each (the engine then warns: ``ReproducibleNoiseWarning``); a
-            seeded one reproduces the run, and makes that randomness known to whoever knows the
-            seed (tests, debugging).
+            keys a separate full-state generator for each from 256 bits of its draws
+            (:func:`_dp_generator`; the centres and the engine then warn:
+            ``ReproducibleRandomnessWarning``, ``ReproducibleNoiseWarning``); a seeded one
+            reproduces the run, and makes that randomness known to whoever knows the seed
+            (tests, debugging).
 
     Returns:
         :class:`WarmupResult` with the classifier, the fitted :class:`DPMeanEstimator`, the
@@ -226,13 +239,15 @@ def warmup_finetune(model: nn.Module, X: torch.Tensor, y: torch.Tensor, *, epsil
 
     # 1. DP class centres on the pre-trained features (Algorithm 1, budget (ε1, δ1))
     phi = _features_of(feature_extractor, X, physical_batch_size or batch_size, device, feature_fn)
+    # without a generator the estimator draws its own secret one (random_state=None)
     centres = DPMeanEstimator(epsilon=epsilon_centres, delta=delta_centres,
-                              random_state=_dp_generator(generator, phi.device),
+                              random_state=(None if generator is None
+                                            else _dp_generator(generator, phi.device)),
                               classes=list(range(n_classes)))
     centres.fit(phi, y)
     q = centres.centers_.float()
     # 2. prior h(x_i) for every training example (post-processing of q, per example)
-    H = (F.normalize(phi, dim=1) @ q.T) / temperature
+    H = (normalize_rows(phi) @ q.T) / temperature
 
     # 3. DP full fine-tuning on the residual loss (budget (ε2, δ2))
     dataset = torch.utils.data.TensorDataset(X, y, H)

@@ -10,6 +10,10 @@ from private_engine.accounting.zcdp import rho_to_epsilon
 from private_engine.heads import (DPAdamHead, DPFeatureCovariance, DPLeastSquares, DPMeanEstimator,
                                   DPNewton, NotFittedError)
 
+# fixed seeds make these checks reproducible (each such fit warns)
+pytestmark = pytest.mark.filterwarnings(
+    "ignore::private_engine.randomness.ReproducibleRandomnessWarning")
+
 ALL = [DPLeastSquares, DPNewton, DPFeatureCovariance, DPAdamHead, DPMeanEstimator]
 
 

@@ -14,6 +14,10 @@ from private_engine.heads import (DPAdamHead, DPFeatureCovariance, DPLeastSquare
 from private_engine.heads import base as heads_base
 from private_engine.heads.base import symmetric_noise
 
+# fixed seeds make these checks reproducible (each such fit warns)
+pytestmark = pytest.mark.filterwarnings(
+    "ignore::private_engine.randomness.ReproducibleRandomnessWarning")
+
 
 def clustered(n=200, d=6, m=3, seed=0, scale=2.0):
     rng = np.random.default_rng(seed)

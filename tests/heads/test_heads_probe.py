@@ -8,6 +8,7 @@ import pytest
 from private_engine.heads.probe import (METHODS, add_probe_arguments, format_table, probe_sweep,
                                        run_probe)
 from private_engine.heads.probe import _synthetic
+from private_engine.randomness import ReproducibleRandomnessWarning
 
 
 def parse(argv):
@@ -27,8 +28,9 @@ def test_arguments_and_defaults():
 
 def test_sweep_and_table():
     X, y = _synthetic(900, 8, 5, seed=1)
-    res = probe_sweep(X[:700], y[:700], X[700:], y[700:], methods=["ls", "mean"],
-                      epsilons=[0.5, math.inf], seeds=2, progress=False)
+    with pytest.warns(ReproducibleRandomnessWarning, match="noise of DPMeanEstimator"):
+        res = probe_sweep(X[:700], y[:700], X[700:], y[700:], methods=["ls", "mean"],
+                          epsilons=[0.5, math.inf], seeds=2, progress=False, noise_seed=0)
     assert [len(a) for a in res.accuracies["ls"]] == [2, 1]  # one deterministic non-private fit
     table = format_table(res)
     assert "| DP-LS |" in table and "ε=∞" in table and "±" in table

@@ -9,6 +9,10 @@ from private_engine.heads import (DPAdamHead, DPFeatureCovariance, DPLeastSquare
                                   DPNewton)
 from private_engine.heads.probe import _synthetic
 
+# fixed seeds make these checks reproducible (each such fit warns)
+pytestmark = pytest.mark.filterwarnings(
+    "ignore::private_engine.randomness.ReproducibleRandomnessWarning")
+
 EPSILONS = [0.1, 0.5, 2.0, 10.0, 100.0, math.inf]
 
 
