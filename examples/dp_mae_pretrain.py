@@ -25,9 +25,17 @@ Examples::
     python examples/dp_mae_pretrain.py --probe --plot docs/pretrain_probe.png
     torchrun --standalone --nproc_per_node=2 examples/dp_mae_pretrain.py --device cpu
 
-Under ``torchrun`` every process runs step 1 identically (same seed; the engine broadcasts rank
-0's weights anyway), step 2 trains on its share of each Poisson batch, the engine sums the
-clipped gradients across processes and adds the noise once; rank 0 logs, evaluates and writes.
+Randomness: ``--seed`` fixes what is public (the model's initialisation, the synthetic images,
+the data split and the evaluation masks). The masks and the order of step 1, the masks of step 2
+(each sample's mask a keyed function of the step and of its own pixels, with a secret 256-bit
+key: ``private_engine.pretrain.masks``), the Poisson batches and the DP noise are secret, from OS
+entropy; ``--mask-seed`` makes the masks and step 1's order reproducible (with a
+``ReproducibleRandomnessWarning``).
+
+Under ``torchrun`` every process runs step 1 (each with its own secret masks; the engine
+broadcasts rank 0's weights when step 2 starts), step 2 trains on its share of each Poisson
+batch with rank 0's mask key, the engine sums the clipped gradients across processes and adds
+the noise once; rank 0 logs, evaluates and writes.
 """
 from __future__ import annotations
 
@@ -100,8 +108,12 @@ def parse_args(argv=None):
     e.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--threads", type=int, help="torch intra-op threads")
     p.add_argument("--seed", type=int, default=0,
-                   help="model initialisation, synthetic images, masks and data split; never the "
-                        "DP noise or the Poisson sampling (OS entropy)")
+                   help="model initialisation, synthetic images, data split and evaluation masks "
+                        "(public); never the training masks, the DP noise or the Poisson "
+                        "sampling (OS entropy)")
+    p.add_argument("--mask-seed", type=int,
+                   help="make the training masks and step 1's order reproducible (default: "
+                        "secret, from OS entropy)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
     if args.data != "digits" and not args.data_dir:
@@ -174,7 +186,7 @@ def main(argv=None) -> dict:
             evals.append(evaluate())
             return evals[-1]
 
-        pretrain_synthetic(model, synthetic, cfg1, device=device, seed=args.seed,
+        pretrain_synthetic(model, synthetic, cfg1, device=device, seed=args.mask_seed,
                            progress=progress, evaluate=eval_syn)
         curves["synthetic"] = evals
         if rank == 0:
@@ -192,7 +204,7 @@ def main(argv=None) -> dict:
                        clipping_mode=args.clipping_mode, accountant=args.accountant)
     result = dp_mae_train(model, train, cfg2, device=device,
                           checkpoint=os.path.join(args.out_dir, "dp_mae.pt"),
-                          resume=args.resume, mask_seed=args.seed, progress=progress,
+                          resume=args.resume, mask_seed=args.mask_seed, progress=progress,
                           evaluate=evaluate)
     curves["synthetic + DP-MAE"] = result.evaluations
     if rank == 0:
@@ -209,7 +221,8 @@ def main(argv=None) -> dict:
         stages = [("random init", random_state), ("synthetic only", synthetic_state)]
         if args.compare_random_dp:
             reference.load_state_dict(random_state)
-            dp_random = dp_mae_train(reference, train, cfg2, device=device, mask_seed=args.seed,
+            dp_random = dp_mae_train(reference, train, cfg2, device=device,
+                                     mask_seed=args.mask_seed,
                                      progress=progress, evaluate=lambda: evaluate(reference))
             curves["random init + DP-MAE"] = dp_random.evaluations
             stages.append(("random init + DP-MAE", copy.deepcopy(reference.state_dict())))

@@ -21,7 +21,11 @@ Every op follows the engine's parameter-entry tracer (``private_engine/capture/t
   ``x̃_i = gather([x_i^vis, 0], 1, argsort(ids_shuffle))``.
 
 The masks can be passed in (``forward(imgs, ids_shuffle=ids)`` or ``forward(imgs, noise=u)``), so
-that the masks of a batch can be reproduced one sample at a time.
+that the masks of a batch can be reproduced one sample at a time. Private training passes the
+masks of :class:`private_engine.pretrain.masks.KeyedMasks` (each sample's mask a keyed function of
+the step and of its own content, whatever its place in the batch). Without masks, ``forward``
+draws them i.i.d. from a fresh secret generator
+(:func:`private_engine.randomness.entropy_seeded_generator`), never from torch's global one.
 """
 from __future__ import annotations
 
@@ -29,6 +33,8 @@ from typing import Optional, Tuple
 
 import torch
 from torch import nn
+
+from ..randomness import entropy_seeded_generator
 
 __all__ = ["MaskedAutoencoder", "build_mae", "sincos_pos_embed_2d", "patchify"]
 
@@ -129,7 +135,17 @@ class MaskedAutoencoder(nn.Module):
     def mask_noise(self, batch: int, device=None,
                    generator: Optional[torch.Generator] = None) -> torch.Tensor:
         """Per-sample mask noise ``u ~ U(0, 1)^{B×L}``; sample i keeps its K lowest-noise
-        patches."""
+        patches.
+
+        ``generator`` None: a fresh ``entropy_seeded_generator`` (secret, full entropy; never
+        torch's global generator, which scripts seed publicly). Row i is the i-th draw of one
+        stream, so a sample's noise depends on its row: this is private only because the stream
+        is secret and i.i.d. (the honest rows have the same joint distribution with or without
+        another sample). Training uses :class:`~private_engine.pretrain.masks.KeyedMasks`, whose
+        masks do not move at all.
+        """
+        if generator is None:
+            generator = entropy_seeded_generator(device if device is not None else "cpu")
         return torch.rand(batch, self.num_patches, device=device, generator=generator)
 
     def shuffle_ids(self, noise: torch.Tensor) -> torch.Tensor:
@@ -212,8 +228,9 @@ class MaskedAutoencoder(nn.Module):
 
         The masks: ``ids_shuffle`` (B, L) integer, each row a permutation of the patches (the
         first K kept), or ``noise`` (B, L) whose row-wise argsort gives it, or noise drawn from
-        ``generator`` when both are None. Integer ids are the form to pass in training: the
-        engine's separability probe then has no float input without a gradient to compare.
+        ``generator`` (None: a fresh secret one, :meth:`mask_noise`) when both are None.
+        Integer ids are the form to pass in training: the engine's separability probe then has
+        no float input without a gradient to compare.
         """
         if ids_shuffle is None:
             if noise is None:

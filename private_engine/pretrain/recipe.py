@@ -14,17 +14,26 @@ Private Foundation Model for Computer Vision" (Section 3.3):
 
 The paper's defaults are :class:`DPMAEConfig`'s: ε = 8, δ = 1/(2n), C = 0.1, mask ratio 0.75
 (the model's), AdamW. :func:`dp_maes` runs both steps.
+
+Randomness. Step 2's masks are :class:`~private_engine.pretrain.masks.KeyedMasks`: sample i's
+mask at step t is a keyed pseudorandom function of (t, x_i) with a secret 256-bit key, so it does
+not depend on the other samples of the batch or of any earlier batch, and the clipped sum moves
+by at most R when one sample is added or removed. The Poisson batches and the noise draw from OS
+entropy (:mod:`private_engine.randomness`). Step 1's order and masks are secret by default too.
+A seed given for either step makes it reproducible, with a ``ReproducibleRandomnessWarning``.
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from ..randomness import secret_generator
 from .mae import MaskedAutoencoder
+from .masks import KeyedMasks
 
 __all__ = ["SyntheticConfig", "DPMAEConfig", "DPMAEResult", "pretrain_synthetic",
            "dp_mae_train", "dp_maes"]
@@ -83,21 +92,25 @@ def _log(progress: bool):
 
 def pretrain_synthetic(model: MaskedAutoencoder, data: Dataset,
                        config: SyntheticConfig = SyntheticConfig(), *,
-                       device: Optional[torch.device] = None, seed: int = 0,
+                       device: Optional[torch.device] = None, seed: Any = None,
                        progress: bool = True,
                        evaluate: Optional[Callable[[], float]] = None) -> List[float]:
     """Step 1: non-private AdamW on ``(1/|b|) Σ_{j∈b} ℓ(s_j; θ)`` over shuffled mini-batches of
-    ``data`` (items ``x`` or ``(x, …)``), masks and order drawn from generators seeded by
-    ``seed``. Returns the mean training loss of each epoch; ``evaluate()`` (if given) is called
-    before the first and after every epoch and its values printed."""
+    ``data`` (items ``x`` or ``(x, …)``), with masks ``argsort(u_j)``, ``u_j ~ U(0, 1)^L`` i.i.d.
+    Returns the mean training loss of each epoch; ``evaluate()`` (if given) is called before the
+    first and after every epoch and its values printed.
+
+    The order and the masks draw from one generator: ``seed`` None (default) a secret one
+    (:func:`private_engine.randomness.secret_generator`); an int or a generator makes the step
+    reproducible, with a ``ReproducibleRandomnessWarning``. Only public images are read here,
+    so these masks need not be keyed per sample as step 2's are."""
     from tqdm.auto import tqdm
 
     device = device or next(model.parameters()).device
     opt = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=config.betas,
                             weight_decay=config.weight_decay)
-    order = torch.Generator().manual_seed(seed)
-    masks = torch.Generator().manual_seed(seed + 1)
-    loader = DataLoader(data, batch_size=config.batch_size, shuffle=True, generator=order,
+    rng = secret_generator(seed, "cpu", "the order and masks of synthetic pre-training")
+    loader = DataLoader(data, batch_size=config.batch_size, shuffle=True, generator=rng,
                         drop_last=len(data) > config.batch_size)
     say = _log(progress)
     if evaluate is not None:
@@ -110,7 +123,7 @@ def pretrain_synthetic(model: MaskedAutoencoder, data: Dataset,
                    disable=not progress)
         for batch in bar:
             x = _images(batch).to(device)
-            ids = model.shuffle_ids(torch.rand(x.shape[0], model.num_patches, generator=masks))
+            ids = model.shuffle_ids(torch.rand(x.shape[0], model.num_patches, generator=rng))
             loss = model(x, ids_shuffle=ids.to(device)).mean()
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -127,7 +140,7 @@ def pretrain_synthetic(model: MaskedAutoencoder, data: Dataset,
 
 def dp_mae_train(model: MaskedAutoencoder, data: Dataset, config: DPMAEConfig = DPMAEConfig(),
                  *, device: Optional[torch.device] = None, checkpoint: Optional[str] = None,
-                 resume: bool = False, distributed: Optional[bool] = None, mask_seed: int = 0,
+                 resume: bool = False, distributed: Optional[bool] = None, mask_seed: Any = None,
                  progress: bool = True, evaluate: Optional[Callable[[], float]] = None,
                  loader_generator: Optional[torch.Generator] = None) -> DPMAEResult:
     """Step 2: (ε, δ)-DP MAE training of ``model`` on the private ``data`` (items ``x`` or
@@ -139,8 +152,16 @@ def dp_mae_train(model: MaskedAutoencoder, data: Dataset, config: DPMAEConfig = 
     written there atomically (:func:`private_engine.save_checkpoint`; secret like the data);
     ``resume`` continues from it. ``distributed`` as in ``PrivacyEngine``/``poisson_loader``
     (None: on under an initialised process group). The Poisson sampler and the noise draw from
-    OS entropy unless ``loader_generator`` is given (tests); the masks from a generator seeded by
-    ``mask_seed`` (+ the rank): public randomness of the loss, independent of the data.
+    OS entropy unless ``loader_generator`` is given (tests).
+
+    The masks: sample i's mask at step t (the engine's step count) is
+    ``KeyedMasks.ids(x_i, t)``, a keyed pseudorandom function of t and of x_i's own bytes
+    (:mod:`private_engine.pretrain.masks`): it does not depend on the other samples of this or
+    any earlier batch, so the clipped sum moves by at most C when one sample is added or
+    removed. The 256-bit key is secret (``mask_seed`` None, default) or drawn from ``mask_seed``
+    (an int or a generator: reproducible masks, with a ``ReproducibleRandomnessWarning``); under
+    ``torch.distributed`` every rank takes rank 0's key, so that a sample's mask does not depend
+    on its rank; it is saved in the checkpoint and a resumed run keeps it.
     ``evaluate()`` (if given) is called before and after every epoch on rank 0.
     """
     from tqdm.auto import tqdm
@@ -165,7 +186,9 @@ def dp_mae_train(model: MaskedAutoencoder, data: Dataset, config: DPMAEConfig = 
                            accountant=config.accountant, distributed=distributed)
     opt = DPAdamW(model.parameters(), lr=config.lr, betas=config.betas,
                   weight_decay=config.weight_decay, privacy_engine=engine)
-    masks = torch.Generator().manual_seed(mask_seed + 7919 * rank)
+    masks = KeyedMasks(model.num_patches, seed=mask_seed)
+    if engine.distributed is not None:
+        masks.broadcast_(engine.distributed.device)
     result = DPMAEResult(0.0, engine.target_delta, engine.noise_multiplier, 0)
     start = 1
     if resume and checkpoint and os.path.exists(checkpoint):
@@ -173,7 +196,8 @@ def dp_mae_train(model: MaskedAutoencoder, data: Dataset, config: DPMAEConfig = 
         start = int(extra["epoch"]) + 1
         result.losses = list(extra["losses"])
         result.evaluations = list(extra["evaluations"])
-        masks.set_state(extra["mask_rng"])
+        if "mask_key" in extra:
+            masks.load_state_dict({"key": extra["mask_key"]})
     say = _log(progress and rank == 0)
     say(f"DP-MAE: n={len(data)}, B={config.batch_size} (physical "
         f"{config.physical_batch_size}), {steps} steps, σ={engine.noise_multiplier:.4f}, "
@@ -183,16 +207,17 @@ def dp_mae_train(model: MaskedAutoencoder, data: Dataset, config: DPMAEConfig = 
         result.evaluations.append(evaluate())
         say(f"DP-MAE: test loss before {result.evaluations[-1]:.4f}")
 
-    def per_sample_loss(x):
-        ids = model.shuffle_ids(torch.rand(x.shape[0], model.num_patches, generator=masks))
-        return model(x, ids_shuffle=ids.to(x.device))
+    def per_sample_loss(x, ids):
+        return model(x, ids_shuffle=ids)
 
     model.train()
     for epoch in range(start, config.epochs + 1):
         bar = tqdm(loader, desc=f"DP-MAE {epoch}/{config.epochs}", leave=False,
                    disable=not progress or rank != 0)
         for batch in bar:
-            loss = private_logical_step(opt, (_images(batch),), per_sample_loss,
+            images = _images(batch)
+            ids = masks.ids(images, engine.steps_taken)  # row i: (key, t, x_i) only
+            loss = private_logical_step(opt, (images, ids), per_sample_loss,
                                         config.physical_batch_size, device=device)
             result.losses.append(loss)
             bar.set_postfix(loss=f"{loss:.3f}", eps=f"{engine.get_epsilon():.2f}")
@@ -205,7 +230,7 @@ def dp_mae_train(model: MaskedAutoencoder, data: Dataset, config: DPMAEConfig = 
             save_checkpoint(checkpoint, model=model, optimizer=opt, engine=engine,
                             extra={"epoch": epoch, "losses": result.losses,
                                    "evaluations": result.evaluations,
-                                   "mask_rng": masks.get_state()})
+                                   "mask_key": masks.state_dict()["key"]})
     result.epsilon = engine.get_epsilon()
     result.steps = engine.steps_taken
     engine.detach()
@@ -215,11 +240,13 @@ def dp_mae_train(model: MaskedAutoencoder, data: Dataset, config: DPMAEConfig = 
 def dp_maes(model: MaskedAutoencoder, synthetic: Dataset, private: Dataset,
             synthetic_config: SyntheticConfig = SyntheticConfig(),
             dp_config: DPMAEConfig = DPMAEConfig(), *, device: Optional[torch.device] = None,
-            seed: int = 0, progress: bool = True, **dp_kwargs) -> Tuple[List[float], DPMAEResult]:
-    """DP-MAES: step 1 (:func:`pretrain_synthetic` on ``synthetic``), then step 2
-    (:func:`dp_mae_train` on ``private``) from its weights. Only step 2 touches the private
-    data, so the whole is (ε, δ)-DP with respect to it. Returns ``(step-1 epoch losses, step-2
-    result)``; ``dp_kwargs`` go to :func:`dp_mae_train`."""
+            seed: Any = None, progress: bool = True,
+            **dp_kwargs) -> Tuple[List[float], DPMAEResult]:
+    """DP-MAES: step 1 (:func:`pretrain_synthetic` on ``synthetic``, its order and masks from
+    ``seed``: None, secret), then step 2 (:func:`dp_mae_train` on ``private``) from its weights.
+    Only step 2 touches the private data, so the whole is (ε, δ)-DP with respect to it. Returns
+    ``(step-1 epoch losses, step-2 result)``; ``dp_kwargs`` go to :func:`dp_mae_train`
+    (``mask_seed``: None, a secret mask key)."""
     history = pretrain_synthetic(model, synthetic, synthetic_config, device=device, seed=seed,
                                  progress=progress)
     return history, dp_mae_train(model, private, dp_config, device=device, progress=progress,

@@ -58,3 +58,28 @@ def test_example_runs_both_steps_and_probes(tmp_path, capsys):
 def test_example_refuses_missing_data_dir():
     with pytest.raises(SystemExit):
         load_example().parse_args(["--data", "folder"])
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_example_training_randomness_is_secret_by_default(tmp_path):
+    """``--seed`` fixes the public randomness only: without ``--mask-seed`` both steps get None
+    (secret masks and order, from OS entropy); with it, the seed."""
+    module = load_example()
+    seen = {}
+
+    def pretrain_synthetic(*args, seed, **kwargs):
+        seen["step 1"] = seed
+        return []
+
+    def dp_mae_train(*args, mask_seed, **kwargs):
+        seen["step 2"] = mask_seed
+        raise _Stop
+
+    module.pretrain_synthetic, module.dp_mae_train = pretrain_synthetic, dp_mae_train
+    for extra, expected in (([], None), (["--mask-seed", "5"], 5)):
+        with pytest.raises(_Stop):
+            module.main(TINY + ["--seed", "3", "--out-dir", str(tmp_path)] + extra)
+        assert seen == {"step 1": expected, "step 2": expected}
