@@ -185,7 +185,7 @@ def check_engine_state_dict(engine, state: Dict[str, Any], *, ledger: LedgerArg 
                 f"generator, the engine's a {generator.device.type} one: build the engine with "
                 "its model on the same kind of device.")
     history = [(float(s), float(q), int(n)) for s, q, n in state["accountant"]["history"]]
-    return _find_ledger(state if version == VERSION else {}, history, ledger, near)
+    return find_ledger(state if version == VERSION else {}, history, ledger, near)
 
 
 def load_engine_state_dict(engine, state: Dict[str, Any], *, ledger: LedgerArg = None,
@@ -255,9 +255,12 @@ def use_ledger(engine, path) -> StepLedger:
     return ledger
 
 
-def _find_ledger(state: Dict[str, Any], history, ledger: LedgerArg,
+def find_ledger(state: Dict[str, Any], history, ledger: LedgerArg,
                  near: Optional[str]) -> Optional[Tuple[str, LedgerContents]]:
-    """The ledger to load with ``state`` (see :func:`check_engine_state_dict`), checked."""
+    """The step ledger to load with a state whose ``"ledger"`` entry names one (or None) and whose
+    accountant history is ``history``: its path and contents, or None (``ledger=False``, or a
+    state written without one). ``ledger`` and ``near`` as in :func:`check_engine_state_dict`.
+    Raises ``ValueError`` if it is missing, of another run, or does not extend ``history``."""
     if ledger is False:
         return None
     if ledger is True:
@@ -497,4 +500,5 @@ def _check_model(engine, model) -> None:
 
 
 __all__ = ["engine_state_dict", "check_engine_state_dict", "load_engine_state_dict",
-           "save_checkpoint", "load_checkpoint", "use_ledger", "atomic_save", "LEDGER_SUFFIX"]
+           "save_checkpoint", "load_checkpoint", "use_ledger", "find_ledger", "atomic_save",
+           "LEDGER_SUFFIX"]
