@@ -44,10 +44,12 @@ the engine writes and ``fsync``-s one line per step before the step's update is 
 (``<path>.ledger``; :func:`use_ledger` chooses another place, or starts it before the first step);
 every later checkpoint names it. :func:`load_checkpoint` reads it and sets the accountant's history
 to the ledger's, which extends the checkpoint's with the steps released after it: ε after a resume
-counts every step the killed run released. A checkpoint whose ledger is missing is refused unless
-``ledger=False`` says that nothing was released after it; so is one of the older format (version
-1, which held the generator state and no ledger), and one holding an accumulation in progress is
-refused.
+counts every step the killed run released. A checkpoint whose ledger is missing, foreign or
+shorter than its history is refused; ``ledger=False`` loads it with its own history, the caller
+stating that nothing was released after it. A checkpoint of the older format (version 1, which
+held the generator state and no ledger) loads its history only with ``ledger=False`` (its
+generator state is not restored), and not at all if it was taken in the middle of a logical
+batch. One fsync per step is the ledger's cost (docs/engine.md, "Checkpoints", has figures).
 
 Data-parallel training (``engine.distributed``): :func:`save_checkpoint` writes on rank 0 only
 (the other ranks check that they hold no accumulation and return), and rank 0 records the ledger;
