@@ -1,57 +1,91 @@
-"""Native checkpoints: the engine's state, and model + optimizer + engine in one file, atomically.
+"""Native checkpoints that are safe to publish and never replay a release.
 
-A run killed at any physical batch and resumed from the last checkpoint ends with the same
-parameters, bit for bit, and the same ε as an uninterrupted run, provided the data order is
-restored as well (pass the loader's generator state through ``extra``). What the engine saves
-(:func:`engine_state_dict`, also ``PrivacyEngine.state_dict()``):
+The adversary of DP training sees every released iterate, checkpoint and log, those of a run that
+was killed and resumed included. So a checkpoint holds only public values and values already
+released with noise, a resumed run draws fresh noise, and ε counts every step the killed run may
+have released, the ones after its last checkpoint included.
 
-* the accountant (its name and ``history`` of ``(σ, q, steps)``), and the privacy parameters the
-  history was spent under (σ, q, R, batch size, sample size, target ε and δ, planned steps,
-  secure mode, loss scaling); loading into an engine built with other ones raises a ValueError
-  naming each difference, before anything changes;
-* the noise generator's state (``engine.noise_generator.get_state()``; None in secure mode);
-* the logical batch being accumulated (``virtual_step``) by every attached optimizer: its clipped
-  sums per parameter (copies) and its sample count;
-* the loss scaling (the GradScaler's ``state_dict()`` and the engine's counters), the sampling-rate
-  check's totals and ``dropped_samples``.
+What a checkpoint holds (:func:`save_checkpoint`: the model's and the optimizer's
+``state_dict()``, the engine's state of :func:`engine_state_dict`, and ``extra``), field by field:
 
-**A checkpoint is as secret as the training data.** Whoever reads the generator state can
-regenerate the noise of every step drawn from it, earlier ones included (MT19937's transition can
-be run backwards; Philox is a counter), and subtract it from the released updates; the accumulation
-in progress is a sum of clipped gradients *before* its noise; the counters are functions of the
-Poisson batch sizes; and a loader state in ``extra`` reveals the batches themselves. Keep
-checkpoints where the data is kept (files are written readable by their owner only, mode 0600)
-and delete them with it. A checkpoint taken right after ``optimizer.step()`` holds no
-accumulation; an engine in secure mode holds no generator state (its resumed noise is fresh).
+* ``model``, ``optimizer``: the parameters and the optimizer's state (Adam's moments, momentum)
+  are functions of the released noisy gradients: already public. The model's buffers are public
+  too (:class:`private_engine.guards.buffers.BufferGuard` refuses a buffer written from the data).
+* ``privacy``: σ, R, q, batch and sample size, target ε and δ, planned steps, accountant, secure
+  mode, loss scaling: the declared parameters, public; loading into an engine built with other
+  ones raises a ValueError naming each difference, before anything changes.
+* ``accountant``: its name and ``history`` of ``(σ, q, steps)``: public (the number of steps is).
+* ``ledger``: the step ledger's run identifier and path (public; see below).
+* ``noise_generator``: None, unless the user gave the engine its ``noise_generator``: that run is
+  reproducible from the generator by design (``ReproducibleNoiseWarning``), and its state is kept
+  so that a resumed run continues the generator's stream rather than restarting it. **Not** the
+  default generator's state: whoever read it could regenerate the noise of every step drawn from
+  it (MT19937's transition can be run backwards; Philox is a counter), and a resumed run that
+  restored it would draw the killed run's noise again on other batches, so that the difference of
+  the two runs' iterates cancels the noise. A resumed run draws from the fresh
+  :func:`private_engine.randomness.entropy_seeded_generator` its engine was built with (secure
+  mode: from the OS generator, as always).
+* ``loss_scaling``: the GradScaler's ``state_dict()`` when the scale is fixed (the scale the user
+  chose, public); None with ``dynamic_loss_scale`` (its scale moves with which private samples
+  overflowed): the resumed run starts from the scaler it was built with. The engine's overflow
+  counters are not written.
+* not written: the logical batch being accumulated (``virtual_step``: a sum of clipped gradients
+  before its noise): :func:`save_checkpoint` and :func:`engine_state_dict` refuse to run while one
+  is in progress; take checkpoints right after ``optimizer.step()``. The sampling-rate check's
+  totals (sums of the Poisson batch sizes), ``dropped_samples`` and the loss-scaling counters
+  (functions of the data): a resumed engine counts them from zero.
+* ``extra`` is written as given: keep secrets out of it (a Poisson loader's generator state gives
+  the batches away; the default :func:`private_engine.data.poisson_loader` needs none to resume,
+  since each of its batches is drawn afresh).
 
-Data-parallel training (``engine.distributed``): the noise generator is rank 0's (the other ranks
-draw no noise and hold none), so :func:`save_checkpoint` writes on rank 0 only and the other ranks
-return without writing; :func:`load_checkpoint` runs on every rank, and only rank 0 restores the
-generator state. A rank's accumulation in progress is its own, so a data-parallel checkpoint is
-taken between logical batches (right after ``optimizer.step()``); one with an accumulation in
-progress is refused.
+**The step ledger** (:mod:`private_engine.accounting.ledger`): a small append-only file in which
+the engine writes and ``fsync``-s one line per step before the step's update is applied. The first
+:func:`save_checkpoint` of an engine without one creates it next to the checkpoint
+(``<path>.ledger``; :func:`use_ledger` chooses another place, or starts it before the first step);
+every later checkpoint names it. :func:`load_checkpoint` reads it and sets the accountant's history
+to the ledger's, which extends the checkpoint's with the steps released after it: ε after a resume
+counts every step the killed run released. A checkpoint whose ledger is missing, foreign or
+shorter than its history is refused; ``ledger=False`` loads it with its own history, the caller
+stating that nothing was released after it. A checkpoint of the older format (version 1, which
+held the generator state and no ledger) loads its history only with ``ledger=False`` (its
+generator state is not restored), and not at all if it was taken in the middle of a logical
+batch. One fsync per step is the ledger's cost (docs/engine.md, "Checkpoints", has figures).
+
+Data-parallel training (``engine.distributed``): :func:`save_checkpoint` writes on rank 0 only
+(the other ranks check that they hold no accumulation and return), and rank 0 records the ledger;
+:func:`load_checkpoint` runs on every rank and reads the same ledger (a shared file system). FSDP2
+models are refused by :func:`save_checkpoint`; save ``engine.state_dict()`` on each rank (after
+:func:`use_ledger` on every rank, for a ledger).
 
 The dicts hold tensors and plain Python values only, so ``torch.load(..., weights_only=True)``
-reads them; :func:`load_checkpoint` does. This module does not import the engine (the engine
-delegates to it).
+reads them; :func:`load_checkpoint` does. The files are written atomically with mode 0600 (for
+``extra``'s sake). This module does not import the engine (the engine delegates to it).
 """
 from __future__ import annotations
 
 import contextlib
 import os
 import tempfile
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 from torch import nn
 
-from .clipping.grad_sums import GradSums
+from .accounting.ledger import LedgerContents, StepLedger, is_prefix, read_ledger
 
 #: format tag and version of :func:`engine_state_dict`
 ENGINE_FORMAT = "private_engine.PrivacyEngine"
 #: format tag and version of the files of :func:`save_checkpoint`
 CHECKPOINT_FORMAT = "private_engine.checkpoint"
-VERSION = 1
+VERSION = 2
+#: the version before the ledger (it held the generator state and the accumulation in progress)
+_OLD_VERSION = 1
+#: appended to a checkpoint's path for the ledger that :func:`save_checkpoint` creates
+LEDGER_SUFFIX = ".ledger"
+
+#: ``ledger=`` of the loaders: a path, None (the state's own) or False (none: nothing released
+#: after the state)
+LedgerArg = Union[None, bool, str, "os.PathLike[str]"]
 
 #: the privacy parameters compared on load: (key, how to read it from the engine)
 _PARAMETERS = (
@@ -77,31 +111,20 @@ def _optional_float(x) -> Optional[float]:
 # -- the engine's state ----------------------------------------------------------------------------
 def engine_state_dict(engine) -> Dict[str, Any]:
     """The state of a :class:`private_engine.PrivacyEngine` that a resumed run needs, as a dict of
-    tensors and plain Python values (``torch.save`` it; ``torch.load(weights_only=True)`` reads it):
+    tensors and plain Python values (``torch.save`` it; ``torch.load(weights_only=True)`` reads it).
 
-    ``privacy`` (σ, R, q, batch and sample size, target ε and δ, planned steps, accountant, secure
-    mode, loss scaling: checked on load), ``accountant`` (name and ``history`` of ``(σ, q,
-    steps)``), ``noise_generator`` (the generator's ``get_state()``, None in secure mode),
-    ``accumulation`` (per attached optimizer, in attach order: None, or the running clipped sums of
-    the logical batch being accumulated, one copied tensor per parameter, and its sample count),
-    ``loss_scaling`` (None, or the GradScaler's ``state_dict()`` and the engine's overflow
-    counters),
-    ``sampling_check`` (released batches and their samples) and ``dropped_samples``.
-
-    Secret: the generator state lets its reader regenerate the noise of every step drawn from it
-    (earlier ones too), and the accumulation is a sum of clipped gradients not yet noised. Keep
-    the result as private as the training data (module docstring).
+    Public values only (module docstring): ``privacy`` (the privacy parameters, checked on load),
+    ``accountant`` (name and ``history`` of ``(σ, q, steps)``), ``ledger`` (None, or the step
+    ledger's ``run`` identifier and ``path``), ``noise_generator`` (None, or the state of a
+    generator the user gave, reproducible by design), ``loss_scaling`` (None, or the fixed-scale
+    GradScaler's ``state_dict()``). Raises ``ValueError`` while an attached optimizer holds a
+    logical batch in progress (``virtual_step``): its sums are not yet noised; call it right
+    after ``optimizer.step()``.
     """
+    _refuse_accumulation(engine)
     generator = engine.noise_generator
-    _check_no_distributed_accumulation(engine)
-    accumulation: List[Optional[Dict[str, Any]]] = []
-    for step in _attached_steps(engine):
-        if step.grad_sums is None:
-            accumulation.append(None)
-        else:
-            grads = [g.detach().clone() for g in step.grad_sums.grads]
-            accumulation.append({"grads": grads, "samples": int(step.samples)})
-    check = getattr(engine, "sampling_check", None)
+    given = generator is not None and getattr(engine, "noise_generator_given", False)
+    ledger = getattr(engine, "ledger", None)
     return {
         "format": ENGINE_FORMAT,
         "version": VERSION,
@@ -110,27 +133,34 @@ def engine_state_dict(engine) -> Dict[str, Any]:
             "name": str(engine.accountant_name),
             "history": [(float(s), float(q), int(n)) for s, q, n in engine.accountant.history],
         },
-        "noise_generator": None if generator is None else generator.get_state(),
-        "noise_generator_device": None if generator is None else generator.device.type,
-        "accumulation": accumulation,
+        "ledger": None if ledger is None else {"run": ledger.run, "path": ledger.path},
+        "noise_generator": generator.get_state() if given else None,
+        "noise_generator_device": generator.device.type if given else None,
         "loss_scaling": _loss_scaling_state(engine.loss_scaling),
-        "sampling_check": None if check is None else {"steps": int(check.steps),
-                                                      "samples": int(check.samples)},
-        "dropped_samples": int(engine.dropped_samples),
         "clipping_mode": str(engine.clipping_mode),
     }
 
 
-def check_engine_state_dict(engine, state: Dict[str, Any]) -> None:
+def check_engine_state_dict(engine, state: Dict[str, Any], *, ledger: LedgerArg = None,
+                            near: Optional[str] = None) -> Optional[Tuple[str, LedgerContents]]:
     """Raise ``ValueError`` if ``state`` (from :func:`engine_state_dict`) cannot be loaded into
-    ``engine``: another format, privacy parameters that differ from the engine's (each difference
-    named), a generator of another kind, an accumulation for an optimizer that is not attached, or
-    sums whose shapes are not the parameters'. Changes nothing."""
+    ``engine``, with nothing changed: another format; the older format (version 1) without
+    ``ledger=False``, or holding an accumulation in progress; privacy parameters that differ from
+    the engine's (each difference named); a given generator's state for an engine that draws from
+    another kind of generator; a step ledger that is missing (without ``ledger=False``), of
+    another run, or that does not extend the state's history.
+
+    ``ledger``: None, the ledger the state names (looked up at its path, then under its name in
+    the directory ``near``); a path, that ledger; False, none (the caller asserts that no step
+    was released after the state). Returns the ledger's path and contents, or None."""
     if not isinstance(state, dict) or state.get("format") != ENGINE_FORMAT:
         raise ValueError("not a private_engine engine state (engine.state_dict()).")
-    if state.get("version") != VERSION:
-        raise ValueError(f"engine state version {state.get('version')!r} is not supported "
-                         f"(this private_engine reads version {VERSION}).")
+    version = state.get("version")
+    if version not in (VERSION, _OLD_VERSION):
+        raise ValueError(f"engine state version {version!r} is not supported "
+                         f"(this private_engine reads versions {_OLD_VERSION} and {VERSION}).")
+    if version == _OLD_VERSION:
+        _check_old_state(state, ledger)
     saved = state["privacy"]
     mine = {key: read(engine) for key, read in _PARAMETERS}
     diffs = [f"{key}: checkpoint {saved.get(key)!r}, engine {value!r}"
@@ -142,86 +172,178 @@ def check_engine_state_dict(engine, state: Dict[str, Any]) -> None:
                     "checkpoint's before loading)")
         raise ValueError(
             "the checkpoint was written under other privacy parameters than this engine's: "
-            + "; ".join(diffs) + ". Its accountant history and noise are only valid under its "
-            "own; build the engine with the checkpoint's parameters" + hint + ".")
-    generator = engine.noise_generator
-    if state["noise_generator"] is not None and _draws_noise(engine):
-        if generator is None:
-            raise ValueError("the checkpoint holds a noise generator state but the engine has "
-                             "no generator (secure mode).")
+            + "; ".join(diffs) + ". Its accountant history is only valid under its own; build "
+            "the engine with the checkpoint's parameters" + hint + ".")
+    if version == VERSION and state["noise_generator"] is not None and _draws_noise(engine):
+        generator = engine.noise_generator
+        if generator is None or not getattr(engine, "noise_generator_given", False):
+            raise ValueError(
+                "the checkpoint holds the state of a noise generator the user gave (a "
+                "reproducible run) but this engine draws secret noise: build it with a "
+                "noise_generator to continue that run's stream.")
         if state.get("noise_generator_device") != generator.device.type:
             raise ValueError(
                 f"the checkpoint's noise generator is a {state.get('noise_generator_device')} "
                 f"generator, the engine's a {generator.device.type} one: build the engine with "
                 "its model on the same kind of device.")
-    steps = _attached_steps(engine)
-    for k, acc in enumerate(state["accumulation"]):
-        if acc is None:
-            continue
-        if _distributed(engine):
-            raise ValueError("the checkpoint holds an accumulation in progress, which a "
-                             "data-parallel engine cannot load: each rank accumulates its own "
-                             "samples. Checkpoint right after optimizer.step().")
-        if k >= len(steps):
-            raise ValueError(
-                f"the checkpoint holds an accumulation in progress for attached optimizer #{k} "
-                f"but the engine has {len(steps)} attached: attach the optimizer(s) "
-                "(engine.attach) before loading.")
-        grads = acc["grads"]
-        shapes = [tuple(p.shape) for p in engine.params]
-        if [tuple(g.shape) for g in grads] != shapes:
-            raise ValueError("the checkpoint's accumulated sums do not have the shapes of the "
-                             "engine's trainable parameters (another model?).")
-    if (state["loss_scaling"] is None) != (not engine.loss_scaling.enabled):
-        raise ValueError("the checkpoint and the engine differ in loss scaling (grad_scaler).")
+    history = [(float(s), float(q), int(n)) for s, q, n in state["accountant"]["history"]]
+    return find_ledger(state if version == VERSION else {}, history, ledger, near)
 
 
-def load_engine_state_dict(engine, state: Dict[str, Any]) -> None:
+def load_engine_state_dict(engine, state: Dict[str, Any], *, ledger: LedgerArg = None,
+                           near: Optional[str] = None) -> None:
     """Restore ``engine`` from ``state`` (:func:`engine_state_dict`), after
-    :func:`check_engine_state_dict` (a ValueError leaves the engine unchanged): the accountant's
-    history, the noise generator's state, each attached optimizer's accumulation in progress
-    (rebuilt as :meth:`GradSums.separate` on the parameters' devices; later physical batches add to
-    it per parameter), the loss scaling, the sampling-rate check and ``dropped_samples``."""
-    check_engine_state_dict(engine, state)
-    engine.accountant.history = [(float(s), float(q), int(n))
-                                 for s, q, n in state["accountant"]["history"]]
-    if state["noise_generator"] is not None and _draws_noise(engine):
-        engine.noise_generator.set_state(state["noise_generator"].cpu())
-    steps = _attached_steps(engine)
-    for k, step in enumerate(steps):
-        acc = state["accumulation"][k] if k < len(state["accumulation"]) else None
-        if acc is None:
-            step.grad_sums, step.samples = None, 0
+    :func:`check_engine_state_dict` (a ValueError leaves the engine unchanged; ``ledger`` and
+    ``near`` as there).
+
+    The accountant's history becomes the ledger's (the state's, extended by every step recorded
+    after it: ε counts the steps a killed run released after its checkpoint), or the state's when
+    there is no ledger; the engine then records its later steps in that ledger (on the rank that
+    records, :func:`use_ledger`). A given generator's state is restored; the default generator is
+    left as it is (fresh noise). The fixed loss scale is restored. The sampling-rate check,
+    ``dropped_samples`` and the loss-scaling counters keep their values (not in the state)."""
+    found = check_engine_state_dict(engine, state, ledger=ledger, near=near)
+    if found is None:
+        engine.accountant.history = [(float(s), float(q), int(n))
+                                     for s, q, n in state["accountant"]["history"]]
+    else:
+        path, contents = found
+        _set_ledger(engine, StepLedger.open(path, writer=_records(engine)))
+        engine.accountant.history = list(engine.ledger.history)
+    if state.get("version") == VERSION:
+        if state["noise_generator"] is not None and _draws_noise(engine):
+            engine.noise_generator.set_state(state["noise_generator"].cpu())
+        if state["loss_scaling"] is not None and engine.loss_scaling.enabled:
+            engine.loss_scaling.scaler.load_state_dict(state["loss_scaling"]["scaler"])
+
+
+def use_ledger(engine, path) -> StepLedger:
+    """Record every later step of ``engine`` in the step ledger at ``path``, written and
+    ``fsync``-ed before the step's update is applied; returns it (also ``engine.ledger``).
+
+    A new file is created with the engine's history so far. An existing ledger is continued: its
+    history must begin with the engine's, and the engine's accountant takes the ledger's history
+    (the steps a run killed before its checkpoint released count; a fresh engine thus starts with
+    what was spent in that ledger). Call it before the first step for a run killed before its
+    first checkpoint to be counted by a restart that calls it again. :func:`save_checkpoint`
+    calls it for an engine without a ledger (``<checkpoint>.ledger``).
+
+    Data-parallel (also FSDP2): every rank calls it; rank 0 writes the file, then all ranks meet
+    at a barrier and the others read it (it must be on a file system they share)."""
+    path = os.path.abspath(os.fspath(path))
+    current = getattr(engine, "ledger", None)
+    if current is not None and current.path == path:
+        return current
+    records = _records(engine)
+    if records:
+        if os.path.exists(path):
+            ledger = StepLedger.open(path)
         else:
-            grads = [g.to(device=p.device, copy=True)
-                     for g, p in zip(acc["grads"], engine.params)]
-            step.grad_sums, step.samples = GradSums.separate(grads), int(acc["samples"])
-    _load_loss_scaling(engine.loss_scaling, state["loss_scaling"])
-    check = getattr(engine, "sampling_check", None)
-    if check is not None and state.get("sampling_check") is not None:
-        check.steps = int(state["sampling_check"]["steps"])
-        check.samples = int(state["sampling_check"]["samples"])
-    engine.dropped_samples = int(state["dropped_samples"])
+            ledger = StepLedger.create(path, engine.accountant.history)
+    if _distributed(engine):
+        import torch.distributed as dist
+
+        dist.barrier()  # rank 0's file exists
+    if not records:
+        ledger = StepLedger.open(path, writer=False)
+    if not is_prefix(engine.accountant.history, ledger.history):
+        ledger.close()
+        raise ValueError(
+            f"the step ledger {path!r} does not begin with this engine's history "
+            f"({engine.steps_taken} steps): it records another run. Give another path, or "
+            "resume that run from its checkpoint (load_checkpoint).")
+    _set_ledger(engine, ledger)
+    engine.accountant.history = list(ledger.history)
+    return ledger
+
+
+def find_ledger(state: Dict[str, Any], history, ledger: LedgerArg,
+                 near: Optional[str]) -> Optional[Tuple[str, LedgerContents]]:
+    """The step ledger to load with a state whose ``"ledger"`` entry names one (or None) and whose
+    accountant history is ``history``: its path and contents, or None (``ledger=False``, or a
+    state written without one). ``ledger`` and ``near`` as in :func:`check_engine_state_dict`.
+    Raises ``ValueError`` if it is missing, of another run, or does not extend ``history``."""
+    if ledger is False:
+        return None
+    if ledger is True:
+        raise TypeError("ledger= takes a path, None (the checkpoint's own) or False (none).")
+    named = state.get("ledger")
+    if ledger is not None:
+        candidates = [os.path.abspath(os.fspath(ledger))]
+    elif named is None:
+        return None  # written by an engine without a ledger (engine.state_dict())
+    else:
+        candidates = [named["path"]]
+        if near is not None:
+            candidates.append(os.path.join(near, os.path.basename(named["path"])))
+    path = next((c for c in candidates if os.path.isfile(c)), None)
+    if path is None:
+        raise ValueError(
+            f"the step ledger of this checkpoint is missing (looked for {candidates}): the steps "
+            "the run released after the checkpoint cannot be counted. Restore the file, or pass "
+            "ledger=<its path>; only if no step was released after the checkpoint, "
+            "ledger=False.")
+    contents = read_ledger(path)
+    if named is not None and contents.run != named["run"]:
+        raise ValueError(f"the step ledger {path!r} records another run than this checkpoint's "
+                         f"(run {contents.run}, checkpoint {named['run']}).")
+    if not is_prefix(history, contents.history):
+        raise ValueError(
+            f"the step ledger {path!r} records {contents.steps} steps, which do not extend the "
+            f"checkpoint's {sum(n for _, _, n in history)}: it is not this checkpoint's ledger "
+            "(or it was cut short).")
+    return path, contents
+
+
+def _check_old_state(state: Dict[str, Any], ledger: LedgerArg) -> None:
+    """A version-1 state loads its accountant history only with ``ledger=False``, and only if
+    it holds no accumulation in progress."""
+    if any(acc is not None for acc in state.get("accumulation", [])):
+        raise ValueError(
+            "this checkpoint was written by an older private_engine (format version 1) in the "
+            "middle of a logical batch: it holds clipped sums not yet noised, which this version "
+            "neither writes nor loads. Resume from a checkpoint taken right after "
+            "optimizer.step().")
+    if ledger is not False:
+        raise ValueError(
+            "this checkpoint was written by an older private_engine (format version 1), which "
+            "kept no step ledger: the steps the run released after it cannot be counted. Pass "
+            "ledger=False to load it with its accountant history as the whole spend (only if no "
+            "step was released after it). Its noise generator state is not restored (the "
+            "resumed noise is fresh).")
+
+
+def _set_ledger(engine, ledger: StepLedger) -> None:
+    current = getattr(engine, "ledger", None)
+    if current is not None and current is not ledger:
+        current.close()
+    engine.ledger = ledger
 
 
 def _distributed(engine) -> bool:
-    """Whether ``engine`` trains data-parallel (:mod:`private_engine.optim.distributed`)."""
+    """Whether ``engine`` trains data-parallel or sharded (:mod:`private_engine.optim`)."""
     return getattr(engine, "distributed", None) is not None
 
 
 def _draws_noise(engine) -> bool:
-    """Whether ``engine``'s process draws the noise (one process, or rank 0): only there does a
-    generator state belong."""
+    """Whether ``engine``'s process draws noise (one process, rank 0, or any FSDP2 rank): only
+    there does a given generator's state belong."""
     return getattr(engine, "draws_noise", True)
 
 
-def _check_no_distributed_accumulation(engine) -> None:
-    """Refuse to save a data-parallel engine's state in the middle of a logical batch: the
-    accumulation in progress is this rank's alone, and a checkpoint holds one rank's state."""
-    if _distributed(engine) and any(s.grad_sums is not None for s in _attached_steps(engine)):
-        raise ValueError("a data-parallel checkpoint cannot be taken while a logical batch is "
-                         "being accumulated (virtual_step): each rank holds its own partial "
-                         "sums. Checkpoint right after optimizer.step().")
+def _records(engine) -> bool:
+    """Whether ``engine``'s process writes the ledger and the checkpoint file: one process, or
+    rank 0."""
+    return not _distributed(engine) or engine.distributed.rank == 0
+
+
+def _refuse_accumulation(engine) -> None:
+    """Refuse to save in the middle of a logical batch: its sums are clipped but not noised."""
+    if any(s.grad_sums is not None or s.samples for s in _attached_steps(engine)):
+        raise ValueError(
+            "a checkpoint cannot be taken while a logical batch is being accumulated "
+            "(virtual_step): its clipped sums are not yet noised, and a checkpoint holds released "
+            "values only. Checkpoint right after optimizer.step().")
 
 
 def _attached_steps(engine) -> list:
@@ -230,51 +352,52 @@ def _attached_steps(engine) -> list:
 
 
 def _loss_scaling_state(ls) -> Optional[Dict[str, Any]]:
-    if not ls.enabled:
+    """The GradScaler's state when its scale is fixed (public); None without loss scaling or with
+    a dynamic scale (moved by which private samples overflowed)."""
+    if not ls.enabled or ls.dynamic:
         return None
-    return {"scaler": ls.scaler.state_dict(), "dynamic": bool(ls.dynamic),
-            "good_batches": int(ls._good_batches), "overflow_batches": int(ls.overflow_batches),
-            "dropped_samples": int(ls.dropped_samples)}
-
-
-def _load_loss_scaling(ls, state: Optional[Dict[str, Any]]) -> None:
-    if state is None:
-        return
-    ls.scaler.load_state_dict(state["scaler"])
-    ls._good_batches = int(state["good_batches"])
-    ls.overflow_batches = int(state["overflow_batches"])
-    ls.dropped_samples = int(state["dropped_samples"])
+    return {"scaler": ls.scaler.state_dict()}
 
 
 # -- files -----------------------------------------------------------------------------------------
 def save_checkpoint(path, *, model: nn.Module, optimizer: torch.optim.Optimizer, engine,
                     extra: Any = None) -> None:
     """Write ``model``'s and ``optimizer``'s ``state_dict()``, the engine's state
-    (:func:`engine_state_dict`: accountant, privacy parameters, noise generator state, the
-    accumulation in progress, counters) and ``extra`` (anything of yours: the data loader's
-    generator state and the position in the epoch, a scheduler's state) to ``path``, atomically.
+    (:func:`engine_state_dict`: privacy parameters, accountant history, ledger) and ``extra``
+    (anything of yours: the epoch, a scheduler's state) to ``path``, atomically.
 
-    ``optimizer`` must be attached to ``engine`` (its logical batch in progress is saved through
-    the engine). The file is written to a temporary file in the same directory (mode 0600),
-    flushed and ``fsync``-ed, then renamed over ``path`` (``os.replace``): a crash or an error
-    mid-write leaves the previous checkpoint intact (a stale ``.<name>.*.tmp`` file may remain
-    after a crash; it is as secret as a checkpoint). ``extra`` should hold tensors and plain
+    Holds public values only (module docstring), so it may be published, ``extra`` aside (it is
+    written as given). Raises ``ValueError`` in the middle of a logical batch (after a
+    ``virtual_step``): checkpoint right after ``optimizer.step()``. An engine without a step
+    ledger gets one first, ``<path>.ledger`` (refused if that file exists, being another run's;
+    data-parallel: on rank 0, which records), in which every later step is recorded before its
+    release (:func:`use_ledger`).
+
+    ``optimizer`` must be attached to ``engine``. The file is written to a temporary file in the
+    same directory (mode 0600), flushed and ``fsync``-ed, then renamed over ``path``
+    (``os.replace``): a crash or an error mid-write leaves the previous checkpoint intact (a stale
+    ``.<name>.*.tmp`` file may remain after a crash). ``extra`` should hold tensors and plain
     Python values, as :func:`load_checkpoint` reads with ``weights_only=True`` (register other
     types with ``torch.serialization.add_safe_globals``).
 
     Data-parallel (``engine.distributed``): every rank may call it; only rank 0 writes (the
     others check that they hold no accumulation in progress and return). Call
     ``torch.distributed.barrier()`` before other ranks read the file.
-
-    Secret: the file holds the noise generator's state and un-noised clipped sums; keep it as
-    private as the training data.
     """
     _refuse_sharded(engine)
     _check_attached(engine, optimizer)
     _check_model(engine, model)
-    if _distributed(engine) and not _draws_noise(engine):
-        _check_no_distributed_accumulation(engine)
-        return  # rank 0 writes: its generator is the noise's
+    _refuse_accumulation(engine)
+    if _distributed(engine) and not _records(engine):
+        return  # rank 0 writes
+    if getattr(engine, "ledger", None) is None:
+        ledger_path = os.fspath(path) + LEDGER_SUFFIX
+        if os.path.exists(ledger_path):
+            raise ValueError(
+                f"{ledger_path!r} exists: the step ledger of another run saved to this path. "
+                "Resume that run with load_checkpoint (which continues its ledger), or save to "
+                "another path (or remove both files if that run's releases no longer matter).")
+        _set_ledger(engine, StepLedger.create(ledger_path, engine.accountant.history))
     checkpoint = {
         "format": CHECKPOINT_FORMAT,
         "version": VERSION,
@@ -286,16 +409,24 @@ def save_checkpoint(path, *, model: nn.Module, optimizer: torch.optim.Optimizer,
     atomic_save(checkpoint, path)
 
 
-def load_checkpoint(path, *, model: nn.Module, optimizer: torch.optim.Optimizer, engine) -> Any:
+def load_checkpoint(path, *, model: nn.Module, optimizer: torch.optim.Optimizer, engine,
+                    ledger: LedgerArg = None) -> Any:
     """Restore ``model``, ``optimizer`` and ``engine`` from a file of :func:`save_checkpoint` and
     return its ``extra``.
 
     Build the model, the optimizer and the engine as for the original run (same privacy
-    parameters; same noise generator kind) and attach the optimizer first. The file is read with
-    ``torch.load(weights_only=True, map_location="cpu")`` and the tensors go to the parameters'
-    devices. A checkpoint of other privacy parameters raises ``ValueError`` naming them before
-    anything changes. Data-parallel: every rank loads rank 0's file; only rank 0 restores the
-    noise generator. Secret: see :func:`save_checkpoint`.
+    parameters) and attach the optimizer first. The accountant takes the history of the
+    checkpoint's step ledger, which counts every step the run may have released after the
+    checkpoint too, and the engine goes on recording in that ledger. The ledger is looked up at
+    the path the checkpoint names, then under its name next to ``path``; ``ledger=`` gives another
+    path, or False to load without one (the caller asserts that no step was released after the
+    checkpoint; also needed for a checkpoint of the older format, version 1). The noise of the
+    resumed run is fresh (unless the user gave the generator, whose state is restored).
+
+    The file is read with ``torch.load(weights_only=True, map_location="cpu")``. Anything
+    refused (other privacy parameters, a missing or foreign ledger, an older checkpoint taken
+    mid-batch) raises ``ValueError`` before anything changes. Data-parallel: every rank loads
+    rank 0's file and reads the same ledger; rank 0 records in it.
     """
     _refuse_sharded(engine)
     _check_attached(engine, optimizer)
@@ -304,13 +435,14 @@ def load_checkpoint(path, *, model: nn.Module, optimizer: torch.optim.Optimizer,
     if not isinstance(checkpoint, dict) or checkpoint.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(f"{os.fspath(path)!r} is not a private_engine checkpoint "
                          "(private_engine.save_checkpoint).")
-    if checkpoint.get("version") != VERSION:
+    if checkpoint.get("version") not in (VERSION, _OLD_VERSION):
         raise ValueError(f"checkpoint version {checkpoint.get('version')!r} is not supported "
-                         f"(this private_engine reads version {VERSION}).")
-    check_engine_state_dict(engine, checkpoint["engine"])  # before anything changes
+                         f"(this private_engine reads versions {_OLD_VERSION} and {VERSION}).")
+    near = os.path.dirname(os.path.abspath(os.fspath(path)))
+    check_engine_state_dict(engine, checkpoint["engine"], ledger=ledger, near=near)  # first
     model.load_state_dict(checkpoint["model"])
     optimizer.load_state_dict(checkpoint["optimizer"])
-    load_engine_state_dict(engine, checkpoint["engine"])
+    load_engine_state_dict(engine, checkpoint["engine"], ledger=ledger, near=near)
     return checkpoint["extra"]
 
 
@@ -343,23 +475,23 @@ def atomic_save(obj: Any, path) -> None:
 
 def _refuse_sharded(engine) -> None:
     """Refuse an engine on an FSDP2 (``fully_shard``) model: its model and optimizer states are
-    ``DTensor`` shards, one part per rank, and every rank's engine holds its own noise generator,
-    so one file written by rank 0 would hold a fraction of the model. Save the shards with
-    ``torch.distributed.checkpoint`` and ``engine.state_dict()`` on every rank instead."""
+    ``DTensor`` shards, one part per rank, so one file written by rank 0 would hold a fraction of
+    the model. Save the shards with ``torch.distributed.checkpoint`` and ``engine.state_dict()``
+    on every rank instead."""
     if getattr(engine, "sharded", False):
         raise ValueError(
             "save_checkpoint / load_checkpoint do not handle FSDP2 (fully_shard) models: the "
-            "model and optimizer states are shards, one part per rank, and each rank's engine "
-            "holds its own noise generator. Save model and optimizer with "
-            "torch.distributed.checkpoint (get_model_state_dict / get_optimizer_state_dict) and "
-            "engine.state_dict() on every rank, each rank loading its own "
+            "model and optimizer states are shards, one part per rank. Save model and optimizer "
+            "with torch.distributed.checkpoint (get_model_state_dict / "
+            "get_optimizer_state_dict) and engine.state_dict() on every rank, each rank loading "
+            "its own, after private_engine.checkpoint.use_ledger(engine, path) on every rank "
             "(docs/distributed.md, \"FSDP2\").")
 
 
 def _check_attached(engine, optimizer) -> None:
     if not any(s.optimizer is optimizer for s in _attached_steps(engine)):
         raise ValueError("the optimizer is not attached to this engine (engine.attach(optimizer)): "
-                         "its accumulation in progress is saved and restored through the engine.")
+                         "a checkpoint is taken between its logical batches, through the engine.")
 
 
 def _check_model(engine, model) -> None:
@@ -370,4 +502,5 @@ def _check_model(engine, model) -> None:
 
 
 __all__ = ["engine_state_dict", "check_engine_state_dict", "load_engine_state_dict",
-           "save_checkpoint", "load_checkpoint", "atomic_save"]
+           "save_checkpoint", "load_checkpoint", "use_ledger", "find_ledger", "atomic_save",
+           "LEDGER_SUFFIX"]

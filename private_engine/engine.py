@@ -192,6 +192,11 @@ class PrivacyEngine:
 
         #: σ, the expected batch size and the generator of the private steps' noise
         self.noise = _optim.NoiseSpec(sigma, batch_size, generator, bool(secure_mode))
+        #: whether the user gave the noise generator (reproducible: checkpoints keep its state)
+        self.noise_generator_given = noise_generator is not None
+        #: the step ledger every step is recorded in before its release
+        #: (:mod:`private_engine.accounting.ledger`; set by ``save_checkpoint`` or ``use_ledger``)
+        self.ledger = None
         #: the target (ε, δ) and the guard that refuses a step beyond it
         self.budget = PrivacyBudget(noise_multiplier=sigma, sample_rate=self.sample_rate,
                                     delta=self.target_delta, accountant=accountant,
@@ -313,7 +318,7 @@ class PrivacyEngine:
                                    lambda: self.clipper.max_grad_norm, self.noise,
                                    self.parameter_names, step_hook=self._account_step,
                                    pre_step=self._check_budget,
-                                   pre_release=self.sampling_check.check,
+                                   pre_release=self._pre_release,
                                    reducer=self.distributed,
                                    post_step=self._check_replicas if self.check_replicas else None)
         self._attached.append(_optim.attach(state))
@@ -407,6 +412,13 @@ class PrivacyEngine:
         (:class:`private_engine.accounting.BudgetExceededError`)."""
         self.budget.check_step(self.steps_taken)
 
+    def _pre_release(self, samples: int) -> None:
+        """Before a logical batch's noise: the sampling-rate check, then the step's line in the
+        ledger, on disk before the update is applied (a step the run may release is counted)."""
+        self.sampling_check.check(samples)
+        if self.ledger is not None:
+            self.ledger.record(self.noise_multiplier, self.sample_rate)
+
     def _account_step(self, samples: int) -> None:
         """The step hook of every attached optimizer: one Poisson-subsampled Gaussian release of a
         logical batch of ``samples`` samples."""
@@ -463,10 +475,9 @@ class PrivacyEngine:
     # -- checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """The engine's state for a resumed run
-        (:func:`private_engine.checkpoint.engine_state_dict`: accountant history, privacy
-        parameters, noise generator state, accumulation in progress, counters), tensors and plain
-        values only. Secret: it lets its reader regenerate the noise and holds un-noised clipped
-        sums; keep it as private as the training data."""
+        (:func:`private_engine.checkpoint.engine_state_dict`: privacy parameters, accountant
+        history, step ledger, a given generator's state), public values only; refused in the
+        middle of a logical batch (take it right after ``optimizer.step()``)."""
         from .checkpoint import engine_state_dict
 
         state = engine_state_dict(self)
@@ -476,8 +487,9 @@ class PrivacyEngine:
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict` (attach the optimizers first); a state written under other
-        privacy parameters raises ``ValueError`` naming them, with nothing changed
+        """Restore :meth:`state_dict`: the accountant takes the history of the state's step ledger
+        (steps released after the state count); a state written under other privacy parameters,
+        or whose ledger is missing, raises ``ValueError``, with nothing changed
         (:func:`private_engine.checkpoint.load_engine_state_dict`)."""
         from .checkpoint import load_engine_state_dict
 

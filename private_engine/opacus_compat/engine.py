@@ -58,6 +58,7 @@ forward only: its backward all-reduce (of raw, unclipped gradients) is turned of
 """
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Any, Dict, List, Optional, Union
 
@@ -69,6 +70,8 @@ from opacus.optimizers import DPOptimizer
 from torch import nn, optim
 from torch.nn.parallel import DistributedDataParallel
 
+from ..accounting.ledger import StepLedger
+from ..checkpoint import LEDGER_SUFFIX, find_ledger
 from ..randomness import entropy_seeded_generator
 from ..guards.model_check import check_no_batchnorm, clipped_layers, scan_model
 from .loss import PrivateLoss
@@ -100,6 +103,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
         self._module: Optional[PrivateModule] = None
         #: whether the current make_private call got a noise_generator (Opacus' reproducible run)
         self._reproducible = False
+        #: the step ledger each step is recorded in before its update (set by the checkpoints)
+        self._ledger: Optional[StepLedger] = None
 
     # -- the parts that touch per-sample gradients -------------------------------------------
     def _prepare_model(self, module: nn.Module, *, batch_first: bool = True, max_grad_norm=1.0,
@@ -216,19 +221,42 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 self._module = None
             raise
 
-    # -- checkpoints: Opacus' format plus the noise generator state ---------------------------
+    # -- checkpoints: Opacus' format, the given generator's state and the step ledger -----------
     def save_checkpoint(self, *, path, module, optimizer=None, noise_scheduler=None,
                         grad_clip_scheduler=None, checkpoint_dict: Optional[Dict[str, Any]] = None,
                         module_state_dict_kwargs=None, torch_save_kwargs=None):
-        """Opacus' checkpoint (module, optimizer, accountant history, schedulers) plus, when the
-        user gave a ``noise_generator`` (a reproducible run), its state, so a resumed run draws the
-        same noise. The default, entropy-seeded generator's state is never written: whoever read it
-        could regenerate the noise of every step drawn from it (MT19937 and Philox are not one-way);
-        a resumed run draws fresh secret noise instead."""
+        """Opacus' checkpoint (module, optimizer, accountant history, schedulers), public values
+        only, plus:
+
+        * when the user gave a ``noise_generator`` (a reproducible run), its state, so a resumed
+          run continues its stream. The default, entropy-seeded generator's state is never
+          written: whoever read it could regenerate the noise of every step drawn from it
+          (MT19937 and Philox are not one-way); a resumed run draws fresh secret noise instead;
+        * the step ledger (:mod:`private_engine.accounting.ledger`), when ``path`` is a file path
+          and ``optimizer`` is given: the first save creates ``<path>.ledger`` (refused if it
+          exists: another run's) and from then on the optimizer's accountant hook writes and
+          ``fsync``-s each step there before the update is applied; the checkpoint names it, and
+          :meth:`load_checkpoint` counts the steps released after the checkpoint. Under
+          ``torch.distributed`` rank 0 writes it.
+
+        No accumulation in progress is written (Opacus keeps it in ``p.summed_grad``, outside
+        the optimizer's ``state_dict``: a checkpoint taken mid-batch resumes without it)."""
         checkpoint_dict = dict(checkpoint_dict or {})
         generator = getattr(optimizer, "generator", None)
         if isinstance(generator, torch.Generator) and self._reproducible:
             checkpoint_dict["noise_generator_state"] = generator.get_state()
+        if isinstance(path, (str, os.PathLike)) and optimizer is not None and _records():
+            if self._ledger is None:
+                ledger_path = os.fspath(path) + LEDGER_SUFFIX
+                if os.path.exists(ledger_path):
+                    raise ValueError(
+                        f"{ledger_path!r} exists: the step ledger of another run saved to this "
+                        "path. Resume that run with load_checkpoint (which continues its "
+                        "ledger), or save to another path.")
+                self._ledger = StepLedger.create(ledger_path, self.accountant.history)
+            self._record_steps(optimizer)
+        if self._ledger is not None:
+            checkpoint_dict[LEDGER_KEY] = {"run": self._ledger.run, "path": self._ledger.path}
         return super().save_checkpoint(path=path, module=module, optimizer=optimizer,
                                        noise_scheduler=noise_scheduler,
                                        grad_clip_scheduler=grad_clip_scheduler,
@@ -238,14 +266,39 @@ class PrivacyEngine(opacus.PrivacyEngine):
 
     def load_checkpoint(self, *, path, module, optimizer=None, noise_scheduler=None,
                         grad_clip_scheduler=None, module_load_dict_kwargs=None,
-                        torch_load_kwargs=None) -> Dict:
+                        torch_load_kwargs=None, ledger=None) -> Dict:
         """Inverse of :meth:`save_checkpoint`; restores the noise generator state when both the
-        checkpoint and the optimizer have one."""
+        checkpoint and the optimizer have one (a reproducible run).
+
+        A checkpoint that names a step ledger: the accountant takes the ledger's history, which
+        extends the checkpoint's with every step released after it, and the optimizer goes on
+        recording there. The ledger is looked up at its path, then next to ``path``; ``ledger=``
+        gives another path, or False (the caller asserts that no step was released after the
+        checkpoint). A missing or foreign ledger raises ``ValueError`` before anything changes.
+        A checkpoint without one (Opacus' own files) loads its accountant history as Opacus
+        does."""
+        found = None
+        if isinstance(path, (str, os.PathLike)):
+            kwargs = dict(torch_load_kwargs or {})
+            kwargs.setdefault("weights_only", False)  # as Opacus' load_checkpoint reads it
+            kwargs.setdefault("map_location", "cpu")
+            peek = torch.load(path, **kwargs)
+            history = peek.get("privacy_accountant_state_dict", {}).get("history", [])
+            near = os.path.dirname(os.path.abspath(os.fspath(path)))
+            found = find_ledger({"ledger": peek.get(LEDGER_KEY)}, history, ledger, near)
         checkpoint = super().load_checkpoint(path=path, module=module, optimizer=optimizer,
                                              noise_scheduler=noise_scheduler,
                                              grad_clip_scheduler=grad_clip_scheduler,
                                              module_load_dict_kwargs=module_load_dict_kwargs,
                                              torch_load_kwargs=torch_load_kwargs)
+        checkpoint.pop(LEDGER_KEY, None)
+        if found is not None:
+            if self._ledger is not None:
+                self._ledger.close()
+            self._ledger = StepLedger.open(found[0], writer=_records())
+            self.accountant.history = list(self._ledger.history)
+            if optimizer is not None:
+                self._record_steps(optimizer)
         state = checkpoint.pop("noise_generator_state", None)
         generator = getattr(optimizer, "generator", None)
         if state is not None and isinstance(generator, torch.Generator):
@@ -255,6 +308,22 @@ class PrivacyEngine(opacus.PrivacyEngine):
                           "torch.Generator; the resumed noise will differ from an uninterrupted "
                           "run.")
         return checkpoint
+
+    def _record_steps(self, optimizer) -> None:
+        """Make ``optimizer``'s accountant hook (run before the update is applied) record each
+        step in the step ledger after the accountant counts it (once per optimizer)."""
+        hook = getattr(optimizer, "step_hook", None)
+        if hook is None or getattr(hook, "_records_for", None) is self:
+            return
+
+        def recorded(opt):
+            hook(opt)  # the accountant's step
+            if self._ledger is not None:
+                sigma, q, _ = self.accountant.history[-1]
+                self._ledger.record(sigma, q)
+
+        recorded._records_for = self
+        optimizer.step_hook = recorded
 
 
 def _check_arguments(*, module, optimizer, noise_multiplier, max_grad_norm, batch_first,
@@ -338,6 +407,17 @@ def _check_ddp(ddp: DistributedDataParallel) -> None:
             "would mix raw, unclipped gradients into p.grad. Wrap the model with opacus' "
             "DifferentiallyPrivateDistributedDataParallel instead (or DDP without these "
             "options).")
+
+
+#: the key of a checkpoint's step ledger (its run identifier and path)
+LEDGER_KEY = "private_engine_ledger"
+
+
+def _records() -> bool:
+    """Whether this process writes the step ledger: one process, or rank 0."""
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
 def _entropy_noise_generator(optimizer: optim.Optimizer) -> Optional[torch.Generator]:

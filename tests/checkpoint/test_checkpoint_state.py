@@ -1,6 +1,7 @@
-"""engine.state_dict() / load_state_dict() and the checkpoint file, in one process: a resumed
-accumulation gives the update of an uninterrupted one, other privacy parameters are refused, the
-file is written atomically and read with weights_only=True."""
+"""engine.state_dict() / load_state_dict() and the checkpoint file, in one process: public values
+only (no accumulation in progress, no data-dependent counter, the generator's state only when the
+user gave it), other privacy parameters refused, a run with a given generator resumed bit for bit,
+the file written atomically and read with weights_only=True."""
 import io
 import os
 import warnings
@@ -12,7 +13,6 @@ from torch import nn
 
 import private_engine as pe
 from private_engine.checkpoint import engine_state_dict
-from private_engine.clipping.grad_sums import GradSums
 
 
 @pytest.fixture(autouse=True)
@@ -75,67 +75,57 @@ def _restore(snapshot, model, opt, engine):
 
 
 @pytest.mark.parametrize("mode", ["bk_mixed", "bk", "ghost", "per_sample"])
-def test_resumed_accumulation_gives_the_uninterrupted_update(mode):
-    """Two full steps, then two virtual steps, saved; a fresh engine loads the state and runs the
-    third virtual step and the step: the parameters equal (bit for bit) those of the run that
-    never stopped, and ε too."""
-    batches = _batches(8)
+def test_no_state_in_the_middle_of_a_logical_batch(mode, tmp_path):
+    """After a virtual_step the accumulation holds clipped sums not yet noised: engine.state_dict()
+    and save_checkpoint refuse (nothing written), and both work again after optimizer.step()."""
+    model, opt, engine = _setup(mode)
+    opt.step(loss=_loss(model, _batches(1)[0]))
+    opt.virtual_step(loss=_loss(model, _batches(1, seed=2)[0]))
+    with pytest.raises(ValueError, match=r"right after optimizer\.step\(\)"):
+        engine.state_dict()
+    with pytest.raises(ValueError, match="accumulated"):
+        pe.save_checkpoint(tmp_path / "c.pt", model=model, optimizer=opt, engine=engine)
+    assert os.listdir(tmp_path) == []
+    opt.step(loss=_loss(model, _batches(1, seed=3)[0]))
+    assert engine.state_dict()["accountant"]["history"] == [(1.2, 8 / 64, 2)]
+    pe.save_checkpoint(tmp_path / "c.pt", model=model, optimizer=opt, engine=engine)
+
+
+@pytest.mark.parametrize("mode", ["bk_mixed", "per_sample"])
+def test_given_generator_resumes_bit_for_bit(mode):
+    """With a noise_generator the user gave (a reproducible run), its state is kept: a fresh
+    engine loading the state after two steps continues as the run that never stopped."""
+    batches = _batches(6)
     model, opt, engine = _setup(mode)
     for b in batches[:2]:
         opt.step(loss=_loss(model, b))
-    for b in batches[2:4]:
-        opt.virtual_step(loss=_loss(model, b))
     snapshot = _snapshot(model, opt, engine)
-    assert snapshot["engine"]["accumulation"][0]["samples"] == 6
-
-    model2, opt2, engine2 = _setup(mode, noise_seed=999)  # another generator: its state is loaded
+    model2, opt2, engine2 = _setup(mode, noise_seed=999)  # another seed: its state is loaded
     _restore(snapshot, model2, opt2, engine2)
-    restored = engine2._attached[0].grad_sums
-    assert restored.layout is None and engine2._attached[0].samples == 6
-    for a, b in zip(restored.grads, engine._attached[0].grad_sums.grads):
-        assert torch.equal(a, b) and a.data_ptr() != b.data_ptr()
-
     for m, o in ((model, opt), (model2, opt2)):
-        o.virtual_step(loss=_loss(m, batches[4]))  # flat sums added to restored separate ones
-        o.step(loss=_loss(m, batches[5]))  # restored sums added to the step's flat ones
-        o.step(loss=_loss(m, batches[6]))
+        o.virtual_step(loss=_loss(m, batches[2]))
+        o.step(loss=_loss(m, batches[3]))
+        o.step(loss=_loss(m, batches[4]))
     for p, q in zip(model.parameters(), model2.parameters()):
         assert torch.equal(p, q)
     assert engine.get_epsilon() == engine2.get_epsilon() > 0
     assert engine.steps_taken == engine2.steps_taken == 4
-    assert engine.privacy_report().steps == engine2.privacy_report().steps
 
 
-def test_separate_sums_add_to_flat_sums():
-    """GradSums.add_ of sums with another layout (a restored separate GradSums) adds per
-    parameter, in both directions."""
-    model, opt, engine = _setup()
-    flat, _ = engine.clipped_sums(_loss(model, _batches(1)[0]))
-    assert flat.layout is not None
-    extra = [torch.randn_like(g) for g in flat.grads]
-    expected = [g + e for g, e in zip(flat.grads, extra)]
-    flat.add_(GradSums.separate([e.clone() for e in extra]))
-    assert all(torch.equal(g, e) for g, e in zip(flat.grads, expected))
-    separate = GradSums.separate([e.clone() for e in extra])
-    separate.add_(flat)
-    assert all(torch.equal(g, e + f) for g, e, f in zip(separate.grads, extra, flat.grads))
-
-
-def test_state_dict_is_plain_and_secret_parts_are_copies():
+def test_state_dict_holds_public_values_only():
+    """The privacy parameters, the accountant's history and the given generator's state; no
+    accumulation, no sampling-rate totals, no dropped-sample count (functions of the data)."""
     model, opt, engine = _setup()
     opt.step(loss=_loss(model, _batches(1)[0]))
-    opt.virtual_step(loss=_loss(model, _batches(1, seed=2)[0]))
     state = engine.state_dict()
     back = _roundtrip(state)  # weights_only=True reads it
     assert back["accountant"] == {"name": "rdp", "history": [(1.2, 8 / 64, 1)]}
-    assert torch.equal(back["noise_generator"], engine.noise_generator.get_state())
+    assert torch.equal(back["noise_generator"], engine.noise_generator.get_state())  # given
     assert back["privacy"]["noise_multiplier"] == 1.2 and back["privacy"]["max_grad_norm"] == 0.5
-    assert back["sampling_check"] == {"steps": 1, "samples": 3}
-    assert back["dropped_samples"] == 0 and back["loss_scaling"] is None
-    acc = state["accumulation"][0]
-    live = engine._attached[0].grad_sums.grads
-    assert all(g.untyped_storage().data_ptr() != h.untyped_storage().data_ptr()
-               for g, h in zip(acc["grads"], live))
+    assert back["loss_scaling"] is None and back["ledger"] is None
+    assert set(back) == {"format", "version", "privacy", "accountant", "ledger",
+                         "noise_generator", "noise_generator_device", "loss_scaling",
+                         "clipping_mode"}
 
 
 @pytest.mark.parametrize("change, name", [
@@ -149,7 +139,6 @@ def test_state_dict_is_plain_and_secret_parts_are_copies():
 def test_other_privacy_parameters_are_refused(change, name):
     model, opt, engine = _setup()
     opt.step(loss=_loss(model, _batches(1)[0]))
-    opt.virtual_step(loss=_loss(model, _batches(1, seed=2)[0]))
     state = _roundtrip(engine.state_dict())
     model2, opt2, other = _setup(**change)
     before = other.noise_generator.get_state()
@@ -196,7 +185,11 @@ def test_every_accountant_resumes_to_the_same_epsilon(accountant):
     assert fresh.accountant.history == engine.accountant.history
 
 
-def test_loss_scaling_state_is_restored():
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_loss_scaling_keeps_the_fixed_scale_and_no_counter(dynamic):
+    """A fixed scale is the user's choice (public) and comes back; a dynamic scale moved with
+    which private samples overflowed, so it is not written (the resumed run starts from the
+    scaler it was built with); the overflow counters are never written."""
     def build(scaler):
         model = _model()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -204,7 +197,7 @@ def test_loss_scaling_state_is_restored():
             warnings.simplefilter("ignore")
             engine = pe.PrivacyEngine(model, batch_size=8, sample_size=64, max_grad_norm=0.5,
                                       noise_multiplier=1.0, grad_scaler=scaler,
-                                      dynamic_loss_scale=True,
+                                      dynamic_loss_scale=dynamic,
                                       noise_generator=torch.Generator().manual_seed(0))
         engine.attach(opt)
         return model, opt, engine
@@ -217,35 +210,28 @@ def test_loss_scaling_state_is_restored():
     scaler2 = torch.amp.GradScaler("cpu", init_scale=2.0 ** 3, growth_interval=3)
     _, _, engine2 = build(scaler2)
     engine2.load_state_dict(state)
-    assert scaler2.state_dict() == scaler.state_dict()
+    if dynamic:
+        assert state["loss_scaling"] is None
+        assert scaler2.get_scale() == 2.0 ** 3
+    else:
+        assert scaler2.state_dict() == scaler.state_dict()
     ls = engine2.loss_scaling
-    assert (ls._good_batches, ls.overflow_batches, ls.dropped_samples) == (1, 2, 5)
+    assert (ls._good_batches, ls.overflow_batches, ls.dropped_samples) == (0, 0, 0)
     _, _, plain = _setup()
     with pytest.raises(ValueError, match="grad_scaler"):
         plain.load_state_dict(state)
-
-
-def test_an_accumulation_needs_its_optimizer_attached():
-    model, opt, engine = _setup()
-    opt.virtual_step(loss=_loss(model, _batches(1)[0]))
-    state = engine.state_dict()
-    _, _, fresh = _setup()
-    fresh.detach()
-    with pytest.raises(ValueError, match="attach"):
-        fresh.load_state_dict(state)
 
 
 # -- the file ------------------------------------------------------------------------------------
 def test_checkpoint_file_roundtrip(tmp_path):
     model, opt, engine = _setup()
     opt.step(loss=_loss(model, _batches(1)[0]))
-    opt.virtual_step(loss=_loss(model, _batches(1, seed=2)[0]))
     path = tmp_path / "ckpt.pt"
     pe.save_checkpoint(path, model=model, optimizer=opt, engine=engine,
                        extra={"epoch": 3, "loader": torch.Generator().manual_seed(1).get_state()})
     if os.name == "posix":
         assert (path.stat().st_mode & 0o777) == 0o600  # as secret as the data
-    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt"]
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt", "ckpt.pt.ledger"]
     model2, opt2, engine2 = _setup(noise_seed=77)
     extra = pe.load_checkpoint(path, model=model2, optimizer=opt2, engine=engine2)
     assert extra["epoch"] == 3
@@ -303,10 +289,10 @@ def test_a_failed_write_leaves_the_old_checkpoint_intact(tmp_path, monkeypatch):
         pe.save_checkpoint(path, model=model, optimizer=opt, engine=engine, extra={"n": 2})
     monkeypatch.undo()
     assert path.read_bytes() == old_bytes
-    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt"]
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt", "ckpt.pt.ledger"]
     model2, opt2, engine2 = _setup()
     assert pe.load_checkpoint(path, model=model2, optimizer=opt2, engine=engine2) == {"n": 1}
-    assert engine2.steps_taken == 0
+    assert engine2.steps_taken == 1  # the step released after the checkpoint counts
 
 
 def test_engine_state_dict_function_is_the_method():

@@ -18,7 +18,8 @@
   parameters outside ``fully_shard``, a shared parameter, a torch.func fallback module, FSDP2's
   gradient sync switched back on (refused at the step, nothing updated), an engine state of
   another rank, ``save_checkpoint``.
-* ``engine.state_dict()`` works on every rank and loads on the rank that wrote it; ``detach``
+* ``engine.state_dict()`` works on every rank and loads on the rank that wrote it, with the step
+  ledger that rank 0 writes and no generator state; ``detach``
   gives FSDP2 its own gradient reduction back, ``attach`` takes it again.
 
 Two spawns of two ranks (one per module fixture); each test checks what they returned.
@@ -37,6 +38,7 @@ from torch import nn
 
 import private_engine as pe
 from dist_spawn import run_ranks
+from private_engine.checkpoint import use_ledger
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 if not hasattr(fsdp, "fully_shard"):
@@ -301,7 +303,10 @@ def _refusals(rank, out_dir):
     opt.step(loss=_loss(model, x, y))
     out["sync_then_steps"] = engine.steps_taken
 
-    # the engine's state: written on each rank, loaded on its own rank only
+    # a step ledger opened on every rank (rank 0 writes it), one more step; the engine's state:
+    # written on each rank, loaded on its own rank only, with no generator state (fresh noise)
+    ledger = use_ledger(engine, os.path.join(out_dir, "run.ledger"))
+    opt.step(loss=_loss(model, x, y))
     state = engine.state_dict()
     torch.save(state, os.path.join(out_dir, f"state{rank}.pt"))
     torch.distributed.barrier()
@@ -310,8 +315,11 @@ def _refusals(rank, out_dir):
     attempt("other_rank_state", lambda: engine2.load_state_dict(other))
     engine3, _ = _engine(fsdp.fully_shard(_mlp()))
     engine3.load_state_dict(state)
-    out["own_state_loaded"] = (engine3.steps_taken == 1 and torch.equal(
-        engine3.noise_generator.get_state(), engine.noise_generator.get_state()))
+    out["own_state_loaded"] = (
+        engine3.steps_taken == 2 and state["noise_generator"] is None
+        and state["ledger"]["path"] == ledger.path and ledger.writer == (rank == 0)
+        and not torch.equal(engine3.noise_generator.get_state(),
+                            engine.noise_generator.get_state()))
     attempt("save_checkpoint", lambda: pe.save_checkpoint(
         os.path.join(out_dir, "ckpt.pt"), model=model, optimizer=opt, engine=engine))
     # detach gives FSDP2 its gradient reduction back; attach takes it again

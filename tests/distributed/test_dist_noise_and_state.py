@@ -182,15 +182,18 @@ def _checkpoint(rank, out_dir):
         refused = False
     except ValueError:
         refused = True
+    opt.step(loss=_loss(model, *_mine(rank, *_batch(14))))  # released after the checkpoint
     dist.barrier()  # rank 0's file is written
     model2, engine2, opt2 = build()
     extra = pe.load_checkpoint(path, model=model2, optimizer=opt2, engine=engine2)
-    restored = (torch.equal(engine2.noise_generator.get_state(), saved_state) if rank == 0
-                else engine2.noise_generator is None)
+    loaded_steps = engine2.steps_taken  # the ledger's: the step after the checkpoint counts
+    fresh = (not torch.equal(engine2.noise_generator.get_state(), saved_state) if rank == 0
+             else engine2.noise_generator is None)
     opt2.step(loss=_loss(model2, *_mine(rank, *_batch(13))))
     return {"rank1_file": os.path.exists(os.path.join(out_dir, "ckpt_rank1.pt")),
-            "refused": refused, "extra": extra, "restored": restored, "after": _flat(model2),
-            "steps": engine2.steps_taken}
+            "ledgers": sorted(n for n in os.listdir(out_dir) if n.endswith(".ledger")),
+            "refused": refused, "extra": extra, "fresh": fresh, "after": _flat(model2),
+            "loaded_steps": loaded_steps, "steps": engine2.steps_taken}
 
 
 def _loader(rank):
@@ -288,10 +291,12 @@ def test_check_replicas_raises_on_every_rank(ranks):
 def test_checkpoint_written_by_rank0_loaded_everywhere(ranks):
     c0, c1 = ranks[0]["checkpoint"], ranks[1]["checkpoint"]
     assert not c0["rank1_file"]  # rank 1 returned without writing
+    assert c0["ledgers"] == ["ckpt.pt.ledger"]  # rank 0 records the steps
     assert c0["refused"] and c1["refused"]  # accumulation in progress
     assert c0["extra"] == c1["extra"] == {"epoch": 1}
-    assert c0["restored"] and c1["restored"]
-    assert c0["steps"] == c1["steps"] == 2
+    assert c0["fresh"] and c1["fresh"]  # no generator state: fresh noise on rank 0
+    assert c0["loaded_steps"] == c1["loaded_steps"] == 2
+    assert c0["steps"] == c1["steps"] == 3
     assert torch.equal(c0["after"], c1["after"])
 
 

@@ -154,7 +154,7 @@ def test_checkpoint_keeps_the_state_of_a_given_generator_only(tmp_path):
     """A checkpoint holding the default (entropy) generator's state would let its reader regenerate
     every noise draw of the run: only a user-given (already public) generator's state is saved, for
     a reproducible resume."""
-    for given in (None, torch.Generator().manual_seed(3)):
+    for k, given in enumerate((None, torch.Generator().manual_seed(3))):
         torch.manual_seed(0)
         model = nn.Linear(4, 3)
         engine = opacus_compat.PrivacyEngine(accountant="rdp")
@@ -164,7 +164,7 @@ def test_checkpoint_keeps_the_state_of_a_given_generator_only(tmp_path):
                 module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
                 data_loader=DataLoader(TensorDataset(torch.randn(N, 4)), batch_size=8),
                 noise_multiplier=1.0, max_grad_norm=1.0, noise_generator=given)
-        path = tmp_path / "ckpt.pt"
+        path = tmp_path / f"ckpt{k}.pt"  # two runs: each its own checkpoint and step ledger
         engine.save_checkpoint(path=path, module=module, optimizer=optimizer)
         saved = torch.load(path, weights_only=False)
         assert ("noise_generator_state" in saved) == (given is not None)
