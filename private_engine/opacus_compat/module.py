@@ -417,6 +417,7 @@ class PrivateModule(nn.Module):
                 "enable_hooks() before the backward."
             )
         self._check_trainable(params)
+        self.batch_flow.end()  # the step's region, closed in its backward, leaves the stack here
         self.state_guard.check()
         if self._clipped_at and self._clipped_at != {self.current_max_grad_norm()}:
             raise ValueError(

@@ -270,3 +270,75 @@ def test_state_guard_passes_a_model_that_writes_nothing():
         opt.step(loss=F.mse_loss(model(x), t, reduction="none").sum(1))
     assert engine.steps_taken == 3
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+# -- the model's own randomness ----------------------------------------------------------------
+def tiny_gpt2():
+    """A GPT-2 with its default dropout (0.1 on embeddings, attention and residuals)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=30, n_positions=8,
+                                     bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(config).train()
+
+
+def gpt2_logits(model, ids):
+    B, T = ids.shape
+    return model(input_ids=ids, position_ids=torch.arange(T).expand(B, T)).logits
+
+
+def test_dropout_masks_are_secret_under_a_public_seed():
+    """A script seeds torch publicly; without the engine GPT-2's dropout masks follow from the
+    seed, with it they do not (two runs from the same seed differ), and the script's own draws
+    after the forward continue as if the forward had drawn nothing."""
+    ids = torch.randint(0, 30, (4, 6), generator=torch.Generator().manual_seed(1))
+
+    def run(engine: bool):
+        model = tiny_gpt2()
+        if engine:
+            pe.PrivacyEngine(model, batch_size=4, sample_size=40, max_grad_norm=1.0,
+                             noise_multiplier=1.0)
+        torch.manual_seed(7)
+        out = gpt2_logits(model, ids)
+        return out, torch.rand(4)
+
+    plain_a, _ = run(False)
+    plain_b, _ = run(False)
+    assert torch.equal(plain_a, plain_b)  # the public seed fixes the masks
+    secret_a, after_a = run(True)
+    secret_b, after_b = run(True)
+    assert not torch.equal(secret_a, secret_b) and not torch.equal(secret_a, plain_a)
+    torch.manual_seed(7)
+    assert torch.equal(after_a, torch.rand(4)) and torch.equal(after_a, after_b)
+
+
+def test_dropout_masks_follow_a_given_noise_generator():
+    """A reproducible run (a noise_generator given, with its warning) keys the model's randomness
+    from it too: two runs agree; the masks still do not come from torch's global seed."""
+    ids = torch.randint(0, 30, (4, 6), generator=torch.Generator().manual_seed(1))
+    outs = []
+    for seed in (5, 5, 6):
+        model = tiny_gpt2()
+        pe.PrivacyEngine(model, batch_size=4, sample_size=40, max_grad_norm=1.0,
+                         noise_multiplier=1.0, noise_generator=torch.Generator().manual_seed(seed))
+        torch.manual_seed(int(torch.randint(0, 1000, (1,))))
+        outs.append(gpt2_logits(model, ids))
+    assert torch.equal(outs[0], outs[1]) and not torch.equal(outs[0], outs[2])
+
+
+def test_dropout_in_eval_mode_and_outside_the_engine_is_untouched():
+    """Evaluation forwards draw nothing, and a model without the engine keeps torch's draws."""
+    model = tiny_gpt2()
+    engine = pe.PrivacyEngine(model, batch_size=4, sample_size=40, max_grad_norm=1.0,
+                              noise_multiplier=1.0)
+    ids = torch.randint(0, 30, (4, 6))
+    model.eval()
+    with torch.no_grad():
+        a, b = gpt2_logits(model, ids), gpt2_logits(model, ids)
+    assert torch.equal(a, b)
+    engine.detach()
+    model.train()
+    torch.manual_seed(3)
+    c = gpt2_logits(model, ids)
+    torch.manual_seed(3)
+    assert torch.equal(c, gpt2_logits(model, ids))

@@ -9,7 +9,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 from torch.nn.parameter import UninitializedTensorMixin
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+from torch.utils._python_dispatch import (TorchDispatchMode, _get_current_dispatch_mode,
+                                          _get_current_dispatch_mode_stack)
 
 from ...capture.fallback import replaying
 from ..separability import BatchMixingError
@@ -105,24 +106,26 @@ class BatchFlow(TorchDispatchMode):
             if other is not self:
                 other.end()
         _OPEN[:] = [self]
+        _tidy()
         self.batch = rows
         self.active = True
         self.epoch += 1
         self.last_scalar = None
         self._buffers = {id(b) for b in self.model.buffers()}
-        if not self.pushed:
+        if not any(m is self for m in _get_current_dispatch_mode_stack()):
             self.__enter__()
-            self.pushed = True
+        self.pushed = True
 
     def end(self) -> None:
-        """Close the region: the mode leaves the dispatch stack when it is on top (else it passes
-        every op through until it is)."""
+        """Close the region. The mode leaves the dispatch stack when it is on top and no backward
+        is running (autograd restores the stack it started with, so a pop inside a backward hook
+        would not last); otherwise it stays, passing every op through, until a later region's
+        start or the next :meth:`end` outside a backward takes it off."""
         self.active = False
-        if self.pushed and _get_current_dispatch_mode() is self:
-            self.__exit__(None, None, None)
-            self.pushed = False
-        if not self.pushed and self in _OPEN:
+        if self in _OPEN:
             _OPEN.remove(self)
+        _tidy()
+
 
     # -- checks --------------------------------------------------------------------------------
     def check_loss(self, loss: torch.Tensor) -> None:
@@ -325,10 +328,27 @@ class BatchFlow(TorchDispatchMode):
 
 def advice(why: str) -> str:
     """What to change, for the kind of mixing ``why`` describes."""
-    if "nll_loss" in why or "reduction" in why or "reduces over the batch" in why:
+    if ("nll_loss" in why or "reduction" in why or "reduces over the batch" in why
+            or "sum over the batch" in why):
         return ("A loss averaged over the batch (dividing by a count over all samples, as "
                 "reduction=\"mean\" does, with or without ignore_index) couples samples: compute "
                 "each sample's loss from its own rows, e.g. with reduction=\"none\" and "
                 "(token_loss * mask).sum(1) / mask.sum(1).clamp(min=1).")
     return ("Compute every op per sample: no reduction, sort, softmax, flip, roll or index over "
             "the batch dimension, and no value kept from an earlier batch.")
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def _tidy() -> None:
+    """Take closed trackers off the top of the dispatch stack (never inside a backward)."""
+    if _in_backward():
+        return
+    while True:
+        top = _get_current_dispatch_mode()
+        if not (isinstance(top, BatchFlow) and not top.active):
+            return
+        top.__exit__(None, None, None)
+        top.pushed = False
