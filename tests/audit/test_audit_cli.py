@@ -4,6 +4,8 @@ import importlib.util
 import re
 from pathlib import Path
 
+import pytest
+
 from private_engine.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,3 +41,18 @@ def test_example_sweep_prints_a_table_and_saves_the_plot(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "claimed ε" in out and "noise_scaled×100" in out and "consistent" in out
     assert plot.stat().st_size > 0
+
+
+def test_cli_audit_paths_door_and_mode_print_a_line_per_path(capsys):
+    code = main(["audit", "--canaries", "90", "--steps", "3", "--data-size", "10", "--epsilon",
+                 "4", "--paths", "traced,conv", "--door", "opacus"])
+    out = capsys.readouterr().out.splitlines()
+    assert code == 0 and out[0].startswith("consistent: ") and "2 paths" in out[0], out
+    assert "door=opacus" in out[0]
+    assert [line.split()[0] for line in out[2:4]] == ["conv", "traced"], out
+    code = main(["audit", "--canaries", "40", "--steps", "2", "--data-size", "10", "--epsilon",
+                 "4", "--paths", "linear", "--clipping-mode", "ghost"])
+    out = capsys.readouterr().out.splitlines()
+    assert code == 0 and len(out) == 1 and "mode=ghost" in out[0], out
+    with pytest.raises(SystemExit):
+        main(["audit", "--paths", "linear,attention"])
