@@ -191,8 +191,9 @@ class AuditConfig:
 @dataclass
 class PathResult:
     """One path's canaries judged alone: its best rule's bound (each per-path rule is tested at
-    its share of β/2), its guesses and the most its guesses could certify
-    (``epsilon_ceiling``)."""
+    its share of β/2) and guesses. ``epsilon_reach``: the bound its rules give when every guess
+    is right (at the run's δ) — what the path shows when its clipping is broken, so a path
+    broken alone is flagged only where ``epsilon_reach`` exceeds the claimed ε."""
 
     path: str
     canaries: int
@@ -202,7 +203,7 @@ class PathResult:
     correct: int
     k_plus: int
     k_minus: int
-    epsilon_ceiling: float
+    epsilon_reach: float
 
 
 @dataclass
@@ -264,6 +265,12 @@ class AuditResult:
         return self.epsilon_lower > self.epsilon_claimed
 
     @property
+    def path_reach(self) -> Optional[float]:
+        """The smallest ``epsilon_reach`` over the paths (None with one path): a single broken
+        path can be flagged only where this exceeds the claimed ε."""
+        return min((r.epsilon_reach for r in self.path_results), default=None)
+
+    @property
     def flagged_paths(self) -> Tuple[str, ...]:
         """The paths whose own canaries give a bound above the claimed ε."""
         return tuple(r.path for r in self.path_results
@@ -276,6 +283,10 @@ class AuditResult:
         on = "" if self.rule == "all" else f" on the {self.rule} canaries"
         flagged = (f"; flagged paths: {', '.join(self.flagged_paths)}" if self.flagged_paths
                    else "")
+        reach = self.path_reach
+        if reach is not None and reach <= self.epsilon_claimed:
+            flagged += (f"; one path's canaries reach at most ε={reach:.2f}: a path broken alone "
+                        "would not be flagged at this size")
         paths = ("" if len(self.paths) == 1 and self.paths[0] == "linear"
                  else f", {len(self.paths)} paths")
         run = "" if self.door == "native" else f" door={self.door}"

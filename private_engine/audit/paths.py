@@ -100,8 +100,12 @@ class AttentionHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # need_weights: the explicit softmax(QKᵀ)V path, which torch.func batches (the fused
-        # CPU attention kernel has no batching rule: the fallback would loop over samples)
-        return self.mha(x, x, x, need_weights=True)[0]
+        # CPU attention kernel has no batching rule: the fallback would loop over samples). The
+        # weights (rows of 1/2, 1/2: they sum to 1 exactly) enter as Σ_s w − 1 = 0, so that both
+        # outputs carry a gradient for the engine's separability probe; no trained parameter
+        # reaches them
+        out, weights = self.mha(x, x, x, need_weights=True)
+        return out + (weights.sum(-1, keepdim=True) - 1)
 
 
 class UnruledLinear(nn.Linear):

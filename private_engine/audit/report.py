@@ -22,15 +22,16 @@ def format_table(results: Sequence[AuditResult]) -> str:
 
 
 def format_paths(result: AuditResult) -> str:
-    """One line per audited path: its canaries judged alone — ε_lower, right guesses, the most its
-    guesses can certify — and whether they refute the claimed ε."""
-    head = (f"  {'path':<12} {'canaries':>8} {'ε_lower':>8} {'ceiling':>7} "
+    """One line per audited path: its canaries judged alone — ε_lower, right guesses, the bound if
+    every guess were right (``reach``: what a broken path shows) — and whether they refute the
+    claimed ε."""
+    head = (f"  {'path':<12} {'canaries':>8} {'ε_lower':>8} {'reach':>7} "
             f"{'correct/guesses':>15}  verdict")
     lines = [head]
     for p in result.path_results:
         verdict = "VIOLATION" if p.epsilon_lower > result.epsilon_claimed else "consistent"
         lines.append(f"  {p.path:<12} {p.canaries:>8} {p.epsilon_lower:>8.3f} "
-                     f"{p.epsilon_ceiling:>7.2f} {f'{p.correct}/{p.guesses}':>15}  {verdict}")
+                     f"{p.epsilon_reach:>7.2f} {f'{p.correct}/{p.guesses}':>15}  {verdict}")
     return "\n".join(lines)
 
 

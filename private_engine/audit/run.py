@@ -129,7 +129,7 @@ def run_audit(config: AuditConfig = None, **overrides) -> AuditResult:
     path), so the best bound holds at confidence 1 − β."""
     from dataclasses import replace
 
-    from .bound import epsilon_ceiling, union_bounds
+    from .bound import epsilon_ceiling, epsilon_lower_bound, union_bounds
     from .config import PathResult
     from .scores import canary_scores, guess_outcomes
     from .training import observe_training
@@ -175,6 +175,10 @@ def run_audit(config: AuditConfig = None, **overrides) -> AuditResult:
         mine = [g for g in bounds if g.label == label]
         return epsilon_ceiling(max(g.guesses for g in mine), mine[0].beta)
 
+    def reach(label):
+        return max(epsilon_lower_bound(g.canaries, g.guesses, g.guesses, config.delta, g.beta)
+                   for g in bounds if g.label == label)
+
     path_results = []
     if len(names) > 1:
         for name, span in spans:
@@ -183,7 +187,7 @@ def run_audit(config: AuditConfig = None, **overrides) -> AuditResult:
             path_results.append(PathResult(
                 path=name, canaries=split[name], included=int(included[span].sum()),
                 epsilon_lower=mine.epsilon_lower, guesses=mine.guesses, correct=mine.correct,
-                k_plus=mine.k_plus, k_minus=mine.k_minus, epsilon_ceiling=ceiling(name)))
+                k_plus=mine.k_plus, k_minus=mine.k_minus, epsilon_reach=reach(name)))
     verdict = VERDICT_VIOLATION if best.epsilon_lower > eps_claimed else VERDICT_OK
     return AuditResult(
         epsilon_lower=best.epsilon_lower, epsilon_claimed=eps_claimed, delta=config.delta,
