@@ -284,7 +284,7 @@ class AuditResult:
         flagged = (f"; flagged paths: {', '.join(self.flagged_paths)}" if self.flagged_paths
                    else "")
         reach = self.path_reach
-        if reach is not None and reach <= self.epsilon_claimed:
+        if reach is not None and reach <= self.epsilon_claimed and not self.violation:
             flagged += (f"; one path's canaries reach at most ε={reach:.2f}: a path broken alone "
                         "would not be flagged at this size")
         paths = ("" if len(self.paths) == 1 and self.paths[0] == "linear"
