@@ -56,3 +56,15 @@ def test_cli_audit_paths_door_and_mode_print_a_line_per_path(capsys):
     assert code == 0 and len(out) == 1 and "mode=ghost" in out[0], out
     with pytest.raises(SystemExit):
         main(["audit", "--paths", "linear,attention"])
+
+
+def test_example_audits_every_path_when_asked(capsys, tmp_path):
+    spec = importlib.util.spec_from_file_location("privacy_audit_example",
+                                                  ROOT / "examples" / "privacy_audit.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    example.main(["--canaries", "90", "--data-size", "10", "--steps", "3", "--epsilons", "2",
+                  "--delta", "1e-5", "--paths", "all", "--door", "opacus",
+                  "--plot", str(tmp_path / "sweep.png")])
+    out = capsys.readouterr().out
+    assert "each path's canaries alone" in out and "groupnorm" in out and "fallback" in out
