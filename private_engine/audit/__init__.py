@@ -1,19 +1,27 @@
 """Empirical privacy audit: a lower bound on ε from one training run with gradient canaries.
 
 The one-run method of Steinke, Nasr & Jagielski (2023), "Privacy Auditing with One (1) Training
-Run", applied to the real :class:`private_engine.PrivacyEngine` (its clipping, noise and Poisson
-sampling). ``run_audit(AuditConfig(...))`` returns an :class:`AuditResult` with the empirical
-``epsilon_lower``, the ``epsilon_claimed`` by the accountant and a verdict; docs/audit.md.
+Run", applied to the real engine (its clipping, noise and Poisson sampling), through either door
+(:class:`private_engine.PrivacyEngine` or the Opacus drop-in), in any clipping mode, with canaries
+on every clipping path: a canary head per layer rule (Linear with and without bias, Conv,
+Embedding, LayerNorm, GroupNorm), the parameter tracer, the ``torch.func`` fallback and sequence
+inputs. ``run_audit(AuditConfig(...))`` returns an :class:`AuditResult` with the empirical
+``epsilon_lower``, the ``epsilon_claimed`` by the accountant, a verdict and, per path, the bound
+of that path's canaries alone; docs/audit.md.
 
 Modules: ``bound`` (the theorem's p-value and the ε lower bound), ``canaries`` (inclusion,
-directions, data set), ``model`` (the audited MLP and its canary head), ``training`` (the
-observed engine run), ``scores`` (scores and guesses), ``run`` (``run_audit``), ``report``
-(tables and plots), ``command`` (the ``private-engine audit`` options).
+directions, data set), ``paths`` (a canary head and canaries per clipping path, ``paths_of``),
+``model`` (the audited MLP and its canary heads), ``training`` (the observed engine run),
+``scores`` (scores and guesses), ``run`` (``run_audit``), ``report`` (tables and plots),
+``command`` (the ``private-engine audit`` options).
 """
-from .bound import best_bound, epsilon_ceiling, epsilon_lower_bound, p_value
-from .config import CONTROLS, DIRECTIONS, SCORES, AuditConfig, AuditResult
-from .run import VERDICT_OK, VERDICT_VIOLATION, run_audit
+from .bound import best_bound, epsilon_ceiling, epsilon_lower_bound, p_value, union_bounds
+from .config import (CONTROLS, DIRECTIONS, DOORS, PATHS, SCORES, AuditConfig, AuditResult,
+                     PathResult)
+from .paths import paths_of
+from .run import VERDICT_OK, VERDICT_VIOLATION, build_audit, run_audit
 
-__all__ = ["AuditConfig", "AuditResult", "run_audit", "p_value", "epsilon_lower_bound",
-           "epsilon_ceiling", "best_bound", "CONTROLS", "SCORES", "DIRECTIONS", "VERDICT_OK",
+__all__ = ["AuditConfig", "AuditResult", "PathResult", "run_audit", "build_audit", "paths_of",
+           "p_value", "epsilon_lower_bound", "epsilon_ceiling", "best_bound", "union_bounds",
+           "CONTROLS", "SCORES", "DIRECTIONS", "DOORS", "PATHS", "VERDICT_OK",
            "VERDICT_VIOLATION"]

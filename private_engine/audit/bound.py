@@ -22,17 +22,23 @@ is closed form: ``p^r = β``, ``ε_lower = log(p / (1 − p))`` with ``p = β^{1
 
 Several guess counts tried on the same scores (top k₊ / bottom k₋ for a few pairs) are
 combined by a union bound: each pair is tested at ``β / J`` for J pairs (:func:`best_bound`).
+Rules may also guess on different subsets of the canaries — all of them, or one clipping path's
+alone — each with the theorem for its own subset of m' canaries (the other canaries' inclusion
+is independent randomness of the mechanism, which keeps it (ε, δ)-DP in each of the m'); the
+levels of all rules add up to β (:func:`union_bounds`: β/2 for the rules on all canaries, β/2
+shared by the per-path rules).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 import numpy as np
 from scipy import optimize, special, stats
 
-__all__ = ["p_value", "epsilon_lower_bound", "epsilon_ceiling", "best_bound", "GuessBound"]
+__all__ = ["p_value", "epsilon_lower_bound", "epsilon_ceiling", "best_bound", "union_bounds",
+           "GuessBound"]
 
 #: ε above which the search stops (p = e^ε/(1+e^ε) is 1 to double precision beyond ≈ 37)
 EPSILON_MAX = 30.0
@@ -99,13 +105,16 @@ def epsilon_ceiling(r: int, beta: float = 0.05) -> float:
 @dataclass(frozen=True)
 class GuessBound:
     """The bound of one guessing rule: ``k_plus`` "included" and ``k_minus`` "excluded" guesses,
-    ``correct`` of them right, tested at ``beta``."""
+    ``correct`` of them right, tested at ``beta``; ``canaries``: the m of its theorem (0: not
+    recorded); ``label``: which canaries it guessed on."""
 
     k_plus: int
     k_minus: int
     correct: int
     beta: float
     epsilon_lower: float
+    canaries: int = 0
+    label: str = ""
 
     @property
     def guesses(self) -> int:
@@ -119,7 +128,24 @@ def best_bound(m: int, outcomes: Sequence[Tuple[int, int, int]], delta: float,
     1 − β)."""
     if not outcomes:
         raise ValueError("no guessing rule given.")
-    b = beta / len(outcomes)
-    bounds = [GuessBound(kp, km, v, b, epsilon_lower_bound(m, kp + km, v, delta, b))
-              for kp, km, v in outcomes]
+    bounds = union_bounds([[(m, kp, km, v, "") for kp, km, v in outcomes]], delta, beta)
     return max(bounds, key=lambda g: (g.epsilon_lower, g.correct))
+
+
+def union_bounds(families: Sequence[Sequence[Tuple[int, int, int, int, str]]], delta: float,
+                 beta: float) -> List[GuessBound]:
+    """The bound of every rule ``(m, k₊, k₋, correct, label)`` — ``k₊ + k₋`` guesses on a set of
+    m canaries, ``correct`` of them right — of F families of rules: each family gets ``β / F``,
+    shared equally by its rules (Steinke, Nasr & Jagielski 2023, "Privacy Auditing with One (1)
+    Training Run", Theorem 3.1, for each rule's own m; the levels sum to β, so by the union bound
+    every bound, hence their maximum, holds at confidence 1 − β). One family of J rules: each at
+    ``β / J``."""
+    families = [f for f in families if f]
+    if not families:
+        raise ValueError("no guessing rule given.")
+    out = []
+    for family in families:
+        b = beta / len(families) / len(family)
+        out += [GuessBound(kp, km, v, b, epsilon_lower_bound(m, kp + km, v, delta, b), m, label)
+                for m, kp, km, v, label in family]
+    return out

@@ -1,4 +1,5 @@
-"""The ``private-engine audit`` command: options, one audit, a one-line summary.
+"""The ``private-engine audit`` command: options, one audit, a one-line summary (and, with more
+than one path audited, a line per path).
 
 Exit status 0 when the outcome is the expected one — "consistent" for the engine as it is, a
 VIOLATION for a positive control (``--control noise_scaled`` or ``clip_scaled``) — and 1
@@ -8,9 +9,21 @@ from __future__ import annotations
 
 import argparse
 
-from .config import CONTROLS, DIRECTIONS, SCORES, AuditConfig
+from ..clipping.plan import CLIPPING_MODES
+from .config import CONTROLS, DIRECTIONS, DOORS, PATHS, SCORES, AuditConfig
 
 __all__ = ["add_audit_arguments", "config_from_args", "run_audit_command"]
+
+
+def _paths(text: str):
+    """``all`` or comma-separated path names."""
+    if text == "all":
+        return text
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in PATHS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown path(s) {unknown}; paths: {','.join(PATHS)}")
+    return names
 
 
 def add_audit_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -18,6 +31,14 @@ def add_audit_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     d = AuditConfig()
     p.add_argument("--canaries", type=int, default=d.canaries,
                    help=f"m, each included with probability 1/2 (default {d.canaries})")
+    p.add_argument("--paths", type=_paths, default=d.paths,
+                   help=f"clipping paths to audit, comma-separated, or 'all' (default): "
+                        f"{','.join(PATHS)}")
+    p.add_argument("--door", default=d.door, choices=list(DOORS),
+                   help="native PrivacyEngine (step(loss=…)) or the Opacus drop-in "
+                        "(make_private, loss.backward())")
+    p.add_argument("--clipping-mode", default=d.clipping_mode, choices=list(CLIPPING_MODES),
+                   help=f"the engine's clipping mode (native door; default {d.clipping_mode})")
     p.add_argument("--steps", type=int, default=d.steps, help=f"DP-SGD steps ({d.steps})")
     p.add_argument("--batch-size", type=int, default=None,
                    help="expected logical batch (default: half the rows, q ≈ 1/2)")
@@ -48,7 +69,9 @@ def add_audit_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> AuditConfig:
     """The :class:`AuditConfig` of parsed options."""
-    return AuditConfig(canaries=args.canaries, steps=args.steps, batch_size=args.batch_size,
+    return AuditConfig(canaries=args.canaries, paths=args.paths, door=args.door,
+                       clipping_mode=args.clipping_mode, steps=args.steps,
+                       batch_size=args.batch_size,
                        data_size=args.data_size, epsilon=args.epsilon,
                        noise_multiplier=args.noise_multiplier, delta=args.delta,
                        max_grad_norm=args.max_grad_norm, accountant=args.accountant,
@@ -59,11 +82,13 @@ def config_from_args(args: argparse.Namespace) -> AuditConfig:
 
 def run_audit_command(args: argparse.Namespace) -> int:
     """Run one audit, print its summary line (and save the plot); the exit status."""
-    from .report import plot_scores
+    from .report import format_paths, plot_scores
     from .run import run_audit
 
     result = run_audit(config_from_args(args))
     print(result.summary())
+    if result.path_results:
+        print(format_paths(result))
     if args.plot:
         plot_scores(result, args.plot)
         print(f"plot: {args.plot}")

@@ -5,7 +5,7 @@ from typing import Sequence
 
 from .config import AuditResult
 
-__all__ = ["format_table", "plot_sweep", "plot_scores"]
+__all__ = ["format_table", "format_paths", "plot_sweep", "plot_scores"]
 
 
 def format_table(results: Sequence[AuditResult]) -> str:
@@ -18,6 +18,20 @@ def format_table(results: Sequence[AuditResult]) -> str:
         lines.append(f"{control:<18} {r.epsilon_claimed:>9.3f} {r.noise_multiplier:>7.4f} "
                      f"{r.epsilon_lower:>8.3f} {r.epsilon_ceiling:>7.2f} "
                      f"{f'{r.correct}/{r.guesses}':>15} {r.seconds:>7.1f}  {r.verdict}")
+    return "\n".join(lines)
+
+
+def format_paths(result: AuditResult) -> str:
+    """One line per audited path: its canaries judged alone — ε_lower, right guesses, the bound if
+    every guess were right (``reach``: what a broken path shows) — and whether they refute the
+    claimed ε."""
+    head = (f"  {'path':<12} {'canaries':>8} {'ε_lower':>8} {'reach':>7} "
+            f"{'correct/guesses':>15}  verdict")
+    lines = [head]
+    for p in result.path_results:
+        verdict = "VIOLATION" if p.epsilon_lower > result.epsilon_claimed else "consistent"
+        lines.append(f"  {p.path:<12} {p.canaries:>8} {p.epsilon_lower:>8.3f} "
+                     f"{p.epsilon_reach:>7.2f} {f'{p.correct}/{p.guesses}':>15}  {verdict}")
     return "\n".join(lines)
 
 

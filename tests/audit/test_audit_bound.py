@@ -107,3 +107,21 @@ def test_degenerate_inputs():
         p_value(10, 5, 6, 1.0)
     with pytest.raises(ValueError):
         epsilon_lower_bound(10, 5, 5, 0.0, beta=0)
+
+
+def test_union_bounds_share_beta_between_families():
+    from private_engine.audit.bound import union_bounds
+
+    pooled = [(1000, k, k, 2 * k, "all") for k in (10, 100, 400)]
+    per_path = [(100, k, k, 2 * k, name) for name in ("a", "b") for k in (20, 40)]
+    bounds = union_bounds([pooled, per_path], 1e-5, 0.05)
+    levels = {g.label: g.beta for g in bounds}
+    assert levels["all"] == pytest.approx(0.05 / 2 / 3) and levels["a"] == pytest.approx(0.05 / 8)
+    assert sum(g.beta for g in bounds) == pytest.approx(0.05)  # the union bound's levels
+    assert all(g.epsilon_lower == pytest.approx(epsilon_lower_bound(g.canaries, g.guesses,
+                                                                    g.correct, 1e-5, g.beta))
+               for g in bounds)
+    # one family (or an empty second one): every rule at β / J, as best_bound
+    alone = union_bounds([pooled, []], 1e-5, 0.05)
+    assert max(g.epsilon_lower for g in alone) == \
+        best_bound(1000, [r[1:4] for r in pooled], 1e-5, 0.05).epsilon_lower

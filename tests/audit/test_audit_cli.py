@@ -4,6 +4,8 @@ import importlib.util
 import re
 from pathlib import Path
 
+import pytest
+
 from private_engine.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,3 +41,30 @@ def test_example_sweep_prints_a_table_and_saves_the_plot(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "claimed ε" in out and "noise_scaled×100" in out and "consistent" in out
     assert plot.stat().st_size > 0
+
+
+def test_cli_audit_paths_door_and_mode_print_a_line_per_path(capsys):
+    code = main(["audit", "--canaries", "90", "--steps", "3", "--data-size", "10", "--epsilon",
+                 "4", "--paths", "traced,conv", "--door", "opacus"])
+    out = capsys.readouterr().out.splitlines()
+    assert code == 0 and out[0].startswith("consistent: ") and "2 paths" in out[0], out
+    assert "door=opacus" in out[0]
+    assert [line.split()[0] for line in out[2:4]] == ["conv", "traced"], out
+    code = main(["audit", "--canaries", "40", "--steps", "2", "--data-size", "10", "--epsilon",
+                 "4", "--paths", "linear", "--clipping-mode", "ghost"])
+    out = capsys.readouterr().out.splitlines()
+    assert code == 0 and len(out) == 1 and "mode=ghost" in out[0], out
+    with pytest.raises(SystemExit):
+        main(["audit", "--paths", "linear,attention"])
+
+
+def test_example_audits_every_path_when_asked(capsys, tmp_path):
+    spec = importlib.util.spec_from_file_location("privacy_audit_example",
+                                                  ROOT / "examples" / "privacy_audit.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    example.main(["--canaries", "90", "--data-size", "10", "--steps", "3", "--epsilons", "2",
+                  "--delta", "1e-5", "--paths", "all", "--door", "opacus",
+                  "--plot", str(tmp_path / "sweep.png")])
+    out = capsys.readouterr().out
+    assert "each path's canaries alone" in out and "groupnorm" in out and "fallback" in out
