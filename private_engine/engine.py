@@ -366,13 +366,15 @@ class PrivacyEngine:
         norms and dropped samples are recorded for :attr:`last_norms` / :attr:`dropped_samples`."""
         if self.sharded:
             self.distributed.check_fsdp_state()
+        self.model_randomness.end()  # the step's forward and loss are over
         try:
             with self._unsharded():  # FSDP2: one all-gather per physical batch on every rank
                 batch = clip_batch(self.clipper, loss, loss_scaling=self.loss_scaling,
                                    names=self._names,
                                    all_dropped_hint="the model may have diverged (lower the "
                                    "learning rate; float16: pass grad_scaler=).")
-            self.state_guard.check()  # nothing of this batch is released before it
+            # nothing of this batch is released before the state guard has seen the step
+            self.state_guard.check(self.clipper.batch_flow.written_storages)
         except BaseException:
             self.state_guard.disarm()
             raise

@@ -259,57 +259,64 @@ def is_mt19937(g: torch.Generator) -> bool:
 
 # -- the model's own randomness ------------------------------------------------------------------
 class SecretModelRandomness:
-    """Draws the randomness of a model's training forwards (dropout, stochastic depth, anything
-    that reads torch's default generators) from a secret generator.
+    """Draws the randomness of a private step's forward and loss (dropout, stochastic depth,
+    anything that reads torch's default generators) from a secret generator.
 
     Scripts seed torch's global generator publicly (``torch.manual_seed(0)``) for reproducible
     initialisation and data order; dropout masks drawn from it would be known to whoever knows the
     seed, and they are drawn position by position over the batch, so one sample's presence shifts
-    every later sample's mask. With secret masks drawn afresh for every forward, the honest
-    samples' masks are independent of the data and identically distributed with or without any
-    one sample: conditioned on the masks the step is the Gaussian mechanism on per-sample clipped
-    gradients, so the guarantee holds for the mixture over masks too (each sample's mask is a
-    secret random input of its own loss, like a random augmentation).
+    every later sample's mask. With secret masks drawn afresh for every step, the honest samples'
+    masks are independent of the data and identically distributed with or without any one sample:
+    conditioned on the masks the step is the Gaussian mechanism on per-sample clipped gradients,
+    so the guarantee holds for the mixture over masks too (each sample's mask is a secret random
+    input of its own loss, like a random augmentation).
 
-    ``install()`` registers a forward pre-hook and a forward hook on ``model``: a forward with grad
-    enabled in training mode swaps torch's CPU default generator (and the CUDA default generator
-    of every device the model's parameters live on) for a state keyed from the secret generator
-    (a full MT19937 state on the CPU, a 64-bit Philox key on CUDA), and the hook puts the user's
-    states back, so the user's own draws (data order, augmentation in the loop) continue as if
-    the forward had drawn nothing. Activation checkpointing replays the forward with the state it
-    saved, the secret one.
+    ``install()`` registers a forward pre-hook on ``model`` and on each of its submodules: the
+    first forward with grad enabled in training mode — the model's, or a submodule's that a loop
+    calls directly — swaps torch's CPU default generator (and the CUDA default generator of every
+    device the model's parameters live on) for a state keyed from the secret generator (a full
+    MT19937 state on the CPU, a 64-bit Philox key on CUDA). The user's states come back at
+    :meth:`end` — when the engine takes the step's loss, so that randomness the loss draws from
+    torch's generators is secret too —, at a forward without grad, or when a forward raises; the
+    user's own draws (data order, augmentation) then continue as if the step had drawn nothing.
+    Activation checkpointing replays the forward with the state it saved, the secret one.
     """
 
     def __init__(self, model, generator: Optional[torch.Generator] = None):
         self.model = model
         self.generator = generator if generator is not None else entropy_seeded_generator("cpu")
-        self._saved: List[tuple] = []
+        self._saved: Optional[tuple] = None
         self._handles: list = []
 
     def install(self) -> "SecretModelRandomness":
         """Register the hooks (again after :meth:`remove`); returns self."""
         if not self._handles:
-            self._handles = [
-                self.model.register_forward_pre_hook(self._pre, prepend=True),
-                self.model.register_forward_hook(self._post, always_call=True)]
+            self._handles = [m.register_forward_pre_hook(self._pre, prepend=True)
+                             for m in self.model.modules()]
+            self._handles.append(self.model.register_forward_hook(self._post, always_call=True))
         return self
 
     def remove(self) -> None:
-        """Remove the hooks (and put back any user state still swapped out)."""
+        """Remove the hooks (and put back the user's states if they are still swapped out)."""
         for h in self._handles:
             h.remove()
         self._handles = []
-        while self._saved:
-            self._restore()
+        self.end()
 
     def _devices(self) -> List[torch.device]:
         devices = {p.device for p in self.model.parameters() if p.device.type == "cuda"}
         return sorted(devices, key=lambda d: -1 if d.index is None else d.index)
 
     def _pre(self, module, args) -> None:
-        if not (module.training and torch.is_grad_enabled()):
-            self._saved.append(())
+        if not torch.is_grad_enabled():
+            if module is self.model:
+                self.end()  # an evaluation forward draws from the user's generators
             return None
+        if self._saved is None and module.training:
+            self._swap()
+        return None
+
+    def _swap(self) -> None:
         saved = [("cpu", None, torch.default_generator.get_state())]
         template = mt19937_template()
         if template is not None:
@@ -325,14 +332,15 @@ class SecretModelRandomness:
             saved.append(("cuda", cuda, cuda.get_state()))
             words = torch.randint(0, 1 << 32, (2,), generator=self.generator, dtype=torch.int64)
             cuda.manual_seed(int(words[0]) << 32 | int(words[1]))
-        self._saved.append(tuple(saved))
-        return None
+        self._saved = tuple(saved)
 
     def _post(self, module, args, output) -> None:
-        if self._saved:
-            self._restore()
+        if sys.exc_info()[0] is not None:
+            self.end()  # the forward raised: no loss of this step will come
         return None
 
-    def _restore(self) -> None:
-        for kind, gen, state in self._saved.pop():
+    def end(self) -> None:
+        """Put the user's generator states back (the step's forward and loss are over)."""
+        saved, self._saved = self._saved, None
+        for kind, gen, state in saved or ():
             (torch.default_generator if kind == "cpu" else gen).set_state(state)

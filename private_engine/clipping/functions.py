@@ -66,22 +66,32 @@ def per_sample_factors(clip_fn: ClipFn, norms: torch.Tensor,
     factor to the largest norm of the batch, and one sample could then move all the others).
 
     ``torch.vmap`` over ``norms.view(B, 1)`` calls the function on a batch of one norm per sample,
-    in one vectorised call; a function vmap cannot run (data-dependent control flow, random draws)
-    is called once per sample instead. Returns ``(B,)`` factors, or whatever the function returned
-    if it does not give one value per call (refused by :func:`clip_factors`).
+    in one vectorised call. A function vmap cannot run (Python control flow on a norm's value,
+    ``float()``/``.item()``, random draws) is refused with a ``ValueError``: called sample by
+    sample in batch order it could carry state from one sample's call to the next. Returns what
+    the function returned, ``(B,)`` when it gives one value per call (else refused by
+    :func:`clip_factors`).
     """
     one_each = norms.reshape(-1, 1)
     try:
         out = torch.vmap(lambda n: clip_fn(n, max_grad_norm))(one_each)
-    except Exception:  # noqa: BLE001 - anything vmap cannot run is run sample by sample
-        outs = [clip_fn(one_each[i], max_grad_norm) for i in range(one_each.shape[0])]
-        if not all(isinstance(o, torch.Tensor) and o.numel() == 1 for o in outs):
-            return outs[0] if outs else norms.new_zeros(0)
-        return torch.stack([o.reshape(()) for o in outs]).to(norms.dtype) if outs else \
-            norms.new_zeros(0)
+    except Exception as e:  # noqa: BLE001 - any failure is the function's: refuse it, naming it
+        raise ValueError(
+            f"the custom clipping_fn {getattr(clip_fn, '__name__', clip_fn)!r} cannot be "
+            f"vectorised by torch.vmap ({type(e).__name__}: {str(e)[:200]}): a clipping function "
+            "must be a pure function of one sample's norm, written with tensor operations "
+            "(torch.where instead of a Python if, no .item()/float(), no state kept between "
+            "calls), so that it can be applied to each sample alone.") from e
     if not isinstance(out, torch.Tensor) or out.numel() != norms.numel():
         return out
     return out.reshape(norms.shape)
+
+
+def check_clipping_fn(clip_fn: ClipFn, max_grad_norm: float) -> None:
+    """Refuse, before training, a user's clipping function that cannot be applied per sample
+    (:func:`per_sample_factors` on a few norms, small and large)."""
+    probe = torch.tensor([0.0, 0.5 * max_grad_norm, 2.0 * max_grad_norm], dtype=torch.float64)
+    clip_factors(clip_fn, probe, max_grad_norm, checked=True)
 
 
 def clip_factors(

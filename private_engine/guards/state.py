@@ -15,9 +15,12 @@ another tensor, raises ``ValueError`` naming it. That is a few integer compariso
 tensor operation. Buffers declared data-free (``data_free_buffers``, ``fnmatch`` patterns) are
 skipped, as the forward's :class:`private_engine.guards.buffers.BufferGuard` skips them.
 
-Not seen: state kept in Python attributes (numbers, or tensors that are not registered parameters or
-buffers; a tensor kept from an earlier batch and used again is refused by the batch flow) and writes
-through ``.data`` of a tensor whose version counter they do not move.
+A write through ``.data`` moves no version counter: the guard also compares each tensor's data
+pointer (``.data = …`` swaps it) and refuses a parameter or buffer whose storage the batch flow saw
+written in place during the step (``param.data.mul_(…)`` in the forward or the loss). Not seen:
+state kept in Python attributes (numbers, or tensors that are not registered parameters or buffers;
+a tensor kept from an earlier batch and used again is refused by the batch flow), and writes that
+bypass torch's operators (through a NumPy view of the storage).
 """
 from __future__ import annotations
 
@@ -78,7 +81,7 @@ class StepStateGuard:
             for kind, table in (("parameter", m._parameters), ("buffer", m._buffers))
             for attr in table
             if not (kind == "buffer" and self._allowed(f"{name}.{attr}" if name else attr))]
-        self._armed = [(t, _version(t)) for t in self._tensors()]
+        self._armed = [(t, _version(t), _data_ptr(t)) for t in self._tensors()]
 
     def _allowed(self, qualified: str) -> bool:
         return any(fnmatch.fnmatchcase(qualified, p) for p in self.allow)
@@ -94,20 +97,27 @@ class StepStateGuard:
         """Forget the recorded state (the next forward records it again)."""
         self._armed = None
 
-    def check(self) -> None:
+    def check(self, written_storages: Iterable[int] = ()) -> None:
         """Raise :class:`StateChangedError` naming the first parameter or buffer that changed since
-        the step's first forward; forget the recorded state either way."""
+        the step's first forward — its version counter moved, it was replaced by another tensor,
+        its data was swapped (``.data = …``), or its storage is among ``written_storages`` (the
+        storages the batch flow saw written in place: a write through ``.data`` moves no version
+        counter); forget the recorded state either way."""
         armed, self._armed = self._armed, None
         if armed is None:
             return
+        written = set(written_storages)
         now = self._tensors() if self.compare_identity else None
-        for k, ((qualified, m, attr, kind), (t, version)) in enumerate(zip(self._slots, armed)):
+        for k, ((qualified, m, attr, kind), (t, version, ptr)) in enumerate(
+                zip(self._slots, armed)):
             if t is None:
                 continue
             if _version(t) != version:
                 raise StateChangedError(_message(qualified, kind, "modified in place"))
             if now is not None and now[k] is not t and now[k] is not None:
                 raise StateChangedError(_message(qualified, kind, "replaced by another tensor"))
+            if self.compare_identity and (_data_ptr(t) != ptr or (ptr and ptr in written)):
+                raise StateChangedError(_message(qualified, kind, "written through .data"))
 
 
 def _message(qualified: str, kind: str, what: str) -> str:
@@ -120,6 +130,16 @@ def _message(qualified: str, kind: str, what: str) -> str:
         "through the optimizer, and reload the model before releasing anything."
         + (f" If the buffer depends only on shapes (a cache), allow it: "
            f"PrivacyEngine(..., data_free_buffers=[{qualified!r}])." if kind == "buffer" else ""))
+
+
+def _data_ptr(t) -> int:
+    """The data pointer of ``t``'s storage (0 when it has none, e.g. a meta tensor)."""
+    if not isinstance(t, torch.Tensor):
+        return 0
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return 0
 
 
 def _version(t) -> int:

@@ -418,7 +418,8 @@ class PrivateModule(nn.Module):
             )
         self._check_trainable(params)
         self.batch_flow.end()  # the step's region, closed in its backward, leaves the stack here
-        self.state_guard.check()
+        self.model_randomness.end()
+        self.state_guard.check(self.batch_flow.written_storages)
         if self._clipped_at and self._clipped_at != {self.current_max_grad_norm()}:
             raise ValueError(
                 "the gradients in p.grad were clipped at max_grad_norm "
@@ -511,6 +512,8 @@ class PrivateModule(nn.Module):
         except BaseException:
             self.recorder.reset()
             raise
+        finally:
+            self.model_randomness.end()
         pairs = layer.pairs()
         if pairs:
             self._saw_batch = True
@@ -629,6 +632,7 @@ class PrivateModule(nn.Module):
         """``p.grad += Σ_i C_i ∂L_i/∂p`` from per-sample losses: one physical batch through the
         clipping core (:func:`private_engine.clipping.batch.clip_batch`; book-keeping, one
         backward)."""
+        self.model_randomness.end()
         try:
             self.batch_flow.check_loss(loss_per_sample)
             check_per_sample_loss(loss_per_sample, name="the per-sample loss")

@@ -290,17 +290,20 @@ def gpt2_logits(model, ids):
 def test_dropout_masks_are_secret_under_a_public_seed():
     """A script seeds torch publicly; without the engine GPT-2's dropout masks follow from the
     seed, with it they do not (two runs from the same seed differ), and the script's own draws
-    after the forward continue as if the forward had drawn nothing."""
+    after the step continue as if the step had drawn nothing."""
     ids = torch.randint(0, 30, (4, 6), generator=torch.Generator().manual_seed(1))
 
     def run(engine: bool):
         model = tiny_gpt2()
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
         if engine:
             pe.PrivacyEngine(model, batch_size=4, sample_size=40, max_grad_norm=1.0,
-                             noise_multiplier=1.0)
+                             noise_multiplier=1.0).attach(opt)
         torch.manual_seed(7)
         out = gpt2_logits(model, ids)
-        return out, torch.rand(4)
+        if engine:
+            opt.step(loss=F.cross_entropy(out.transpose(1, 2), ids, reduction="none").mean(1))
+        return out.detach(), torch.rand(4)
 
     plain_a, _ = run(False)
     plain_b, _ = run(False)

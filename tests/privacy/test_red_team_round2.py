@@ -308,6 +308,10 @@ def index_put_rows(h):
 
 
 LOSE_TAG = {"alias": alias_then_write, "index_put": index_put_rows, "numpy": through_numpy}
+#: values that leave torch through NumPy (``.numpy()``, ``torch.from_numpy``) are not followed by
+#: the batch flow nor seen by the state guard: a documented limit (docs/engine.md, "Limits"), like
+#: Python numbers
+NUMPY_LIMIT = pytest.mark.xfail(strict=True, reason="documented limit: values through NumPy")
 
 
 @pytest.mark.parametrize("door,how", DOORS, ids=DOOR_IDS)
@@ -322,7 +326,8 @@ def test_fill_with_a_tensor_launders_a_batch_maximum(door, how):
 
 
 @pytest.mark.parametrize("door,how", DOORS, ids=DOOR_IDS)
-@pytest.mark.parametrize("variant", list(LOSE_TAG))
+@pytest.mark.parametrize("variant", [pytest.param(v, marks=NUMPY_LIMIT) if v == "numpy" else v
+                                     for v in LOSE_TAG])
 def test_mixed_values_that_lose_their_tag(variant, door, how):
     """alias: tags live on tensor objects, not storage; ``_write_base`` updates the written view's
     base only, so a view taken before an in-place mixing write keeps ``Rows`` (ratio 3.26).
@@ -385,7 +390,8 @@ def release_with_state(model, x, t, door: str, how: str) -> object:
 
 @pytest.mark.parametrize("door,how", [("native", "bk"), ("native", "ghost"),
                                       ("opacus", "hooks")])
-@pytest.mark.parametrize("write", ["parameter.data.mul_", "buffer.data=", "numpy"])
+@pytest.mark.parametrize("write", ["parameter.data.mul_", "buffer.data=",
+                                   pytest.param("numpy", marks=NUMPY_LIMIT)])
 def test_state_written_without_moving_its_version(write, door, how):
     """``StepStateGuard`` (and ``BufferGuard``) compare ``_version``: ``p.data`` is a new tensor
     with its own version counter, ``p.data = v`` swaps the data in place of the same object, and
@@ -428,7 +434,9 @@ def test_a_stateful_clipping_function_couples_samples(mode):
     with_batch = (torch.cat([crafted[0], x]), torch.cat([crafted[1], t]))
     pair = tuple(native_release(model, *xt, mode, clip=RunningPeakClip())
                  for xt in (with_batch, (x, t)))
-    assert_bounded(*pair, what=f"running peak {mode}")
+    # a function torch.vmap cannot run (here float()) is refused when the engine is built
+    assert_bounded(*pair, may_refuse=True, refuse_at="construction",
+                   what=f"running peak {mode}")
 
 
 # -- 10. randomness outside the root forward -------------------------------------------------------

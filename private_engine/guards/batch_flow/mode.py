@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Set, Tuple
 
 import torch
 from torch import nn
@@ -24,76 +24,117 @@ _OPEN: List["BatchFlow"] = []
 #: stored for an output of the batch's leading size computed from no sample, so that it is not
 #: taken for per-sample data that entered from outside the step
 _FREE = ("free",)
+_STALE = Mixed("a value computed from an earlier batch and kept (state carried across steps by "
+               "the model or the loop)")
+_REWRITTEN = "a view of a tensor that was rewritten in place with other samples' rows"
+
+
+class _Entry(NamedTuple):
+    ref: weakref.ref
+    tag: Any
+    epoch: int  # 0: data from outside the model's inputs; else the region that computed it
+    clock: int  # when the tag was set (orders writes to a base against its views' tags)
+    guessed: bool  # taken for per-sample data by its leading size alone
+
+
+class _Write(NamedTuple):
+    clock: int
+    before: Any
+    after: Any
 
 
 class BatchFlow(TorchDispatchMode):
     """Tags the tensors of a step's forward and of the user's loss with the samples they depend
     on (:mod:`private_engine.guards.batch_flow`).
 
-    ``install()`` registers a forward pre-hook on ``model``: a forward with grad enabled on a batch
-    of two or more samples opens a *region* (the mode goes on the dispatch stack) and tags the
-    model's tensor arguments of the batch's size along ``batch_dim`` as its rows. The region ends
-    when the engine takes the loss (:meth:`check_loss`: the native door's per-sample losses, the
-    Opacus door's criterion; :meth:`check_root`: the start of the Opacus door's plain
-    ``backward()``), at a forward that raised or runs without grad, or at a forward on a batch of
-    another size (which starts the next region).
+    ``install()`` registers a forward pre-hook on ``model`` and on each of its submodules: the
+    first forward with grad enabled on a batch of two or more samples opens a *region* (the mode
+    goes on the dispatch stack) and tags the forward's tensor arguments of the batch's size along
+    ``batch_dim`` (the largest such size among them) as its rows — at the model's own forward, or
+    at the first submodule a loop calls directly. The region ends when the engine takes the loss
+    (:meth:`check_loss`: the native door's per-sample losses, the Opacus door's criterion;
+    :meth:`check_root`: the start of the Opacus door's plain ``backward()``), at a model forward
+    that raised or runs without grad, or at a model forward on a batch of another size (which
+    starts the next region). What the region computed keeps its tags after it ends: a loss is
+    checked all the same, and a value of an earlier region used in a later one mixes.
     """
 
     def __init__(self, model: nn.Module, batch_dim: int = 0):
         super().__init__()
         self.model = model
         self.batch_dim = batch_dim
-        #: rows of the model's batch inputs in the open region (None: no region)
+        #: rows of the model's batch inputs in the current or last region (None: none yet)
         self.batch: Optional[int] = None
         self.active = False
         self.pushed = False
         self.epoch = 0
-        self._tags: Dict[int, Tuple[weakref.ref, Any, int]] = {}
+        self._clock = 0
+        self._tags: Dict[int, _Entry] = {}
+        self._writes: Dict[int, _Write] = {}
         self._buffers: set = set()
         self._handles: list = []
-        #: the last differentiable scalar the region computed (the loss a plain ``backward()`` of
-        #: the Opacus door starts from)
+        #: storages (data pointers) written in place during the region: the step state guard
+        #: reads them (a write through ``.data`` moves no version counter)
+        self.written_storages: Set[int] = set()
+        #: the last differentiable scalar the region computed, and the tensors a
+        #: ``torch.autograd.backward`` started from during it (the Opacus door's loss)
         self.last_scalar: Optional[weakref.ref] = None
+        self.roots: List[weakref.ref] = []
+        _record_backward_roots()
 
     # -- installation --------------------------------------------------------------------------
     def install(self) -> "BatchFlow":
-        """Register the forward pre-hook (again after :meth:`remove`); returns the tracker."""
+        """Register the forward pre-hooks (again after :meth:`remove`); returns the tracker."""
         if not self._handles:
             self._handles = [
-                self.model.register_forward_pre_hook(self._pre, with_kwargs=True, prepend=True),
+                self.model.register_forward_pre_hook(self._pre_model, with_kwargs=True,
+                                                     prepend=True),
                 self.model.register_forward_hook(self._post, always_call=True)]
+            self._handles += [m.register_forward_pre_hook(self._pre_submodule, with_kwargs=True,
+                                                          prepend=True)
+                              for m in self.model.modules() if m is not self.model]
         return self
 
     def remove(self) -> None:
-        """Remove the hook and close any open region."""
+        """Remove the hooks and close any open region."""
         for h in self._handles:
             h.remove()
         self._handles = []
         self.end()
 
     # -- regions -------------------------------------------------------------------------------
-    def _pre(self, module, args, kwargs):
+    def _batch_of(self, args, kwargs) -> Tuple[int, List[torch.Tensor]]:
+        bd = self.batch_dim
+        tensors = [t for t in flat_tensors((args, kwargs)) if t.dim() > bd]
+        return max((t.shape[bd] for t in tensors), default=0), tensors
+
+    def _pre_model(self, module, args, kwargs):
         if replaying():
             return None
         if not torch.is_grad_enabled():
             self.end()  # an evaluation forward: a step's region does not span it
             return None
-        bd = self.batch_dim
-        tensors = flat_tensors((args, kwargs))
-        first = next((t for t in tensors if t.dim() > bd), None)
-        if first is None:
-            return None
-        n = first.shape[bd]
+        n, tensors = self._batch_of(args, kwargs)
         if self.active and n != self.batch:
             self.end()
-        if n <= 1:  # one sample cannot be mixed with another
+        self._open(n, tensors)
+        return None
+
+    def _pre_submodule(self, module, args, kwargs):
+        if self.active or replaying() or not torch.is_grad_enabled():
             return None
+        n, tensors = self._batch_of(args, kwargs)  # a submodule the loop calls directly
+        self._open(n, tensors)
+        return None
+
+    def _open(self, n: int, tensors: List[torch.Tensor]) -> None:
+        if n <= 1:  # one sample cannot be mixed with another
+            return
         if not self.active:
             self.begin(n)
         for t in tensors:
-            if t.dim() > bd and t.shape[bd] == n:
-                self._set(t, Rows(bd, 1, 0, n), self.epoch)
-        return None
+            if t.shape[self.batch_dim] == n:
+                self._set(t, Rows(self.batch_dim, 1, 0, n), self.epoch)
 
     def _post(self, module, args, output):
         if sys.exc_info()[0] is not None:
@@ -111,6 +152,9 @@ class BatchFlow(TorchDispatchMode):
         self.active = True
         self.epoch += 1
         self.last_scalar = None
+        self.roots = []
+        self.written_storages = set()
+        self._writes = {}
         self._buffers = {id(b) for b in self.model.buffers()}
         if not any(m is self for m in _get_current_dispatch_mode_stack()):
             self.__enter__()
@@ -126,16 +170,22 @@ class BatchFlow(TorchDispatchMode):
             _OPEN.remove(self)
         _tidy()
 
-
     # -- checks --------------------------------------------------------------------------------
     def check_loss(self, loss: torch.Tensor) -> None:
         """Raise :class:`BatchMixingError` unless entry j of the loss vector depends on sample j
-        alone (``Rows(0, per=1)`` with ``L | mod`` and ``off ≡ 0 (mod L)`` for L entries, or no
-        sample at all); the region ends either way."""
+        alone (``Rows(0, per=1)`` with ``L | mod`` and ``off ≡ 0 (mod L)`` for L entries); a
+        loss the region did not compute (after a forward without grad or on another batch) is
+        refused too. The region ends either way."""
         try:
-            if not self.active or loss.dim() != 1 or loss.shape[0] <= 1:
+            if self.batch is None or loss.dim() != 1 or loss.shape[0] <= 1:
                 return
             tag = self.tag(loss)
+            if tag is None and loss.requires_grad:
+                raise BatchMixingError(
+                    "the per-sample loss was not computed while the batch flow followed the step "
+                    "(a forward without grad, or on a batch of another size, ran between the "
+                    "training forward and the loss): compute the loss right after the "
+                    "training forward; nothing was released.")
             if isinstance(tag, Mixed):
                 raise BatchMixingError(
                     "the per-sample loss mixes samples: entry i of the loss vector depends on "
@@ -191,59 +241,74 @@ class BatchFlow(TorchDispatchMode):
                     "nothing was released. " + advice(tag.why))
 
     def check_root(self) -> None:
-        """At the start of a plain ``loss.backward()`` (the Opacus door's hooks): raise
-        :class:`BatchMixingError` if the last differentiable scalar of the region — the loss — is
-        not a sum over the batch of per-sample terms; the region ends either way."""
+        """At the start of a plain ``backward()`` (the Opacus door's hooks): raise
+        :class:`BatchMixingError` if what the backward started from — the tensors given to
+        ``torch.autograd.backward`` during the region, else the region's last differentiable
+        scalar — is not a sum over the batch of per-sample terms (or per-sample rows weighted by
+        values of no other sample). The region ends either way."""
         try:
-            if not self.active or self.last_scalar is None:
+            if not self.active:
                 return
-            loss = self.last_scalar()
-            tag = None if loss is None else self.tag(loss)
-            if isinstance(tag, Mixed):
-                raise BatchMixingError(
-                    f"the loss mixes samples beyond a sum over the batch: it depends on the "
-                    f"samples' data through {tag.why}. The hooks clip each sample's share of a "
-                    "sum (or mean over the batch size) of per-sample losses; nothing was "
-                    "released. " + advice(tag.why))
+            roots = [r() for r in self.roots] or [self.last_scalar() if self.last_scalar
+                                                  else None]
+            for t in roots:
+                tag = None if t is None else self.tag(t)
+                if isinstance(tag, Mixed):
+                    raise BatchMixingError(
+                        f"the loss mixes samples beyond a sum over the batch: it depends on "
+                        f"the samples' data through {tag.why}. The hooks clip each sample's "
+                        "share of a sum (or a mean over the batch size) of per-sample losses; "
+                        "nothing was released. " + advice(tag.why))
         finally:
             self.end()
 
     # -- tags ----------------------------------------------------------------------------------
     def tag(self, t: torch.Tensor):
-        """The tag of ``t`` in the open region (None: untagged)."""
+        """The tag of ``t`` (None: untagged)."""
         return self._entry(t)[0]
+
+    def is_guess(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` was taken for per-sample rows by its leading size alone (a tensor from
+        outside the step: the loss's labels, or a constant that happens to have that size)."""
+        entry = self._tags.get(id(t))
+        return entry is not None and entry.ref() is t and entry.guessed
 
     def _entry(self, t: torch.Tensor) -> Tuple[Any, int]:
         """``(tag, epoch)``: epoch 0 for values computed from data outside the model's inputs (the
         loss's labels), else the region that computed them — a value of an earlier region mixes
-        (state kept across steps)."""
+        (state kept across steps), and so does a view of a tensor rewritten in place since."""
         entry = self._tags.get(id(t))
-        if entry is not None and entry[0]() is t:
-            tag, epoch = entry[1], entry[2]
+        if entry is not None and entry.ref() is t:
+            tag, epoch = entry.tag, entry.epoch
             if tag is _FREE:
                 return None, 0
-            if epoch and epoch != self.epoch and isinstance(tag, (Rows, Mixed)):
-                return Mixed("a value computed from an earlier batch and kept (state carried "
-                             "across steps by the model or the loop)"), self.epoch
+            if epoch and epoch != self.epoch and isinstance(tag, (Rows, Mixed, Summed)):
+                return _STALE, self.epoch
+            base = t._base
+            if base is not None and self._writes:
+                w = self._writes.get(id(base))
+                if w is not None and w.clock > entry.clock and w.after != w.before:
+                    return Mixed(_REWRITTEN), self.epoch
             return tag, epoch
         bd = self.batch_dim
-        if (not isinstance(t, (nn.Parameter, UninitializedTensorMixin)) and t.dim() > bd
-                and t.shape[bd] == self.batch and id(t) not in self._buffers):
+        if (self.active and not isinstance(t, (nn.Parameter, UninitializedTensorMixin))
+                and t.dim() > bd and t.shape[bd] == self.batch and id(t) not in self._buffers):
             tag = Rows(bd, 1, 0, self.batch)  # per-sample data from outside the step (labels)
-            self._set(t, tag, 0)
+            self._set(t, tag, 0, guessed=True)
             return tag, 0
         return None, 0
 
-    def _set(self, t, tag, epoch: int) -> None:
+    def _set(self, t, tag, epoch: int, guessed: bool = False) -> None:
         key = id(t)
         tags = self._tags
 
         def drop(ref, key=key, tags=tags):
             entry = tags.get(key)
-            if entry is not None and entry[0] is ref:
+            if entry is not None and entry.ref is ref:
                 del tags[key]
 
-        tags[key] = (weakref.ref(t, drop), tag, epoch)
+        self._clock += 1
+        tags[key] = _Entry(weakref.ref(t, drop), tag, epoch, self._clock, guessed)
 
     # -- dispatch ------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -251,65 +316,96 @@ class BatchFlow(TorchDispatchMode):
         out = func(*args, **kwargs)
         if not self.active:
             return out
-        entries = [self._entry(t) for t in flat_tensors((args, kwargs))]
+        inputs = flat_tensors((args, kwargs))
+        entries = [self._entry(t) for t in inputs]
         tags = [tag for tag, _ in entries]
         if all(tag is None for tag in tags):
-            self._mark_free(func, out)
-            return out
-        epoch = max(e for _, e in entries)
+            self._mark_free(func, args, kwargs, out)
+        else:
+            epoch = max(e for _, e in entries)
+            self._assign(func, args, kwargs, out, self._result(func, args, kwargs, out, tags),
+                         epoch)
+        if (isinstance(out, torch.Tensor) and out.dim() == 0 and out.is_floating_point()
+                and torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):
+            self.last_scalar = weakref.ref(out)
+        return out
+
+    def _result(self, func, args, kwargs, out, tags):
         rule = RULES.get(func.overloadpacket)
         found = first_mixed(tags)
         try:
             if found is not None and rule not in VALUE_FREE:
-                result = found
-            elif rule not in VALUE_FREE and any(isinstance(t, Summed) for t in tags):
-                result = summed(self, func, args, kwargs, tags)
-            elif rule is not None:
-                result = rule(self, func, args, kwargs, out)
-            elif is_pointwise(func):
-                result = pointwise(self, func, args, kwargs, out)
-            elif all(tag is None or isinstance(tag, Iota) for tag in tags):
-                result = None  # positions only: no sample's data
-            else:
-                result = mixed(func, "(an op whose batch layout is not followed) on the batch")
+                return found
+            if rule not in VALUE_FREE and any(isinstance(t, Summed) for t in tags):
+                return summed(self, func, args, kwargs, tags)
+            if rule is not None:
+                return rule(self, func, args, kwargs, out)
+            if is_pointwise(func):
+                return pointwise(self, func, args, kwargs, out)
+            if all(tag is None or isinstance(tag, Iota) for tag in tags):
+                return None  # positions only: no sample's data
+            return mixed(func, "(an op whose batch layout is not followed) on the batch")
         except Mix as e:
-            result = mixed(func, e.what)
+            return mixed(func, e.what)
         except Exception as e:  # noqa: BLE001 - a rule that cannot read the op refuses, loudly
-            result = mixed(func, f"(its batch layout could not be read: {e!r})")
-        self._assign(func, args, kwargs, out, result, epoch)
-        if isinstance(out, torch.Tensor) and out.dim() == 0 and out.requires_grad:
-            self.last_scalar = weakref.ref(out)
-        return out
+            return mixed(func, f"(its batch layout could not be read: {e!r})")
 
-    def _mark_free(self, func, out) -> None:
+    def _mark_free(self, func, args, kwargs, out) -> None:
         bd, n = self.batch_dim, self.batch
-        arange = func.overloadpacket is aten.arange
+        iota = func.overloadpacket is aten.arange and _plain_arange(func, args, kwargs)
         for t in flat_tensors(out):
-            if arange and t.dim() == 1:
+            if iota and t.dim() == 1:
                 self._set(t, Iota(0), 0)
             elif t.dim() > bd and t.shape[bd] == n:
                 self._set(t, _FREE, 0)
+        if func._schema.is_mutable:  # an in-place write of values of no sample
+            for t in written(func, args, kwargs):
+                self._note_storage(t)
 
     def _assign(self, func, args, kwargs, out, result, epoch: int) -> None:
         """Tag the outputs (``result``: one tag, or one per output tensor) and, for an in-place
-        op, the tensor it wrote and that tensor's base when it is a view."""
+        op, the tensor it wrote and that tensor's base when it is a view; a write that changes
+        what a base holds makes the views taken of it before mixed (their rows are no longer the
+        ones they were tagged with)."""
         outs = flat_tensors(out)
         results: List[Any] = result if isinstance(result, list) else [result] * len(outs)
+        mutable = func._schema.is_mutable
+        targets = written(func, args, kwargs) if mutable else []
+        ids = {id(t) for t in targets}
         for t, r in zip(outs, results):
-            self._set(t, _FREE if r is None else r, epoch)
-        if func._schema.is_mutable:
-            r = results[0] if results else None
-            for t in written(func, args, kwargs):
+            if id(t) not in ids:
                 self._set(t, _FREE if r is None else r, epoch)
-                if t._base is not None and r is not None:
-                    self._write_base(t._base, t, r, epoch)
+        if not mutable:
+            return
+        r = results[0] if results else None
+        for t in targets:
+            self._note_storage(t)
+            base = t if t._base is None else t._base
+            before = self.tag(base)
+            self._clock += 1
+            clock = self._clock  # before t's and its base's new tags: older views compare to it
+            self._set(t, _FREE if r is None else r, epoch)
+            if base is not t and r is not None:
+                self._write_base(base, t, r, epoch)
+            self._writes[id(base)] = _Write(clock, before, self.tag(base))
+
+    def _note_storage(self, t) -> None:
+        """The storage an in-place op wrote (read by the step state guard: a write through
+        ``.data`` moves no version counter)."""
+        try:
+            self.written_storages.add(t.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):
+            pass
 
     def _write_base(self, base, view, tag, epoch: int) -> None:
         """A view was written with rows ``tag``: its base holds them too."""
         old, old_epoch = self._entry(base)
         epoch = max(epoch, old_epoch)
-        if isinstance(tag, Mixed) or isinstance(old, Mixed):
-            self._set(base, tag if isinstance(tag, Mixed) else old, epoch)
+        if isinstance(tag, (Mixed, Summed)) or isinstance(old, Mixed):
+            self._set(base, old if isinstance(old, Mixed) else
+                      (tag if isinstance(tag, Mixed) else
+                       Mixed(f"a sum over the batch written into a view (at {user_line()})")),
+                      epoch)
             return
         if not isinstance(tag, Rows):
             return
@@ -338,6 +434,17 @@ def advice(why: str) -> str:
             "the batch dimension, and no value kept from an earlier batch.")
 
 
+def _plain_arange(func, args, kwargs) -> bool:
+    """``arange(n)`` or ``arange(0, n)`` with step 1: the positions ``0, …, n−1``."""
+    name = func._overloadname
+    if name in ("default", "out"):
+        return True
+    start = args[0] if args else kwargs.get("start", 0)
+    step = (args[2] if len(args) > 2 else kwargs.get("step", 1)) if name.startswith("start_step") \
+        else 1
+    return start == 0 and step == 1
+
+
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
@@ -352,3 +459,25 @@ def _tidy() -> None:
             return
         top.__exit__(None, None, None)
         top.pushed = False
+
+
+_BACKWARD = None
+
+
+def _record_backward_roots() -> None:
+    """Wrap ``torch.autograd.backward`` (once per process; ``Tensor.backward`` calls it) so that
+    an open region learns what a backward starts from, and the gradients given for it."""
+    global _BACKWARD
+    if _BACKWARD is not None:
+        return
+    _BACKWARD = torch.autograd.backward
+
+    def backward(tensors, grad_tensors=None, *args, **kwargs):
+        if _OPEN and _OPEN[0].active:
+            _OPEN[0].roots = [weakref.ref(t) for t in flat_tensors((tensors, grad_tensors))]
+        return _BACKWARD(tensors, grad_tensors, *args, **kwargs)
+
+    backward.__doc__ = _BACKWARD.__doc__
+    backward.__wrapped__ = _BACKWARD
+    torch.autograd.backward = backward
+

@@ -8,6 +8,7 @@ Pointwise ops (``torch.Tag.pointwise``) need no entry: :func:`pointwise` aligns 
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -29,7 +30,7 @@ def flat_tensors(obj) -> List[torch.Tensor]:
             out.append(o)
         elif isinstance(o, (list, tuple)):
             stack.extend(reversed(o))
-        elif isinstance(o, dict):
+        elif isinstance(o, Mapping):
             stack.extend(reversed(list(o.values())))
     return out
 
@@ -63,26 +64,33 @@ def _rows(tag: Tag) -> Optional[Rows]:
     return tag if isinstance(tag, Rows) else None
 
 
-def aligned(pairs, shape: Sequence[int], batch_of_one: bool = False) -> Tag:
+def aligned(pairs, shape: Sequence[int], flow=None) -> Tag:
     """The rows of an elementwise result of shape ``shape`` from operands ``[(tensor, tag)]``
     broadcast to it: every tagged operand's batch dimension lands on the same output dim, with
-    its full length (a broadcast single row would spread one sample over the batch)."""
-    result: Tag = None
+    its full length (a broadcast single row would spread one sample over the batch). An
+    ``arange`` through arithmetic is no longer the positions (its tag is dropped). A tensor taken
+    for per-sample rows by its size alone (:meth:`BatchFlow.is_guess`) whose leading dim lands
+    elsewhere than the batch of the others is a constant of that size (class weights), not
+    data."""
+    rows: List[Tuple[torch.Tensor, Rows]] = []
     n = len(shape)
     for t, tag in pairs:
-        if tag is None:
-            continue
-        if isinstance(tag, Iota):
-            if t.dim() and result is None:
-                result = Iota(tag.dim + n - t.dim())
-            elif isinstance(result, Iota) and t.dim() and result.dim != tag.dim + n - t.dim():
-                result = None  # two iotas on different dims: a grid of positions, no sample
+        if not isinstance(tag, Rows):
             continue
         d = tag.dim + n - t.dim()
         if d < 0 or t.shape[tag.dim] != shape[d]:
+            if flow is not None and flow.is_guess(t):
+                continue
             raise Mix("broadcasts one sample's row over the batch")
-        mapped = tag.at(d)
-        result = mapped if (result is None or isinstance(result, Iota)) else join(result, mapped)
+        rows.append((t, tag.at(d)))
+    if not rows:
+        return None
+    certain = [r for t, r in rows if flow is None or not flow.is_guess(t)]
+    result = None
+    for t, mapped in rows:
+        if certain and flow is not None and flow.is_guess(t) and mapped.dim != certain[0].dim:
+            continue  # a constant whose size matches the batch, along another dim
+        result = mapped if result is None else join(result, mapped)
     return result
 
 
@@ -92,7 +100,7 @@ def pointwise(flow, func, args, kwargs, out) -> Tag:
     if not outs:
         return None
     tensors = flat_tensors((args, kwargs))
-    return aligned([(t, flow.tag(t)) for t in tensors], tuple(outs[0].shape))
+    return aligned([(t, flow.tag(t)) for t in tensors], tuple(outs[0].shape), flow)
 
 
 def _single(flow, args, kwargs) -> Tuple[torch.Tensor, Tag]:
@@ -434,7 +442,11 @@ def addmm(flow, func, args, kwargs, out):
     (c, a, b), (tc, ta, tb) = _operands(flow, func, args, kwargs, names)
     r = _matmul(a, ta, b, tb, batched=func.overloadpacket is aten.baddbmm)
     o = _out(out)
-    return aligned([(c, tc), (o, r)], tuple(o.shape))
+    if isinstance(r, Summed):
+        if tc is not None:
+            raise Mix("adds per-sample rows to a matrix product over the batch")
+        return r
+    return aligned([(c, tc), (o, r)], tuple(o.shape), flow)
 
 
 def vector_mm(flow, func, args, kwargs, out):
@@ -560,7 +572,7 @@ def losses(flow, func, args, kwargs, out):
             [None] * (len(outs) - 1)
     shape = tuple(outs[0].shape)
     if not nll:
-        return [aligned(list(zip(tensors, tags)), shape)] + [None] * (len(outs) - 1)
+        return [aligned(list(zip(tensors, tags)), shape, flow)] + [None] * (len(outs) - 1)
     x, target = arg(func, args, kwargs, "self"), arg(func, args, kwargs, "target")
     weight = arg(func, args, kwargs, "weight")
     if isinstance(weight, torch.Tensor) and isinstance(flow.tag(weight), Rows):
@@ -571,7 +583,7 @@ def losses(flow, func, args, kwargs, out):
         if tx.dim == 1 or (x.dim() == 1 and tx.dim == 0):
             raise Mix("sums over classes along the dimension that holds the batch")
         pairs.append((outs[0], tx.at(tx.dim - (tx.dim > 1))))
-    return [aligned(pairs, shape)] + [None] * (len(outs) - 1)
+    return [aligned(pairs, shape, flow)] + [None] * (len(outs) - 1)
 
 
 def _one_target_per_row(flow, func, args, kwargs) -> bool:
@@ -676,8 +688,10 @@ def index(flow, func, args, kwargs, out):
     for k in present:
         t, tag = indices[k], tis[k]
         if isinstance(tag, Iota):
-            if tx is None or k != tx.dim or t.shape[tag.dim] != x.shape[k]:
-                continue
+            if tx is None or k != tx.dim:
+                continue  # positions along a dim without samples
+            if t.shape[tag.dim] != x.shape[k]:
+                raise Mix("indexes the batch dimension with positions that are not all of it")
             mapped = tx.at(tag.dim + nb - t.dim())
         elif isinstance(tag, Rows):
             mapped = tag.at(tag.dim + nb - t.dim())
@@ -711,33 +725,49 @@ def index_put(flow, func, args, kwargs, out):
         raise Mix("writes into chosen rows of the batch dimension")
     if tv is not None and tx is None:
         raise Mix("writes per-sample values into a tensor without a batch dimension")
+    if tv is not None:  # the values broadcast to x[indices], whose rows must be x's own
+        present = [k for k, i in enumerate(indices) if i is not None]
+        nb = len(broadcast_shapes([tuple(indices[k].shape) for k in present]))
+        adjacent = present == list(range(present[0], present[-1] + 1))
+        if adjacent:
+            d = tx.dim if tx.dim < present[0] else tx.dim - len(present) + nb
+        else:
+            d = nb + tx.dim - sum(k < tx.dim for k in present)
+        region = x.dim() - len(present) + nb
+        dv = tv.dim + region - values.dim()
+        if dv != d or values.shape[tv.dim] != x.shape[tx.dim]:
+            raise Mix("writes values whose rows are not the rows they land in")
+        join(tv.at(tx.dim), tx)
     return tx
 
 
 def copy(flow, func, args, kwargs, out):
     dst, src = arg(func, args, kwargs, "self"), arg(func, args, kwargs, "src")
-    return aligned([(src, flow.tag(src))], tuple(dst.shape))
+    return aligned([(src, flow.tag(src))], tuple(dst.shape), flow)
 
 
 def copy_from(flow, func, args, kwargs, out):
     """``_copy_from(src, dst)``: dst takes src's rows (written through the schema's alias)."""
     src, dst = arg(func, args, kwargs, "self"), arg(func, args, kwargs, "dst")
-    return aligned([(src, flow.tag(src))], tuple(dst.shape))
+    return aligned([(src, flow.tag(src))], tuple(dst.shape), flow)
 
 
 def random_draw(flow, func, args, kwargs, out):
     """A draw per element with the element's own parameters (``bernoulli(p)``, ``normal(μ, σ)``)."""
     o = _out(out)
     tensors = flat_tensors((args, kwargs))
-    return aligned([(t, flow.tag(t)) for t in tensors], tuple(o.shape))
+    return aligned([(t, flow.tag(t)) for t in tensors], tuple(o.shape), flow)
 
 
 def overwrite(flow, func, args, kwargs, out):
-    """In-place fills with values of no sample (``fill_``, ``zero_``, ``normal_``): the tensor no
-    longer depends on the data."""
+    """In-place fills (``fill_``, ``zero_``, ``normal_``): the tensor takes the fill value's
+    samples (a tensor value broadcast over it) or none."""
     for t in flat_tensors((args, kwargs))[1:]:
-        if isinstance(flow.tag(t), Rows):
+        tag = flow.tag(t)
+        if isinstance(tag, Rows):
             return pointwise(flow, func, args, kwargs, out)
+        if tag is not None and not isinstance(tag, Iota):
+            raise Mix("fills a tensor with a value of several samples")
     return None
 
 
@@ -848,7 +878,7 @@ register(pointwise, "hardswish", "hardswish_", "hardsigmoid", "hardsigmoid_", "l
 register(identity, "_prelu_kernel", "real", "imag")
 register(along, "glu")
 #: rules whose outputs take no value from their inputs: they run on mixed inputs too
-VALUE_FREE = {value_free, overwrite}
+VALUE_FREE = {value_free}
 _POINTWISE: Dict[Any, bool] = {}
 
 
