@@ -308,6 +308,8 @@ class SecretModelRandomness:
         return sorted(devices, key=lambda d: -1 if d.index is None else d.index)
 
     def _pre(self, module, args) -> None:
+        if torch._C._functorch.maybe_current_level() is not None:
+            return None  # a torch.func transform replays a module (the fallback): not a step
         if not torch.is_grad_enabled():
             if module is self.model:
                 self.end()  # an evaluation forward draws from the user's generators

@@ -129,7 +129,8 @@ SHAPE_CACHES = {
 }
 
 
-def _shape_caches(module: nn.Module) -> frozenset:
+def shape_caches(module: nn.Module) -> frozenset:
+    """The audited shape-cache buffers of ``module``'s class (:data:`SHAPE_CACHES`)."""
     return SHAPE_CACHES.get(f"{type(module).__module__}.{type(module).__qualname__}", frozenset())
 
 
@@ -193,7 +194,7 @@ class BufferGuard:
                 continue
             prefix = f"{name}." if name else ""
             allowed = frozenset(b for b in module._buffers if self.allowed(prefix + b))
-            skip = allowed | _shape_caches(module)
+            skip = allowed | shape_caches(module)
             if skip and len(skip) == len(module._buffers):
                 continue  # every buffer it has is allowed; a new one is still checked by others
             pre, post = self._hooks(name or type(module).__name__, prefix, skip)

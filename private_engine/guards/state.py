@@ -7,13 +7,15 @@ a buffer updated by a tensor hook during the backward (an EMA of gradient statis
 written by the loss — holds this batch's data without noise: it ships in the ``state_dict`` and
 reaches later steps' gradients outside the clipping bound.
 
-:class:`StepStateGuard` records, at the model's first forward of a step (a forward pre-hook with
-grad enabled), every parameter and buffer tensor with its version counter (``_version``, moved by
+:class:`StepStateGuard` records, at the first forward of a step (a forward pre-hook with grad
+enabled, on the model or on a submodule a loop calls directly), every parameter and buffer tensor
+with its version counter (``_version``, moved by
 every in-place write), and :meth:`StepStateGuard.check` compares them after the step's backward,
 before anything is released: an in-place write, or a parameter or buffer of the model replaced by
 another tensor, raises ``ValueError`` naming it. That is a few integer comparisons per tensor, no
-tensor operation. Buffers declared data-free (``data_free_buffers``, ``fnmatch`` patterns) are
-skipped, as the forward's :class:`private_engine.guards.buffers.BufferGuard` skips them.
+tensor operation. Buffers declared data-free (``data_free_buffers``, ``fnmatch`` patterns) and the
+audited shape caches of known library classes are skipped, as the forward's
+:class:`private_engine.guards.buffers.BufferGuard` skips them.
 
 A write through ``.data`` moves no version counter: the guard also compares each tensor's data
 pointer (``.data = …`` swaps it) and refuses a parameter or buffer whose storage the batch flow saw
@@ -31,6 +33,7 @@ import torch
 from torch import nn
 
 from ..capture.fallback import replaying
+from .buffers import shape_caches
 
 
 class StateChangedError(ValueError):
@@ -52,20 +55,22 @@ class StepStateGuard:
         self.allow: Tuple[str, ...] = tuple(allow)
         self.compare_identity = compare_identity
         self._slots: List[Tuple[str, nn.Module, str, str]] = []
-        self._armed: Optional[List[Tuple[object, int]]] = None
-        self._handle = None
+        self._armed: Optional[List[Tuple[object, int, int]]] = None
+        self._handles: list = []
 
     def install(self) -> "StepStateGuard":
-        """Register the forward pre-hook that records the state at a step's first forward."""
-        if self._handle is None:
-            self._handle = self.model.register_forward_pre_hook(self._pre, prepend=True)
+        """Register the forward pre-hooks (on the model and every submodule, so that a loop that
+        calls submodules directly is covered) that record the state at a step's first forward."""
+        if not self._handles:
+            self._handles = [m.register_forward_pre_hook(self._pre, prepend=True)
+                             for m in self.model.modules()]
         return self
 
     def remove(self) -> None:
-        """Remove the hook and forget any recorded state."""
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        """Remove the hooks and forget any recorded state."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
         self._armed = None
 
     def _pre(self, module, args) -> None:
@@ -80,7 +85,8 @@ class StepStateGuard:
             for name, m in self.model.named_modules()
             for kind, table in (("parameter", m._parameters), ("buffer", m._buffers))
             for attr in table
-            if not (kind == "buffer" and self._allowed(f"{name}.{attr}" if name else attr))]
+            if not (kind == "buffer" and (self._allowed(f"{name}.{attr}" if name else attr)
+                                          or attr in shape_caches(m)))]
         self._armed = [(t, _version(t), _data_ptr(t)) for t in self._tensors()]
 
     def _allowed(self, qualified: str) -> bool:

@@ -594,7 +594,9 @@ def _one_target_per_row(flow, func, args, kwargs) -> bool:
     moves it without bound."""
     target, weight = arg(func, args, kwargs, "target"), arg(func, args, kwargs, "weight")
     tag = flow.tag(target)
-    return (weight is None and isinstance(tag, Rows) and target.dim() == 1 and tag.per == 1
+    if not isinstance(tag, Rows):
+        return True  # targets of no sample: the count does not depend on the data
+    return (weight is None and target.dim() == 1 and tag.per == 1
             and func.overloadpacket is aten.nll_loss_forward)
 
 
