@@ -208,15 +208,6 @@ class PrivacyEngine:
         check_no_batchnorm(model)
         #: refuses a training forward that changes a buffer from the data (a release without noise)
         self.buffer_guard = BufferGuard(model, allow=data_free_buffers).install()
-        #: the randomness of training forwards (dropout) from a secret generator, not torch's
-        #: publicly seeded global one (keyed from the user's noise_generator when one is given)
-        self.model_randomness = SecretModelRandomness(
-            model, generator=None if noise_generator is None else
-            keyed_by_state(noise_generator)).install()
-        #: refuses a step during which a parameter or buffer changed outside the optimizer (in the
-        #: forward, the loss or a backward hook): checked before every release
-        self.state_guard = StepStateGuard(model, allow=data_free_buffers,
-                                          compare_identity=not sharded).install()
         #: the trainable parameters the optimizer updates (FSDP2: the DTensor shards)
         self.params: List[nn.Parameter] = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
@@ -248,6 +239,15 @@ class PrivacyEngine:
                 traced=scan.traced,
                 fallbacks=scan.fallbacks,
             )
+        #: the randomness of training forwards (dropout) from a secret generator, not torch's
+        #: publicly seeded global one (keyed from the user's noise_generator when one is given)
+        self.model_randomness = SecretModelRandomness(
+            model, generator=None if noise_generator is None else
+            keyed_by_state(noise_generator)).install()
+        #: refuses a step during which a parameter or buffer changed outside the optimizer (in the
+        #: forward, the loss or a backward hook): checked before every release
+        self.state_guard = StepStateGuard(model, allow=data_free_buffers,
+                                          compare_identity=not sharded).install()
         self._attached: List[_optim.PrivateStep] = []
         #: certified per-sample gradient norms ‖g_i‖ of the last clipped physical batch (None before
         #: the first)

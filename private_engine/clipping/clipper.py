@@ -33,7 +33,7 @@ from ..guards.separability import SeparabilityProbe
 from ..layers.base import sum_per_sample, weighted_sum_into
 from ..layers.linear import LinearRule
 from ..layers.rounding import gamma
-from .functions import ClipFn, check_clipping_fn, clip_factors, resolve_clipping_fn
+from .functions import ClipFn, clip_factors, resolve_clipping_fn
 from .grad_sums import FlatLayout, GradSums
 from .kept import group_kept_grads, kept_pair_params, per_sample_numel, rows_kept
 from .plan import (DEFAULT_CLIPPING_MODE, LayerDecision, check_mode, decide, is_book_keeping,
@@ -67,8 +67,6 @@ class PerSampleClipper:
         self.clip_fn, self.user_clip_fn = resolve_clipping_fn(clipping_fn)
         if not 0 < max_grad_norm < float("inf"):
             raise ValueError(f"max_grad_norm must be a finite number > 0, got {max_grad_norm}.")
-        if self.user_clip_fn:
-            check_clipping_fn(self.clip_fn, float(max_grad_norm))
         self.max_grad_norm = float(max_grad_norm)
         self.params = list(params)
         self._param_ids = {id(p) for p in self.params}

@@ -87,13 +87,6 @@ def per_sample_factors(clip_fn: ClipFn, norms: torch.Tensor,
     return out.reshape(norms.shape)
 
 
-def check_clipping_fn(clip_fn: ClipFn, max_grad_norm: float) -> None:
-    """Refuse, before training, a user's clipping function that cannot be applied per sample
-    (:func:`per_sample_factors` on a few norms, small and large)."""
-    probe = torch.tensor([0.0, 0.5 * max_grad_norm, 2.0 * max_grad_norm], dtype=torch.float64)
-    clip_factors(clip_fn, probe, max_grad_norm, checked=True)
-
-
 def clip_factors(
     clip_fn: ClipFn, norms: torch.Tensor, max_grad_norm: float, checked: bool = False
 ) -> torch.Tensor:

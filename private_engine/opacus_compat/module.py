@@ -174,9 +174,12 @@ class PrivateModule(nn.Module):
         self.probe = SeparabilityProbe(module, batch_dim=0 if batch_first else None)
         self.probe.install()
         #: follows the batch through every op of every forward and loss: the outputs are checked at
-        #: the forward's end, the loss when the backward starts. The model's inputs are batch-first
-        #: as Opacus' data loaders give them (batch_first=False is about the layers' inputs)
-        self.batch_flow = BatchFlow(module).install()
+        #: the forward's end, the loss when the backward starts. With batch_first=False the model's
+        #: inputs may hold the batch in dim 0 or 1: the first recorded layer, whose convention is
+        #: known, opens the step's region
+        self.batch_flow = BatchFlow(module, openers=None if batch_first else {
+            layer.module: self._layer_batch_dim(layer) for layer in self.recorder.layers}
+        ).install()
         #: refuses a step during which a parameter or buffer changed outside the optimizer
         self.state_guard = StepStateGuard(module).install()
         #: the randomness of training forwards (dropout) from a secret generator

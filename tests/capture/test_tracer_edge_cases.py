@@ -238,7 +238,8 @@ def test_transposed_batch_into_a_layer_is_refused(attr):
         eng = make_engine(m, 4)
     # (no per-sample reference: the model mixes samples); the batch flow sees the Linear contract
     # the batch dimension before the clipper sees its rows
-    with pytest.raises(ValueError, match="batch-first|contracts the batch dimension"):
+    with pytest.raises(ValueError, match="batch-first|contracts the batch dimension|sum over the "
+                                         "batch"):
         eng.clipped_grad_sum(sq_loss(m, torch.randn(4, 4, dtype=torch.float64)))
 
 

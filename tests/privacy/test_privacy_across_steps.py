@@ -345,3 +345,43 @@ def test_dropout_in_eval_mode_and_outside_the_engine_is_untouched():
     c = gpt2_logits(model, ids)
     torch.manual_seed(3)
     assert torch.equal(c, gpt2_logits(model, ids))
+
+
+# -- the language-model loss in the Opacus door --------------------------------------------------
+@pytest.mark.parametrize("flow", ["hooks", "ghost"])
+def test_a_token_mean_in_the_opacus_door(flow):
+    """Hooks: the mean over the batch's non-ignored tokens is refused when the backward starts,
+    for both batches. Ghost: the criterion forms each sample's own token mean: within R."""
+    from private_engine import opacus_compat
+    from test_privacy_under_attack import refused, released
+
+    def run(ids, labels):
+        model = copy.deepcopy(token_case(False).model)
+        opt = CapturingSGD(model.parameters())
+        loader = torch.utils.data.DataLoader(
+            torch.utils.data.TensorDataset(torch.zeros(10 * B, 1)), batch_size=B)
+        criterion = nn.CrossEntropyLoss(ignore_index=-100)
+        module, optimizer, crit = opacus_compat.PrivacyEngine(accountant="rdp").make_private(
+            module=model, optimizer=opt, data_loader=loader, noise_multiplier=0.0,
+            max_grad_norm=R, poisson_sampling=False, grad_sample_mode=flow,
+            criterion=criterion)[:3]
+        try:
+            logits = module(ids)
+            n, T, V = logits.shape
+            if flow == "hooks":
+                loss = criterion(logits.reshape(n * T, V), labels.reshape(-1))
+            else:
+                loss = crit(logits.reshape(n * T, V), labels.reshape(-1), shape=(n, T))
+            loss.backward()
+            optimizer.step()
+        except ValueError as e:
+            return refused(e, "step", opt)
+        return released(model, opt)
+
+    case = token_case(False)
+    pair = (run(*case.with_sample), run(*case.honest))
+    if flow == "hooks":
+        assert_bounded(*pair, may_refuse=True, refuse_at="step", what="door token mean hooks")
+        assert "nll_loss" in str(pair[0].error)
+    else:
+        assert_bounded(*pair, what="door token mean ghost")

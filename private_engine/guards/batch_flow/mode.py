@@ -59,10 +59,15 @@ class BatchFlow(TorchDispatchMode):
     checked all the same, and a value of an earlier region used in a later one mixes.
     """
 
-    def __init__(self, model: nn.Module, batch_dim: int = 0):
+    def __init__(self, model: nn.Module, batch_dim: int = 0,
+                 openers: Optional[Dict[nn.Module, int]] = None):
         super().__init__()
         self.model = model
         self.batch_dim = batch_dim
+        #: ``{module: batch dim of its input}``: when given, only these modules open a region, at
+        #: their first call (the Opacus door's ``batch_first=False``, where the model's own inputs
+        #: may hold the batch in either dimension and only the layers' convention is known)
+        self.openers = openers
         #: rows of the model's batch inputs in the current or last region (None: none yet)
         self.batch: Optional[int] = None
         self.active = False
@@ -92,7 +97,8 @@ class BatchFlow(TorchDispatchMode):
                 self.model.register_forward_hook(self._post, always_call=True)]
             self._handles += [m.register_forward_pre_hook(self._pre_submodule, with_kwargs=True,
                                                           prepend=True)
-                              for m in self.model.modules() if m is not self.model]
+                              for m in self.model.modules()
+                              if m is not self.model or self.openers is not None]
         return self
 
     def remove(self) -> None:
@@ -114,6 +120,9 @@ class BatchFlow(TorchDispatchMode):
         if not torch.is_grad_enabled():
             self.end()  # an evaluation forward: a step's region does not span it
             return None
+        if self.openers is not None:
+            self.end()  # a new forward: its first layer opens the next region
+            return None
         n, tensors = self._batch_of(args, kwargs)
         if self.active and n != self.batch:
             self.end()
@@ -123,6 +132,10 @@ class BatchFlow(TorchDispatchMode):
     def _pre_submodule(self, module, args, kwargs):
         if self.active or replaying() or not torch.is_grad_enabled():
             return None
+        if self.openers is not None:
+            if module not in self.openers:
+                return None
+            self.batch_dim = self.openers[module]
         n, tensors = self._batch_of(args, kwargs)  # a submodule the loop calls directly
         self._open(n, tensors)
         return None
