@@ -287,6 +287,7 @@ class SecretModelRandomness:
         self.generator = generator if generator is not None else entropy_seeded_generator("cpu")
         self._saved: Optional[tuple] = None
         self._handles: list = []
+        self._cuda: Optional[List[torch.device]] = None
 
     def install(self) -> "SecretModelRandomness":
         """Register the hooks (again after :meth:`remove`); returns self."""
@@ -304,8 +305,12 @@ class SecretModelRandomness:
         self.end()
 
     def _devices(self) -> List[torch.device]:
-        devices = {p.device for p in self.model.parameters() if p.device.type == "cuda"}
-        return sorted(devices, key=lambda d: -1 if d.index is None else d.index)
+        """The CUDA devices of the model's parameters (read once: a model moved after the engine
+        was built is refused by the engine's own device checks)."""
+        if self._cuda is None:
+            devices = {p.device for p in self.model.parameters() if p.device.type == "cuda"}
+            self._cuda = sorted(devices, key=lambda d: -1 if d.index is None else d.index)
+        return self._cuda
 
     def _pre(self, module, args) -> None:
         if torch._C._functorch.maybe_current_level() is not None:

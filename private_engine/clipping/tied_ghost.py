@@ -126,11 +126,13 @@ def certified_joint_norm_sq(members: Sequence[Member]) -> torch.Tensor:
     released = sum(c * m for c, m in zip(c_rel, masses))
     acc = accumulation_dtype(members[0][0].weight)
     adding = gamma(len(members), unit_roundoff(acc)) * (1 + max(c_rel)) * mass
-    u_sum = sum(row_norms64(u).sum(1) if kind == "dense" else
-                torch.full_like(mass, float(u.shape[1])) for kind, u in us)
-    lost = ghost_underflow(row_norms64(Vrows).sum(1), u_sum, Vrows.shape[2], widest, positions,
-                           ETA64)
-    base = (nu.clamp(min=0) + c_nu * mass * mass + lost).sqrt()
+    base = nu.clamp(min=0) + c_nu * mass * mass
+    if members[0][0].weight.dtype == torch.float64:  # float64 products may underflow
+        u_sum = sum(row_norms64(u).sum(1) if kind == "dense" else
+                    torch.full_like(mass, float(u.shape[1])) for kind, u in us)
+        base = base + ghost_underflow(row_norms64(Vrows).sum(1), u_sum, Vrows.shape[2], widest,
+                                      positions, ETA64)
+    base = base.sqrt()
     return (base + released + adding).square()
 
 

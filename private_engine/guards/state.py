@@ -79,14 +79,16 @@ class StepStateGuard:
         return None
 
     def arm(self) -> None:
-        """Record every parameter and buffer and its version counter."""
-        self._slots = [
-            (f"{name}.{attr}" if name else attr, m, attr, kind)
-            for name, m in self.model.named_modules()
-            for kind, table in (("parameter", m._parameters), ("buffer", m._buffers))
-            for attr in table
-            if not (kind == "buffer" and (self._allowed(f"{name}.{attr}" if name else attr)
-                                          or attr in shape_caches(m)))]
+        """Record every parameter and buffer and its version counter (the list of slots is
+        built once, on the model's modules as they are at the first arming)."""
+        if not self._slots:
+            self._slots = [
+                (f"{name}.{attr}" if name else attr, m, attr, kind)
+                for name, m in self.model.named_modules()
+                for kind, table in (("parameter", m._parameters), ("buffer", m._buffers))
+                for attr in table
+                if not (kind == "buffer" and (self._allowed(f"{name}.{attr}" if name else attr)
+                                              or attr in shape_caches(m)))]
         self._armed = [(t, _version(t), _data_ptr(t)) for t in self._tensors()]
 
     def _allowed(self, qualified: str) -> bool:

@@ -24,9 +24,9 @@ from .base import (LayerDims, LayerRule, accumulation_dtype, cast, certified_kep
                    gram_inner, gram_unit, put_into, row_norm_sq, scale_samples, trainable,
                    weighted_sum_into, zeros_like_batch)
 from .registry import register_rule
-from .rounding import (ETA64, certified_ghost, certified_instantiated, gamma, ghost_underflow,
-                       gram_coefficient, gram_eta, instantiation_coefficient, release_coefficient,
-                       row_norms64, unit_roundoff)
+from .rounding import (ETA64, certified_ghost, certified_instantiated, gamma,
+                       ghost_may_underflow, ghost_underflow, gram_coefficient, gram_eta,
+                       instantiation_coefficient, release_coefficient, row_norms64, unit_roundoff)
 
 
 def unfold_conv_input(module: nn.modules.conv._ConvNd, a: torch.Tensor) -> torch.Tensor:
@@ -159,12 +159,13 @@ class ConvRule(LayerRule):
             D = U.shape[2]
             c_nu = gram_coefficient(D + bias, G.shape[2], T, gram_unit(U))
             nu = gram_inner(U, G, bias=bias)
-            lost = ghost_underflow(row_norms64(U).sum(1) + (T if bias else 0),
-                                   row_norms64(G).sum(1), D + bias, G.shape[2], T,
-                                   gram_eta(gram_unit(U)))
+            unit = gram_unit(U)
+            lost = (ghost_underflow(row_norms64(U).sum(1) + (T if bias else 0),
+                                    row_norms64(G).sum(1), D + bias, G.shape[2], T,
+                                    gram_eta(unit)) if ghost_may_underflow(U, unit) else None)
             if module.groups > 1:  # the groups' terms (each within ±M_γ², Σ M_γ² ≤ M²) summed
                 nu = nu.reshape(B, module.groups).sum(1)
-                lost = lost.reshape(B, module.groups).sum(1)
+                lost = None if lost is None else lost.reshape(B, module.groups).sum(1)
                 c_nu += 2 * gamma(module.groups + 1, unit_roundoff(torch.float64))
             return certified_ghost(nu, mass, c_nu, c_rel, lost)
         grads = self.per_sample_grads(module, calls) if grads is None else grads

@@ -87,7 +87,8 @@ class EmbeddingRule(LayerRule):
         c_rel = release_coefficient(G.dtype, G.device, B * T)
         if use_ghost:
             c_nu = gram_coefficient(1, G.shape[2], T, unit_roundoff(torch.float64))
-            lost = ghost_underflow(torch.full_like(mass, float(T)), mass, 1, G.shape[2], T, ETA64)
+            lost = (ghost_underflow(torch.full_like(mass, float(T)), mass, 1, G.shape[2], T,
+                                    ETA64) if G.dtype == torch.float64 else None)
             return certified_ghost(_ghost(ids, G), mass, c_nu, c_rel, lost)
         grads = self.per_sample_grads(module, calls) if grads is None else grads
         c_inst = instantiation_coefficient(G.dtype, G.device, T)

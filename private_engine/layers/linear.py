@@ -19,9 +19,9 @@ from .base import (LayerDims, LayerRule, accumulation_dtype, cast, certified_kep
                    flatten_positions, gram_inner, gram_unit, mm_into, release_dtype, row_norm_sq,
                    scale_samples, sum_into, trainable, weighted_sum_into, zeros_like_batch)
 from .registry import register_named_rule, register_rule
-from .rounding import (certified_ghost, certified_instantiated, ghost_underflow, gram_coefficient,
-                       gram_eta, instantiation_coefficient, pair_mass, release_coefficient,
-                       row_norms64)
+from .rounding import (certified_ghost, certified_instantiated, ghost_may_underflow,
+                       ghost_underflow, gram_coefficient, gram_eta, instantiation_coefficient,
+                       mass_of, pair_norms, release_coefficient)
 
 
 class LinearRule(LayerRule):
@@ -91,13 +91,14 @@ class LinearRule(LayerRule):
             return certified_kept([G.sum(1, dtype=accumulation_dtype(G))], G)
         A, G = self._views(module, calls)
         B, T = A.shape[0], A.shape[1]
-        mass = pair_mass(A, G, bias)
+        na, ng = pair_norms(A, G, bias)
+        mass = mass_of(na, ng, A.shape[-1])
         c_rel = release_coefficient(release_dtype(G), G.device, B * T)
         if use_ghost:
-            c_nu = gram_coefficient(A.shape[2] + bias, G.shape[2], T, gram_unit(A))
-            lost = ghost_underflow(row_norms64(A).sum(1) + (T if bias else 0),
-                                   row_norms64(G).sum(1), A.shape[2] + bias, G.shape[2], T,
-                                   gram_eta(gram_unit(A)))
+            unit = gram_unit(A)
+            c_nu = gram_coefficient(A.shape[2] + bias, G.shape[2], T, unit)
+            lost = (ghost_underflow(na.sum(1), ng.sum(1), A.shape[2] + bias, G.shape[2], T,
+                                    gram_eta(unit)) if ghost_may_underflow(A, unit) else None)
             return certified_ghost(gram_inner(A, G, bias=bias), mass, c_nu, c_rel, lost)
         grads = self.per_sample_grads(module, calls) if grads is None else grads
         norm_sq = sum(row_norm_sq(g) for g in grads.values())

@@ -24,7 +24,7 @@ bounds below then grow with ``M`` rather than with the (cancelled) value.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -222,20 +222,41 @@ def row_norms64(t: torch.Tensor) -> torch.Tensor:
     return norms * (1 + gamma(k + 2, unit_roundoff(torch.float32))) + (k * _UNDERFLOW) ** 0.5
 
 
-def pair_mass(a: torch.Tensor, g: torch.Tensor, bias: bool, weight: bool = True) -> torch.Tensor:
-    """``M_i = Σ_t ‖ã_{i,t}‖·‖g_{i,t}‖`` for ``a: (N, T, D)``, ``g: (N, T, p)`` (float64, ``(N,)``);
-    ``ã_t = (a_t, 1)`` with a trained bias, ``ã_t = 1`` when only the bias is trained."""
+def pair_norms(a: torch.Tensor, g: torch.Tensor, bias: bool,
+               weight: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Upper bounds (float64, ``(N, T)``) of ``‖ã_{i,t}‖`` and ``‖g_{i,t}‖`` for ``a: (N, T, D)``,
+    ``g: (N, T, p)``; ``ã_t = (a_t, 1)`` with a trained bias, ``ã_t = 1`` when only the bias is
+    trained."""
     ng = row_norms64(g)
     if not weight:
-        na = torch.ones_like(ng)
-    else:
-        na = row_norms64(a)
-        if bias:
-            na = (na.square() + 1).sqrt()
-    # positive terms summed in float64: raised by γ_{T+2} (and float64 row norms by the same order),
-    # and by T·2⁻¹⁰⁷⁴ for products below the normal range
-    slack = 1 + gamma(ng.shape[-1] + a.shape[-1] + 4, unit_roundoff(torch.float64))
+        return torch.ones_like(ng), ng
+    na = row_norms64(a)
+    if bias:
+        na = (na.square() + 1).sqrt()
+    return na, ng
+
+
+def mass_of(na: torch.Tensor, ng: torch.Tensor, width: int) -> torch.Tensor:
+    """``M_i = Σ_t ‖ã_{i,t}‖·‖g_{i,t}‖`` (float64, ``(N,)``) from :func:`pair_norms`: positive
+    terms summed in float64, raised by ``γ_{T+2}`` (and the float64 row norms by the same order)
+    and by ``T·2⁻¹⁰⁷⁴`` for products below the normal range."""
+    slack = 1 + gamma(ng.shape[-1] + width + 4, unit_roundoff(torch.float64))
     return (na * ng).sum(1) * slack + ng.shape[-1] * ETA64
+
+
+def pair_mass(a: torch.Tensor, g: torch.Tensor, bias: bool, weight: bool = True) -> torch.Tensor:
+    """``M_i = Σ_t ‖ã_{i,t}‖·‖g_{i,t}‖`` for ``a: (N, T, D)``, ``g: (N, T, p)`` (float64, ``(N,)``):
+    :func:`mass_of` of :func:`pair_norms`."""
+    na, ng = pair_norms(a, g, bias, weight)
+    return mass_of(na, ng, a.shape[-1])
+
+
+def ghost_may_underflow(operand: torch.Tensor, gram_unit: float) -> bool:
+    """Whether a ghost norm's products can fall below the normal range: float64 operands (their
+    float64 products can), or 16-bit CUDA operands (float32-accumulated Grams). Products of
+    float32 or 16-bit values formed in float64 cannot (the smallest, ``(2⁻¹⁴⁹)² = 2⁻²⁹⁸``, and
+    the inner product's ``2⁻⁵⁹⁶`` are normal float64 numbers)."""
+    return operand.dtype == torch.float64 or gram_unit != unit_roundoff(torch.float64)
 
 
 def cast_down(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -14,7 +14,8 @@ from torch.utils._python_dispatch import (TorchDispatchMode, _get_current_dispat
 
 from ...capture.fallback import replaying
 from ..separability import BatchMixingError
-from .rules import RULES, VALUE_FREE, flat_tensors, is_pointwise, pointwise, summed, written
+from .rules import (RULES, VALUE_FREE, flat_tensors, inputs_of, is_pointwise, pointwise, summed,
+                    written)
 from .tags import Iota, Mix, Mixed, Rows, Summed, first_mixed, join, mixed, user_line
 
 aten = torch.ops.aten
@@ -77,6 +78,7 @@ class BatchFlow(TorchDispatchMode):
         self._tags: Dict[int, _Entry] = {}
         self._writes: Dict[int, _Write] = {}
         self._buffers: set = set()
+        self._modules = list(model.modules())
         self._handles: list = []
         #: storages (data pointers) written in place during the region: the step state guard
         #: reads them (a write through ``.data`` moves no version counter)
@@ -111,7 +113,7 @@ class BatchFlow(TorchDispatchMode):
     # -- regions -------------------------------------------------------------------------------
     def _batch_of(self, args, kwargs) -> Tuple[int, List[torch.Tensor]]:
         bd = self.batch_dim
-        tensors = [t for t in flat_tensors((args, kwargs)) if t.dim() > bd]
+        tensors = [t for t in inputs_of(args, kwargs) if t.dim() > bd]
         return max((t.shape[bd] for t in tensors), default=0), tensors
 
     def _pre_model(self, module, args, kwargs):
@@ -168,7 +170,7 @@ class BatchFlow(TorchDispatchMode):
         self.roots = []
         self.written_storages = set()
         self._writes = {}
-        self._buffers = {id(b) for b in self.model.buffers()}
+        self._buffers = {id(b) for m in self._modules for b in m._buffers.values()}
         if not any(m is self for m in _get_current_dispatch_mode_stack()):
             self.__enter__()
         self.pushed = True
@@ -329,7 +331,7 @@ class BatchFlow(TorchDispatchMode):
         out = func(*args, **kwargs)
         if not self.active:
             return out
-        inputs = flat_tensors((args, kwargs))
+        inputs = inputs_of(args, kwargs)
         entries = [self._entry(t) for t in inputs]
         tags = [tag for tag, _ in entries]
         if all(tag is None for tag in tags):

@@ -21,18 +21,28 @@ Tag = Any
 
 
 def flat_tensors(obj) -> List[torch.Tensor]:
-    """The tensors of nested lists, tuples and dicts, in order."""
+    """The tensors of nested lists, tuples and mappings, in order (a flat tuple of arguments,
+    the common case, in one pass)."""
     out: List[torch.Tensor] = []
-    stack = [obj]
-    while stack:
-        o = stack.pop()
+    for o in (obj if type(obj) is tuple else (obj,)):
         if isinstance(o, torch.Tensor):
             out.append(o)
+        elif o is None or type(o) in _SCALARS:
+            continue
         elif isinstance(o, (list, tuple)):
-            stack.extend(reversed(o))
+            out.extend(flat_tensors(tuple(o)))
         elif isinstance(o, Mapping):
-            stack.extend(reversed(list(o.values())))
+            out.extend(flat_tensors(tuple(o.values())))
     return out
+
+
+_SCALARS = {int, float, bool, str, torch.dtype, torch.device, torch.memory_format, torch.layout}
+
+
+def inputs_of(args, kwargs) -> List[torch.Tensor]:
+    """The tensors among an op's arguments."""
+    return flat_tensors(args) + flat_tensors(tuple(kwargs.values())) if kwargs else \
+        flat_tensors(args)
 
 
 def written(func, args, kwargs) -> List[torch.Tensor]:
@@ -44,16 +54,26 @@ def written(func, args, kwargs) -> List[torch.Tensor]:
     return out
 
 
+_SCHEMAS: Dict[Any, Dict[str, Tuple[int, bool, Any]]] = {}
+
+
 def arg(func, args, kwargs, name: str, default=None):
-    """Argument ``name`` of the call, by the op's schema (its default when not given)."""
-    for i, a in enumerate(func._schema.arguments):
-        if a.name == name:
-            if i < len(args):
-                return args[i]
-            if name in kwargs:
-                return kwargs[name]
-            return a.default_value if a.has_default_value() else default
-    return default
+    """Argument ``name`` of the call, by the op's schema (its default when not given); the
+    schema's positions are read once per op."""
+    table = _SCHEMAS.get(func)
+    if table is None:
+        table = _SCHEMAS[func] = {
+            a.name: (i, a.has_default_value(), a.default_value if a.has_default_value() else None)
+            for i, a in enumerate(func._schema.arguments)}
+    slot = table.get(name)
+    if slot is None:
+        return default
+    i, has_default, value = slot
+    if i < len(args):
+        return args[i]
+    if name in kwargs:
+        return kwargs[name]
+    return value if has_default else default
 
 
 def _out(out) -> torch.Tensor:
@@ -99,13 +119,13 @@ def pointwise(flow, func, args, kwargs, out) -> Tag:
     outs = flat_tensors(out)
     if not outs:
         return None
-    tensors = flat_tensors((args, kwargs))
+    tensors = inputs_of(args, kwargs)
     return aligned([(t, flow.tag(t)) for t in tensors], tuple(outs[0].shape), flow)
 
 
 def _single(flow, args, kwargs) -> Tuple[torch.Tensor, Tag]:
     """The op's first tensor argument and its tag; per-sample data elsewhere mixes."""
-    tensors = flat_tensors((args, kwargs))
+    tensors = inputs_of(args, kwargs)
     tags = [flow.tag(t) for t in tensors]
     if any(isinstance(tag, Rows) for tag in tags[1:]):
         raise Mix("with per-sample data in an argument whose layout is not followed")
@@ -558,7 +578,7 @@ def losses(flow, func, args, kwargs, out):
     """Losses with a ``reduction``: "none" keeps the rows, "mean" and "sum" reduce over the
     batch (for ``nll_loss`` with ``ignore_index``, a mean divides by a count over all samples)."""
     reduction = arg(func, args, kwargs, "reduction", 1)
-    tensors = flat_tensors((args, kwargs))
+    tensors = inputs_of(args, kwargs)
     tags = [flow.tag(t) for t in tensors]
     outs = flat_tensors(out)
     nll = func.overloadpacket in (aten.nll_loss_forward, aten.nll_loss2d_forward)
@@ -651,7 +671,7 @@ def scatter(flow, func, args, kwargs, out):
     x = arg(func, args, kwargs, "self")
     dim = norm_dim(arg(func, args, kwargs, "dim"), x.dim())
     result = None
-    for t in flat_tensors((args, kwargs)):
+    for t in inputs_of(args, kwargs):
         tag = _rows(flow.tag(t))
         if tag is not None:
             if tag.dim == dim:
@@ -757,14 +777,14 @@ def copy_from(flow, func, args, kwargs, out):
 def random_draw(flow, func, args, kwargs, out):
     """A draw per element with the element's own parameters (``bernoulli(p)``, ``normal(μ, σ)``)."""
     o = _out(out)
-    tensors = flat_tensors((args, kwargs))
+    tensors = inputs_of(args, kwargs)
     return aligned([(t, flow.tag(t)) for t in tensors], tuple(o.shape), flow)
 
 
 def overwrite(flow, func, args, kwargs, out):
     """In-place fills (``fill_``, ``zero_``, ``normal_``): the tensor takes the fill value's
     samples (a tensor value broadcast over it) or none."""
-    for t in flat_tensors((args, kwargs))[1:]:
+    for t in inputs_of(args, kwargs)[1:]:
         tag = flow.tag(t)
         if isinstance(tag, Rows):
             return pointwise(flow, func, args, kwargs, out)
