@@ -71,7 +71,7 @@ from typing import Any, Dict, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from .accounting.ledger import LedgerContents, StepLedger, is_prefix, read_ledger
+from .accounting.ledger import LEDGER_SUFFIX, LedgerContents, StepLedger, is_prefix, read_ledger
 
 #: format tag and version of :func:`engine_state_dict`
 ENGINE_FORMAT = "private_engine.PrivacyEngine"
@@ -81,7 +81,6 @@ VERSION = 2
 #: the version before the ledger (it held the generator state and the accumulation in progress)
 _OLD_VERSION = 1
 #: appended to a checkpoint's path for the ledger that :func:`save_checkpoint` creates
-LEDGER_SUFFIX = ".ledger"
 
 #: ``ledger=`` of the loaders: a path, None (the state's own) or False (none: nothing released
 #: after the state)
@@ -391,13 +390,7 @@ def save_checkpoint(path, *, model: nn.Module, optimizer: torch.optim.Optimizer,
     if _distributed(engine) and not _records(engine):
         return  # rank 0 writes
     if getattr(engine, "ledger", None) is None:
-        ledger_path = os.fspath(path) + LEDGER_SUFFIX
-        if os.path.exists(ledger_path):
-            raise ValueError(
-                f"{ledger_path!r} exists: the step ledger of another run saved to this path. "
-                "Resume that run with load_checkpoint (which continues its ledger), or save to "
-                "another path (or remove both files if that run's releases no longer matter).")
-        _set_ledger(engine, StepLedger.create(ledger_path, engine.accountant.history))
+        _set_ledger(engine, StepLedger.beside(path, engine.accountant.history))
     checkpoint = {
         "format": CHECKPOINT_FORMAT,
         "version": VERSION,

@@ -116,6 +116,10 @@ def is_prefix(history: Sequence[Tuple[float, float, int]],
     return True
 
 
+#: the ledger of a checkpoint at ``path`` lives at ``path + LEDGER_SUFFIX``
+LEDGER_SUFFIX = ".ledger"
+
+
 class StepLedger:
     """An open step ledger: :meth:`record` appends one step, durably, before its release.
 
@@ -135,6 +139,20 @@ class StepLedger:
     def writer(self) -> bool:
         """Whether :meth:`record` writes to the file (False: a reading rank)."""
         return self._fd is not None
+
+    @classmethod
+    def beside(cls, checkpoint_path, history: Sequence[Tuple[float, float, int]] = ()
+               ) -> "StepLedger":
+        """The ledger of a run whose first checkpoint goes to ``checkpoint_path``: a new file at
+        ``checkpoint_path + LEDGER_SUFFIX``, refused with a ``ValueError`` that says what to do
+        when one exists there (another run's)."""
+        path = os.fspath(checkpoint_path) + LEDGER_SUFFIX
+        if os.path.exists(path):
+            raise ValueError(
+                f"{path!r} exists: the step ledger of another run saved to this path. Resume "
+                "that run with load_checkpoint (which continues its ledger), or save to another "
+                "path (or remove both files if that run's releases no longer matter).")
+        return cls.create(path, history)
 
     @classmethod
     def create(cls, path, history: Sequence[Tuple[float, float, int]] = (),

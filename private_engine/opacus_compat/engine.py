@@ -71,7 +71,7 @@ from torch import nn, optim
 from torch.nn.parallel import DistributedDataParallel
 
 from ..accounting.ledger import StepLedger
-from ..checkpoint import LEDGER_SUFFIX, find_ledger
+from ..checkpoint import find_ledger
 from ..randomness import entropy_seeded_generator
 from ..guards.model_check import check_no_batchnorm, clipped_layers, scan_model
 from .loss import PrivateLoss
@@ -247,13 +247,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
             checkpoint_dict["noise_generator_state"] = generator.get_state()
         if isinstance(path, (str, os.PathLike)) and optimizer is not None and _records():
             if self._ledger is None:
-                ledger_path = os.fspath(path) + LEDGER_SUFFIX
-                if os.path.exists(ledger_path):
-                    raise ValueError(
-                        f"{ledger_path!r} exists: the step ledger of another run saved to this "
-                        "path. Resume that run with load_checkpoint (which continues its "
-                        "ledger), or save to another path.")
-                self._ledger = StepLedger.create(ledger_path, self.accountant.history)
+                self._ledger = StepLedger.beside(path, self.accountant.history)
             self._record_steps(optimizer)
         if self._ledger is not None:
             checkpoint_dict[LEDGER_KEY] = {"run": self._ledger.run, "path": self._ledger.path}

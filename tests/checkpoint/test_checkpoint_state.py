@@ -13,14 +13,9 @@ from torch import nn
 
 import private_engine as pe
 from private_engine.checkpoint import engine_state_dict
+from engine_checks import one_thread  # noqa: F401  (autouse: one intra-op thread)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _model(seed=0):

@@ -21,16 +21,11 @@ from torch.utils.data import TensorDataset
 import private_engine as pe
 from private_engine.data import poisson_loader
 from private_engine.randomness import is_mt19937
+from engine_checks import one_thread  # noqa: F401  (autouse: one intra-op thread)
 
 N, D_IN, D_OUT, B, SIGMA, R, LR = 256, 32, 16, 32, 1.0, 1.0, 0.5
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _data():

@@ -15,16 +15,11 @@ import private_engine as pe
 from private_engine.accounting.ledger import (StepLedger, is_prefix, merge_history,
                                               read_ledger)
 from private_engine.checkpoint import CHECKPOINT_FORMAT, ENGINE_FORMAT, use_ledger
+from engine_checks import one_thread  # noqa: F401  (autouse: one intra-op thread)
 
 SIGMA, Q = 1.2, 8 / 64
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _setup(**kwargs):

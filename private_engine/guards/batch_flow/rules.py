@@ -513,9 +513,10 @@ def attention(flow, func, args, kwargs, out):
     return [result if o.dim() > result.dim else None for o in outs]
 
 
-def layer_norm(flow, func, args, kwargs, out):
-    (x, w, b), (tx, tw, tb) = _operands(flow, func, args, kwargs, ("input", "weight", "bias"))
-    if tw is not None or tb is not None:
+def _normalised_over_last(flow, func, args, kwargs, weights: Sequence[str]) -> Tag:
+    """A normalisation over the last ``len(normalized_shape)`` dims with affine ``weights``."""
+    (x, *ws), (tx, *tws) = _operands(flow, func, args, kwargs, ("input", *weights))
+    if any(t is not None for t in tws):
         raise Mix("with per-sample weights")
     if tx is None:
         return None
@@ -524,6 +525,14 @@ def layer_norm(flow, func, args, kwargs, out):
     if tx.dim >= x.dim() - k:
         raise Mix("normalises across the dimension that holds the batch")
     return tx
+
+
+def layer_norm(flow, func, args, kwargs, out):
+    return _normalised_over_last(flow, func, args, kwargs, ("weight", "bias"))
+
+
+def rms_norm(flow, func, args, kwargs, out):
+    return _normalised_over_last(flow, func, args, kwargs, ("weight",))
 
 
 def group_norm(flow, func, args, kwargs, out):
@@ -552,19 +561,6 @@ def batch_norm(flow, func, args, kwargs, out):
     if tx.dim != 1:
         raise Mix("normalises by statistics of the whole batch (batch norm in training mode)")
     return [tx] + [tx.at(0) if o.dim() == 1 else None for o in outs[1:]]
-
-
-def rms_norm(flow, func, args, kwargs, out):
-    (x, w), (tx, tw) = _operands(flow, func, args, kwargs, ("input", "weight"))
-    if tw is not None:
-        raise Mix("with per-sample weights")
-    if tx is None:
-        return None
-    shape = arg(func, args, kwargs, "normalized_shape")
-    k = len(shape) if isinstance(shape, (list, tuple)) else 1
-    if tx.dim >= x.dim() - k:
-        raise Mix("normalises across the dimension that holds the batch")
-    return tx
 
 
 def embedding(flow, func, args, kwargs, out):
