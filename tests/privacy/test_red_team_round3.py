@@ -364,3 +364,74 @@ def test_dividing_the_per_sample_losses_by_the_batch_size(door, how):
     case, with_batch = aligned_case(0.3, -1.0, over_batch_size)
     assert_bounded(*run_pair(case, door, how, with_batch=with_batch), may_refuse=True,
                    what=f"over n {door}-{how}")
+
+
+# -- 8. an alias that is not a view keeps its rows through an in-place mixing write --------------
+def detach_alias_then_write(h):
+    """``out = h.detach()`` shares h's storage but is no view (``_base`` is None); h is then
+    centred on the batch mean in place: ``out`` holds the mixed values."""
+    h = h * 1
+    out = h.detach()
+    h.sub_(3 * h.detach().mean(0))
+    return out
+
+
+@pytest.mark.parametrize("door,how", DOORS, ids=DOOR_IDS)
+def test_a_detached_alias_keeps_its_rows_after_an_in_place_mixing_write(door, how):
+    """Round 2 fixed views (``_writes`` keyed by ``t._base``); ``detach()`` (and any other alias
+    that is not a view) shares the storage without a ``_base``, so ``_entry`` never compares it
+    with the write: it keeps ``Rows`` while its storage now holds ``h - 3·mean(h)``. The second
+    layer trains on the centred activations: ratio 3.14 in every mode and door."""
+    from test_red_team_round2 import coupled_case
+    case = coupled_case(detach_alias_then_write)
+    assert_bounded(*run_pair(case, door, how), may_refuse=True, what=f"detach alias {door}-{how}")
+
+
+# -- 9. the feature heads: what the fit reveals besides the noised statistics -------------------
+def _heads():
+    from private_engine.heads import (DPAdamHead, DPFeatureCovariance, DPLeastSquares,
+                                      DPMeanEstimator, DPNewton)
+    return {"least_squares": DPLeastSquares, "mean": DPMeanEstimator, "newton": DPNewton,
+            "adam": DPAdamHead, "covariance": DPFeatureCovariance}
+
+
+def _head_data():
+    import numpy as np
+    g = np.random.default_rng(0)
+    return g.normal(size=(20, 5)), g.integers(0, 2, 20)
+
+
+@pytest.mark.parametrize("head", list(_heads()))
+def test_a_head_releases_the_set_of_labels_of_the_private_data(head):
+    """``encode_labels`` with ``classes=None`` (the default) takes ``np.unique(y)`` of the private
+    labels, and ``classes_`` (and the number of released class blocks) is published without
+    noise and without a warning: one record with a label no one else has adds it — the record's
+    presence and label are revealed with certainty (ε = ∞)."""
+    import numpy as np
+    X, y = _head_data()
+    H = _heads()[head]
+    with_record = H(noise_multiplier=1.0).fit(np.vstack([X, np.ones(5)]), np.append(y, 7))
+    without = H(noise_multiplier=1.0).fit(X, y)
+    assert np.array_equal(with_record.classes_, without.classes_), (
+        f"classes_ reveals the record: {with_record.classes_.tolist()} with it, "
+        f"{without.classes_.tolist()} without")
+
+
+@pytest.mark.parametrize("head", list(_heads()))
+def test_a_head_refuses_a_data_set_with_one_non_finite_record(head):
+    """``fit`` raises "X contains NaN or infinite values" when one record is not finite and fits
+    without it: the refusal depends on one record (the training step instead drops such a sample,
+    ratio 0). Clip or zero non-finite records, or refuse before looking at the data."""
+    import numpy as np
+    X, y = _head_data()
+    H = _heads()[head]
+    outcomes = []
+    for XX, yy in ((np.vstack([X, np.full(5, np.inf)]), np.append(y, 0)), (X, y)):
+        try:
+            H(noise_multiplier=1.0).fit(XX, yy)
+            outcomes.append("fitted")
+        except ValueError as e:
+            outcomes.append(f"refused ({e})")
+    assert outcomes[0] == outcomes[1], (
+        f"the refusal depends on the data: with the record {outcomes[0]}, without it "
+        f"{outcomes[1]}")
