@@ -436,6 +436,7 @@ def load_checkpoint(path, *, model: nn.Module, optimizer: torch.optim.Optimizer,
     model.load_state_dict(checkpoint["model"])
     optimizer.load_state_dict(checkpoint["optimizer"])
     load_engine_state_dict(engine, checkpoint["engine"], ledger=ledger, near=near)
+    engine.state_guard.arm()  # the loaded parameters are where the next step starts
     return checkpoint["extra"]
 
 

@@ -313,6 +313,7 @@ class PrivacyEngine:
             self.distributed.take_over_fsdp()
         self.buffer_guard.install()
         self.state_guard.install()
+        self.state_guard.arm()
         self.model_randomness.install()
         state = _optim.PrivateStep(optimizer, self.params, self.clip_batch,
                                    lambda: self.clipper.max_grad_norm, self.noise,
@@ -373,8 +374,10 @@ class PrivacyEngine:
                                    names=self._names,
                                    all_dropped_hint="the model may have diverged (lower the "
                                    "learning rate; float16: pass grad_scaler=).")
-            # nothing of this batch is released before the state guard has seen the step
+            # nothing of this batch is released before the state guard has seen the step; it
+            # records the state again at once: the next physical batch is watched from here
             self.state_guard.check(self.clipper.batch_flow.written_storages)
+            self.state_guard.arm()
         except BaseException:
             self.state_guard.disarm()
             raise
@@ -426,6 +429,7 @@ class PrivacyEngine:
         logical batch of ``samples`` samples."""
         self.accountant.step(noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate)
         self.sampling_check.commit(samples)
+        self.state_guard.arm()  # after the update: the next step's state starts here
 
     def _check_replicas(self) -> None:
         """After a data-parallel step (``check_replicas=True``): the float64 checksums

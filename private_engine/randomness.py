@@ -272,14 +272,17 @@ class SecretModelRandomness:
     input of its own loss, like a random augmentation).
 
     ``install()`` registers a forward pre-hook on ``model`` and on each of its submodules: the
-    first forward with grad enabled in training mode — the model's, or a submodule's that a loop
-    calls directly — swaps torch's CPU default generator (and the CUDA default generator of every
-    device the model's parameters live on) for a state keyed from the secret generator (a full
-    MT19937 state on the CPU, a 64-bit Philox key on CUDA). The user's states come back at
+    first forward with grad enabled — the model's, or a submodule's that a loop calls directly,
+    in training or in eval mode — swaps torch's CPU default generator (and the CUDA default
+    generator of every device the model's parameters live on) for a state keyed from the secret
+    generator (a full MT19937 state on the CPU, a 64-bit Philox key on CUDA). The user's states come back at
     :meth:`end` — when the engine takes the step's loss, so that randomness the loss draws from
     torch's generators is secret too —, at a forward without grad, or when a forward raises; the
     user's own draws (data order, augmentation) then continue as if the step had drawn nothing.
-    Activation checkpointing replays the forward with the state it saved, the secret one.
+    Every later forward of the model before that draws a fresh secret state (a step whose loss
+    raised leaves none of the user's public state in the generators; the user's states saved at
+    the first swap come back at the next :meth:`end`). Activation checkpointing replays the
+    forward with the state it saved, the secret one.
     """
 
     def __init__(self, model, generator: Optional[torch.Generator] = None):
@@ -319,9 +322,18 @@ class SecretModelRandomness:
             if module is self.model:
                 self.end()  # an evaluation forward draws from the user's generators
             return None
-        if self._saved is None and module.training:
-            self._swap()
+        if self._saved is None:
+            self._swap()  # a forward with grad, in training or eval mode, may feed a step
+        elif module is self.model:
+            self._reswap()  # a new forward while a step is open (its loss never came): fresh
         return None
+
+    def _reswap(self) -> None:
+        """A fresh secret state over the one in use, keeping the user's states saved at the first
+        swap (a step whose loss failed leaves no public state in the generators)."""
+        saved, self._saved = self._saved, None
+        self._swap()
+        self._saved = saved
 
     def _swap(self) -> None:
         saved = [("cpu", None, torch.default_generator.get_state())]

@@ -7,14 +7,17 @@ a buffer updated by a tensor hook during the backward (an EMA of gradient statis
 written by the loss — holds this batch's data without noise: it ships in the ``state_dict`` and
 reaches later steps' gradients outside the clipping bound.
 
-:class:`StepStateGuard` records, at the first forward of a step (a forward pre-hook with grad
-enabled, on the model or on a submodule a loop calls directly), every parameter and buffer tensor
-with its version counter (``_version``, moved by
-every in-place write), and :meth:`StepStateGuard.check` compares them after the step's backward,
-before anything is released: an in-place write, or a parameter or buffer of the model replaced by
-another tensor, raises ``ValueError`` naming it. That is a few integer comparisons per tensor, no
-tensor operation. Buffers declared data-free (``data_free_buffers``, ``fnmatch`` patterns) and the
-audited shape caches of known library classes are skipped, as the forward's
+:class:`StepStateGuard` records every parameter and buffer tensor with its version counter
+(``_version``, moved by every in-place write) — the native engine when the optimizer is attached
+and again after every check and every update, so that writes between steps (in the loop, or by a
+global forward hook that runs before the model's own) are seen too; the Opacus door at the first
+forward of a step, a forward pre-hook with grad enabled, on the model or on a submodule a loop
+calls directly — and :meth:`StepStateGuard.check` compares them after the step's backward,
+before anything is released: an in-place write, a parameter or buffer of the model replaced by
+another tensor, or one registered since, raises ``ValueError`` naming it. That is a few integer
+comparisons per tensor, no tensor operation. Buffers declared data-free (``data_free_buffers``,
+``fnmatch`` patterns) and the audited shape caches of known library classes are skipped, as the
+forward's
 :class:`private_engine.guards.buffers.BufferGuard` skips them.
 
 A write through ``.data`` moves no version counter: the guard also compares each tensor's data
@@ -56,6 +59,8 @@ class StepStateGuard:
         self.compare_identity = compare_identity
         self._slots: List[Tuple[str, nn.Module, str, str]] = []
         self._armed: Optional[List[Tuple[object, int, int]]] = None
+        self._modules: Optional[List[Tuple[str, nn.Module]]] = None
+        self._counts: List[Tuple[int, int]] = []
         self._handles: list = []
 
     def install(self) -> "StepStateGuard":
@@ -79,17 +84,24 @@ class StepStateGuard:
         return None
 
     def arm(self) -> None:
-        """Record every parameter and buffer and its version counter (the list of slots is
-        built once, on the model's modules as they are at the first arming)."""
-        if not self._slots:
-            self._slots = [
-                (f"{name}.{attr}" if name else attr, m, attr, kind)
-                for name, m in self.model.named_modules()
-                for kind, table in (("parameter", m._parameters), ("buffer", m._buffers))
-                for attr in table
-                if not (kind == "buffer" and (self._allowed(f"{name}.{attr}" if name else attr)
-                                              or attr in shape_caches(m)))]
+        """Record every parameter and buffer, its version counter and data pointer, and how many
+        each module registers (the modules are those of the model when the guard was installed)."""
+        if self._modules is None:
+            self._modules = list(self.model.named_modules())
+        self._slots = [
+            (f"{name}.{attr}" if name else attr, m, attr, kind)
+            for name, m in self._modules
+            for kind, table in (("parameter", m._parameters), ("buffer", m._buffers))
+            for attr in table
+            if not (kind == "buffer" and (self._allowed(f"{name}.{attr}" if name else attr)
+                                          or attr in shape_caches(m)))]
+        self._counts = [(len(m._parameters), len(m._buffers)) for _, m in self._modules]
         self._armed = [(t, _version(t), _data_ptr(t)) for t in self._tensors()]
+
+    @property
+    def armed(self) -> bool:
+        """Whether a recorded state is waiting for :meth:`check`."""
+        return self._armed is not None
 
     def _allowed(self, qualified: str) -> bool:
         return any(fnmatch.fnmatchcase(qualified, p) for p in self.allow)
@@ -114,6 +126,10 @@ class StepStateGuard:
         armed, self._armed = self._armed, None
         if armed is None:
             return
+        for (name, m), counts in zip(self._modules, self._counts):
+            if (len(m._parameters), len(m._buffers)) != counts:
+                raise StateChangedError(_message(
+                    name or type(m).__name__, "module", "given a new parameter or buffer"))
         written = set(written_storages)
         now = self._tensors() if self.compare_identity else None
         for k, ((qualified, m, attr, kind), (t, version, ptr)) in enumerate(

@@ -180,8 +180,10 @@ class PrivateModule(nn.Module):
         self.batch_flow = BatchFlow(module, openers=None if batch_first else {
             layer.module: self._layer_batch_dim(layer) for layer in self.recorder.layers}
         ).install()
-        #: refuses a step during which a parameter or buffer changed outside the optimizer
+        #: refuses a step during which a parameter or buffer changed outside the optimizer (recorded
+        #: now and after every optimizer step)
         self.state_guard = StepStateGuard(module).install()
+        self.state_guard.arm()
         #: the randomness of training forwards (dropout) from a secret generator
         self.model_randomness = SecretModelRandomness(module).install()
         self._hooks_enabled = True

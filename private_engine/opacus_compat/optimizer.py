@@ -92,6 +92,15 @@ class ClippedSumOptimizer(DPOptimizerFastGradientClipping):
             if self.private_module is not None:
                 self.private_module.optimizer_consumed()
 
+    def step(self, closure=None):
+        """Opacus' step; afterwards the module's state guard records the updated parameters, the
+        state the next step must leave as it is."""
+        try:
+            return super().step(closure)
+        finally:
+            if self.private_module is not None:
+                self.private_module.state_guard.arm()
+
     def zero_grad(self, set_to_none: bool = False):
         super().zero_grad(set_to_none)
         if self.private_module is not None:

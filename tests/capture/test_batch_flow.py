@@ -93,22 +93,31 @@ def test_two_views_of_a_batch_are_one_sample_per_pair_of_rows():
     assert tag == Rows(0, 1, 0, B)
 
 
-def test_arange_is_positions_only_when_it_is_all_of_them():
+def test_arange_is_an_index_only_when_it_is_all_of_them():
     flow = BatchFlow(Identity()).install()
     try:
         flow.begin(B)
-        assert isinstance(flow.tag(torch.arange(B)), Iota)
-        assert flow.tag(torch.arange(1, B)) is None
-        assert flow.tag(torch.arange(B) + 1) is None
+        assert flow.tag(torch.arange(B)) == Iota(0, True)
+        assert flow.tag(torch.arange(1, B)) == Iota(0, False)  # positions, not an index
+        assert flow.tag(torch.arange(B) + 1) == Iota(0, False)
     finally:
         flow.remove()
 
 
-def test_a_constant_of_the_batch_size_along_another_dim_is_not_data():
-    """Class weights of length C = B on a (B, C) loss: not per-sample rows."""
-    w = torch.rand(B)
-    tag = tags_of(nn.Linear(5, B), lambda y: (y.pow(2) * w).sum(1), torch.randn(B, 5))
-    assert tag == Rows(0, 1, 0, B)
+def test_position_weights_on_the_batch_mix():
+    """``loss · (1 + arange(B))`` weighs each sample by how many come before it."""
+    tag = tags_of(nn.Linear(5, 3), lambda y: y.pow(2).sum(1) * (1 + torch.arange(B)),
+                  torch.randn(B, 5))
+    assert isinstance(tag, Mixed) and "position" in tag.why
+
+
+def test_a_tensor_of_the_batch_size_from_outside_is_data_along_any_dim():
+    """Labels broadcast along another dim than the batch's and summed there couple samples (a
+    constant that happens to have the batch's size is taken for data too: register such constants
+    as buffers of the model)."""
+    t = torch.randn(B, 3)
+    tag = tags_of(nn.Linear(5, 3), lambda y: (y[:, None, :] * t).sum((1, 2)), torch.randn(B, 5))
+    assert isinstance(tag, Mixed)
 
 
 def test_values_kept_from_an_earlier_batch_mix():

@@ -356,6 +356,9 @@ def test_an_arange_is_not_data_free(door, how):
                    what=f"position weights {door}-{how}")
 
 
+#: the batch size reaches the loss as a Python number (``y.shape[0]``): not followed, a documented
+#: limit (docs/engine.md, "Limits")
+@pytest.mark.xfail(strict=True, reason="documented limit: Python numbers such as the batch size")
 @pytest.mark.parametrize("door,how", NATIVE_AND_HOOKS, ids=NATIVE_AND_HOOKS_IDS)
 def test_dividing_the_per_sample_losses_by_the_batch_size(door, how):
     """``loss_i · 3 / n`` with ``n = y.shape[0]`` (a Python int: the documented Python-number

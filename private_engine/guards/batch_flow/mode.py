@@ -25,9 +25,13 @@ _OPEN: List["BatchFlow"] = []
 #: stored for an output of the batch's leading size computed from no sample, so that it is not
 #: taken for per-sample data that entered from outside the step
 _FREE = ("free",)
+#: factories whose values are set by position (an arange, a grid): along the batch dimension they
+#: would weigh samples by how many come before them
+_POSITIONAL = {aten.arange, aten.linspace, aten.logspace}
 _STALE = Mixed("a value computed from an earlier batch and kept (state carried across steps by "
                "the model or the loop)")
-_REWRITTEN = "a view of a tensor that was rewritten in place with other samples' rows"
+_REWRITTEN = ("a view or alias of a tensor that was rewritten in place with other samples' "
+              "rows")
 
 
 class _Entry(NamedTuple):
@@ -35,7 +39,7 @@ class _Entry(NamedTuple):
     tag: Any
     epoch: int  # 0: data from outside the model's inputs; else the region that computed it
     clock: int  # when the tag was set (orders writes to a base against its views' tags)
-    guessed: bool  # taken for per-sample data by its leading size alone
+    source: str  # "input" (a forward's argument), "guess" (outside data), "computed" (an op's)
 
 
 class _Write(NamedTuple):
@@ -148,8 +152,13 @@ class BatchFlow(TorchDispatchMode):
         if not self.active:
             self.begin(n)
         for t in tensors:
-            if t.shape[self.batch_dim] == n:
-                self._set(t, Rows(self.batch_dim, 1, 0, n), self.epoch)
+            if t.shape[self.batch_dim] != n:
+                continue
+            entry = self._tags.get(id(t))
+            if (entry is not None and entry.ref() is t and entry.source == "computed"
+                    and entry.epoch):
+                continue  # computed from the model's inputs (this step's, or an earlier one's)
+            self._set(t, Rows(self.batch_dim, 1, 0, n), self.epoch, "input")
 
     def _post(self, module, args, output):
         if sys.exc_info()[0] is not None:
@@ -268,6 +277,11 @@ class BatchFlow(TorchDispatchMode):
                                                   else None]
             for t in roots:
                 tag = None if t is None else self.tag(t)
+                if isinstance(tag, Summed) and tag.mod != self.batch:
+                    tag = Mixed(f"a sum over the batch of terms that each hold several input "
+                                f"rows ({tag.how}; rows paired modulo {tag.mod})")
+                if isinstance(tag, Rows) and (tag.mod != self.batch or tag.off % tag.mod):
+                    tag = Mixed("per-sample losses whose rows are not the inputs' rows in order")
                 if isinstance(tag, Mixed):
                     raise BatchMixingError(
                         f"the loss mixes samples beyond a sum over the batch: it depends on "
@@ -282,12 +296,6 @@ class BatchFlow(TorchDispatchMode):
         """The tag of ``t`` (None: untagged)."""
         return self._entry(t)[0]
 
-    def is_guess(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` was taken for per-sample rows by its leading size alone (a tensor from
-        outside the step: the loss's labels, or a constant that happens to have that size)."""
-        entry = self._tags.get(id(t))
-        return entry is not None and entry.ref() is t and entry.guessed
-
     def _entry(self, t: torch.Tensor) -> Tuple[Any, int]:
         """``(tag, epoch)``: epoch 0 for values computed from data outside the model's inputs (the
         loss's labels), else the region that computed them — a value of an earlier region mixes
@@ -299,9 +307,8 @@ class BatchFlow(TorchDispatchMode):
                 return None, 0
             if epoch and epoch != self.epoch and isinstance(tag, (Rows, Mixed, Summed)):
                 return _STALE, self.epoch
-            base = t._base
-            if base is not None and self._writes:
-                w = self._writes.get(id(base))
+            if self._writes:
+                w = self._writes.get(_storage(t) or -1)
                 if w is not None and w.clock > entry.clock and w.after != w.before:
                     return Mixed(_REWRITTEN), self.epoch
             return tag, epoch
@@ -309,11 +316,11 @@ class BatchFlow(TorchDispatchMode):
         if (self.active and not isinstance(t, (nn.Parameter, UninitializedTensorMixin))
                 and t.dim() > bd and t.shape[bd] == self.batch and id(t) not in self._buffers):
             tag = Rows(bd, 1, 0, self.batch)  # per-sample data from outside the step (labels)
-            self._set(t, tag, 0, guessed=True)
+            self._set(t, tag, 0, "guess")
             return tag, 0
         return None, 0
 
-    def _set(self, t, tag, epoch: int, guessed: bool = False) -> None:
+    def _set(self, t, tag, epoch: int, source: str = "computed") -> None:
         key = id(t)
         tags = self._tags
 
@@ -323,7 +330,7 @@ class BatchFlow(TorchDispatchMode):
                 del tags[key]
 
         self._clock += 1
-        tags[key] = _Entry(weakref.ref(t, drop), tag, epoch, self._clock, guessed)
+        tags[key] = _Entry(weakref.ref(t, drop), tag, epoch, self._clock, source)
 
     # -- dispatch ------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -341,7 +348,8 @@ class BatchFlow(TorchDispatchMode):
             self._assign(func, args, kwargs, out, self._result(func, args, kwargs, out, tags),
                          epoch)
         if (isinstance(out, torch.Tensor) and out.dim() == 0 and out.is_floating_point()
-                and torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):
+                and torch.is_grad_enabled() and RULES.get(func.overloadpacket) not in VALUE_FREE
+                and any(t.requires_grad for t in inputs)):
             self.last_scalar = weakref.ref(out)
         return out
 
@@ -367,10 +375,12 @@ class BatchFlow(TorchDispatchMode):
 
     def _mark_free(self, func, args, kwargs, out) -> None:
         bd, n = self.batch_dim, self.batch
-        iota = func.overloadpacket is aten.arange and _plain_arange(func, args, kwargs)
+        packet = func.overloadpacket
+        positional = packet in _POSITIONAL
+        exact = packet is aten.arange and _plain_arange(func, args, kwargs)
         for t in flat_tensors(out):
-            if iota and t.dim() == 1:
-                self._set(t, Iota(0), 0)
+            if positional and t.dim() == 1:
+                self._set(t, Iota(0, exact), 0)
             elif t.dim() > bd and t.shape[bd] == n:
                 self._set(t, _FREE, 0)
         if func._schema.is_mutable:  # an in-place write of values of no sample
@@ -402,15 +412,16 @@ class BatchFlow(TorchDispatchMode):
             self._set(t, _FREE if r is None else r, epoch)
             if base is not t and r is not None:
                 self._write_base(base, t, r, epoch)
-            self._writes[id(base)] = _Write(clock, before, self.tag(base))
+            ptr = _storage(t)
+            if ptr:
+                self._writes[ptr] = _Write(clock, before, self.tag(base))
 
     def _note_storage(self, t) -> None:
         """The storage an in-place op wrote (read by the step state guard: a write through
         ``.data`` moves no version counter)."""
-        try:
-            self.written_storages.add(t.untyped_storage().data_ptr())
-        except (RuntimeError, NotImplementedError):
-            pass
+        ptr = _storage(t)
+        if ptr:
+            self.written_storages.add(ptr)
 
     def _write_base(self, base, view, tag, epoch: int) -> None:
         """A view was written with rows ``tag``: its base holds them too."""
@@ -460,6 +471,14 @@ def _plain_arange(func, args, kwargs) -> bool:
     return start == 0 and step == 1
 
 
+def _storage(t: torch.Tensor) -> int:
+    """The data pointer of ``t``'s storage (views and aliases share it), 0 when it has none."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return 0
+
+
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
@@ -477,22 +496,32 @@ def _tidy() -> None:
 
 
 _BACKWARD = None
+_GRAD = None
 
 
 def _record_backward_roots() -> None:
-    """Wrap ``torch.autograd.backward`` (once per process; ``Tensor.backward`` calls it) so that
-    an open region learns what a backward starts from, and the gradients given for it."""
-    global _BACKWARD
+    """Wrap ``torch.autograd.backward`` (``Tensor.backward`` calls it) and
+    ``torch.autograd.grad`` once per process, so that an open region learns what a backward
+    starts from, and the gradients given for it."""
+    global _BACKWARD, _GRAD
     if _BACKWARD is not None:
         return
-    _BACKWARD = torch.autograd.backward
+    _BACKWARD, _GRAD = torch.autograd.backward, torch.autograd.grad
+
+    def note(outputs, grads) -> None:
+        # a backward the user starts (not one run inside another: the engine's own vjps)
+        if _OPEN and _OPEN[0].active and not _in_backward():
+            _OPEN[0].roots = [weakref.ref(t) for t in flat_tensors((outputs, grads))]
 
     def backward(tensors, grad_tensors=None, *args, **kwargs):
-        if _OPEN and _OPEN[0].active:
-            _OPEN[0].roots = [weakref.ref(t) for t in flat_tensors((tensors, grad_tensors))]
+        note(tensors, grad_tensors)
         return _BACKWARD(tensors, grad_tensors, *args, **kwargs)
 
-    backward.__doc__ = _BACKWARD.__doc__
-    backward.__wrapped__ = _BACKWARD
-    torch.autograd.backward = backward
+    def grad(outputs, inputs=None, grad_outputs=None, *args, **kwargs):
+        note(outputs, grad_outputs)
+        return _GRAD(outputs, inputs, grad_outputs, *args, **kwargs)
 
+    for wrapper, original in ((backward, _BACKWARD), (grad, _GRAD)):
+        wrapper.__doc__ = original.__doc__
+        wrapper.__wrapped__ = original
+    torch.autograd.backward, torch.autograd.grad = backward, grad

@@ -87,31 +87,31 @@ def _rows(tag: Tag) -> Optional[Rows]:
 def aligned(pairs, shape: Sequence[int], flow=None) -> Tag:
     """The rows of an elementwise result of shape ``shape`` from operands ``[(tensor, tag)]``
     broadcast to it: every tagged operand's batch dimension lands on the same output dim, with
-    its full length (a broadcast single row would spread one sample over the batch). An
-    ``arange`` through arithmetic is no longer the positions (its tag is dropped). A tensor taken
-    for per-sample rows by its size alone (:meth:`BatchFlow.is_guess`) whose leading dim lands
-    elsewhere than the batch of the others is a constant of that size (class weights), not
-    data."""
-    rows: List[Tuple[torch.Tensor, Rows]] = []
+    its full length (a broadcast single row would spread one sample over the batch). Values set
+    by position (:class:`Iota`) that land on the batch dimension weigh each sample by how many
+    come before it: they mix. An ``arange`` through arithmetic is no longer exact."""
+    rows: Tag = None
     n = len(shape)
+    positions: List[int] = []
+    iota: Tag = None
     for t, tag in pairs:
+        if isinstance(tag, Iota):
+            if t.dim():
+                d = tag.dim + n - t.dim()
+                positions.append(d)
+                iota = Iota(d, False) if iota is None or iota.dim == d else None
+            continue
         if not isinstance(tag, Rows):
             continue
         d = tag.dim + n - t.dim()
         if d < 0 or t.shape[tag.dim] != shape[d]:
-            if flow is not None and flow.is_guess(t):
-                continue
             raise Mix("broadcasts one sample's row over the batch")
-        rows.append((t, tag.at(d)))
-    if not rows:
-        return None
-    certain = [r for t, r in rows if flow is None or not flow.is_guess(t)]
-    result = None
-    for t, mapped in rows:
-        if certain and flow is not None and flow.is_guess(t) and mapped.dim != certain[0].dim:
-            continue  # a constant whose size matches the batch, along another dim
-        result = mapped if result is None else join(result, mapped)
-    return result
+        rows = tag.at(d) if rows is None else join(rows, tag.at(d))
+    if rows is None:
+        return iota
+    if rows.dim in positions and shape[rows.dim] > 1:
+        raise Mix("weighs samples by their position in the batch")
+    return rows
 
 
 def pointwise(flow, func, args, kwargs, out) -> Tag:
@@ -168,7 +168,7 @@ def _iota_reshape(t, tag: Iota, out) -> Tag:
     outs = [s for s in out.shape if s != 1]
     if ins != outs or len(ins) != 1:
         return None
-    return Iota(next(i for i, s in enumerate(out.shape) if s != 1))
+    return Iota(next(i for i, s in enumerate(out.shape) if s != 1), tag.exact)
 
 
 def expand(flow, func, args, kwargs, out):
@@ -364,7 +364,7 @@ def reduce(flow, func, args, kwargs, out):
     keep = bool(arg(func, args, kwargs, "keepdim", False))
     if dims is None or tag.dim in dims:
         if func.overloadpacket in _LINEAR_REDUCTIONS:
-            return Summed(f"{func.overloadpacket.__name__} over the batch")
+            return Summed(f"{func.overloadpacket.__name__} over the batch", tag.mod)
         raise Mix("reduces over the batch dimension")
     return tag if keep else tag.at(tag.dim - sum(x < tag.dim for x in dims))
 
@@ -445,9 +445,10 @@ def _matmul(a, ta, b, tb, batched: bool) -> Tag:
         # carries samples too (then every output row mixes samples)
         if result is not None or (len(contracted) == 2 and contracted[0].dim != lead + 1):
             raise Mix("contracts the batch dimension (a matrix product over samples)")
+        mod = contracted[0].mod
         if len(contracted) == 2:
-            join(contracted[0].at(0), contracted[1].at(0))
-        return Summed("a matrix product over the batch")
+            mod = join(contracted[0].at(0), contracted[1].at(0)).mod
+        return Summed("a matrix product over the batch", mod)
     return result
 
 
@@ -584,7 +585,8 @@ def losses(flow, func, args, kwargs, out):
         if nll and reduction == 1 and not _one_target_per_row(flow, func, args, kwargs):
             raise Mix("with reduction=\"mean\" over several targets per sample (a mean over the "
                       "batch's non-ignored targets divides by a count over all samples)")
-        return [Summed(f"{func.overloadpacket.__name__} with a reduction")] + \
+        mods = [t.mod for t in tags if isinstance(t, Rows)]
+        return [Summed(f"{func.overloadpacket.__name__} with a reduction", min(mods))] + \
             [None] * (len(outs) - 1)
     shape = tuple(outs[0].shape)
     if not nll:
@@ -637,7 +639,7 @@ def summed(flow, func, args, kwargs, tags) -> Any:
         if len(sums) == 1 or packet in (aten.add, aten.sub, aten.add_, aten.sub_):
             if packet in (aten.div, aten.div_) and not isinstance(tags[0], Summed):
                 raise Mix("divides by a sum over the batch")
-            return sums[0]
+            return Summed(sums[0].how, min(s.mod for s in sums))
     raise Mix(f"on a sum over the batch ({sums[0].how})")
 
 
@@ -708,7 +710,7 @@ def index(flow, func, args, kwargs, out):
         if isinstance(tag, Iota):
             if tx is None or k != tx.dim:
                 continue  # positions along a dim without samples
-            if t.shape[tag.dim] != x.shape[k]:
+            if not tag.exact or t.shape[tag.dim] != x.shape[k]:
                 raise Mix("indexes the batch dimension with positions that are not all of it")
             mapped = tx.at(tag.dim + nb - t.dim())
         elif isinstance(tag, Rows):
@@ -716,7 +718,7 @@ def index(flow, func, args, kwargs, out):
         else:
             continue
         result = mapped if result is None else join(result, mapped)
-    if tx is not None and not isinstance(tis[tx.dim], Iota):
+    if tx is not None and not (isinstance(tis[tx.dim], Iota) and tis[tx.dim].exact):
         raise Mix("indexes the batch dimension")
     return None if result is None else result.at(result.dim + first)
 

@@ -46,16 +46,23 @@ class Rows(NamedTuple):
 
 
 class Iota(NamedTuple):
-    """The values ``0, 1, …, n−1`` along ``dim`` (constant along the others)."""
+    """Values set by position along ``dim`` (an ``arange``, a ``linspace``, arithmetic on them),
+    constant along the others; ``exact``: exactly ``0, 1, …, n−1`` (an index that selects each
+    row for itself). Along the batch dimension, positions depend on how many samples come before:
+    values set by them must not weigh samples."""
 
     dim: int
+    exact: bool = True
 
 
 class Summed(NamedTuple):
     """``Σ_j f_j(x_j)``: per-sample values summed over the batch with coefficients of no sample;
-    ``how`` names the reduction."""
+    ``how`` names the reduction; ``mod``: the modulus of the rows that were summed (each term
+    holds the inputs' rows ``≡ r (mod mod)``: one sample per term only when ``mod`` is the
+    number of input rows)."""
 
     how: str
+    mod: int = 0
 
 
 class Mixed(NamedTuple):
