@@ -509,6 +509,7 @@ class PrivacyEngine:
                     "each rank draws the noise of its own rows from its own generator, and "
                     "two ranks restoring one state would repeat their noise.")
         load_engine_state_dict(self, state)
+        self.state_guard.arm()  # the loaded state is where the next step starts
 
 
 def _refuse_data_parallel_wrapper(model: nn.Module) -> None:

@@ -275,10 +275,10 @@ class SecretModelRandomness:
     first forward with grad enabled — the model's, or a submodule's that a loop calls directly,
     in training or in eval mode — swaps torch's CPU default generator (and the CUDA default
     generator of every device the model's parameters live on) for a state keyed from the secret
-    generator (a full MT19937 state on the CPU, a 64-bit Philox key on CUDA). The user's states come back at
-    :meth:`end` — when the engine takes the step's loss, so that randomness the loss draws from
-    torch's generators is secret too —, at a forward without grad, or when a forward raises; the
-    user's own draws (data order, augmentation) then continue as if the step had drawn nothing.
+    generator (a full MT19937 state on the CPU, a 64-bit Philox key on CUDA). The user's states
+    come back at :meth:`end` — when the engine takes the step's loss, so that randomness the loss
+    draws from torch's generators is secret too —, at a forward without grad, or when a forward
+    raises; the user's own draws (data order, augmentation) then continue as if the step had drawn nothing.
     Every later forward of the model before that draws a fresh secret state (a step whose loss
     raised leaves none of the user's public state in the generators; the user's states saved at
     the first swap come back at the next :meth:`end`). Activation checkpointing replays the

@@ -151,7 +151,9 @@ def _message(qualified: str, kind: str, what: str) -> str:
         "and it would be released (in the state_dict, and to later steps) outside the DP "
         "guarantee. Nothing was released. Keep state that depends on the data out of the model "
         "(compute it inside the forward from the current inputs), update parameters only "
-        "through the optimizer, and reload the model before releasing anything."
+        "through the optimizer, and reload the model before releasing anything. (Weights loaded "
+        "on purpose between steps, not from the private data: call engine.state_guard.arm() "
+        "after loading; load_checkpoint does.)"
         + (f" If the buffer depends only on shapes (a cache), allow it: "
            f"PrivacyEngine(..., data_free_buffers=[{qualified!r}])." if kind == "buffer" else ""))
 

@@ -59,7 +59,8 @@ class RepeatRows(nn.Module):
 @pytest.mark.parametrize("cls", [CatRows, RepeatRows])
 def test_rows_stacked_along_dim0_are_refused(cls):
     torch.manual_seed(0)
-    with pytest.raises(ValueError, match="mixes samples.*layer fc"):  # the separability probe
+    # the separability probe (layer fc), or the batch flow (position weights)
+    with pytest.raises(ValueError, match="mixes samples.*(layer fc|position)"):
         check(cls(), torch.randn(4, 3, dtype=torch.float64))
 
 

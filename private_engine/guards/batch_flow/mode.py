@@ -155,9 +155,11 @@ class BatchFlow(TorchDispatchMode):
             if t.shape[self.batch_dim] != n:
                 continue
             entry = self._tags.get(id(t))
-            if (entry is not None and entry.ref() is t and entry.source == "computed"
-                    and entry.epoch):
-                continue  # computed from the model's inputs (this step's, or an earlier one's)
+            if entry is not None and entry.ref() is t and entry.epoch and (
+                    entry.source == "computed" or not isinstance(entry.tag, Rows)):
+                # computed by the model (this step's, or an earlier one's: state carried
+                # across steps), or data already mixed: its tag stands
+                continue
             self._set(t, Rows(self.batch_dim, 1, 0, n), self.epoch, "input")
 
     def _post(self, module, args, output):
@@ -296,29 +298,31 @@ class BatchFlow(TorchDispatchMode):
         """The tag of ``t`` (None: untagged)."""
         return self._entry(t)[0]
 
-    def _entry(self, t: torch.Tensor) -> Tuple[Any, int]:
-        """``(tag, epoch)``: epoch 0 for values computed from data outside the model's inputs (the
-        loss's labels), else the region that computed them — a value of an earlier region mixes
-        (state kept across steps), and so does a view of a tensor rewritten in place since."""
+    def _entry(self, t: torch.Tensor) -> Tuple[Any, int, str]:
+        """``(tag, epoch, source)``: epoch 0 for values computed from data outside the model's
+        inputs (the loss's labels), else the region that computed them — a value of an earlier
+        region mixes (state kept across steps), and so does a view or alias of a tensor rewritten
+        in place since. ``source``: "input", "guess", "data" (computed from those alone) or
+        "computed" (through the model's parameters or its computations)."""
         entry = self._tags.get(id(t))
         if entry is not None and entry.ref() is t:
-            tag, epoch = entry.tag, entry.epoch
+            tag, epoch, source = entry.tag, entry.epoch, entry.source
             if tag is _FREE:
-                return None, 0
+                return None, 0, source
             if epoch and epoch != self.epoch and isinstance(tag, (Rows, Mixed, Summed)):
-                return _STALE, self.epoch
+                return _STALE, self.epoch, source
             if self._writes:
                 w = self._writes.get(_storage(t) or -1)
                 if w is not None and w.clock > entry.clock and w.after != w.before:
-                    return Mixed(_REWRITTEN), self.epoch
-            return tag, epoch
+                    return Mixed(_REWRITTEN), self.epoch, source
+            return tag, epoch, source
         bd = self.batch_dim
         if (self.active and not isinstance(t, (nn.Parameter, UninitializedTensorMixin))
                 and t.dim() > bd and t.shape[bd] == self.batch and id(t) not in self._buffers):
             tag = Rows(bd, 1, 0, self.batch)  # per-sample data from outside the step (labels)
             self._set(t, tag, 0, "guess")
-            return tag, 0
-        return None, 0
+            return tag, 0, "guess"
+        return None, 0, "computed" if isinstance(t, nn.Parameter) else "data"
 
     def _set(self, t, tag, epoch: int, source: str = "computed") -> None:
         key = id(t)
@@ -340,13 +344,14 @@ class BatchFlow(TorchDispatchMode):
             return out
         inputs = inputs_of(args, kwargs)
         entries = [self._entry(t) for t in inputs]
-        tags = [tag for tag, _ in entries]
+        tags = [tag for tag, _, _ in entries]
         if all(tag is None for tag in tags):
             self._mark_free(func, args, kwargs, out)
         else:
-            epoch = max(e for _, e in entries)
+            epoch = max(e for _, e, _ in entries)
+            source = "computed" if any(src == "computed" for _, _, src in entries) else "data"
             self._assign(func, args, kwargs, out, self._result(func, args, kwargs, out, tags),
-                         epoch)
+                         epoch, source)
         if (isinstance(out, torch.Tensor) and out.dim() == 0 and out.is_floating_point()
                 and torch.is_grad_enabled() and RULES.get(func.overloadpacket) not in VALUE_FREE
                 and any(t.requires_grad for t in inputs)):
@@ -387,7 +392,8 @@ class BatchFlow(TorchDispatchMode):
             for t in written(func, args, kwargs):
                 self._note_storage(t)
 
-    def _assign(self, func, args, kwargs, out, result, epoch: int) -> None:
+    def _assign(self, func, args, kwargs, out, result, epoch: int,
+                source: str = "computed") -> None:
         """Tag the outputs (``result``: one tag, or one per output tensor) and, for an in-place
         op, the tensor it wrote and that tensor's base when it is a view; a write that changes
         what a base holds makes the views taken of it before mixed (their rows are no longer the
@@ -399,7 +405,7 @@ class BatchFlow(TorchDispatchMode):
         ids = {id(t) for t in targets}
         for t, r in zip(outs, results):
             if id(t) not in ids:
-                self._set(t, _FREE if r is None else r, epoch)
+                self._set(t, _FREE if r is None else r, epoch, source)
         if not mutable:
             return
         r = results[0] if results else None
@@ -409,7 +415,7 @@ class BatchFlow(TorchDispatchMode):
             before = self.tag(base)
             self._clock += 1
             clock = self._clock  # before t's and its base's new tags: older views compare to it
-            self._set(t, _FREE if r is None else r, epoch)
+            self._set(t, _FREE if r is None else r, epoch, source)
             if base is not t and r is not None:
                 self._write_base(base, t, r, epoch)
             ptr = _storage(t)
@@ -425,7 +431,7 @@ class BatchFlow(TorchDispatchMode):
 
     def _write_base(self, base, view, tag, epoch: int) -> None:
         """A view was written with rows ``tag``: its base holds them too."""
-        old, old_epoch = self._entry(base)
+        old, old_epoch, _ = self._entry(base)
         epoch = max(epoch, old_epoch)
         if isinstance(tag, (Mixed, Summed)) or isinstance(old, Mixed):
             self._set(base, old if isinstance(old, Mixed) else
