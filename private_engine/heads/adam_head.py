@@ -72,7 +72,8 @@ class DPAdamHead(GLMHead):
             raise ValueError(f"steps must be an integer ≥ 1, got {self.steps!r}.")
         if self.loss not in LOSSES:
             raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}.")
-        n, d = X.shape
+        d = X.shape[1]
+        n = max(X.shape[0], 1)  # the records that contribute (public); 1 if none does
         C = check_clip_norm("clip_norm", self.clip_norm, n, X.dtype)
         private = sigma > 0
         rows = row_scales(X)  # per-record scaling, shared by every step

@@ -7,7 +7,22 @@ Privacy conventions used by every head
 * **Neighbouring datasets** differ by adding or removing one example (Mehta, Krichene, Thakurta,
   Kurakin & Cutkosky, "Differentially Private Image Classification from Features", Def. 1.1).
   The number of examples ``n`` is treated as public, as in Mehta et al. (Algorithms 1 and 3
-  divide by n).
+  divide by n); here n counts the records that contribute (see below).
+* **The label set is public.** A fitted head publishes ``classes_`` and one block of releases
+  (a row of ``coef_``, a class sum) per class, without noise. A private fit therefore takes the
+  label set from ``classes=`` and never from the labels: ``np.unique(y)`` would publish every
+  label of the private data (one record with a label no other record has adds a class: ε = ∞).
+  A private fit without ``classes`` is refused before the data is read; only the non-private
+  reference (σ = 0) infers the label set from ``y``.
+* **Records that contribute nothing.** A record whose features are not all finite (NaN, ±inf)
+  or whose label is not in ``classes`` is dropped before any statistic is computed, without an
+  error or a warning: the fit on ``D ∪ {r}`` is then the fit on ``D``, bit for bit, so every
+  release moves by 0 ≤ its sensitivity, and whether ``fit`` succeeds does not depend on the
+  record. (Refusing such a record would reveal it with certainty; zeroing its row instead
+  would still count it in n and, for the heads with an intercept or class counts, give it a
+  contribution.) The counts ``n_dropped_nonfinite_`` and ``n_dropped_unknown_label_`` are exact
+  diagnostics of the private data, **not part of the release**: they carry no noise and must
+  not be published.
 * Every private quantity is released by a Gaussian mechanism with an L2 sensitivity ``Δ`` that is
   guaranteed by clipping (or normalisation), and noise std ``σ_i·Δ``; each release is recorded in
   a :class:`~private_engine.accounting.zcdp.ZCDPLedger`; the fitted ``rho_`` is the ledger's sum
@@ -62,9 +77,10 @@ import torch
 from ..accounting.zcdp import (CONVERSIONS, ZCDPLedger, epsilon_to_rho, rho_to_epsilon)
 from ..randomness import secret_generator
 
-__all__ = ["NotFittedError", "DPHeadBase", "to_tensor", "encode_labels", "row_scales",
-           "row_norms", "rounding_margin", "clip_rows", "normalize_rows", "check_clip_norm",
-           "symmetric_noise", "psd_floor", "sym_eigh", "solve", "NoiseSource"]
+__all__ = ["NotFittedError", "DPHeadBase", "to_tensor", "finite_records", "labels_array",
+           "public_classes", "encode_labels", "row_scales", "row_norms", "rounding_margin",
+           "clip_rows", "normalize_rows", "check_clip_norm", "symmetric_noise", "psd_floor",
+           "sym_eigh", "solve", "NoiseSource"]
 
 
 class NotFittedError(ValueError, AttributeError):
@@ -72,16 +88,11 @@ class NotFittedError(ValueError, AttributeError):
 
 
 # ----------------------------------------------------------------------------- inputs
-def to_tensor(X: Any, dtype: torch.dtype = torch.float64, device: Optional[torch.device] = None,
-              name: str = "X") -> torch.Tensor:
-    """2-D float tensor from a numpy array, torch tensor or nested list; keeps a tensor's device.
+def _as_2d(X: Any, device: Optional[torch.device], name: str) -> torch.Tensor:
+    """``X`` as a 2-D real tensor (numpy, torch or nested lists; a tensor keeps its device).
 
-    Raises a ValueError naming the problem for wrong rank, empty input or non-finite values (NaN
-    or ±inf in the input itself). A finite value beyond the range of ``dtype`` (e.g. 1e300 fitted
-    in float32) saturates at ``±finfo(dtype).max`` instead of becoming infinite: a fixed map
-    applied to each value on its own, so it costs no privacy, and every record stays finite (the
-    clipping that follows bounds its influence whatever its values).
-    """
+    Raises for what does not depend on the values: a non-numeric or complex type, a rank other
+    than 2, an empty shape."""
     if isinstance(X, torch.Tensor):
         t = X.detach()
         if device is not None:
@@ -102,13 +113,54 @@ def to_tensor(X: Any, dtype: torch.dtype = torch.float64, device: Optional[torch
         raise ValueError(f"{name} is empty (shape {tuple(t.shape)}).")
     if t.is_complex():
         raise TypeError(f"{name} must hold real numbers, got dtype {t.dtype}.")
+    return t
+
+
+def _saturating_cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype``, a finite value beyond its range saturating at ``±finfo(dtype).max``."""
     if t.is_floating_point():
-        if not bool(torch.isfinite(t).all()):
-            raise ValueError(f"{name} contains NaN or infinite values; clean the features first.")
         top = torch.finfo(dtype).max
         if torch.finfo(t.dtype).max > top:
             t = t.clamp(-top, top)  # saturating cast: finite stays finite
     return t.to(dtype=dtype)
+
+
+def to_tensor(X: Any, dtype: torch.dtype = torch.float64, device: Optional[torch.device] = None,
+              name: str = "X") -> torch.Tensor:
+    """2-D float tensor from a numpy array, torch tensor or nested list; keeps a tensor's device.
+
+    Raises a ValueError naming the problem for wrong rank, empty input or non-finite values (NaN
+    or ±inf in the input itself). A finite value beyond the range of ``dtype`` (e.g. 1e300 fitted
+    in float32) saturates at ``±finfo(dtype).max`` instead of becoming infinite: a fixed map
+    applied to each value on its own, so it costs no privacy, and every record stays finite (the
+    clipping that follows bounds its influence whatever its values).
+
+    For inputs that are not private (``predict``, ``score``): a fit reads its records with
+    :func:`finite_records`, which drops what this refuses.
+    """
+    t = _as_2d(X, device, name)
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        raise ValueError(f"{name} contains NaN or infinite values; clean the features first.")
+    return _saturating_cast(t, dtype)
+
+
+def finite_records(X: Any, dtype: torch.dtype = torch.float64,
+                   device: Optional[torch.device] = None,
+                   name: str = "X") -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(X', finite)``: the records of ``X`` as in :func:`to_tensor`, without refusing any.
+
+    ``finite[i]`` says whether every value of row i is finite in the input (before the
+    saturating cast, so ±inf is not mistaken for a saturated value); a row that is not has its
+    values set to 0 in ``X'``. A fit drops those rows: refusing one would depend on one
+    record's values. Only what does not depend on the values (type, rank, empty shape) raises.
+    """
+    t = _as_2d(X, device, name)
+    if t.is_floating_point():
+        finite = torch.isfinite(t).all(dim=1)
+        t = torch.where(finite[:, None], t, torch.zeros((), dtype=t.dtype, device=t.device))
+    else:
+        finite = torch.ones(t.shape[0], dtype=torch.bool, device=t.device)
+    return _saturating_cast(t, dtype), finite
 
 
 def _labels_to_numpy(y: Any) -> np.ndarray:
@@ -117,40 +169,69 @@ def _labels_to_numpy(y: Any) -> np.ndarray:
     return np.asarray(y)
 
 
-def encode_labels(y: Any, classes: Optional[np.ndarray] = None) -> Tuple[np.ndarray, np.ndarray]:
-    """Map integer labels to indices ``0..m−1`` of ``classes`` (given, or ``np.unique(y)``).
+def labels_array(y: Any) -> np.ndarray:
+    """``y`` as a 1-D numpy array of integer labels (an integer dtype) or of floats.
 
-    Labels must be integers (an integer dtype, or floats with integral values); anything else
-    raises a ValueError explaining how to encode them.
+    Raises for what does not depend on the values: a rank other than 1, a type that cannot hold
+    integers (strings, objects, complex). Floats are kept as they are: whether a float label is
+    an integer is a property of the record, decided by :func:`encode_labels`.
     """
     arr = _labels_to_numpy(y)
     if arr.ndim != 1:
         raise ValueError(f"y must be 1-D (n_samples,) integer class labels, got shape {arr.shape}.")
     if arr.dtype == bool:
-        arr = arr.astype(np.int64)
-    if not np.issubdtype(arr.dtype, np.integer):
-        if (np.issubdtype(arr.dtype, np.floating) and np.all(np.isfinite(arr))
-                and np.all(arr == np.round(arr))):
-            arr = arr.astype(np.int64)
-        else:
-            sample = arr[:3].tolist()
-            raise ValueError(
-                f"y must hold integer class labels, got dtype {arr.dtype} (e.g. {sample}). "
-                "Encode them first, e.g. classes, y = np.unique(y, return_inverse=True).")
-    if classes is None:
-        classes = np.unique(arr)
+        return arr.astype(np.int64)
+    if not (np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)):
+        raise ValueError(  # the message names the type, never a value of the private labels
+            f"y must hold integer class labels, got dtype {arr.dtype}. Encode them first, e.g. "
+            "classes, y = np.unique(y, return_inverse=True), with classes public.")
+    return arr
+
+
+def public_classes(classes: Any) -> np.ndarray:
+    """``classes`` (a public label set: list, range, array) validated and sorted."""
+    arr = np.asarray(classes)
+    if (arr.ndim != 1 or len(arr) == 0 or len(np.unique(arr)) != len(arr)
+            or not np.issubdtype(arr.dtype, np.integer)):
+        raise ValueError("classes must be a non-empty 1-D list of distinct integer labels, "
+                         f"got {classes!r}.")
+    return np.sort(arr).astype(np.int64)
+
+
+#: a float label is an integer label only if it is one exactly (|y| ≤ 2^53: exact in float64)
+_EXACT_FLOAT_INT = 2.0 ** 53
+
+
+def encode_labels(y: Any, classes: Any = None) -> Tuple[np.ndarray, np.ndarray]:
+    """``(index, classes)``: ``index[i]`` is the position of label ``y_i`` in the sorted
+    ``classes``, or −1 for a label that is in none (a float that is not an integer — NaN,
+    ±inf, 0.5 — or an integer not in ``classes``). Never raises because of a label's value when
+    ``classes`` is given: the caller drops the records with index −1.
+
+    ``classes=None`` infers the label set, ``np.unique(y)``: for the non-private reference only
+    (the label set is released, see the module docstring). It raises if a float label is not an
+    integer, as there is then no label set to infer.
+    """
+    arr = labels_array(y)
+    if np.issubdtype(arr.dtype, np.floating):
+        integral = np.isfinite(arr) & (np.abs(arr) <= _EXACT_FLOAT_INT)
+        integral[integral] = arr[integral] == np.round(arr[integral])
+        values = np.where(integral, arr, 0).astype(np.int64)
     else:
-        classes = np.asarray(classes)
-        if (classes.ndim != 1 or len(np.unique(classes)) != len(classes)
-                or not np.issubdtype(classes.dtype, np.integer)):
-            raise ValueError("classes must be a 1-D array of distinct integer labels.")
-        classes = np.sort(classes)
-    index = np.searchsorted(classes, arr)
-    index = np.clip(index, 0, len(classes) - 1)
-    bad = classes[index] != arr
-    if np.any(bad):
-        raise ValueError(f"y contains labels not in classes: {np.unique(arr[bad])[:5].tolist()}.")
-    return index.astype(np.int64), classes
+        integral = np.ones(arr.shape, dtype=bool)
+        values = arr
+    if classes is None:
+        if not integral.all():
+            raise ValueError(
+                f"y must hold integer class labels, got dtype {arr.dtype} (e.g. "
+                f"{arr[~integral][:3].tolist()}). Encode them first, e.g. "
+                "classes, y = np.unique(y, return_inverse=True).")
+        classes = np.unique(values).astype(np.int64)
+    else:
+        classes = public_classes(classes)
+    index = np.clip(np.searchsorted(classes, values), 0, len(classes) - 1)
+    known = integral & (classes[index] == values)
+    return np.where(known, index, -1).astype(np.int64), classes
 
 
 # ----------------------------------------------------------------------------- clipping
@@ -374,10 +455,18 @@ class DPHeadBase:
     (:func:`~private_engine.randomness.secret_generator`). ``dtype``: float64 (default) or
     float32.
 
+    ``classes``: the label set, public (it is released as ``classes_``); required for a private
+    fit, where it is never inferred from the private labels. Records whose label is not in it
+    contribute nothing (dropped). Only a non-private fit (σ = 0) may leave it None and infer
+    ``np.unique(y)``.
+
     Fitted attributes common to all heads: ``classes_``, ``n_features_in_``,
     ``noise_multiplier_`` (σ), ``rho_`` (zCDP of the fit, from the release ledger),
     ``epsilon_`` (ε at ``delta_``), ``delta_``, ``privacy_ledger_`` (every release with its
-    sensitivity and noise std).
+    sensitivity and noise std). Diagnostics, **not part of the release** (exact counts on the
+    private data, no noise: do not publish them): ``n_dropped_nonfinite_`` (records with a NaN
+    or ±inf feature) and ``n_dropped_unknown_label_`` (records whose label is not in
+    ``classes_``), both dropped before any statistic is computed (a record may count in both).
     """
 
     _estimator_name = "DP head"
@@ -496,15 +585,40 @@ class DPHeadBase:
         self._check_fitted()
         return self.noise_multiplier_ > 0
 
-    def _prepare_fit(self, X, y):
-        Xt = to_tensor(X, self.dtype)
-        idx, classes = encode_labels(y, self.classes)
-        if len(idx) != Xt.shape[0]:
-            raise ValueError(f"X has {Xt.shape[0]} samples but y has {len(idx)}.")
+    def _require_public_classes(self, private: bool) -> None:
+        """Refuse a private fit without ``classes``, before the data is read (module docstring:
+        the label set is released, so it must not come from the private labels)."""
+        if private and self.classes is None:
+            raise ValueError(
+                f"{type(self).__name__} publishes its label set (classes_, and one block of "
+                "the release per class), so a private fit needs it public: pass "
+                "classes=... (e.g. classes=range(10)); it is never read from the private labels. "
+                "Records whose label is not in classes are dropped. Only the non-private "
+                "reference (epsilon=float('inf') or noise_multiplier=0) infers it from y.")
+
+    def _records_kept(self, finite: torch.Tensor, known: torch.Tensor) -> torch.Tensor:
+        """The mask of the records that contribute, ``finite & known``; sets the diagnostic
+        counts of the others (a record may count in both)."""
+        self.n_dropped_nonfinite_ = int((~finite).sum())
+        self.n_dropped_unknown_label_ = int((~known).sum())
+        return finite & known
+
+    def _prepare_fit(self, X, y, private: bool = True):
+        """``(X, Y)``: the records that contribute (finite features, label in ``classes_``) and
+        their one-hot labels; the other records are dropped (module docstring)."""
+        self._require_public_classes(private)
+        labels = labels_array(y)
+        Xt, finite = finite_records(X, self.dtype)
+        if len(labels) != Xt.shape[0]:
+            raise ValueError(f"X has {Xt.shape[0]} samples but y has {len(labels)}.")
+        idx, classes = encode_labels(labels, self.classes)
         self.classes_ = classes
         self.n_features_in_ = Xt.shape[1]
+        idx = torch.as_tensor(idx, device=Xt.device)
+        keep = self._records_kept(finite, idx >= 0)
+        Xt, idx = Xt[keep], idx[keep]
         Y = torch.zeros(Xt.shape[0], len(classes), dtype=self.dtype, device=Xt.device)
-        Y[torch.arange(Xt.shape[0], device=Xt.device), torch.as_tensor(idx, device=Xt.device)] = 1.0
+        Y[torch.arange(Xt.shape[0], device=Xt.device), idx] = 1.0
         return Xt, Y
 
     def _features(self, X: torch.Tensor) -> torch.Tensor:
@@ -513,6 +627,10 @@ class DPHeadBase:
 
     def fit(self, X, y) -> "DPHeadBase":
         """Fit the head on features ``X`` (n, d) and integer labels ``y`` (n,).
+
+        A private fit (σ > 0) needs ``classes`` (the public label set). Records with a
+        non-finite feature or a label outside ``classes`` are dropped, without an error
+        (``n_dropped_nonfinite_``, ``n_dropped_unknown_label_``: diagnostics, not released).
 
         The noise comes from ``secret_generator(random_state, device, ...)``
         (:mod:`private_engine.randomness`): secret and full-entropy for ``random_state=None``,
@@ -523,7 +641,7 @@ class DPHeadBase:
             raise ValueError(f"dtype must be torch.float64 (default) or torch.float32, got "
                              f"{self.dtype!r}: the sufficient statistics and their noise need at "
                              "least single precision.")
-        Xt, Y = self._prepare_fit(X, y)
+        Xt, Y = self._prepare_fit(X, y, private=sigma > 0)
         # a fit without noise (σ = 0) draws nothing, so it needs no generator
         gen = (secret_generator(self.random_state, Xt.device,
                                 f"the noise of {type(self).__name__}") if sigma > 0 else None)

@@ -88,7 +88,8 @@ class DPFeatureCovariance(GLMHead):
             raise ValueError(f"steps must be an integer ≥ 1, got {self.steps!r}.")
         if self.loss not in LOSSES:
             raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}.")
-        n, d = X.shape
+        d = X.shape[1]
+        n = max(X.shape[0], 1)  # the records that contribute (public); 1 if none does
         CG = check_clip_norm("clip_norm_cov", self.clip_norm_cov, n, X.dtype)
         Cg = check_clip_norm("clip_norm_grad", self.clip_norm_grad, n, X.dtype)
         private = sigma > 0

@@ -28,8 +28,8 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-from .base import (DPHeadBase, NoiseSource, check_clip_norm, clip_rows, psd_floor, solve,
-                   to_tensor)
+from .base import (DPHeadBase, NoiseSource, check_clip_norm, clip_rows, finite_records,
+                   psd_floor, solve)
 
 __all__ = ["DPLeastSquares"]
 
@@ -58,8 +58,10 @@ class DPLeastSquares(DPHeadBase):
         eig_floor: eigenvalue floor of ``Ã_j + αG̃`` (``None`` disables the projection).
         class_chunk_size: classes processed at once (memory ``chunk·d²``).
 
-    Multi-label: ``fit(X, Y)`` also accepts an (n, m) 0/1 indicator matrix with at most ``k``
-    ones per row (``classes`` are then ``0..m−1``).
+    Multi-label: ``fit(X, Y)`` also accepts an (n, m) 0/1 indicator matrix (``classes_`` is then
+    ``0..m−1``, from the shape). A row that is not a 0/1 indicator with at most ``k`` ones is in
+    no class: the record is dropped (``n_dropped_unknown_label_``), as a label outside
+    ``classes`` is for 1-D labels — the sensitivities √k C², √k C hold for the rows that stay.
 
     Fitted attributes: ``coef_`` (m, d), ``reg_`` (λ used), the released ``noisy_gram_`` (G̃, d×d)
     and ``noisy_class_sums_`` (b̃, m×d), and the privacy attributes of the base.
@@ -88,23 +90,32 @@ class DPLeastSquares(DPHeadBase):
     def _rho_sigma2(self) -> float:
         return 1.5
 
-    def _prepare_fit(self, X, y):
+    def _check_k(self) -> None:
+        if not (isinstance(self.k, (int, np.integer)) and self.k >= 1):
+            raise ValueError(f"k must be an integer ≥ 1, got {self.k!r}.")
+
+    def _prepare_fit(self, X, y, private: bool = True):
         y_arr = y.detach().cpu().numpy() if isinstance(y, torch.Tensor) else np.asarray(y)
-        if y_arr.ndim == 2:  # multi-label indicator
-            Xt = to_tensor(X, self.dtype)
-            if y_arr.shape[0] != Xt.shape[0]:
-                raise ValueError(f"X has {Xt.shape[0]} samples but Y has {y_arr.shape[0]}.")
-            if not np.all((y_arr == 0) | (y_arr == 1)):
-                raise ValueError("a 2-D y must be a 0/1 indicator matrix (n_samples, n_classes).")
-            per_row = y_arr.sum(axis=1)
-            if per_row.max(initial=0) > self.k:
-                raise ValueError(f"some examples have {int(per_row.max())} positive classes but "
-                                 f"k={self.k}; raise k (it scales the noise on A and b by "
-                                 "sqrt(k)).")
-            self.classes_ = np.arange(y_arr.shape[1])
-            self.n_features_in_ = Xt.shape[1]
-            return Xt, torch.as_tensor(y_arr, dtype=self.dtype, device=Xt.device)
-        return super()._prepare_fit(X, y)
+        if y_arr.ndim != 2:
+            return super()._prepare_fit(X, y, private)
+        # multi-label indicator: the label set 0..m−1 comes from the shape (public)
+        self._check_k()
+        Xt, finite = finite_records(X, self.dtype)
+        if y_arr.shape[0] != Xt.shape[0]:
+            raise ValueError(f"X has {Xt.shape[0]} samples but Y has {y_arr.shape[0]}.")
+        if y_arr.dtype == object or not (np.issubdtype(y_arr.dtype, np.number)
+                                         or y_arr.dtype == bool):
+            raise ValueError(f"a 2-D y must be a 0/1 indicator matrix, got dtype {y_arr.dtype}.")
+        # a row that is not a 0/1 indicator with at most k ones is in no class: dropped
+        with np.errstate(invalid="ignore"):
+            indicator = np.all((y_arr == 0) | (y_arr == 1), axis=1)
+            known = indicator & (np.where(indicator[:, None], y_arr, 0).sum(axis=1) <= self.k)
+        self.classes_ = np.arange(y_arr.shape[1])
+        self.n_features_in_ = Xt.shape[1]
+        keep = self._records_kept(finite, torch.as_tensor(known, device=Xt.device))
+        Y = torch.as_tensor(np.where(known[:, None], y_arr, 0), dtype=self.dtype,
+                            device=Xt.device)
+        return Xt[keep], Y[keep]
 
     def _split_sigmas(self, sigma: float):
         w = np.asarray(self.budget_split, dtype=np.float64)
@@ -116,8 +127,7 @@ class DPLeastSquares(DPHeadBase):
     def _fit(self, X: torch.Tensor, Y: torch.Tensor, sigma: float, noise: NoiseSource) -> None:
         if self.alpha < 0:
             raise ValueError(f"alpha must be ≥ 0, got {self.alpha}.")
-        if not (isinstance(self.k, (int, np.integer)) and self.k >= 1):
-            raise ValueError(f"k must be an integer ≥ 1, got {self.k!r}.")
+        self._check_k()
         private = sigma > 0
         C = check_clip_norm("clip_norm", self.clip_norm, X.shape[0], X.dtype)
         sk = math.sqrt(self.k)

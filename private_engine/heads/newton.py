@@ -84,8 +84,8 @@ class DPNewton(DPHeadBase):
         private = sigma > 0
         C = check_clip_norm("clip_norm", self.clip_norm, X.shape[0], X.dtype)
         Xc = clip_rows(X, C) if private else X
-        n, d = Xc.shape
-        m = Y.shape[1]
+        d, m = Xc.shape[1], Y.shape[1]
+        n = max(Xc.shape[0], 1)  # the records that contribute (public); 1 if none does
         sqrt_m = math.sqrt(m)
         s_H = sigma * self.beta_h * C * C * sqrt_m / n
         if self.reg == "auto":

@@ -31,19 +31,24 @@ from .mean_estimator import DPMeanEstimator
 from .newton import DPNewton
 
 __all__ = ["METHODS", "add_probe_arguments", "run_probe", "probe_sweep", "ProbeResults",
-           "load_probe_data", "format_table", "plot_results"]
+           "load_probe_data", "probe_classes", "format_table", "plot_results"]
 
-# name -> (display name, factory(epsilon, delta, random_state, accounting) -> estimator)
+# name -> (display name, factory(epsilon, delta, random_state, accounting, classes) -> estimator)
 METHODS: Dict[str, Tuple[str, Callable]] = {
-    "ls": ("DP-LS", lambda e, d, s, a: DPLeastSquares(epsilon=e, delta=d, normalize=True,
-                                                      random_state=s, accounting=a)),
-    "newton": ("DP-Newton", lambda e, d, s, a: DPNewton(epsilon=e, delta=d, normalize=True,
-                                                        random_state=s, accounting=a)),
-    "fc": ("DP-FC", lambda e, d, s, a: DPFeatureCovariance(epsilon=e, delta=d, normalize=True,
-                                                           random_state=s, accounting=a)),
-    "adam": ("DP-Adam", lambda e, d, s, a: DPAdamHead(epsilon=e, delta=d, normalize=True,
-                                                      random_state=s, accounting=a)),
-    "mean": ("DP-Mean", lambda e, d, s, a: DPMeanEstimator(epsilon=e, delta=d, random_state=s)),
+    "ls": ("DP-LS", lambda e, d, s, a, c: DPLeastSquares(epsilon=e, delta=d, normalize=True,
+                                                         random_state=s, accounting=a,
+                                                         classes=c)),
+    "newton": ("DP-Newton", lambda e, d, s, a, c: DPNewton(epsilon=e, delta=d, normalize=True,
+                                                           random_state=s, accounting=a,
+                                                           classes=c)),
+    "fc": ("DP-FC", lambda e, d, s, a, c: DPFeatureCovariance(epsilon=e, delta=d, normalize=True,
+                                                              random_state=s, accounting=a,
+                                                              classes=c)),
+    "adam": ("DP-Adam", lambda e, d, s, a, c: DPAdamHead(epsilon=e, delta=d, normalize=True,
+                                                         random_state=s, accounting=a,
+                                                         classes=c)),
+    "mean": ("DP-Mean", lambda e, d, s, a, c: DPMeanEstimator(epsilon=e, delta=d, random_state=s,
+                                                              classes=c)),
 }
 
 
@@ -139,6 +144,12 @@ def _backbone(args) -> torch.nn.Module:
     return create_model(args.model, pretrained=args.pretrained)
 
 
+def probe_classes(args) -> np.ndarray:
+    """The label set of the probe's dataset, from its definition (public): the 10 digits, or
+    ``0..n_classes−1`` for the synthetic clusters — never read from the labels."""
+    return np.arange(args.n_classes if args.dataset == "synthetic" else 10)
+
+
 def load_probe_data(args) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, str]:
     """``(X_train, y_train, X_test, y_test, description)`` for the probe's options."""
     if args.dataset == "synthetic":
@@ -213,7 +224,8 @@ class ProbeResults:
 def probe_sweep(X_train, y_train, X_test, y_test, methods: Sequence[str] = tuple(METHODS),
                 epsilons: Sequence[float] = (0.1, 1.0, 8.0, math.inf), delta: float = 1e-5,
                 seeds: int = 3, accounting: str = "rdp", progress: bool = True,
-                description: str = "", noise_seed: Optional[int] = None) -> ProbeResults:
+                description: str = "", noise_seed: Optional[int] = None,
+                classes: Optional[Sequence[int]] = None) -> ProbeResults:
     """Fit every method at every ε ``seeds`` times; test accuracies in a :class:`ProbeResults`.
 
     Each fit draws its own noise: secret (``random_state=None``, a generator whose whole state
@@ -221,12 +233,19 @@ def probe_sweep(X_train, y_train, X_test, y_test, methods: Sequence[str] = tuple
     fits draw in turn from one generator keyed by every bit of it
     (:func:`~private_engine.randomness.seeded_generator`), so the sweep is reproducible — and its
     noise known to whoever knows the seed (each fit warns: ``ReproducibleRandomnessWarning``).
+
+    ``classes``: the public label set given to every head (a private fit releases it, so it is
+    never read from ``y_train``; training records with another label are dropped). None takes
+    the labels of ``y_test``: the sweep scores the test set without noise, so it treats it as
+    public already.
     """
     from tqdm.auto import tqdm
 
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise ValueError(f"unknown methods {unknown}; choose from {list(METHODS)}.")
+    if classes is None:
+        classes = np.unique(np.asarray(y_test))  # the evaluation labels, public in the sweep
     res = ProbeResults(list(epsilons), delta, description=description)
     parent = None if noise_seed is None else seeded_generator(int(noise_seed))
     bar = tqdm(total=len(methods) * len(epsilons), desc="probe sweep", disable=not progress)
@@ -236,7 +255,7 @@ def probe_sweep(X_train, y_train, X_test, y_test, methods: Sequence[str] = tuple
         res.accuracies[name] = []
         for eps in epsilons:
             n_seeds = 1 if math.isinf(eps) else seeds  # the non-private fit is deterministic
-            accs = [factory(eps, delta, parent, accounting).fit(X_train, y_train)
+            accs = [factory(eps, delta, parent, accounting, classes).fit(X_train, y_train)
                     .score(X_test, y_test) for _ in range(n_seeds)]
             res.accuracies[name].append(accs)
             bar.update(1)
@@ -305,7 +324,7 @@ def run_probe(args) -> int:
     noise_seed = getattr(args, "noise_seed", None)
     res = probe_sweep(Xtr, ytr, Xte, yte, args.methods, args.epsilons, args.delta, args.seeds,
                       args.accounting, progress=not args.quiet, description=desc,
-                      noise_seed=noise_seed)
+                      noise_seed=noise_seed, classes=probe_classes(args))
     noise = "secret noise" if noise_seed is None else f"noise seeded by {noise_seed}"
     print(f"\nTest accuracy (%), mean ± std over {args.seeds} fits ({noise}), "
           f"δ = {args.delta:g}, accounting = {args.accounting}:\n")

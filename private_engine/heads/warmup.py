@@ -94,7 +94,12 @@ class WarmupClassifier(nn.Module):
 
 @dataclass
 class WarmupResult:
-    """Outcome of :func:`warmup_finetune`; ``epsilon``/``delta`` are the totals of Theorem 2.5."""
+    """Outcome of :func:`warmup_finetune`; ``epsilon``/``delta`` are the totals of Theorem 2.5.
+
+    ``n_dropped_unknown_label``: records whose label is not in ``0..K−1``, dropped before both
+    stages (and ``centres.n_dropped_nonfinite_``: records whose features are not finite, left
+    out of the centres) — exact diagnostics of the private data, not part of the release.
+    """
 
     classifier: WarmupClassifier
     centres: DPMeanEstimator
@@ -104,6 +109,7 @@ class WarmupResult:
     epsilon_train: float
     delta_train: float
     history: List[Dict[str, float]] = field(default_factory=list)
+    n_dropped_unknown_label: int = 0
 
     @property
     def epsilon(self) -> float:
@@ -163,7 +169,9 @@ def warmup_finetune(model: nn.Module, X: torch.Tensor, y: torch.Tensor, *, epsil
     Args:
         model: the network to fine-tune; its outputs are the K logits g(x). Every trainable
             parameter must be supported by the engine (see ``private_engine.PrivacyEngine``).
-        X, y: training inputs (N, …) and integer labels 0..K−1 (tensors).
+        X, y: training inputs (N, …) and integer labels 0..K−1 (tensors); K, the model's
+            output width, is the public label set. A record with another label is dropped
+            (no error: it contributes nothing to either stage; N counts the others).
         epsilon_centres, delta_centres: (ε₁, δ₁) of the class centres (analytic Gaussian).
         epsilon_train, delta_train: (ε₂, δ₂) of DP-SGD; σ is calibrated by the engine's accountant
             for ``epochs`` epochs of Poisson sampling at rate ``batch_size/N``.
@@ -233,9 +241,13 @@ def warmup_finetune(model: nn.Module, X: torch.Tensor, y: torch.Tensor, *, epsil
         model.eval()
         n_classes = int(model(X[:1].to(device)).shape[1])
         model.train(was)
-    if int(y.min()) < 0 or int(y.max()) >= n_classes:
-        raise ValueError(f"labels must be in 0..{n_classes - 1} "
-                         f"(the model has {n_classes} outputs).")
+    # a record whose label is not in 0..K−1 contributes nothing (refusing it would reveal it)
+    known = (y >= 0) & (y < n_classes)
+    n_dropped = int((~known).sum())
+    X, y = X[known], y[known]
+    if X.shape[0] == 0:  # what remains is the empty data set
+        raise ValueError(f"no record has a label in 0..{n_classes - 1} (the model has "
+                         f"{n_classes} outputs): nothing to train on.")
 
     # 1. DP class centres on the pre-trained features (Algorithm 1, budget (ε1, δ1))
     phi = _features_of(feature_extractor, X, physical_batch_size or batch_size, device, feature_fn)
@@ -286,7 +298,7 @@ def warmup_finetune(model: nn.Module, X: torch.Tensor, y: torch.Tensor, *, epsil
     eps_train = engine.get_epsilon(delta_train)
     eps_centres = centres.epsilon_ if centres.epsilon_ is not None else math.inf
     return WarmupResult(classifier, centres, engine, float(eps_centres), float(delta_centres),
-                        float(eps_train), float(delta_train), history)
+                        float(eps_train), float(delta_train), history, n_dropped)
 
 
 @torch.no_grad()

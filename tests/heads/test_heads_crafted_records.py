@@ -20,6 +20,7 @@ from private_engine.heads import (DPAdamHead, DPFeatureCovariance, DPLeastSquare
 from private_engine.heads import base as heads_base
 
 N, D, M = 30, 32, 3
+CLASSES = list(range(M))  # the public label set
 #: relative tolerance on a sensitivity: the rounding of sums of N records
 TOL = {torch.float64: 1e-9, torch.float32: 1e-4}
 
@@ -143,7 +144,7 @@ def influence(head, dtype, record, replay, device=None):
         X, Xa = (torch.tensor(a, device=device) for a in (X, Xa))
 
     def make():
-        return make_head(noise_multiplier=1.0, dtype=dtype)
+        return make_head(noise_multiplier=1.0, dtype=dtype, classes=CLASSES)
 
     with_it, calls_a = replay.run(make, Xa, ya)
     without, calls_b = replay.run(make, X, y, replay=calls_a,
@@ -232,6 +233,45 @@ def test_mean_estimator_maps_every_nonzero_record_to_the_unit_sphere(dtype, name
     assert float(norms.max()) == pytest.approx(expected, rel=TOL[dtype])
 
 
+def non_finite_records():
+    """Records with a NaN or ±inf feature, alone or among huge, tiny and ordinary values."""
+    rng = np.random.default_rng(2)
+    out = {"nan": np.full(D, np.nan), "inf": np.full(D, np.inf), "minus_inf": np.full(D, -np.inf)}
+    for name, bad in (("one_nan", np.nan), ("one_inf", np.inf)):
+        row = rng.normal(size=D)
+        row[5] = bad
+        out[name] = row
+    out["inf_and_huge"] = np.where(np.arange(D) % 2 == 0, np.inf, 1e300)
+    out["nan_and_subnormal"] = np.where(np.arange(D) == 0, np.nan, 1e-310)
+    return out
+
+
+NON_FINITE_CASES = [(head, dtype, rec) for head in HEADS for dtype in (torch.float64, torch.float32)
+                    for rec in non_finite_records()]
+
+
+@pytest.mark.filterwarnings("ignore::private_engine.randomness.ReproducibleRandomnessWarning")
+@pytest.mark.parametrize("head,dtype,name", NON_FINITE_CASES,
+                         ids=[f"{h}-{str(t)[6:]}-{r}" for h, t, r in NON_FINITE_CASES])
+def test_a_non_finite_record_is_dropped_and_moves_nothing(head, dtype, name):
+    """A record with a NaN or ±inf feature is dropped before any statistic: no error, and the
+    fit with it is the fit without it (same noise draws, same n), every release moving by 0."""
+    make_head, _ = HEADS[head]
+    X, y = base_data()
+    fits = []
+    for XX, yy in ((np.vstack([X, non_finite_records()[name]]), np.append(y, 1)), (X, y)):
+        fits.append(make_head(noise_multiplier=1.0, dtype=dtype, classes=CLASSES,
+                              random_state=0).fit(XX, yy))
+    with_it, without = fits
+    assert with_it.n_dropped_nonfinite_ == 1 and without.n_dropped_nonfinite_ == 0
+    assert with_it.n_dropped_unknown_label_ == without.n_dropped_unknown_label_ == 0
+    a, b = fitted_tensors(with_it), fitted_tensors(without)
+    assert a and a.keys() == b.keys()
+    for k in a:
+        assert torch.isfinite(a[k]).all() and torch.equal(a[k], b[k]), k
+    assert with_it.privacy_ledger_.rho == without.privacy_ledger_.rho
+
+
 # ----------------------------------------------------------------------------- the row helpers
 def exact_norm(row: np.ndarray) -> float:
     """‖row‖ in float64 from the float64 values of a row, scaled (and in long double)."""
@@ -280,24 +320,25 @@ def test_row_helpers_hold_on_every_crafted_record(dtype, device):
 
 def test_out_of_range_settings_are_refused_by_name():
     X, y = base_data()
+    for cls in (DPLeastSquares, DPNewton, DPFeatureCovariance, DPAdamHead, DPMeanEstimator):
+        with pytest.raises(ValueError, match="publishes its label set"):
+            cls(noise_multiplier=1.0).fit(X, y)
     with pytest.raises(ValueError, match="clip_norm=1e-200 is out of range"):
-        DPLeastSquares(noise_multiplier=1.0, clip_norm=1e-200).fit(X, y)
+        DPLeastSquares(noise_multiplier=1.0, classes=CLASSES, clip_norm=1e-200).fit(X, y)
     with pytest.raises(ValueError, match="clip_norm_cov=1e\\+200 is out of range"):
-        DPFeatureCovariance(noise_multiplier=1.0, clip_norm_cov=1e200).fit(X, y)
+        DPFeatureCovariance(noise_multiplier=1.0, classes=CLASSES, clip_norm_cov=1e200).fit(X, y)
     with pytest.raises(ValueError, match="clip_norm=1e\\+20 is out of range for torch.float32"):
-        DPAdamHead(noise_multiplier=1.0, clip_norm=1e20, dtype=torch.float32).fit(X, y)
+        DPAdamHead(noise_multiplier=1.0, classes=CLASSES, clip_norm=1e20,
+                   dtype=torch.float32).fit(X, y)
     with pytest.raises(ValueError, match="clip_norm must be a finite number > 0"):
-        DPNewton(noise_multiplier=1.0, clip_norm=math.inf).fit(X, y)
+        DPNewton(noise_multiplier=1.0, classes=CLASSES, clip_norm=math.inf).fit(X, y)
     with pytest.raises(ValueError, match="clip_norm must be a finite number > 0"):
-        DPNewton(noise_multiplier=1.0, clip_norm=0.0).fit(X, y)
+        DPNewton(noise_multiplier=1.0, classes=CLASSES, clip_norm=0.0).fit(X, y)
     with pytest.raises(ValueError, match="dtype must be torch.float64"):
-        DPMeanEstimator(noise_multiplier=1.0, dtype=torch.float16).fit(X, y)
+        DPMeanEstimator(noise_multiplier=1.0, classes=CLASSES, dtype=torch.float16).fit(X, y)
     with pytest.raises(ValueError, match="too many to clip exactly in torch.float32"):
-        DPMeanEstimator(noise_multiplier=1.0, dtype=torch.float32).fit(np.ones((4, 90_000)),
-                                                                       [0, 1, 0, 1])
-    with pytest.raises(ValueError, match="NaN or infinite"):
-        DPLeastSquares(noise_multiplier=1.0).fit(np.vstack([X, np.full(D, np.inf)]),
-                                                 np.append(y, 0))
+        DPMeanEstimator(noise_multiplier=1.0, classes=CLASSES,
+                        dtype=torch.float32).fit(np.ones((4, 90_000)), [0, 1, 0, 1])
 
 
 def test_float32_features_saturate_instead_of_overflowing():

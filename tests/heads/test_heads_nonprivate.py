@@ -49,8 +49,14 @@ def test_least_squares_multilabel_closed_form():
                          for j in range(5)])
     clf = DPLeastSquares(noise_multiplier=0.0, alpha=0.5, reg=2.0, k=2).fit(X, Y)
     np.testing.assert_allclose(clf.coef_.numpy(), expected, rtol=1e-9, atol=1e-12)
-    with pytest.raises(ValueError, match="k=1"):
-        DPLeastSquares(noise_multiplier=0.0, k=1).fit(X, np.ones((200, 5)))
+    assert clf.n_dropped_unknown_label_ == 0
+    # a row with more than k positives, or that is not a 0/1 indicator, is in no class: the
+    # record is dropped (no error)
+    bad = np.vstack([Y, np.ones((1, 5)), np.full((1, 5), 0.5), np.full((1, 5), np.nan)])
+    clf = DPLeastSquares(noise_multiplier=0.0, alpha=0.5, reg=2.0, k=2).fit(
+        np.vstack([X, np.ones((3, 6))]), bad)
+    assert clf.n_dropped_unknown_label_ == 3
+    np.testing.assert_allclose(clf.coef_.numpy(), expected, rtol=1e-9, atol=1e-12)
 
 
 def test_newton_reaches_the_logistic_regression_optimum():

@@ -19,6 +19,9 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore::private_engine.randomness.ReproducibleRandomnessWarning")
 
 
+CLASSES = [0, 1, 2]  # the public label set of clustered()
+
+
 def clustered(n=200, d=6, m=3, seed=0, scale=2.0):
     rng = np.random.default_rng(seed)
     centres = rng.normal(size=(m, d))
@@ -81,7 +84,8 @@ def _standardised(calls):
 def test_noise_is_gaussian_at_the_declared_scale(head, spy):
     X, y = clustered(n=150, d=20, m=5)
     sigma = 0.8
-    clf = HEADS[head](noise_multiplier=sigma, delta=1e-5, random_state=3).fit(X, y)
+    clf = HEADS[head](noise_multiplier=sigma, delta=1e-5, random_state=3,
+                      classes=range(5)).fit(X, y)
     assert spy and all(c["sigma"] > 0 for c in spy)
     z = _standardised(spy)
     assert z.size > 100
@@ -108,7 +112,7 @@ def test_least_squares_released_statistics_noise_scale_end_to_end():
     sigma = 2.0
     diag, off, rhs = [], [], []
     for seed in range(30):
-        clf = DPLeastSquares(noise_multiplier=sigma, random_state=seed).fit(X, y)
+        clf = DPLeastSquares(noise_multiplier=sigma, classes=CLASSES, random_state=seed).fit(X, y)
         E = clf.noisy_gram_.numpy() - G
         assert np.array_equal(E, E.T)
         diag.append(np.diag(E))
@@ -130,7 +134,8 @@ def test_mean_estimator_noise_scale_over_many_seeds():
     eps, delta = 0.7, 1e-6
     noise = []
     for seed in range(200):
-        clf = DPMeanEstimator(epsilon=eps, delta=delta, random_state=seed).fit(X, y)
+        clf = DPMeanEstimator(epsilon=eps, delta=delta, random_state=seed,
+                              classes=CLASSES).fit(X, y)
         noise.append(np.concatenate([(clf.class_sums_.numpy() - S).ravel(),
                                      clf.class_counts_.numpy() - counts]))
     noise = np.array(noise)
@@ -188,7 +193,8 @@ def test_least_squares_sensitivity_remove_one(spy):
     X, y = clustered()
     Xa, ya = _adversarial(X, y)
     C, k = 0.7, 1
-    a, b = _fit_pair(lambda: DPLeastSquares(noise_multiplier=1.0, clip_norm=C, random_state=0),
+    a, b = _fit_pair(lambda: DPLeastSquares(noise_multiplier=1.0, clip_norm=C, random_state=0,
+                                            classes=CLASSES),
                      X, y, Xa, ya, spy)
     dG = torch.linalg.norm(a["G (shared Gram)"] - b["G (shared Gram)"])
     dA = torch.linalg.norm(a["A (class Grams)"] - b["A (class Grams)"])
@@ -217,7 +223,8 @@ def test_newton_sensitivity_remove_one(spy):
     X, y = clustered()
     Xa, ya = _adversarial(X, y)
     C = 1.3
-    a, b = _fit_pair(lambda: DPNewton(noise_multiplier=1.0, steps=1, clip_norm=C, random_state=0),
+    a, b = _fit_pair(lambda: DPNewton(noise_multiplier=1.0, steps=1, clip_norm=C, random_state=0,
+                                      classes=CLASSES),
                      X, y, Xa, ya, spy)
     # (m, d): one mechanism per class, sensitivity C each
     dg = a["gradient[t=0]"] - b["gradient[t=0]"]
@@ -232,7 +239,7 @@ def test_feature_covariance_sensitivity_remove_one(spy):
     Xa, ya = _adversarial(X, y)
     CG, Cg = 0.5, 2.0
     make = lambda: DPFeatureCovariance(noise_multiplier=1.0, steps=1, clip_norm_cov=CG,  # noqa
-                                       clip_norm_grad=Cg, random_state=0)
+                                       clip_norm_grad=Cg, random_state=0, classes=CLASSES)
     a, b = _fit_pair(make, X, y, Xa, ya, spy)
     assert torch.linalg.norm(a["feature covariance"] - b["feature covariance"]) == pytest.approx(
         CG ** 2, rel=1e-9)
@@ -244,7 +251,7 @@ def test_adam_sensitivity_remove_one(spy, loss):
     X, y = clustered()
     Xa, ya = _adversarial(X, y)
     a, b = _fit_pair(lambda: DPAdamHead(noise_multiplier=1.0, steps=1, clip_norm=0.3, loss=loss,
-                                        random_state=0),
+                                        random_state=0, classes=CLASSES),
                      X, y, Xa, ya, spy)
     assert torch.linalg.norm(a["gradient[t=0]"] - b["gradient[t=0]"]) == pytest.approx(
         0.3, rel=1e-9)
@@ -253,12 +260,12 @@ def test_adam_sensitivity_remove_one(spy, loss):
 def test_mean_estimator_sensitivity_remove_one(spy):
     X, y = clustered()
     Xa, ya = _adversarial(X, y, label=2)
-    a, b = _fit_pair(lambda: DPMeanEstimator(noise_multiplier=1.0, random_state=0),
+    a, b = _fit_pair(lambda: DPMeanEstimator(noise_multiplier=1.0, classes=CLASSES, random_state=0),
                      X, y, Xa, ya, spy)
     diff = a["class sums and counts"] - b["class sums and counts"]
     assert torch.linalg.norm(diff) == pytest.approx(math.sqrt(2), rel=1e-9)  # (φ(x), 1): Δ = √2
     a, b = _fit_pair(lambda: DPMeanEstimator(noise_multiplier=1.0, release_counts=False,
-                                             random_state=0),
+                                             random_state=0, classes=CLASSES),
                      X, y, Xa, ya, spy)
     assert torch.linalg.norm(a["class sums"] - b["class sums"]) == pytest.approx(1.0, rel=1e-9)
 
@@ -271,11 +278,13 @@ def test_noiseless_influence_of_any_point_is_bounded_randomised(spy):
     for trial in range(6):
         norm = 10.0 ** rng.uniform(-3, 7)
         Xa, ya = _adversarial(X, y, label=int(rng.integers(0, 3)), norm=norm, seed=trial)
-        a, b = _fit_pair(lambda: DPLeastSquares(noise_multiplier=1.0, random_state=0),
+        a, b = _fit_pair(lambda: DPLeastSquares(noise_multiplier=1.0, random_state=0,
+                                                classes=CLASSES),
                          X, y, Xa, ya, spy)
         assert torch.linalg.norm(a["G (shared Gram)"] - b["G (shared Gram)"]) <= 1 + 1e-9
         assert torch.linalg.norm(a["A (class Grams)"] - b["A (class Grams)"]) <= 1 + 1e-9
         assert torch.linalg.norm(a["b (class sums)"] - b["b (class sums)"]) <= 1 + 1e-9
-        a, b = _fit_pair(lambda: DPAdamHead(noise_multiplier=1.0, steps=1, random_state=0),
+        a, b = _fit_pair(lambda: DPAdamHead(noise_multiplier=1.0, steps=1, random_state=0,
+                                            classes=CLASSES),
                          X, y, Xa, ya, spy)
         assert torch.linalg.norm(a["gradient[t=0]"] - b["gradient[t=0]"]) <= 1 + 1e-9

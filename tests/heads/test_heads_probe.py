@@ -3,10 +3,11 @@ import argparse
 import json
 import math
 
+import numpy as np
 import pytest
 
-from private_engine.heads.probe import (METHODS, add_probe_arguments, format_table, probe_sweep,
-                                       run_probe)
+from private_engine.heads.probe import (METHODS, add_probe_arguments, format_table, probe_classes,
+                                       probe_sweep, run_probe)
 from private_engine.heads.probe import _synthetic
 from private_engine.randomness import ReproducibleRandomnessWarning
 
@@ -64,3 +65,43 @@ def test_run_probe_digits_backbone_and_raw(tmp_path, capsys):
     assert "raw 8x8 pixels" in text
     row = [line for line in text.splitlines() if line.startswith("| DP-Mean")][-1]
     assert float(row.split("|")[2]) > 80.0  # nearest class mean on raw digits pixels
+
+
+@pytest.fixture
+def fitted_label_sets(monkeypatch):
+    """The ``classes`` setting of every head the probe fits, with the labels it was fitted on."""
+    from private_engine.heads.base import DPHeadBase
+
+    seen = []
+    original = DPHeadBase.fit
+
+    def fit(self, X, y):
+        seen.append((type(self).__name__, self.classes, set(np.asarray(y).tolist())))
+        return original(self, X, y)
+
+    monkeypatch.setattr(DPHeadBase, "fit", fit)
+    return seen
+
+
+def test_the_sweep_never_takes_the_label_set_from_the_training_labels(fitted_label_sets):
+    """Every fit gets a public label set: ``classes=``, or the test labels (scored without noise
+    by the sweep); a training label outside it drops its record instead of adding a class."""
+    X, y = _synthetic(300, 6, 4, seed=2)
+    y_train = y[:200].copy()
+    y_train[0] = 9  # a label only the private training data has
+    res = probe_sweep(X[:200], y_train, X[200:], y[200:], epsilons=[1.0], seeds=1,
+                      progress=False)
+    assert set(res.accuracies) == set(METHODS)
+    assert len(fitted_label_sets) == len(METHODS)
+    for name, classes, _ in fitted_label_sets:
+        assert classes is not None and sorted(np.asarray(classes).tolist()) == [0, 1, 2, 3], name
+    fitted_label_sets.clear()
+    probe_sweep(X[:200], y[:200], X[200:], y[200:], methods=["mean"], epsilons=[1.0], seeds=1,
+                progress=False, classes=range(6))
+    assert [list(c) for _, c, _ in fitted_label_sets] == [list(range(6))]
+
+
+def test_the_probe_label_set_comes_from_the_dataset_definition():
+    assert probe_classes(parse([])).tolist() == list(range(10))
+    args = parse(["--dataset", "synthetic", "--n-classes", "7"])
+    assert probe_classes(args).tolist() == list(range(7))

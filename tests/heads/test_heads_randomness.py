@@ -17,12 +17,13 @@ from private_engine.heads.probe import probe_sweep
 from private_engine.heads.warmup import _dp_generator
 from private_engine.randomness import MT_N, ReproducibleRandomnessWarning, mt_init
 
+CLASSES = [0, 1, 2]  # the public label set of data()
 HEADS = {
-    "ls": lambda **kw: DPLeastSquares(**kw),
-    "newton": lambda **kw: DPNewton(**kw),
-    "fc": lambda **kw: DPFeatureCovariance(steps=2, **kw),
-    "adam": lambda **kw: DPAdamHead(steps=2, **kw),
-    "mean": lambda **kw: DPMeanEstimator(**kw),
+    "ls": lambda **kw: DPLeastSquares(classes=CLASSES, **kw),
+    "newton": lambda **kw: DPNewton(classes=CLASSES, **kw),
+    "fc": lambda **kw: DPFeatureCovariance(steps=2, classes=CLASSES, **kw),
+    "adam": lambda **kw: DPAdamHead(steps=2, classes=CLASSES, **kw),
+    "mean": lambda **kw: DPMeanEstimator(classes=CLASSES, **kw),
 }
 _WORDS = 24  # byte offset of the 624 uint64 state words in torch's CPU generator state
 
@@ -107,22 +108,24 @@ def test_integer_seeds_count_with_all_their_bits(head):
 def test_reproducible_randomness_warns_and_names_the_head():
     X, y = data()
     with pytest.warns(ReproducibleRandomnessWarning, match="the noise of DPLeastSquares"):
-        DPLeastSquares(noise_multiplier=1.0, random_state=2**40).fit(X, y)
+        DPLeastSquares(noise_multiplier=1.0, classes=CLASSES, random_state=2**40).fit(X, y)
     with pytest.warns(ReproducibleRandomnessWarning, match="the noise of DPNewton"):
-        DPNewton(noise_multiplier=1.0, random_state=torch.Generator().manual_seed(1)).fit(X, y)
+        DPNewton(noise_multiplier=1.0, classes=CLASSES,
+                 random_state=torch.Generator().manual_seed(1)).fit(X, y)
     with pytest.warns(ReproducibleRandomnessWarning, match="the noise of DPMeanEstimator"):
-        DPMeanEstimator(noise_multiplier=1.0, random_state=np.random.default_rng(1)).fit(X, y)
+        DPMeanEstimator(noise_multiplier=1.0, classes=CLASSES,
+                        random_state=np.random.default_rng(1)).fit(X, y)
     with pytest.raises(TypeError, match="noise of DPLeastSquares"):
-        DPLeastSquares(noise_multiplier=1.0, random_state="seed").fit(X, y)
+        DPLeastSquares(noise_multiplier=1.0, classes=CLASSES, random_state="seed").fit(X, y)
 
 
 def test_same_torch_generator_seed_same_model():
     X, y = data()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ReproducibleRandomnessWarning)
-        a = DPAdamHead(noise_multiplier=1.0, steps=3,
+        a = DPAdamHead(noise_multiplier=1.0, classes=CLASSES, steps=3,
                        random_state=torch.Generator().manual_seed(7)).fit(X, y).coef_
-        b = DPAdamHead(noise_multiplier=1.0, steps=3,
+        b = DPAdamHead(noise_multiplier=1.0, classes=CLASSES, steps=3,
                        random_state=torch.Generator().manual_seed(7)).fit(X, y).coef_
     assert torch.equal(a, b)
 

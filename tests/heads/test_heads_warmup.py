@@ -82,9 +82,24 @@ def test_warmup_finetune_end_to_end_composes_privacy():
 def test_warmup_argument_errors():
     X, y = _task(n=50)
     model = nn.Sequential(nn.Linear(10, 4))
-    with pytest.raises(ValueError, match="labels must be in 0..3"):
+    # no record left once those outside the label set are dropped: the empty data set
+    with pytest.raises(ValueError, match="no record has a label in 0..3"):
         warmup_finetune(model, X, y + 4, epsilon_centres=1, delta_centres=1e-5, epsilon_train=1,
                         delta_train=1e-5, progress=False)
     with pytest.raises(ValueError, match="epochs"):
         warmup_finetune(model, X, y, epsilon_centres=1, delta_centres=1e-5, epsilon_train=1,
                         delta_train=1e-5, epochs=0, progress=False)
+
+
+def test_warmup_drops_records_outside_the_label_set():
+    """A label outside 0..K−1 (K: the model's outputs, public) drops its record from both stages,
+    without an error: refusing it would reveal the record."""
+    X, y = _task(n=60)
+    y = y.clone()
+    y[:3] = torch.tensor([4, -1, 100])
+    model = nn.Sequential(nn.Linear(10, 4))
+    res = warmup_finetune(model, X, y, epsilon_centres=1, delta_centres=1e-5, epsilon_train=4,
+                          delta_train=1e-5, epochs=1, batch_size=30, progress=False)
+    assert res.n_dropped_unknown_label == 3
+    assert res.centres.n_dropped_unknown_label_ == 0  # dropped before the centres
+    assert res.centres.classes_.tolist() == [0, 1, 2, 3]

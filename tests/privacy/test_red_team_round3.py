@@ -404,37 +404,63 @@ def _head_data():
     return g.normal(size=(20, 5)), g.integers(0, 2, 20)
 
 
+def _head_fit(H, X, y, **kw):
+    """``("fitted", releases)`` or ``("refused", message)``: the releases are every tensor and
+    array the fitted head publishes (``classes_``, coefficients, noisy statistics)."""
+    import numpy as np
+    try:
+        clf = H(noise_multiplier=1.0, random_state=0, **kw).fit(X, y)
+    except ValueError as e:
+        return "refused", str(e)
+    out = {"classes_": torch.as_tensor(np.asarray(clf.classes_))}
+    for k, v in vars(clf).items():
+        if k.endswith("_") and isinstance(v, torch.Tensor):
+            out[k] = v
+    return "fitted", out
+
+
+def _head_pair_is_bounded(with_record, without, what):
+    """Both refused for the same reason, or both fitted with the same releases: the record,
+    dropped, moves nothing (ratio 0), and the fit's outcome does not depend on it."""
+    assert with_record[0] == without[0], (
+        f"{what}: the refusal depends on the data: with the record {with_record}, without it "
+        f"{without}")
+    if with_record[0] == "refused":
+        assert with_record[1] == without[1]
+        return
+    a, b = with_record[1], without[1]
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].shape == b[k].shape and torch.equal(a[k], b[k]), (
+            f"{what}: {k} moved: {a[k].tolist()} with the record, {b[k].tolist()} without")
+
+
 @pytest.mark.parametrize("head", list(_heads()))
 def test_a_head_releases_the_set_of_labels_of_the_private_data(head):
-    """``encode_labels`` with ``classes=None`` (the default) takes ``np.unique(y)`` of the private
-    labels, and ``classes_`` (and the number of released class blocks) is published without
+    """``encode_labels`` with ``classes=None`` (the default) took ``np.unique(y)`` of the private
+    labels, and ``classes_`` (and the number of released class blocks) was published without
     noise and without a warning: one record with a label no one else has adds it — the record's
-    presence and label are revealed with certainty (ε = ∞)."""
+    presence and label are revealed with certainty (ε = ∞). A private fit must take the label
+    set from the settings (or be refused for them), and a record with a label outside it must
+    change nothing — no refusal either."""
     import numpy as np
     X, y = _head_data()
     H = _heads()[head]
-    with_record = H(noise_multiplier=1.0).fit(np.vstack([X, np.ones(5)]), np.append(y, 7))
-    without = H(noise_multiplier=1.0).fit(X, y)
-    assert np.array_equal(with_record.classes_, without.classes_), (
-        f"classes_ reveals the record: {with_record.classes_.tolist()} with it, "
-        f"{without.classes_.tolist()} without")
+    Xa, ya = np.vstack([X, np.ones(5)]), np.append(y, 7)
+    for kw in ({}, {"classes": [0, 1]}):
+        _head_pair_is_bounded(_head_fit(H, Xa, ya, **kw), _head_fit(H, X, y, **kw),
+                              f"{head} {kw}")
 
 
 @pytest.mark.parametrize("head", list(_heads()))
 def test_a_head_refuses_a_data_set_with_one_non_finite_record(head):
-    """``fit`` raises "X contains NaN or infinite values" when one record is not finite and fits
-    without it: the refusal depends on one record (the training step instead drops such a sample,
-    ratio 0). Clip or zero non-finite records, or refuse before looking at the data."""
+    """``fit`` raised "X contains NaN or infinite values" when one record is not finite and fit
+    without it: the refusal depends on one record (the training step instead drops such a
+    sample, ratio 0). A non-finite record must contribute nothing within the sensitivity, and
+    the fit must not depend on it."""
     import numpy as np
     X, y = _head_data()
     H = _heads()[head]
-    outcomes = []
-    for XX, yy in ((np.vstack([X, np.full(5, np.inf)]), np.append(y, 0)), (X, y)):
-        try:
-            H(noise_multiplier=1.0).fit(XX, yy)
-            outcomes.append("fitted")
-        except ValueError as e:
-            outcomes.append(f"refused ({e})")
-    assert outcomes[0] == outcomes[1], (
-        f"the refusal depends on the data: with the record {outcomes[0]}, without it "
-        f"{outcomes[1]}")
+    for bad in (np.full(5, np.inf), np.array([0.0, np.nan, 1.0, 2.0, 3.0])):
+        _head_pair_is_bounded(_head_fit(H, np.vstack([X, bad]), np.append(y, 0), classes=[0, 1]),
+                              _head_fit(H, X, y, classes=[0, 1]), f"{head} {bad.tolist()}")
