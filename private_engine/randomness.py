@@ -278,7 +278,8 @@ class SecretModelRandomness:
     generator (a full MT19937 state on the CPU, a 64-bit Philox key on CUDA). The user's states
     come back at :meth:`end` — when the engine takes the step's loss, so that randomness the loss
     draws from torch's generators is secret too —, at a forward without grad, or when a forward
-    raises; the user's own draws (data order, augmentation) then continue as if the step had drawn nothing.
+    raises; the user's own draws (data order, augmentation) then continue as if the step had
+    drawn nothing.
     Every later forward of the model before that draws a fresh secret state (a step whose loss
     raised leaves none of the user's public state in the generators; the user's states saved at
     the first swap come back at the next :meth:`end`). Activation checkpointing replays the
