@@ -201,6 +201,15 @@ class PrivateModule(nn.Module):
     def forward(self, *args, **kwargs):
         return self._module(*args, **kwargs)
 
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """:meth:`torch.nn.Module.load_state_dict`, then the state guard records the loaded
+        weights as the state the next step starts from (weights loaded on purpose between steps,
+        as ``load_checkpoint`` does, are not a change made by the data)."""
+        result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        if not self._hooks_removed:
+            self.state_guard.arm()
+        return result
+
     def _set_capturing(self, on: bool) -> None:
         """Whether backward passes are recorded: the layer recorder, the tracer, the fallbacks."""
         self.recorder.capturing = on
