@@ -93,7 +93,9 @@ def test_audit_flags_an_engine_that_leaves_one_path_unclipped(path):
     assert r.epsilon_lower > r.epsilon_claimed + 1.0, r.summary()
     assert path in r.flagged_paths and r.rule in r.flagged_paths
     mine = next(p for p in r.path_results if p.path == path)
-    assert mine.correct == mine.guesses  # every guess on the broken path's canaries right
+    # every guess on the broken path's canaries right, but one: an included canary the Poisson
+    # batches never sampled in 12 steps (2⁻¹² each, ≈ 1 % of runs over its ≈ 50) looks excluded
+    assert mine.correct >= mine.guesses - 1
     assert mine.epsilon_reach == pytest.approx(REACH, abs=0.01)
     assert REACH - 0.35 < mine.epsilon_lower <= mine.epsilon_reach
 

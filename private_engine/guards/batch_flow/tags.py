@@ -112,7 +112,9 @@ def join(a: Rows, b: Rows) -> Rows:
     if a == b:
         return a
     if a.dim != b.dim or a.per != b.per:
-        raise Mix("combines rows of different samples (batch dimensions not aligned)")
+        raise Mix("combines rows of different samples (batch dimensions not aligned, as when "
+                  "targets of shape (B,) meet outputs of shape (B, 1) and broadcast into B×B "
+                  "pairs)")
     mod = math.gcd(math.gcd(a.mod, b.mod), abs(a.off - b.off))
     if mod < 2:
         raise Mix("combines rows of different samples")
