@@ -250,6 +250,19 @@ def test_a_buffer_written_before_the_first_forward_hook_is_released(door, how):
     assert_bounded(*pair, may_refuse=True, what=f"ema before the forward {door}-{how}")
 
 
+def _assert_step_masks_are_secret(model, opt, x, t, what):
+    """Seed torch publicly (as a script does), take one step and check that the forward's dropout
+    mask is not the replay of that public seed."""
+    torch.manual_seed(1234)
+    y = model(x)
+    mask = y == 0
+    opt.step(loss=mse(y, t))
+    assert opt.steps == 1
+    torch.manual_seed(1234)
+    replay = F.dropout(torch.ones(B, 8), 0.5, training=True) == 0
+    assert not torch.equal(mask, replay), what
+
+
 # -- 6. secret randomness: a swap that is never undone or never done -----------------------------
 def test_a_failed_loss_leaves_the_next_steps_masks_to_the_public_seed():
     """``SecretModelRandomness._pre`` swaps only when ``_saved is None``; ``end()`` runs at the
@@ -269,16 +282,9 @@ def test_a_failed_loss_leaves_the_next_steps_masks_to_the_public_seed():
         raise FloatingPointError("the loss of a bad batch")  # the user's loss fails; skipped
     except FloatingPointError:
         pass
-    torch.manual_seed(1234)  # the script's public seed
-    y = model(x)
-    mask = y == 0
-    opt.step(loss=mse(y, t))
-    assert opt.steps == 1
-    torch.manual_seed(1234)
-    replay = F.dropout(torch.ones(B, 8), 0.5, training=True) == 0
-    assert not torch.equal(mask, replay), (
-        "after a failed loss the next step's dropout draws from the public generator: its mask "
-        "is the replay of torch.manual_seed(1234)")
+    _assert_step_masks_are_secret(
+        model, opt, x, t, "after a failed loss the next step's dropout draws from the public "
+        "generator: its mask is the replay of torch.manual_seed(1234)")
 
 
 class AlwaysDropout(nn.Module):
@@ -304,15 +310,8 @@ def test_randomness_of_a_model_trained_in_eval_mode_is_public():
     opt = CapturingSGD(model.parameters())
     engine.attach(opt)
     x, t = torch.ones(B, 8), torch.zeros(B, 8)
-    torch.manual_seed(1234)
-    y = model(x)
-    mask = y == 0
-    opt.step(loss=mse(y, t))
-    assert opt.steps == 1
-    torch.manual_seed(1234)
-    replay = F.dropout(torch.ones(B, 8), 0.5, training=True) == 0
-    assert not torch.equal(mask, replay), (
-        "a model trained in eval mode draws its masks from the public generator")
+    _assert_step_masks_are_secret(
+        model, opt, x, t, "a model trained in eval mode draws its masks from the public generator")
 
 
 # -- 7. losses that depend on where a sample sits, or on how many there are ----------------------
