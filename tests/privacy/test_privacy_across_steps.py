@@ -385,3 +385,44 @@ def test_a_token_mean_in_the_opacus_door(flow):
         assert "nll_loss" in str(pair[0].error)
     else:
         assert_bounded(*pair, what="door token mean ghost")
+
+
+# -- code the batch flow cannot see ----------------------------------------------------------------
+class UnseenDormantClamp(DormantClamp):
+    """:class:`DormantClamp` computed with the dispatch modes switched off, as a compiled graph's
+    kernels run: the batch flow sees none of its ops."""
+
+    def forward(self, x):
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():
+            return super().forward(x)
+
+
+@pytest.mark.parametrize("door,how", DOORS, ids=DOOR_IDS)
+def test_a_forward_out_of_the_batch_flow_s_sight_is_refused(door, how):
+    # the output is differentiable yet no op of the step made it: whether it mixes samples cannot
+    # be told, so both runs are refused (the dormant clamp would otherwise pass unseen)
+    torch.manual_seed(0)
+    model = UnseenDormantClamp()
+    xh, th = honest_vectors(model)
+    case = Case(model, (xh, th), (torch.full((1, 8), 50.0), torch.zeros(1, 4)))
+    pair = run_pair(case, door, how)
+    assert_bounded(*pair, may_refuse=True, refuse_at="step", what=f"unseen {door}-{how}")
+    assert "could not follow" in str(pair[0].error)
+
+
+def test_a_compiled_model_is_refused_not_trained_unchecked():
+    # torch.compile's kernels bypass the dispatcher: the dormant coupling of honest data (the
+    # clamp inactive, no gradient through it) would train unseen; the step is refused instead
+    torch.manual_seed(0)
+    model = DormantClamp()
+    engine = pe.PrivacyEngine(model, batch_size=B, sample_size=10 * B, max_grad_norm=R,
+                              noise_multiplier=0.0)
+    opt = CapturingSGD(model.parameters())
+    engine.attach(opt)
+    compiled = torch.compile(model, backend="eager")
+    x = 0.1 * torch.randn(B, 8)
+    with pytest.raises(ValueError, match="could not follow the step.*torch.compile"):
+        opt.step(loss=F.mse_loss(compiled(x), torch.zeros(B, 4), reduction="none").sum(1))
+    assert opt.steps == 0 and engine.steps_taken == 0

@@ -30,6 +30,7 @@ _FREE = ("free",)
 _POSITIONAL = {aten.arange, aten.linspace, aten.logspace}
 _STALE = Mixed("a value computed from an earlier batch and kept (state carried across steps by "
                "the model or the loop)")
+_UNSEEN = "a differentiable value computed out of the batch flow's sight"
 _REWRITTEN = ("a view or alias of a tensor that was rewritten in place with other samples' "
               "rows")
 
@@ -212,6 +213,7 @@ class BatchFlow(TorchDispatchMode):
                     "(a forward without grad, or on a batch of another size, ran between the "
                     "training forward and the loss): compute the loss right after the "
                     "training forward; nothing was released.")
+            _refuse_unseen(tag, "per-sample loss")
             if isinstance(tag, Mixed):
                 raise BatchMixingError(
                     "the per-sample loss mixes samples: entry i of the loss vector depends on "
@@ -260,6 +262,7 @@ class BatchFlow(TorchDispatchMode):
                 tag = Mixed(f"an output summed over the batch ({tag.how})")
             if isinstance(tag, Mixed):
                 self.end()
+                _refuse_unseen(tag, "model's output")
                 raise BatchMixingError(
                     f"the model's output mixes samples: it depends on other samples' data "
                     f"through {tag.why}. Per-sample clipping bounds a sample's influence "
@@ -284,6 +287,7 @@ class BatchFlow(TorchDispatchMode):
                                 f"rows ({tag.how}; rows paired modulo {tag.mod})")
                 if isinstance(tag, Rows) and (tag.mod != self.batch or tag.off % tag.mod):
                     tag = Mixed("per-sample losses whose rows are not the inputs' rows in order")
+                _refuse_unseen(tag, "loss")
                 if isinstance(tag, Mixed):
                     raise BatchMixingError(
                         f"the loss mixes samples beyond a sum over the batch: it depends on "
@@ -319,6 +323,10 @@ class BatchFlow(TorchDispatchMode):
         bd = self.batch_dim
         if (self.active and not isinstance(t, (nn.Parameter, UninitializedTensorMixin))
                 and t.dim() > bd and t.shape[bd] == self.batch and id(t) not in self._buffers):
+            if t.grad_fn is not None:  # differentiable, yet no op of the region made it
+                tag = Mixed(_UNSEEN)
+                self._set(t, tag, self.epoch)
+                return tag, self.epoch, "computed"
             tag = Rows(bd, 1, 0, self.batch)  # per-sample data from outside the step (labels)
             self._set(t, tag, 0, "guess")
             return tag, 0, "guess"
@@ -452,6 +460,19 @@ class BatchFlow(TorchDispatchMode):
         except Mix:
             self._set(base, Mixed("a write of per-sample rows into a view whose rows are not "
                                   f"the batch's (at {user_line()})"), epoch)
+
+
+def _refuse_unseen(tag, what: str) -> None:
+    """Raise :class:`BatchMixingError` if ``tag`` marks a value computed out of the tracker's
+    sight: whether it mixes samples cannot be told, so the step is refused."""
+    if isinstance(tag, Mixed) and tag.why == _UNSEEN:
+        raise BatchMixingError(
+            f"the batch flow could not follow the step: the {what} depends on a differentiable "
+            "value computed where the tracker does not see the ops (a torch.compile'd model or "
+            "submodule, code that bypasses torch's dispatcher, or a value computed with grad "
+            "before the step's forward), so whether it mixes samples cannot be checked; "
+            "nothing was released. Train the model uncompiled and compute everything that "
+            "depends on the batch inside the step's forward and loss.")
 
 
 def advice(why: str) -> str:
