@@ -58,6 +58,8 @@ class ClippedBatch:
     norms: Optional[torch.Tensor]
     #: samples dropped (``C_i = 0``) because their loss or norm was not finite
     dropped: int
+    #: the per-sample losses, detached (None for an empty batch); for the step's metrics
+    loss: Optional[torch.Tensor] = None
 
 
 def clip_batch(clipper: PerSampleClipper, loss: torch.Tensor, *,
@@ -107,4 +109,4 @@ def clip_batch(clipper: PerSampleClipper, loss: torch.Tensor, *,
             f"every sample of this batch ({dropped}) had a non-finite loss or gradient norm "
             f"and was dropped (clip factor 0): {all_dropped_hint}", RuntimeWarning,
             stacklevel=_user_stacklevel())
-    return ClippedBatch(sums, loss.shape[0], norms.detach(), dropped)
+    return ClippedBatch(sums, loss.shape[0], norms.detach(), dropped, loss.detach())
