@@ -3,6 +3,7 @@
 factors with non-finite samples dropped, and the clipped sums."""
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import warnings
@@ -17,6 +18,8 @@ from .clipper import PerSampleClipper
 from .grad_sums import GradSums
 from .loss_scaling import LossScaling
 
+
+log = logging.getLogger(__name__)
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -104,6 +107,9 @@ def clip_batch(clipper: PerSampleClipper, loss: torch.Tensor, *,
     sums = clipper.clipped_sums(loss_in, factors, keep=keep)  # releases what it kept
     if scaling is not None:
         scaling.update(dropped)
+    if dropped:
+        log.info("%d of %d samples of this batch dropped (clip factor 0): non-finite loss or "
+                 "gradient norm", dropped, loss.shape[0])
     if dropped == loss.shape[0] and all_dropped_hint is not None:
         warnings.warn(
             f"every sample of this batch ({dropped}) had a non-finite loss or gradient norm "
