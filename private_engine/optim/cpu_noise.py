@@ -19,7 +19,9 @@ coordinates, blocks and steps.
 
 The result depends only on the generator's state and the tensor's size, not on the number of
 threads (blocks are fixed; one thread draws them one after another). float16 and bfloat16 blocks
-are drawn in float32 and rounded once.
+are drawn in float32 and rounded once. numpy's ziggurat costs about 2.5× torch's vectorised
+``normal_`` per coordinate, so the threaded draw is the faster one from about four threads on
+(docs/engine.md, "One step, in order"; ``bench/bench_cpu_noise.py``).
 """
 from __future__ import annotations
 
