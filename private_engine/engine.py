@@ -518,12 +518,14 @@ class PrivacyEngine:
         return sum(n for _, _, n in self.accountant.history)
 
     def get_epsilon(self, delta: Optional[float] = None) -> float:
-        """ε spent so far at ``delta`` (default ``target_delta``) by the engine's accountant."""
+        """ε spent so far at ``delta`` (default ``target_delta``) by the engine's accountant (with
+        the RDP accountant, from one-step RDP curves cached per (σ, q): the accountant's value, in
+        a fraction of a millisecond, :class:`private_engine.step_metrics.EpsilonTracker`)."""
         if not self.accountant.history:
             return 0.0
-        return float(
-            self.accountant.get_epsilon(delta=self.target_delta if delta is None else delta)
-        )
+        delta = self.target_delta if delta is None else delta
+        eps = self.step_metrics.epsilon.exact(delta)
+        return eps if eps is not None else float(self.accountant.get_epsilon(delta=delta))
 
     # -- checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> dict:

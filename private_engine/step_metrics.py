@@ -86,21 +86,34 @@ class EpsilonTracker:
         self._rdp: Dict[Tuple[float, float], Any] = {}
 
     def __call__(self, step: int) -> Optional[float]:
+        """ε after step ``step`` (1-based) at :attr:`delta`, or None at a step it is not
+        computed."""
         accountant = self.accountant()
+        eps = self.exact(self.delta)
+        if eps is not None:
+            return eps
         if not accountant.history:
             return 0.0
-        from opacus.accountants import RDPAccountant
-        from opacus.accountants.analysis import rdp as rdp_analysis
-
-        if type(accountant) is RDPAccountant:
-            alphas = accountant.DEFAULT_ALPHAS
-            rdp = sum(self._one_step(sigma, q, alphas, rdp_analysis) * n
-                      for sigma, q, n in accountant.history)
-            eps, _ = rdp_analysis.get_privacy_spent(orders=alphas, rdp=rdp, delta=self.delta)
-            return float(eps)
         if step == 1 or step % self.every == 0:
             return float(accountant.get_epsilon(delta=self.delta))
         return None
+
+    def exact(self, delta: float) -> Optional[float]:
+        """ε at ``delta`` from the cached one-step RDP curves when the accountant is Opacus'
+        ``RDPAccountant`` (the value its ``get_epsilon(delta)`` returns), else None."""
+        from opacus.accountants import RDPAccountant
+        from opacus.accountants.analysis import rdp as rdp_analysis
+
+        accountant = self.accountant()
+        if type(accountant) is not RDPAccountant:
+            return None
+        if not accountant.history:
+            return 0.0
+        alphas = accountant.DEFAULT_ALPHAS
+        rdp = sum(self._one_step(sigma, q, alphas, rdp_analysis) * n
+                  for sigma, q, n in accountant.history)
+        eps, _ = rdp_analysis.get_privacy_spent(orders=alphas, rdp=rdp, delta=delta)
+        return float(eps)
 
     def _one_step(self, sigma: float, q: float, alphas: Sequence[float], rdp_analysis):
         """``ρ_{σ,q}(α)`` for every order: one step's RDP (computed once per ``(σ, q)``)."""

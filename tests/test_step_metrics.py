@@ -89,6 +89,8 @@ def test_a_callable_gets_the_metrics_of_every_step():
     assert [m.step for m in got] == [1, 2, 3]
     # exact: the RDP of one step, scaled by the step count, is what the accountant composes
     assert [m.epsilon for m in got] == epsilons
+    assert epsilons[-1] == engine.accountant.get_epsilon(delta=engine.target_delta)
+    assert engine.get_epsilon(1e-3) == engine.accountant.get_epsilon(delta=1e-3)
     assert all(m.delta == engine.target_delta for m in got)
     assert [(m.loss, m.clip_fraction, m.dropped_samples, m.samples) for m in got] == [
         pytest.approx(e) for e in EXPECTED]
@@ -125,3 +127,23 @@ def test_step_metrics_are_logged_at_debug(caplog):
         optimizer.step(loss=_loss(model, [2.0, 0.5], [1.0, 3.0]))
     (line,) = [r.getMessage() for r in caplog.records if r.name == "private_engine.step_metrics"]
     assert "step 1:" in line and "loss=2" in line and "clip fraction=0.5" in line
+
+
+def test_get_epsilon_reuses_the_one_step_rdp_curve(monkeypatch):
+    """With the RDP accountant the per-order RDP of a step is computed once per (σ, q), not at
+    every call (it costs tens of milliseconds; the conversion to ε is cheap)."""
+    from opacus.accountants.analysis import rdp as rdp_analysis
+
+    calls = []
+    compute_rdp = rdp_analysis.compute_rdp
+    monkeypatch.setattr(rdp_analysis, "compute_rdp",
+                        lambda **kw: calls.append(kw) or compute_rdp(**kw))
+    model, engine, optimizer = _engine()
+    values = []
+    for _ in range(3):
+        optimizer.step(loss=_loss(model, [1.0], [0.0]))
+        values += [engine.get_epsilon(), engine.get_epsilon(1e-3)]
+    assert len(calls) == 1 and calls[0]["steps"] == 1
+    monkeypatch.setattr(rdp_analysis, "compute_rdp", compute_rdp)
+    assert values[-2:] == [engine.accountant.get_epsilon(delta=d)
+                           for d in (engine.target_delta, 1e-3)]
