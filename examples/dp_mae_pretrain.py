@@ -35,13 +35,16 @@ entropy; ``--mask-seed`` makes the masks and step 1's order reproducible (with a
 Under ``torchrun`` every process runs step 1 (each with its own secret masks; the engine
 broadcasts rank 0's weights when step 2 starts), step 2 trains on its share of each Poisson
 batch with rank 0's mask key, the engine sums the clipped gradients across processes and adds
-the noise once; rank 0 logs, evaluates and writes.
+the noise once; rank 0 logs, evaluates and writes. ``--tensorboard DIR``: a TensorBoard log of
+every DP step's ε, loss, clip fraction and dropped samples (the last three are non-private
+statistics of the batch; docs/engine.md, "Logging and monitoring").
 """
 from __future__ import annotations
 
 import argparse
 import builtins
 import copy
+import logging
 import math
 import os
 import sys
@@ -105,7 +108,10 @@ def parse_args(argv=None):
     e.add_argument("--plot", help="write the loss / probe plot (PNG) here")
     e.add_argument("--out-dir", default="checkpoints/dp_mae")
     e.add_argument("--resume", action="store_true", help="continue from --out-dir")
-    e.add_argument("--quiet", action="store_true", help="no progress bars")
+    e.add_argument("--quiet", action="store_true", help="no progress bars or epoch lines")
+    e.add_argument("--tensorboard", metavar="DIR",
+                   help="write every DP step's ε, loss, clip fraction and dropped samples to a "
+                   "TensorBoard log in DIR (needs the tensorboard package)")
     p.add_argument("--threads", type=int, help="torch intra-op threads")
     p.add_argument("--seed", type=int, default=0,
                    help="model initialisation, synthetic images, data split and evaluation masks "
@@ -145,6 +151,14 @@ def main(argv=None) -> dict:
     rank, device = setup_distributed(args)
     print = builtins.print if rank == 0 else (lambda *a, **k: None)  # noqa: A001 (rank 0 logs)
     progress = not args.quiet and rank == 0
+    # the library's epoch lines go through logging (private_engine.pretrain.recipe)
+    logging.basicConfig(format="%(message)s")
+    logging.getLogger("private_engine").setLevel(logging.INFO if progress else logging.WARNING)
+    writer = None
+    if args.tensorboard and rank == 0:
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(args.tensorboard)
     start = time.perf_counter()
 
     model = build_mae(args.model, img_size=args.img_size, patch_size=args.patch_size,
@@ -205,7 +219,9 @@ def main(argv=None) -> dict:
     result = dp_mae_train(model, train, cfg2, device=device,
                           checkpoint=os.path.join(args.out_dir, "dp_mae.pt"),
                           resume=args.resume, mask_seed=args.mask_seed, progress=progress,
-                          evaluate=evaluate)
+                          evaluate=evaluate, step_logger=writer)
+    if writer is not None:
+        writer.close()
     curves["synthetic + DP-MAE"] = result.evaluations
     if rank == 0:
         atomic_save(model.state_dict(), os.path.join(args.out_dir, "dp_mae_final.pt"))

@@ -23,7 +23,9 @@ generators seeded from OS entropy (``private_engine.optim.noise``), so no two ru
 noise or sample the same batches — a public seed for either would let anyone re-run the script
 on a neighbouring dataset and subtract the noise, or learn the batches (privacy amplification by
 subsampling needs them secret). ``--amp``: bfloat16 autocast (``--amp fp16``: float16 with a
-GradScaler). The last line reads ``ε=… δ=… σ=… accuracy=… seconds=…``.
+GradScaler). ``--tensorboard DIR``: a TensorBoard log of every step's ε, loss, clip fraction and
+dropped samples (the last three are non-private statistics of the batch; docs/engine.md,
+"Logging and monitoring"). The last line reads ``ε=… δ=… σ=… accuracy=… seconds=…``.
 
 Examples::
 
@@ -117,6 +119,9 @@ def parse_args(argv=None):
                    help="seeds the model initialisation and the train/test split; never the "
                         "noise or the Poisson sampling, which draw from OS entropy")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tensorboard", metavar="DIR",
+                   help="write every step's ε, loss, clip fraction and dropped samples to a "
+                   "TensorBoard log in DIR (needs the tensorboard package)")
     args = p.parse_args(argv)
     if args.data != "digits" and not args.data_dir:
         p.error(f"--data {args.data} needs --data-dir DIR")
@@ -224,6 +229,18 @@ def setup_distributed(args) -> Tuple[int, torch.device]:
     return dist.get_rank(), device
 
 
+def step_log(args, engine):
+    """``--tensorboard DIR``: a ``SummaryWriter`` on DIR that the engine sends every step's
+    metrics to (None without the option)."""
+    if not args.tensorboard:
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(args.tensorboard)
+    engine.add_step_logger(writer)
+    return writer
+
+
 def main(argv=None):
     args = parse_args(argv)
     torch.manual_seed(args.seed)
@@ -248,6 +265,7 @@ def main(argv=None):
         clipping_mode=args.clipping_mode, clipping_fn=args.clipping_fn, accountant=args.accountant,
         grad_scaler=grad_scaler(args),
     )
+    writer = step_log(args, engine) if rank == 0 else None
     optimizer = pe.optim.DPAdam(model.parameters(), lr=args.lr, privacy_engine=engine)
     test_loader = DataLoader(test, batch_size=args.physical_batch_size, num_workers=args.workers)
     _, h, w = config["input_size"]
@@ -281,6 +299,8 @@ def main(argv=None):
         with amp:
             acc = accuracy(model, test_loader, device)
     seconds = time.perf_counter() - start
+    if writer is not None:
+        writer.close()
     print(f"ε={engine.get_epsilon():.3f} δ={engine.target_delta:.2e} "
           f"σ={engine.noise_multiplier:.4f} accuracy={acc:.3f} seconds={seconds:.1f}")
     return acc

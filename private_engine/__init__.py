@@ -1,4 +1,12 @@
-"""private_engine — exact, fast, memory-lean differentially private training for PyTorch."""
+"""private_engine — exact, fast, memory-lean differentially private training for PyTorch.
+
+The library reports through :mod:`logging` (the ``"private_engine"`` logger and one child per
+module; nothing is shown until the application configures logging, e.g.
+``logging.basicConfig(level=logging.INFO)``) and warns through :mod:`warnings`.
+"""
+import logging as _logging
+
+_logging.getLogger(__name__).addHandler(_logging.NullHandler())
 from . import layers, optim
 from .clipping.functions import abadi_clip, automatic_clip, global_clip
 from .clipping.plan import (CLIPPING_MODES, DEFAULT_CLIPPING_MODE, LayerDecision, format_plan,

@@ -64,6 +64,7 @@ reads them; :func:`load_checkpoint` does. The files are written atomically with 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import tempfile
 from typing import Any, Dict, Optional, Tuple, Union
@@ -74,6 +75,8 @@ from torch import nn
 from .accounting.ledger import LEDGER_SUFFIX, LedgerContents, StepLedger, is_prefix, read_ledger
 
 #: format tag and version of :func:`engine_state_dict`
+log = logging.getLogger(__name__)
+
 ENGINE_FORMAT = "private_engine.PrivacyEngine"
 #: format tag and version of the files of :func:`save_checkpoint`
 CHECKPOINT_FORMAT = "private_engine.checkpoint"
@@ -400,6 +403,8 @@ def save_checkpoint(path, *, model: nn.Module, optimizer: torch.optim.Optimizer,
         "extra": extra,
     }
     atomic_save(checkpoint, path)
+    log.info("checkpoint written to %s after %d steps (ε=%.4g)", os.fspath(path),
+             engine.steps_taken, engine.get_epsilon())
 
 
 def load_checkpoint(path, *, model: nn.Module, optimizer: torch.optim.Optimizer, engine,
@@ -437,6 +442,8 @@ def load_checkpoint(path, *, model: nn.Module, optimizer: torch.optim.Optimizer,
     optimizer.load_state_dict(checkpoint["optimizer"])
     load_engine_state_dict(engine, checkpoint["engine"], ledger=ledger, near=near)
     engine.state_guard.arm()  # the loaded parameters are where the next step starts
+    log.info("checkpoint %s loaded: %d steps taken (ε=%.4g)", os.fspath(path),
+             engine.steps_taken, engine.get_epsilon())
     return checkpoint["extra"]
 
 

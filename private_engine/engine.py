@@ -15,8 +15,9 @@ engine trains data-parallel (:mod:`private_engine.optim.distributed`, docs/distr
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
-from typing import List, Optional, Sequence, Union
+from typing import Callable, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -36,6 +37,10 @@ from .guards.model_check import check_no_batchnorm, clipped_layers, scan_model
 from .optim import noise as _noise
 from .optim.private_step import check_clipped_params
 from .optim.sharded import ShardedDataParallel, fsdp1_names, fsdp2_modules
+from .step_metrics import (BatchRecord, EpsilonTracker, StepLogger, StepMetrics,
+                           StepMetricsRecorder)
+
+log = logging.getLogger(__name__)
 
 
 class PrivacyEngine:
@@ -111,6 +116,10 @@ class PrivacyEngine:
         check_replicas: (debugging, data-parallel only) after every step compare a float64
             checksum of the parameters across ranks and raise
             :class:`private_engine.optim.ReplicaMismatchError` if they differ.
+        step_logger: a TensorBoard ``SummaryWriter`` or a callable that gets the
+            :class:`private_engine.step_metrics.StepMetrics` of every logical step (ε so far, and
+            the non-private loss, clip fraction and dropped samples of the batch); see
+            :meth:`add_step_logger`.
     """
 
     def __init__(self, model: Optional[nn.Module] = None, *, batch_size: int = None,
@@ -123,7 +132,8 @@ class PrivacyEngine:
                  data_free_buffers: Sequence[str] = (),
                  grad_scaler: Optional["torch.amp.GradScaler"] = None,
                  dynamic_loss_scale: bool = False, allow_overrun: bool = False,
-                 distributed: Optional[bool] = None, check_replicas: bool = False):
+                 distributed: Optional[bool] = None, check_replicas: bool = False,
+                 step_logger: Optional[StepLogger] = None):
         if model is None:
             raise TypeError(
                 "private_engine.PrivacyEngine needs the model: PrivacyEngine(model, "
@@ -256,6 +266,17 @@ class PrivacyEngine:
         #: construction (a diagnostic for the analyst: it depends on the data and is not part of the
         #: private release)
         self.dropped_samples = 0
+        #: the metrics of every logical step, sent to the step loggers (:meth:`add_step_logger`)
+        self.step_metrics = StepMetricsRecorder(
+            EpsilonTracker(lambda: self.accountant, self.target_delta))
+        if step_logger is not None:
+            self.add_step_logger(step_logger)
+        log.info("PrivacyEngine: σ=%.4g, q=%.4g (B=%d, n=%d), R=%.4g, δ=%.3g, mode=%s, "
+                 "accountant=%s, %s trainable parameters%s", sigma, self.sample_rate, batch_size,
+                 sample_size, max_grad_norm, self.target_delta, clipping_mode, accountant,
+                 sum(p.numel() for p in self.params),
+                 "" if target_epsilon is None else
+                 f", σ calibrated for ε={target_epsilon} over {self.steps} steps")
 
     @property
     def noise_multiplier(self) -> float:
@@ -321,7 +342,8 @@ class PrivacyEngine:
                                    pre_step=self._check_budget,
                                    pre_release=self._pre_release,
                                    reducer=self.distributed,
-                                   post_step=self._check_replicas if self.check_replicas else None)
+                                   post_step=self._check_replicas if self.check_replicas else None,
+                                   on_step=self._record_step_metrics)
         self._attached.append(_optim.attach(state))
         return optimizer
 
@@ -431,6 +453,31 @@ class PrivacyEngine:
         self.sampling_check.commit(samples)
         self.state_guard.arm()  # after the update: the next step's state starts here
 
+    def add_step_logger(self, sink: StepLogger, *,
+                        epsilon_every: Optional[int] = None) -> Callable[[StepMetrics], None]:
+        """Send the metrics of every logical step to ``sink``: a TensorBoard ``SummaryWriter``
+        (scalars ``privacy/epsilon``, ``train/loss``, ``train/clip_fraction``,
+        ``train/dropped_samples``, ``train/samples`` at ``global_step`` = the step) or any
+        callable taking a :class:`private_engine.step_metrics.StepMetrics`
+        (:mod:`private_engine.step_metrics`). ε is exact at every step with the RDP accountant;
+        with another it is computed every ``epsilon_every`` steps (default 10; None between).
+        The loss, clip fraction and dropped samples are non-private statistics of the batch.
+        Returns the registered callable, for :meth:`remove_step_logger`."""
+        if epsilon_every is not None:
+            if not (isinstance(epsilon_every, int) and epsilon_every > 0):
+                raise ValueError(
+                    f"epsilon_every must be a positive integer, got {epsilon_every!r}.")
+            self.step_metrics.epsilon.every = epsilon_every
+        return self.step_metrics.add(sink)
+
+    def remove_step_logger(self, fn: Callable[[StepMetrics], None]) -> None:
+        """Stop sending step metrics to ``fn`` (what :meth:`add_step_logger` returned)."""
+        self.step_metrics.remove(fn)
+
+    def _record_step_metrics(self, records: List[BatchRecord]) -> None:
+        """After every successful step: its metrics to the step loggers."""
+        self.step_metrics.record(self.steps_taken, records, self.clipper.max_grad_norm)
+
     def _check_replicas(self) -> None:
         """After a data-parallel step (``check_replicas=True``): the float64 checksums
         ``(Σθ, Σθ²)`` of every rank's parameters must be equal
@@ -471,12 +518,14 @@ class PrivacyEngine:
         return sum(n for _, _, n in self.accountant.history)
 
     def get_epsilon(self, delta: Optional[float] = None) -> float:
-        """ε spent so far at ``delta`` (default ``target_delta``) by the engine's accountant."""
+        """ε spent so far at ``delta`` (default ``target_delta``) by the engine's accountant (with
+        the RDP accountant, from one-step RDP curves cached per (σ, q): the accountant's value, in
+        a fraction of a millisecond, :class:`private_engine.step_metrics.EpsilonTracker`)."""
         if not self.accountant.history:
             return 0.0
-        return float(
-            self.accountant.get_epsilon(delta=self.target_delta if delta is None else delta)
-        )
+        delta = self.target_delta if delta is None else delta
+        eps = self.step_metrics.epsilon.exact(delta)
+        return eps if eps is not None else float(self.accountant.get_epsilon(delta=delta))
 
     # -- checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> dict:

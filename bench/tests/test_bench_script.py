@@ -468,7 +468,7 @@ def test_cpu_peak_memory_is_the_childs_own_not_its_parents():
 
 @pytest.mark.parametrize("script", ["bench_clipping.py", "investigate/host_overhead.py",
                                     "investigate/host_ab.py", "investigate/profile_step.py",
-                                    "investigate/ddp_scaling.py"])
+                                    "investigate/ddp_scaling.py", "bench_cpu_noise.py"])
 def test_scripts_run_from_anywhere(script, tmp_path):
     """Every script runs by its path (the Makefile's and the docs' commands), from any directory."""
     import subprocess
@@ -476,6 +476,15 @@ def test_scripts_run_from_anywhere(script, tmp_path):
     out = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--help"], cwd=tmp_path,
                          capture_output=True, text=True, check=True).stdout
     assert out.startswith("usage:")
+
+
+def test_cpu_noise_bench_runs(tmp_path):
+    import subprocess
+
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_cpu_noise.py"), "--sizes",
+                          "2.2e6", "--rounds", "1", "--threads", "1"], cwd=tmp_path,
+                         capture_output=True, text=True, check=True).stdout
+    assert "torch normal_ (1 call)" in out and "fill_normal_ (this tree)" in out
 
 
 def test_tied_lm_runs(capsys):

@@ -3,6 +3,7 @@
 factors with non-finite samples dropped, and the clipped sums."""
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import warnings
@@ -17,6 +18,8 @@ from .clipper import PerSampleClipper
 from .grad_sums import GradSums
 from .loss_scaling import LossScaling
 
+
+log = logging.getLogger(__name__)
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -58,6 +61,8 @@ class ClippedBatch:
     norms: Optional[torch.Tensor]
     #: samples dropped (``C_i = 0``) because their loss or norm was not finite
     dropped: int
+    #: the per-sample losses, detached (None for an empty batch); for the step's metrics
+    loss: Optional[torch.Tensor] = None
 
 
 def clip_batch(clipper: PerSampleClipper, loss: torch.Tensor, *,
@@ -102,9 +107,12 @@ def clip_batch(clipper: PerSampleClipper, loss: torch.Tensor, *,
     sums = clipper.clipped_sums(loss_in, factors, keep=keep)  # releases what it kept
     if scaling is not None:
         scaling.update(dropped)
+    if dropped:
+        log.info("%d of %d samples of this batch dropped (clip factor 0): non-finite loss or "
+                 "gradient norm", dropped, loss.shape[0])
     if dropped == loss.shape[0] and all_dropped_hint is not None:
         warnings.warn(
             f"every sample of this batch ({dropped}) had a non-finite loss or gradient norm "
             f"and was dropped (clip factor 0): {all_dropped_hint}", RuntimeWarning,
             stacklevel=_user_stacklevel())
-    return ClippedBatch(sums, loss.shape[0], norms.detach(), dropped)
+    return ClippedBatch(sums, loss.shape[0], norms.detach(), dropped, loss.detach())

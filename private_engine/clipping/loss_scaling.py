@@ -20,9 +20,12 @@ scaler.
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 class LossScaling:
@@ -74,4 +77,7 @@ class LossScaling:
             if self._good_batches >= sc.get_growth_interval():
                 self._good_batches = 0
                 factor = sc.get_growth_factor()
+        if factor != 1.0:
+            log.debug("dynamic loss scale × %g (%s)", factor,
+                      "overflow" if dropped else "growth interval reached")
         sc.update(self._scale * factor)

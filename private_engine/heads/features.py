@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 from pathlib import Path
@@ -34,6 +35,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data._utils.collate import default_collate
+
+log = logging.getLogger(__name__)
 
 __all__ = ["FeatureSet", "extract_features", "penultimate_features", "model_fingerprint",
            "saturating_float32"]
@@ -288,6 +291,7 @@ def extract_features(model: Union[nn.Module, str], data: Any, batch_size: int = 
         folder.mkdir(parents=True, exist_ok=True)
         cache_path = folder / "features.pt"
         if cache_path.exists():
+            log.info("features of %s read from the cache %s", name, cache_path)
             saved = torch.load(cache_path, map_location="cpu", weights_only=True)
             return FeatureSet(saved["features"], saved.get("labels"), cache_path)
         parts_dir = folder / "parts"
@@ -349,6 +353,7 @@ def extract_features(model: Union[nn.Module, str], data: Any, batch_size: int = 
                   if all(lb is not None for lb in labs) else None)
     if cache_path is not None:
         _atomic_save({"features": features, "labels": all_labels}, cache_path)
+        log.info("features of %s written to the cache %s", name, cache_path)
         for p in parts_dir.glob("part-*.pt"):
             p.unlink()
     return FeatureSet(features, all_labels, cache_path)

@@ -25,6 +25,7 @@ engine's DP-SGD guarantee (ε₂, δ₂) holds; by basic composition the whole p
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -35,6 +36,8 @@ from torch import nn
 
 from ..randomness import entropy_seeded_generator, seeded_generator
 from ..clipping.plan import DEFAULT_CLIPPING_MODE
+
+log = logging.getLogger(__name__)
 from .base import normalize_rows
 from .features import penultimate_features, saturating_float32
 from .mean_estimator import DPMeanEstimator
@@ -292,6 +295,8 @@ def warmup_finetune(model: nn.Module, X: torch.Tensor, y: torch.Tensor, *, epsil
             if eval_data is not None:
                 record["test_accuracy"] = warmup_accuracy(classifier, *eval_data, batch_size=phys)
             history.append(record)
+            log.info("warm-up epoch %d/%d: %s", epoch, epochs,
+                     ", ".join(f"{k}={v:.4g}" for k, v in record.items() if k != "epoch"))
     finally:
         engine.detach()
     model.eval()

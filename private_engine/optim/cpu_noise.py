@@ -1,115 +1,116 @@
 """Gaussian noise on the CPU, drawn by several threads and reproducible from one generator.
 
-torch's CPU ``normal_`` is single-threaded: its Mersenne Twister (MT19937) hands out one number at a
-time under a lock, about 6 ns per coordinate — ≈ 35 ms for ViT-Tiny's 5.5 M parameters, ≈ 0.5 s for
-ViT-B's 86 M, every step, with the other cores idle. Here a flat tensor is cut into blocks of
-``BLOCK`` coordinates and each block is drawn by its own MT19937 generator, on a pool of
-``torch.get_num_threads()`` threads (``normal_`` releases the GIL).
+torch's CPU ``normal_`` runs on one thread: for ViT-B's 86 M parameters it takes a large share of
+a CPU step while the other cores idle. Here a flat tensor is cut into blocks of ``BLOCK``
+coordinates and each block is drawn by its own numpy ``Generator`` on a pool of
+``torch.get_num_threads()`` threads, with numpy's documented parallel generation ("Parallel
+Random Number Generation" in numpy's manual): one ``numpy.random.SeedSequence`` keyed by
+``KEY_WORDS`` 32-bit words (256 bits) drawn from the caller's generator, ``spawn``-ed into one
+child per block, each child seeding a PCG64 bit generator (O'Neill 2014, "PCG: A Family of Simple
+Fast Space-Efficient Statistically Good Algorithms for Random Number Generation"), and
+``Generator.standard_normal(out=..., dtype=...)`` filling the block in place (numpy releases the
+GIL while it fills). The sequence keeps all 256 bits (``pool_size=8``): the noise is as secret
+as the key, and the key as secret as the generator it is drawn from — the engine's is seeded from
+OS entropy (:func:`private_engine.randomness.entropy_seeded_generator`). Spawned children are
+independent streams by construction (their spawn keys differ), so no two blocks, and no two
+draws (each draws a fresh key), share noise. Every coordinate is N(0, std²) (the Gaussian
+mechanism's noise, Abadi et al. 2016; Bu, Mao & Xu 2022, Alg. 1), independent across
+coordinates, blocks and steps.
 
-Each block's generator gets a full 19,968-bit state: ``SHAKE-256(key)`` expanded to 624 words per
-block, the key (nine 31-bit numbers, 279 bits) drawn from the caller's generator (torch's default
-one when none is given). Not 32-bit seeds: torch's CPU generator keeps only the low 32 bits of
-``manual_seed`` (``manual_seed(s)`` and ``manual_seed(s + 2**32)`` draw the same numbers), so fresh
-seeds at every step would collide by the birthday bound (≈ 5 % over 10⁴ steps of two blocks), and a
-collision adds the same noise to two blocks of coordinates — their difference would be released
-without noise. Two blocks here share noise only if their hashed states meet within the stream's
-length: probability ≈ L / 2^19937. Every coordinate is still N(0, std²) (the Gaussian mechanism's
-noise, Abadi et al. 2016; Bu, Mao & Xu 2022, Alg. 1), independent across coordinates, blocks and
-steps.
-
-The result depends only on the generator's state and the tensor's size, not on the number of threads
-(blocks are fixed; one thread draws them one after another). The states are written into torch's
-``get_state()`` layout (:func:`private_engine.randomness.generator_from_words`, checked once
-against Python's own MT19937); if it ever differs (another torch version) every draw falls back to
-one ``normal_`` of the caller's generator.
+The result depends only on the generator's state and the tensor's size, not on the number of
+threads (blocks are fixed; one thread draws them one after another). float16 and bfloat16 blocks
+are drawn in float32 and rounded once. numpy's ziggurat costs about 2.5× torch's vectorised
+``normal_`` per coordinate, so the threaded draw is the faster one from about four threads on
+(docs/engine.md, "One step, in order"; ``bench/bench_cpu_noise.py``).
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import List, Optional
 
+import numpy as np
 import torch
-
-from ..randomness import MT_N, generator_from_words, is_mt19937, mt19937_template
 
 #: coordinates per block (each block has its own generator); fixed, so the noise does not depend on
 #: threads
 BLOCK = 1 << 20
+#: 32-bit words of key drawn from the caller's generator per draw (256 bits)
+KEY_WORDS = 8
+
+_NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
 
 _lock = threading.Lock()
 _pool: Optional[ThreadPoolExecutor] = None
 _pool_pid = -1
 
 
-#: the domain tag hashed with each key: fixed bytes (not the module's name), so that a seeded
-#: generator draws the same noise whatever the package layout
-_DOMAIN = b"private_engine.cpu_noise"
-
 def fill_normal_(
     t: torch.Tensor, std: float, generator: Optional[torch.Generator] = None
 ) -> torch.Tensor:
     """``t ← std·ξ`` in place, ξ ~ N(0, I) (see the module docstring for how the draw is split).
 
-    A CUDA tensor, a tensor smaller than two blocks, a non-contiguous one, a generator that is not
-    torch's CPU MT19937 (its state is not the layout checked here), or an unknown layout: one
-    ``normal_`` call.
+    A CUDA tensor, a tensor smaller than two blocks, a non-contiguous one or a generator that is
+    not on the CPU: one ``normal_`` call of ``generator`` (torch's default one if None).
     """
+    parent = torch.default_generator if generator is None else generator
     if (
         t.device.type != "cpu"
         or t.numel() < 2 * BLOCK
         or not t.is_contiguous()
         or not t.is_floating_point()
+        or parent.device.type != "cpu"
     ):
         return t.normal_(0.0, std, generator=generator)
-    parent = torch.default_generator if generator is None else generator
-    template = mt19937_template()
-    if template is None or not is_mt19937(parent):
-        return t.normal_(0.0, std, generator=generator)
-    blocks = t.view(-1).split(BLOCK)
-    gens = block_generators(parent, len(blocks), template)
+    blocks = t.detach().view(-1).split(BLOCK)
+    gens = block_generators(parent, len(blocks))
+
+    def draw(job) -> None:
+        block, gen = job
+        _standard_normal_(block, gen)
+        block.mul_(std)
+
     jobs = list(zip(blocks, gens))
     workers = min(torch.get_num_threads(), len(jobs))
     if workers < 2:
-        for block, g in jobs:
-            block.normal_(0.0, std, generator=g)
+        for job in jobs:
+            draw(job)
     else:
-        list(
-            _thread_pool(workers).map(lambda job: job[0].normal_(0.0, std, generator=job[1]), jobs)
-        )
+        list(_thread_pool(workers).map(draw, jobs))
     return t
 
 
-def block_generators(
-    parent: torch.Generator, n: int, template: Optional[torch.Tensor] = None
-) -> List[torch.Generator]:
-    """``n`` CPU generators with full MT19937 states ``SHAKE-256(key)``, ``key`` = nine 31-bit
-    numbers (279 bits) drawn from ``parent`` (which advances). Raises if the state layout is not the
-    checked one (see :func:`parallel_draw_available`)."""
-    template = mt19937_template() if template is None else template
-    if template is None:
-        raise RuntimeError(
-            "this torch's CPU generator state layout is not the one "
-            "private_engine.optim.cpu_noise checks."
-        )
-    key = torch.randint(
-        0, 1 << 31, (9,), generator=parent, dtype=torch.int64, device="cpu"
-    ).tolist()
-    stream = hashlib.shake_256(
-        _DOMAIN + b"".join(v.to_bytes(4, "little") for v in key)
-    )
-    words = torch.frombuffer(bytearray(stream.digest(4 * MT_N * n)), dtype=torch.int32).view(
-        n, MT_N
-    )
-    return [generator_from_words(template, w.to(torch.int64) & 0xFFFFFFFF) for w in words]
+def block_generators(parent: torch.Generator, n: int) -> List[np.random.Generator]:
+    """``n`` independent numpy generators keyed by :func:`draw_key` of ``parent`` (a CPU
+    ``torch.Generator``, which advances): :func:`spawned_generators` of the key."""
+    return spawned_generators(draw_key(parent), n)
 
 
-def parallel_draw_available() -> bool:
-    """Whether this torch's CPU generator state has the layout :func:`block_generators` writes
-    (checked once)."""
-    return mt19937_template() is not None
+def draw_key(parent: torch.Generator) -> int:
+    """A key of ``32·KEY_WORDS`` = 256 bits: ``KEY_WORDS`` uniform 32-bit words drawn from
+    ``parent``, ``Σ_i w_i·2^(32 i)``."""
+    words = torch.randint(0, 1 << 32, (KEY_WORDS,), generator=parent, dtype=torch.int64,
+                          device="cpu").tolist()
+    return sum(w << (32 * i) for i, w in enumerate(words))
+
+
+def spawned_generators(key: int, n: int) -> List[np.random.Generator]:
+    """``[Generator(PCG64(c)) for c in SeedSequence(key, pool_size=KEY_WORDS).spawn(n)]``: the
+    sequence's entropy pool holds all ``32·KEY_WORDS`` bits of ``key`` (numpy's default pool keeps
+    128), and each child's spawn key differs, so the ``n`` streams are independent."""
+    root = np.random.SeedSequence(key, pool_size=KEY_WORDS)
+    return [np.random.Generator(np.random.PCG64(child)) for child in root.spawn(n)]
+
+
+def _standard_normal_(block: torch.Tensor, gen: np.random.Generator) -> None:
+    """``block ← ξ``, ξ ~ N(0, I), from ``gen``: in place for float32/float64 (numpy writes the
+    tensor's memory), else drawn in float32 and rounded into ``block``'s dtype."""
+    dtype = _NUMPY_DTYPES.get(block.dtype)
+    if dtype is not None:
+        gen.standard_normal(out=block.numpy(), dtype=dtype)
+    else:
+        block.copy_(torch.from_numpy(gen.standard_normal(block.numel(), dtype=np.float32)))
 
 
 def _reset_after_fork() -> None:

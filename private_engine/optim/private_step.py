@@ -28,6 +28,7 @@ from torch import nn
 from ..clipping.batch import ClippedBatch
 from ..clipping.grad_sums import GradSums
 from ..layers.base import cast
+from ..step_metrics import BatchRecord
 from .distributed import DataParallel
 from .noise import add_gaussian_noise
 
@@ -87,6 +88,9 @@ class PrivateStep:
             (:class:`.sharded.ShardedDataParallel`, ``params`` its ``DTensor`` shards), each rank
             noises the rows it owns. None: one process.
         post_step: called after a step succeeded and was accounted (the replica check).
+        on_step: called after ``step_hook`` with the :class:`~private_engine.step_metrics.
+            BatchRecord` of each physical batch of the logical batch just released (the step's
+            metrics).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter],
@@ -96,7 +100,8 @@ class PrivateStep:
                  pre_step: Optional[Callable[[], None]] = None,
                  pre_release: Optional[Callable[[int], None]] = None,
                  reducer: Optional[DataParallel] = None,
-                 post_step: Optional[Callable[[], None]] = None):
+                 post_step: Optional[Callable[[], None]] = None,
+                 on_step: Optional[Callable[[List[BatchRecord]], None]] = None):
         self.optimizer = optimizer
         self.params = list(params)
         self._param_ids = frozenset(id(p) for p in self.params)
@@ -109,9 +114,12 @@ class PrivateStep:
         self.pre_release = pre_release
         self.reducer = reducer
         self.post_step = post_step
+        self.on_step = on_step
         self.original_step = optimizer.step
         self.grad_sums: Optional[GradSums] = None
         self.samples = 0
+        #: the physical batches of the logical batch being accumulated
+        self.records: List[BatchRecord] = []
         self.attached = True
 
     # -- stages ------------------------------------------------------------------------------
@@ -128,6 +136,7 @@ class PrivateStep:
         else:
             self.grad_sums.add_(batch.sums)
         self.samples += batch.size
+        self.records.append(_record(batch))
 
     def add_noise(self, sums: GradSums) -> None:
         """``sums ← sums + σR·ξ``, ξ ~ N(0, I) over every coordinate, drawn once per logical
@@ -162,9 +171,10 @@ class PrivateStep:
         grads = sums.own_grads(float(self.noise.expected_batch_size))
         return [cast(g, p.dtype) for p, g in zip(self.params, grads)]
 
-    def noisy_gradients(self, loss) -> Tuple[List[torch.Tensor], int]:
+    def noisy_gradients(self, loss) -> Tuple[List[torch.Tensor], int, BatchRecord]:
         """``((Σ_{logical batch} C_i g_i + σR·ξ) / B_expected per parameter, samples)``, with this
-        physical batch's clipped sum included and ``samples`` the logical batch's count. Built in
+        physical batch's clipped sum included, ``samples`` the logical batch's count, and this
+        batch's :class:`~private_engine.step_metrics.BatchRecord`. Built in
         place in this batch's fresh sums, so the running sums and the state stay untouched until
         the step succeeds; ``pre_release`` sees the count before the noise is drawn.
         Data-parallel: :meth:`_distributed_noisy_gradients`."""
@@ -178,9 +188,10 @@ class PrivateStep:
         if self.grad_sums is not None:
             sums.add_(self.grad_sums)
         self.add_noise(sums)
-        return self.scale_grad(sums), samples
+        return self.scale_grad(sums), samples, _record(batch)
 
-    def _distributed_noisy_gradients(self, loss) -> Tuple[List[torch.Tensor], int]:
+    def _distributed_noisy_gradients(self, loss
+                                     ) -> Tuple[List[torch.Tensor], int, BatchRecord]:
         """:meth:`noisy_gradients` over the ranks: clip the local batch, add the local running
         sums, exchange the counts (the global count ``Σ_r samples_r`` goes to ``pre_release``;
         a rank whose clipping raised makes every rank raise), then :meth:`reduce_sums` and the
@@ -207,8 +218,9 @@ class PrivateStep:
             std = self.noise.noise_multiplier * self.max_grad_norm()
             grads = self.reducer.release(sums, self.params, std, self.noise.expected_batch_size,
                                          self.noise.generator, self.noise.secure_mode)
-            return grads, counts.samples
-        return self.scale_grad(self.reduce_sums(sums, counts.same_layout)), counts.samples
+            return grads, counts.samples, _record(batch)
+        return (self.scale_grad(self.reduce_sums(sums, counts.same_layout)), counts.samples,
+                _record(batch))
 
     def step(self, loss):
         """Clip ``loss`` (per-sample), add noise once, average, and update the parameters with
@@ -218,7 +230,7 @@ class PrivateStep:
         self.check_params()  # every parameter it updates must be clipped
         if self.pre_step is not None:
             self.pre_step()
-        noisy, samples = self.noisy_gradients(loss)  # state untouched on error
+        noisy, samples, last = self.noisy_gradients(loss)  # state untouched on error
         # a frozen parameter gets no gradient (a stale .grad would move it again)
         released = [(p, g if p.requires_grad else None) for p, g in zip(self.params, noisy)]
         saved = [p.grad for p in self.params]
@@ -230,16 +242,25 @@ class PrivateStep:
             for p, g in zip(self.params, saved):
                 p.grad = g
             raise
+        records = self.records + [last]
         self.reset()  # the accumulation is spent, whatever the hooks do
         if self.step_hook is not None:
             self.step_hook(samples)
         if self.post_step is not None:
             self.post_step()
+        if self.on_step is not None:
+            self.on_step(records)
         return result
 
     def reset(self) -> None:
         self.grad_sums = None
         self.samples = 0
+        self.records = []
+
+
+def _record(batch: ClippedBatch) -> BatchRecord:
+    """What the step's metrics keep of a clipped physical batch (no gradient sums)."""
+    return BatchRecord(batch.norms, batch.loss, batch.dropped, batch.size)
 
 
 def attach(state: PrivateStep) -> PrivateStep:

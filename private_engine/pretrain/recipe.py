@@ -24,6 +24,7 @@ A seed given for either step makes it reproducible, with a ``ReproducibleRandomn
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Tuple
@@ -34,6 +35,8 @@ from torch.utils.data import DataLoader, Dataset
 from ..randomness import secret_generator
 from .mae import MaskedAutoencoder
 from .masks import KeyedMasks
+
+log = logging.getLogger(__name__)
 
 __all__ = ["SyntheticConfig", "DPMAEConfig", "DPMAEResult", "pretrain_synthetic",
            "dp_mae_train", "dp_maes"]
@@ -86,8 +89,8 @@ def _images(batch):
     return batch[0] if isinstance(batch, (list, tuple)) else batch
 
 
-def _log(progress: bool):
-    return print if progress else (lambda *a, **k: None)
+def _quiet(*args, **kwargs) -> None:
+    """What a rank other than 0 reports: nothing (rank 0 reports for the run)."""
 
 
 def pretrain_synthetic(model: MaskedAutoencoder, data: Dataset,
@@ -98,7 +101,7 @@ def pretrain_synthetic(model: MaskedAutoencoder, data: Dataset,
     """Step 1: non-private AdamW on ``(1/|b|) Σ_{j∈b} ℓ(s_j; θ)`` over shuffled mini-batches of
     ``data`` (items ``x`` or ``(x, …)``), with masks ``argsort(u_j)``, ``u_j ~ U(0, 1)^L`` i.i.d.
     Returns the mean training loss of each epoch; ``evaluate()`` (if given) is called before the
-    first and after every epoch and its values printed.
+    first and after every epoch and its values logged (``logging``, INFO, this module's logger).
 
     The order and the masks draw from one generator: ``seed`` None (default) a secret one
     (:func:`private_engine.randomness.secret_generator`); an int or a generator makes the step
@@ -112,7 +115,7 @@ def pretrain_synthetic(model: MaskedAutoencoder, data: Dataset,
     rng = secret_generator(seed, "cpu", "the order and masks of synthetic pre-training")
     loader = DataLoader(data, batch_size=config.batch_size, shuffle=True, generator=rng,
                         drop_last=len(data) > config.batch_size)
-    say = _log(progress)
+    say = log.info
     if evaluate is not None:
         say(f"synthetic pre-training: test loss before {evaluate():.4f}")
     history = []
@@ -142,7 +145,8 @@ def dp_mae_train(model: MaskedAutoencoder, data: Dataset, config: DPMAEConfig = 
                  *, device: Optional[torch.device] = None, checkpoint: Optional[str] = None,
                  resume: bool = False, distributed: Optional[bool] = None, mask_seed: Any = None,
                  progress: bool = True, evaluate: Optional[Callable[[], float]] = None,
-                 loader_generator: Optional[torch.Generator] = None) -> DPMAEResult:
+                 loader_generator: Optional[torch.Generator] = None,
+                 step_logger: Any = None) -> DPMAEResult:
     """Step 2: (ε, δ)-DP MAE training of ``model`` on the private ``data`` (items ``x`` or
     ``(x, …)``; labels are never read) with DP-AdamW (see the module docstring).
 
@@ -162,7 +166,10 @@ def dp_mae_train(model: MaskedAutoencoder, data: Dataset, config: DPMAEConfig = 
     (an int or a generator: reproducible masks, with a ``ReproducibleRandomnessWarning``); under
     ``torch.distributed`` every rank takes rank 0's key, so that a sample's mask does not depend
     on its rank; it is saved in the checkpoint and a resumed run keeps it.
-    ``evaluate()`` (if given) is called before and after every epoch on rank 0.
+    ``evaluate()`` (if given) is called before and after every epoch on rank 0. The run's
+    summary and each epoch's ε are logged (``logging``, INFO); ``step_logger`` (a TensorBoard
+    ``SummaryWriter`` or a callable) gets every step's metrics
+    (:meth:`private_engine.PrivacyEngine.add_step_logger`).
     """
     from tqdm.auto import tqdm
 
@@ -183,7 +190,8 @@ def dp_mae_train(model: MaskedAutoencoder, data: Dataset, config: DPMAEConfig = 
                            steps=steps, max_grad_norm=config.max_grad_norm,
                            target_epsilon=config.epsilon, target_delta=config.delta,
                            clipping_mode=config.clipping_mode, clipping_fn=config.clipping_fn,
-                           accountant=config.accountant, distributed=distributed)
+                           accountant=config.accountant, distributed=distributed,
+                           step_logger=step_logger)
     opt = DPAdamW(model.parameters(), lr=config.lr, betas=config.betas,
                   weight_decay=config.weight_decay, privacy_engine=engine)
     masks = KeyedMasks(model.num_patches, seed=mask_seed)
@@ -198,7 +206,7 @@ def dp_mae_train(model: MaskedAutoencoder, data: Dataset, config: DPMAEConfig = 
         result.evaluations = list(extra["evaluations"])
         if "mask_key" in extra:
             masks.load_state_dict({"key": extra["mask_key"]})
-    say = _log(progress and rank == 0)
+    say = log.info if rank == 0 else _quiet
     say(f"DP-MAE: n={len(data)}, B={config.batch_size} (physical "
         f"{config.physical_batch_size}), {steps} steps, σ={engine.noise_multiplier:.4f}, "
         f"C={config.max_grad_norm}, ε={config.epsilon}, δ={engine.target_delta:.3g}, "

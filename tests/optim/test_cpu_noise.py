@@ -1,11 +1,13 @@
 """private_engine.optim.cpu_noise: the CPU noise drawn block by block by several threads, each block
-with a full-state MT19937 generator keyed from the caller's generator. Every coordinate must be
-N(0, std²), independent of every other (no block reused within or across draws), reproducible from
-the generator whatever the thread count."""
+by its own numpy generator spawned from one SeedSequence keyed by 256 bits of the caller's
+generator. Every coordinate must be N(0, std²), independent of every other (no block reused within
+or across draws), reproducible from the generator whatever the thread count, and as secret as the
+generator (all 256 bits of the key count)."""
 import math
 import multiprocessing
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -35,25 +37,52 @@ def _check_standard_normal(z: torch.Tensor):
                (cdf - (k - 1 / n)).abs().max().item()) < 1.95 / math.sqrt(n)
 
 
-def test_this_torch_has_the_checked_state_layout():
-    """If torch changed its generator state layout the draw would silently go serial: fail loudly
-    here instead."""
-    assert cpu_noise.parallel_draw_available()
+def test_the_draw_is_numpy_spawned_streams_keyed_by_the_generator(small_blocks):
+    """Block k of the draw is ``standard_normal`` of the k-th child of
+    ``SeedSequence(key, pool_size=8).spawn(n)``, the key 256 bits from the caller's generator:
+    numpy's documented parallel generation, no state written into a torch generator."""
+    n = 3 * small_blocks + 17
+    t = cpu_noise.fill_normal_(torch.empty(n, dtype=torch.float64), 2.0,
+                               torch.Generator().manual_seed(5))
+    parent = torch.Generator().manual_seed(5)
+    words = torch.randint(0, 1 << 32, (8,), generator=parent, dtype=torch.int64).tolist()
+    key = sum(w << (32 * i) for i, w in enumerate(words))
+    children = np.random.SeedSequence(key, pool_size=8).spawn(4)
+    expected = np.concatenate([
+        np.random.Generator(np.random.PCG64(c)).standard_normal(m)
+        for c, m in zip(children, [small_blocks] * 3 + [17])])
+    assert torch.equal(t, torch.from_numpy(2.0 * expected))
 
 
-def test_block_generators_have_distinct_full_states():
+def test_the_key_has_256_bits_and_every_bit_counts():
+    """A key is 256 uniform bits (not a 32- or 64-bit seed), the sequence's pool keeps them all,
+    and keys that differ in one bit, low or high, draw unrelated streams."""
     parent = torch.Generator().manual_seed(0)
-    gens = cpu_noise.block_generators(parent, 4) + cpu_noise.block_generators(parent, 4)
-    states = [g.get_state()[24:24 + 8 * 624] for g in gens]
-    # another key at each call: no state reused
-    assert len({bytes(s.tolist()) for s in states}) == 8
-    words = torch.stack([s.view(torch.int64) for s in states])
-    assert words.min() >= 0 and words.max() < 2 ** 32
-    # all 32 bits used
-    assert (words >= 2 ** 31).double().mean().item() == pytest.approx(0.5, abs=0.02)
-    again = cpu_noise.block_generators(torch.Generator().manual_seed(0), 4)
-    # from the parent alone
-    assert all(torch.equal(a.get_state(), b.get_state()) for a, b in zip(again, gens))
+    keys = [cpu_noise.draw_key(parent) for _ in range(64)]
+    assert len(set(keys)) == 64 and all(0 <= k < 2 ** 256 for k in keys)
+    bits = torch.tensor([[(k >> b) & 1 for b in range(256)] for k in keys], dtype=torch.float64)
+    assert bits.mean().item() == pytest.approx(0.5, abs=0.02)
+    assert bits[:, 224:].sum(0).min().item() > 0  # the top word is drawn, not zero
+    root = np.random.SeedSequence(keys[0], pool_size=cpu_noise.KEY_WORDS)
+    assert root.pool_size * 32 >= 256
+    base = cpu_noise.spawned_generators(keys[0], 2)[1].standard_normal(1000)
+    for bit in (0, 31, 128, 255):
+        other = cpu_noise.spawned_generators(keys[0] ^ (1 << bit), 2)[1].standard_normal(1000)
+        assert np.corrcoef(base, other)[0, 1] < 0.2 and not np.isin(base, other).any()
+    # two blocks of one draw: independent streams
+    a, b = (g.standard_normal(1000) for g in cpu_noise.spawned_generators(keys[0], 2))
+    assert abs(np.corrcoef(a, b)[0, 1]) < 5 / math.sqrt(1000) and not np.isin(a, b).any()
+
+
+def test_the_engine_noise_is_not_reproducible_from_torch_seed(small_blocks):
+    """The engine's default generator has a state from OS entropy: the CPU noise drawn from it
+    after the same public ``torch.manual_seed`` differs, and the key's words are uniform."""
+    draws = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        generator = pe_optim.noise.engine_noise_generator(torch.nn.Linear(2, 2), None, False)
+        draws.append(cpu_noise.fill_normal_(torch.empty(3 * small_blocks), 1.0, generator))
+    assert not torch.isin(draws[0], draws[1]).any()
 
 
 def test_blocks_are_normal_and_independent(small_blocks):
@@ -108,9 +137,8 @@ def test_other_dtypes(small_blocks, dtype):
     _check_standard_normal(t.double() / 3.0)
 
 
-def test_serial_draw_where_blocks_do_not_apply(small_blocks, monkeypatch):
-    """Small or strided tensors, and an unknown state layout: one normal_ of the caller's generator,
-    as before."""
+def test_serial_draw_where_blocks_do_not_apply(small_blocks):
+    """Small or strided tensors: one normal_ of the caller's generator."""
     def serial(t, seed, std=1.5):
         return t.normal_(0.0, std, generator=torch.Generator().manual_seed(seed))
 
@@ -123,12 +151,6 @@ def test_serial_draw_where_blocks_do_not_apply(small_blocks, monkeypatch):
     assert not strided().is_contiguous()
     assert torch.equal(cpu_noise.fill_normal_(strided(), 1.5, torch.Generator().manual_seed(3)),
                        serial(strided(), 3))
-    monkeypatch.setattr(cpu_noise, "mt19937_template", lambda: None)
-    big = torch.empty(5 * small_blocks)
-    assert torch.equal(cpu_noise.fill_normal_(big.clone(), 1.5, torch.Generator().manual_seed(3)),
-                       serial(big, 3))
-    with pytest.raises(RuntimeError, match="layout"):
-        cpu_noise.block_generators(torch.Generator(), 2)
 
 
 def test_a_changed_layout_is_refused(monkeypatch):
@@ -182,9 +204,10 @@ def test_a_forked_child_draws_with_its_own_threads(small_blocks):
 
 
 def test_seeded_draw_is_stable_across_releases():
-    """A seeded generator draws the same noise in every version of the package (reproducible runs
-    and resumed checkpoints): the per-block keys hash a fixed domain tag, not a module name."""
+    """A seeded generator draws the same noise from one release to the next with the same numpy
+    (reproducible runs and resumed checkpoints): the blocks' streams depend only on the key drawn
+    from the generator and on numpy's SeedSequence, PCG64 and ``standard_normal``."""
     t = torch.zeros(3 * cpu_noise.BLOCK)
     cpu_noise.fill_normal_(t, 1.0, torch.Generator().manual_seed(7))
     second_block = [float(v) for v in t[cpu_noise.BLOCK:cpu_noise.BLOCK + 3]]
-    assert second_block == [1.2755190134048462, 0.9451397657394409, -0.2275429368019104]
+    assert second_block == [1.0687363147735596, -1.0414702892303467, 2.004035472869873]
