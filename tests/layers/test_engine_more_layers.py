@@ -1,0 +1,149 @@
+"""nn.RMSNorm and timm's RmsNorm, nn.PReLU, nn.InstanceNorm1d/2d/3d(affine=True) and
+nn.ConvTranspose1d/2d/3d (stride, padding, output_padding, dilation, groups, bias): every mode ×
+every clip function against the float64 sample-by-sample reference."""
+import pytest
+import torch
+from torch import nn
+
+from engine_checks import CLIPS, MODES, check_against_reference, gen_for, rng_for, target_like
+from engine_checks import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
+
+SEEDS = range(2)
+CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
+CONV_T = {1: nn.ConvTranspose1d, 2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}
+INSTANCE = {1: nn.InstanceNorm1d, 2: nn.InstanceNorm2d, 3: nn.InstanceNorm3d}
+
+
+def _randomize(module: nn.Module, seed: int) -> None:
+    """Parameters away from their initial values (1, 0, 0.25), so that mistakes show."""
+    gen = gen_for(seed + 100)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype))
+
+
+def _batch(model: nn.Module, shape, seed: int):
+    model = model.double()
+    gen = gen_for(seed)
+    x = torch.randn(*shape, generator=gen, dtype=torch.float64) * 2 + 0.5
+    return model, [x, target_like(model, x, gen)]
+
+
+def rmsnorm_case(seed: int, norm_cls=nn.RMSNorm):
+    rng = rng_for("rmsnorm", seed, norm_cls.__name__)
+    B, T, d = rng.randint(3, 5), rng.randint(1, 3), rng.randint(2, 5)
+    torch.manual_seed(seed)
+    if norm_cls is nn.RMSNorm:  # eps None: the input dtype's epsilon; a 2-d normalized_shape
+        norm = nn.RMSNorm((T, d) if seed % 2 else d, eps=None if seed % 2 else 1e-3)
+    else:
+        norm = norm_cls(d)
+    _randomize(norm, seed)
+    d0 = rng.randint(1, 4)
+    return _batch(nn.Sequential(nn.Linear(d0, d), norm), (B, T, d0), seed)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("mode", MODES)
+def test_rmsnorm_matches_reference(mode, seed):
+    for clip in CLIPS:
+        check_against_reference(*rmsnorm_case(seed), mode=mode, clip=clip)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_timm_rmsnorm_matches_reference(mode):
+    timm_layers = pytest.importorskip("timm.layers")
+    for seed, clip in zip(SEEDS, CLIPS):
+        model, inputs = rmsnorm_case(seed, timm_layers.RmsNorm)
+        assert type(model[-1]) is timm_layers.RmsNorm
+        check_against_reference(model, inputs, mode=mode, clip=clip)
+
+
+def prelu_case(seed: int, shared: bool):
+    rng = rng_for("prelu", seed, shared)
+    B, C = rng.randint(3, 5), rng.randint(2, 4)
+    nd = rng.randint(0, 2)  # spatial dims after (B, C)
+    spatial = [rng.randint(2, 3) for _ in range(nd)]
+    torch.manual_seed(seed)
+    act = nn.PReLU(1 if shared else C)
+    _randomize(act, seed)
+    c0 = rng.randint(1, 3)
+    pre = nn.Linear(c0, C) if nd == 0 else CONV[nd](c0, C, 1)
+    return _batch(nn.Sequential(pre, act, nn.Tanh()), (B, c0, *spatial), seed)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("shared", [True, False], ids=["one_slope", "per_channel"])
+def test_prelu_matches_reference(shared, mode, seed):
+    for clip in CLIPS:
+        check_against_reference(*prelu_case(seed, shared), mode=mode, clip=clip)
+
+
+def instancenorm_case(nd: int, seed: int):
+    rng = rng_for("instancenorm", nd, seed)
+    B, C = rng.randint(3, 4), rng.randint(1, 3)
+    spatial = [rng.randint(2, 4 if nd < 3 else 2) for _ in range(nd)]
+    torch.manual_seed(seed)
+    norm = INSTANCE[nd](C, affine=True)
+    _randomize(norm, seed)
+    if seed % 2:  # a trainable conv before it (no bias: the norm removes it)
+        c0 = rng.randint(1, 3)
+        return _batch(nn.Sequential(CONV[nd](c0, C, 1, bias=False), norm), (B, c0, *spatial), seed)
+    return _batch(nn.Sequential(norm), (B, C, *spatial), seed)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("nd", [1, 2, 3])
+def test_instancenorm_matches_reference(nd, mode, seed):
+    for clip in CLIPS:
+        check_against_reference(*instancenorm_case(nd, seed), mode=mode, clip=clip)
+
+
+def conv_transpose_case(nd: int, seed: int):
+    rng = rng_for("conv_transpose", nd, seed)
+    B = rng.randint(2, 4)
+    groups = rng.randint(1, 2)
+    cin, cout = groups * rng.randint(1, 2), groups * rng.randint(1, 2)
+    small = nd == 3
+    kernel = tuple(rng.randint(1, 2 if small else 3) for _ in range(nd))
+    stride = tuple(rng.randint(1, 3) for _ in range(nd))
+    dilation = tuple(rng.randint(1, 2) for _ in range(nd))
+    padding = tuple(rng.randint(0, 1) for _ in range(nd))
+    # output_padding must be smaller than the stride or the dilation
+    output_padding = tuple(rng.randint(0, max(s, d) - 1) for s, d in zip(stride, dilation))
+    bias = rng.random() < 0.7
+    sizes = [rng.randint(2, 3 if small else 4) for _ in range(nd)]
+    torch.manual_seed(seed)
+    layer = CONV_T[nd](cin, cout, kernel, stride=stride, padding=padding,
+                       output_padding=output_padding, groups=groups, bias=bias, dilation=dilation)
+    if seed % 2:  # a trainable 1×1 conv and tanh before it: its input requires grad
+        c0 = rng.randint(1, 3)
+        return _batch(nn.Sequential(CONV[nd](c0, cin, 1), nn.Tanh(), layer), (B, c0, *sizes), seed)
+    return _batch(nn.Sequential(layer), (B, cin, *sizes), seed)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("nd", [1, 2, 3])
+def test_conv_transpose_matches_reference(nd, mode, seed):
+    for clip in CLIPS:
+        check_against_reference(*conv_transpose_case(nd, seed), mode=mode, clip=clip)
+
+
+class TwiceTransposed(nn.Module):
+    """One ConvTranspose2d applied twice (the per-sample gradient is the sum of both calls')."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.ConvTranspose2d(2, 2, 3, stride=2, padding=1, output_padding=1)
+
+    def forward(self, x):
+        return self.up(torch.tanh(self.up(x)))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_conv_transpose_called_twice(mode):
+    torch.manual_seed(0)
+    model, inputs = _batch(TwiceTransposed(), (3, 2, 3, 3), 0)
+    check_against_reference(model, inputs, mode=mode, clip="abadi")
