@@ -4,7 +4,8 @@ from . import (activation, conv, conv_transpose, embedding, linear, normalizatio
                sequence_bias)
 from .base import LayerDims, LayerRule
 from .conv import unfold_conv_input
+from .recurrent import check_no_recurrent, fix_recurrent
 from .registry import REGISTRY, find_rule, register_fallback, register_rule, unregister
 
 __all__ = ["LayerDims", "LayerRule", "REGISTRY", "find_rule", "register_rule", "register_fallback",
-           "unregister", "unfold_conv_input"]
+           "unregister", "unfold_conv_input", "check_no_recurrent", "fix_recurrent"]
