@@ -1,5 +1,6 @@
 """Rules for the affine parameters of ``nn.LayerNorm``, ``nn.GroupNorm``, ``nn.RMSNorm`` (and
-timm's ``RmsNorm``) and ``nn.InstanceNorm1d/2d/3d(affine=True)``.
+timm's ``RmsNorm``, transformers' Llama-family RMSNorms) and
+``nn.InstanceNorm1d/2d/3d(affine=True)``.
 
 With the normalised input x̂ (recomputed from the recorded input, in ≥ float32) and output
 gradient g, the per-sample gradients are ``∂L_i/∂γ = Σ_positions g ⊙ x̂`` and
@@ -148,6 +149,46 @@ class RMSNormRule(LayerNormRule):
         return F.rms_norm(x, module.normalized_shape, unit_weight(module.normalized_shape, x), eps)
 
 
+class HFRMSNormRule(LayerNormRule):
+    """The RMSNorm of Hugging Face transformers' Llama family (``LlamaRMSNorm`` and its copies in
+    Mistral, Qwen2/3, Phi-3, …): ``y = γ ⊙ cast_in(x̂)`` with ``x̂ = x₃₂ / √(mean(x₃₂²) + ε)``
+    computed in float32 (``x₃₂`` the input in float32, ``cast_in`` back to the input's dtype), ε
+    = ``variance_epsilon``. Per-sample ``∂L_i/∂γ = Σ_positions g ⊙ cast_in(x̂)``, x̂ recomputed
+    by the same operations."""
+
+    module_types = ()
+    param_names = ("weight",)
+
+    def _normalized(self, module, a):
+        d = module.weight.shape[-1]
+        if a.shape[-1] != d:
+            raise ValueError(f"{type(module).__name__}: input shape {tuple(a.shape)} does not end "
+                             f"with the weight's size {d}.")
+        x = a.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)
+        return cast(x.to(a.dtype), accumulation_dtype(a))
+
+    def dims(self, module, activation, output):
+        p = module.weight.shape[-1]
+        T = output.numel() // (output.shape[0] * p) if output.shape[0] else 1
+        return LayerDims(T=T, D=1, p=p, ghost_capable=False)
+
+    def _grads_one_call(self, module, a, g):
+        if not trainable(module, "weight"):
+            return {}
+        B, d = g.shape[0], module.weight.shape[-1]
+        G = cast(g, accumulation_dtype(g)).reshape(B, -1, d)
+        return {"weight": (G * self._normalized(module, a).reshape(B, -1, d)).sum(1)}
+
+
+#: transformers' RMSNorm classes whose forward is ``LlamaRMSNorm.forward`` (checked in the tests)
+HF_RMSNORMS = tuple(
+    f"transformers.models.{m}.modeling_{m}.{c}RMSNorm" for m, c in (
+        ("llama", "Llama"), ("mistral", "Mistral"), ("mixtral", "Mixtral"), ("qwen2", "Qwen2"),
+        ("qwen2_moe", "Qwen2Moe"), ("qwen3", "Qwen3"), ("qwen3_moe", "Qwen3Moe"),
+        ("phi3", "Phi3"), ("granite", "Granite"), ("smollm3", "SmolLM3")))
+
+
 class InstanceNormRule(GroupNormRule):
     """``nn.InstanceNorm1d/2d/3d(affine=True)``: GroupNorm with one channel per group, i.e.
     ``x̂_{c} = (x_c − mean(x_c)) / √(var(x_c) + ε)`` over each sample's channel c (all positions);
@@ -184,4 +225,5 @@ register_rule(LayerNormRule())
 register_rule(GroupNormRule())
 register_rule(RMSNormRule())
 register_named_rule(RMSNormRule(), "timm.layers.norm.RmsNorm")
+register_named_rule(HFRMSNormRule(), *HF_RMSNORMS)
 register_rule(InstanceNormRule())

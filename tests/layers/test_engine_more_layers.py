@@ -202,3 +202,35 @@ def test_spectral_norm_stays_refused():
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
         engine.attach(opt)
         opt.step(loss=model(torch.randn(3, 3)).pow(2).sum(1))
+
+
+# -- transformers' Llama-family RMSNorm (x̂ computed in float32, cast back to the input dtype) ---
+def test_transformers_rmsnorm_classes_share_llamas_forward():
+    """Each class the rule is registered for computes what LlamaRMSNorm computes."""
+    import importlib
+    import inspect
+
+    pytest.importorskip("transformers")
+    from private_engine.layers.normalization import HF_RMSNORMS
+
+    llama = importlib.import_module("transformers.models.llama.modeling_llama").LlamaRMSNorm
+    for name in HF_RMSNORMS:
+        module_name, cls_name = name.rsplit(".", 1)
+        cls = getattr(importlib.import_module(module_name), cls_name)
+        assert f"{cls.__module__}.{cls.__qualname__}" == name
+        assert inspect.getsource(cls.forward) == inspect.getsource(llama.forward), name
+        norm = cls(5, eps=1e-5)
+        assert norm.weight.shape == (5,) and norm.variance_epsilon == 1e-5
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_transformers_rmsnorm_matches_reference(mode):
+    modeling = pytest.importorskip("transformers.models.qwen2.modeling_qwen2")
+    for seed, clip in zip(SEEDS, CLIPS):
+        rng = rng_for("hf_rmsnorm", seed)
+        B, T, d = rng.randint(3, 5), rng.randint(1, 3), rng.randint(2, 5)
+        torch.manual_seed(seed)
+        norm = modeling.Qwen2RMSNorm(d, eps=1e-3)
+        _randomize(norm, seed)
+        model, inputs = _batch(nn.Sequential(nn.Linear(2, d), norm), (B, T, 2), seed)
+        check_against_reference(model, inputs, mode=mode, clip=clip)
