@@ -25,7 +25,7 @@ class PReLURule(LayerRule):
 
     def _channels(self, module, a: torch.Tensor) -> int:
         n = module.num_parameters
-        if a.dim() < 2 or (n > 1 and a.shape[1] != n):
+        if a.dim() < 1 or (n > 1 and (a.dim() < 2 or a.shape[1] != n)):
             raise ValueError(
                 f"{type(module).__name__}(num_parameters={n}) expects a batched input (B, C, *) "
                 f"with C = {n}; got shape {tuple(a.shape)}. Unbatched inputs cannot be clipped "

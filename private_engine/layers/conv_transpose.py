@@ -1,5 +1,5 @@
-"""Rule for ``nn.ConvTranspose1d/2d/3d``: stride, padding, output_padding, dilation, groups and
-bias.
+"""Rule for ``nn.ConvTranspose1d/2d/3d``: stride, padding, output_padding (also chosen per call
+by ``output_size``), dilation, groups and bias.
 
 A transposed convolution is the adjoint of a convolution in its input:
 ``⟨conv_transpose(x, W), g⟩ = ⟨x, conv(g, W)⟩``, with ``W: (C_in, C_out/groups, *k)``. Its
@@ -55,6 +55,7 @@ class ConvTransposeRule(LayerRule):
                         f"{type(module).__name__} expects batched input (B, C, *spatial); got "
                         f"shape {tuple(a.shape)}. Unbatched inputs cannot be clipped per sample: "
                         "add a batch dimension.")
+                output_padding = self._output_padding(module, a, g)
                 dt = accumulation_dtype(g)
                 x = cast(a, dt).reshape(1, -1, *a.shape[2:])
                 gy = cast(g, dt).reshape(1, -1, *g.shape[2:])
@@ -62,12 +63,28 @@ class ConvTransposeRule(LayerRule):
                 weight = x.new_empty(1).expand(shape)
                 w = torch.ops.aten.convolution_backward(
                     gy, x, weight, None, module.stride, module.padding, module.dilation, True,
-                    module.output_padding, B * module.groups, (False, True, False))[1]
+                    output_padding, B * module.groups, (False, True, False))[1]
                 total = w if total is None else total + w
             out["weight"] = total.reshape(B, *module.weight.shape)
         if trainable(module, "bias"):
             out["bias"] = sum(g.flatten(2).sum(2, dtype=accumulation_dtype(g)) for _, g in calls)
         return out
+
+    @staticmethod
+    def _output_padding(module, a: torch.Tensor, g: torch.Tensor):
+        """The call's ``output_padding``, from its shapes: a forward given ``output_size`` chooses
+        it per call, ``L_out − ((L_in − 1)·s − 2p + d·(k − 1) + 1)`` in each spatial dim."""
+        pads = []
+        for i, (k, s, p, d) in enumerate(zip(module.kernel_size, module.stride, module.padding,
+                                             module.dilation)):
+            op = g.shape[2 + i] - ((a.shape[2 + i] - 1) * s - 2 * p + d * (k - 1) + 1)
+            if not 0 <= op < max(s, d):
+                raise ValueError(
+                    f"{type(module).__name__}: input {tuple(a.shape)} and output "
+                    f"{tuple(g.shape)} do not fit its stride, padding and dilation; a subclass "
+                    "that changes ConvTranspose's forward needs its own rule.")
+            pads.append(op)
+        return tuple(pads)
 
     def ghost_norm_sq(self, module, calls):
         return self.instantiated_norm_sq(module, calls)

@@ -79,6 +79,25 @@ def test_prelu_matches_reference(shared, mode, seed):
         check_against_reference(*prelu_case(seed, shared), mode=mode, clip=clip)
 
 
+class ScalarPReLU(nn.Module):
+    """One shared slope on a batch of scalars ``(B,)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre, self.act = nn.Linear(3, 1), nn.PReLU()
+
+    def forward(self, x):
+        return self.act(self.pre(x).squeeze(1))[:, None]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_prelu_on_scalars_matches_reference(mode):
+    torch.manual_seed(0)
+    model = ScalarPReLU()
+    _randomize(model, 0)
+    check_against_reference(*_batch(model, (5, 3), 0), mode=mode, clip="abadi")
+
+
 def instancenorm_case(nd: int, seed: int):
     rng = rng_for("instancenorm", nd, seed)
     B, C = rng.randint(3, 4), rng.randint(1, 3)
@@ -132,14 +151,17 @@ def test_conv_transpose_matches_reference(nd, mode, seed):
 
 
 class TwiceTransposed(nn.Module):
-    """One ConvTranspose2d applied twice (the per-sample gradient is the sum of both calls')."""
+    """One ConvTranspose2d applied twice (the per-sample gradient is the sum of both calls'), the
+    second time with an ``output_size`` that picks another output_padding."""
 
     def __init__(self):
         super().__init__()
         self.up = nn.ConvTranspose2d(2, 2, 3, stride=2, padding=1, output_padding=1)
 
     def forward(self, x):
-        return self.up(torch.tanh(self.up(x)))
+        h = torch.tanh(self.up(x))
+        size = [2 * s - 1 for s in h.shape[2:]]  # output_padding 0
+        return self.up(h, output_size=size)
 
 
 @pytest.mark.parametrize("mode", MODES)
