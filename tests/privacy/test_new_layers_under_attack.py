@@ -103,3 +103,20 @@ def test_crafted_sample_moves_the_step_by_at_most_R(name, variant, door, how):
         norm = true_norm(case.model, *case.crafted)
         assert norm >= 10 * R, f"the crafted sample is not large: true norm {norm:.3g}"
     assert_bounded(*run_pair(case, door, how), what=f"{name} {variant} {door}-{how}")
+
+
+#: the Opacus "hooks" flow backpropagates the batch mean: its 1/n scaling of every sample's output
+#: gradient is rounded to bfloat16 differently for the batches of 4 and 3, which moves the honest
+#: samples' terms by ~2⁻⁹ of their norms — rounding of the other samples, for every layer alike
+AMP_DOORS = [("native", "bk_mixed"), ("native", "mixed"), ("opacus", "ghost")]
+
+
+@pytest.mark.parametrize("door,how", AMP_DOORS, ids=[f"{d}-{h}" for d, h in AMP_DOORS])
+@pytest.mark.parametrize("variant", ["huge-1e30", "subnormal-1e-40", "cancel"])
+@pytest.mark.parametrize("name", ["rmsnorm", "prelu", "instancenorm", "conv_transpose"])
+def test_crafted_sample_under_bfloat16_autocast(name, variant, door, how):
+    """The same under bfloat16 autocast: the rules' per-sample gradients are formed in float32 from
+    the 16-bit operands and released as they were normed."""
+    case = crafted_case(name, variant)
+    assert_bounded(*run_pair(case, door, how, amp=torch.bfloat16),
+                   what=f"{name} {variant} bf16 {door}-{how}")
