@@ -20,6 +20,9 @@ from .registry import register_rule
 
 
 class PReLURule(LayerRule):
+    """``nn.PReLU``: per-sample ``∂L_i/∂w_c = Σ_pos g ⊙ min(0, x)`` over channel c (dim 1), or over
+    the whole sample for one shared slope."""
+
     module_types = (nn.PReLU,)
     param_names = ("weight",)
 

@@ -29,6 +29,9 @@ from .registry import register_rule
 
 
 class ConvTransposeRule(LayerRule):
+    """``nn.ConvTranspose1d/2d/3d``: per-sample ``∂L_i/∂W`` = the weight gradient of the adjoint
+    convolution ``conv(g_i, W)`` under the output gradient ``a_i``; ``∂L_i/∂b = Σ_pos g_i``."""
+
     module_types = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 
     def check(self, module):
