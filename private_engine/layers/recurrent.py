@@ -47,17 +47,17 @@ def check_no_recurrent(model: nn.Module) -> None:
             f"the model has torch recurrent layers ({shown}). torch runs each as one fused op "
             "over the whole sequence, so their per-sample gradients cannot be recorded. Replace "
             "them by Opacus' DPLSTM / DPGRU / DPRNN — the same recurrence as Linear cells, "
-            "clipped exactly, with the same parameter names and weights — before building the "
-            "optimizer: model = private_engine.fix_recurrent(model).")
+            "clipped exactly, with the same parameters: model = "
+            "private_engine.fix_recurrent(model).")
 
 
 def fix_recurrent(model: nn.Module) -> nn.Module:
-    """Replace every ``nn.LSTM``/``nn.GRU``/``nn.RNN`` of ``model`` (in place; ``model`` itself
-    when it is one) by Opacus' ``DPLSTM``/``DPGRU``/``DPRNN`` with the same hyper-parameters
-    (layers, bias, ``batch_first``, dropout, bidirectional, the RNN's nonlinearity), the same
-    weights, device, dtype and ``requires_grad`` flags; returns the model. Build the optimizer
-    afterwards: the parameters are new tensors. ``nn.LSTM(proj_size > 0)`` has no replacement and
-    raises."""
+    """Replace every ``nn.LSTM``/``nn.GRU``/``nn.RNN`` of ``model`` (in place; the replacement is
+    returned when ``model`` itself is one) by Opacus' ``DPLSTM``/``DPGRU``/``DPRNN`` with the same
+    hyper-parameters (layers, bias, ``batch_first``, dropout, bidirectional, the RNN's
+    nonlinearity) and the very same parameter tensors (values, device, dtype, ``requires_grad``),
+    so an optimizer built before keeps working; returns the model. ``nn.LSTM(proj_size > 0)`` has
+    no replacement and raises."""
     if isinstance(model, tuple(TORCH_RECURRENT)):
         return _replacement(model)
     for name, child in list(model.named_children()):
@@ -83,12 +83,10 @@ def _replacement(module: nn.RNNBase) -> nn.Module:
     if isinstance(module, nn.RNN):
         kwargs["nonlinearity"] = module.nonlinearity
     new = cls(module.input_size, module.hidden_size, **kwargs)
-    like = next(module.parameters(), None)
-    if like is not None:
-        new.to(device=like.device, dtype=like.dtype)
-    new.load_state_dict(module.state_dict())
-    params = dict(new.named_parameters())
+    # the very parameter tensors of ``module``, in the cells and under torch's names
     for name, p in module.named_parameters():
-        params[name].requires_grad_(p.requires_grad)
+        owner, attr = new.new_to_old[name].rsplit(".", 1)
+        setattr(new.get_submodule(owner), attr, p)
+        new.register_parameter(name, p)
     new.train(module.training)
     return new
