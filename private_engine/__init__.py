@@ -17,10 +17,12 @@ from .engine import PrivacyEngine
 from .guards.buffers import BufferGuard
 from .guards.model_check import fix_batchnorm
 from .guards.separability import BatchMixingError
+from .layers.recurrent import fix_recurrent
 
 __version__ = "0.1.0"
 __all__ = ["PrivacyEngine", "CLIPPING_MODES", "DEFAULT_CLIPPING_MODE",
-           "LayerDecision", "layer_plan", "format_plan", "fix_batchnorm", "optim", "layers",
+           "LayerDecision", "layer_plan", "format_plan", "fix_batchnorm", "fix_recurrent", "optim",
+           "layers",
            "abadi_clip", "automatic_clip", "global_clip", "BatchMixingError", "BufferGuard",
            "save_checkpoint", "load_checkpoint", "BudgetExceededError", "SamplingRateError",
            "__version__"]

@@ -12,6 +12,7 @@ from torch import nn
 
 from .buffers import check_no_running_stats, drop_running_stats
 from ..layers.base import LayerRule
+from ..layers.recurrent import check_no_recurrent
 from ..layers.registry import find_rule, overrides_ruled_class, uses_fallback
 
 
@@ -23,11 +24,14 @@ def batchnorm_modules(model: nn.Module) -> List[str]:
 
 
 def check_no_batchnorm(model: nn.Module) -> None:
-    """Refuse BatchNorm, then every other module whose buffers track statistics of the data.
+    """Refuse BatchNorm, then every other module whose buffers track statistics of the data, then
+    torch's fused recurrent layers.
 
     BatchNorm mixes samples (no per-sample gradient exists); the others (InstanceNorm with
     ``track_running_stats=True``, …: ``private_engine.guards.buffers.check_no_running_stats``)
-    would release running statistics of the private batches without noise in the ``state_dict``.
+    would release running statistics of the private batches without noise in the ``state_dict``;
+    ``nn.LSTM``/``nn.GRU``/``nn.RNN`` have exact replacements
+    (``private_engine.layers.recurrent.check_no_recurrent``, ``fix_recurrent``).
     """
     bns = batchnorm_modules(model)
     if bns:
@@ -39,6 +43,7 @@ def check_no_batchnorm(model: nn.Module) -> None:
             "model = private_engine.fix_batchnorm(model)."
         )
     check_no_running_stats(model)
+    check_no_recurrent(model)
 
 
 def fix_batchnorm(model: nn.Module, num_groups: int = 32) -> nn.Module:

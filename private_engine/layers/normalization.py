@@ -1,10 +1,21 @@
-"""Rules for the affine parameters of ``nn.LayerNorm`` and ``nn.GroupNorm``.
+"""Rules for the affine parameters of ``nn.LayerNorm``, ``nn.GroupNorm``, ``nn.RMSNorm`` (and
+timm's ``RmsNorm``, transformers' Llama-family RMSNorms) and
+``nn.InstanceNorm1d/2d/3d(affine=True)``.
 
 With the normalised input x̂ (recomputed from the recorded input, in ≥ float32) and output
 gradient g, the per-sample gradients are ``∂L_i/∂γ = Σ_positions g ⊙ x̂`` and
-``∂L_i/∂β = Σ_positions g`` (summed over calls too). These gradients are as small as one
-activation row, so they are always instantiated: a ghost Gram matrix (2·T² per sample) could
-only cost more (``LayerDims.ghost_capable = False``; every mode uses this exact path).
+``∂L_i/∂β = Σ_positions g`` (summed over calls too). x̂ is per layer:
+
+* LayerNorm: ``(x − mean) / √(var + ε)`` over ``normalized_shape``;
+* GroupNorm: the same over each sample's group of channels and all positions;
+* RMSNorm: ``x / √(mean(x²) + ε)`` over ``normalized_shape`` (Zhang & Sennrich 2019, "Root Mean
+  Square Layer Normalization");
+* InstanceNorm: ``(x − mean) / √(var + ε)`` over each sample's channel, all positions
+  (statistics of the input itself: running statistics are refused before training).
+
+These gradients are as small as one activation row, so they are always instantiated: a ghost
+Gram matrix (2·T² per sample) could only cost more (``LayerDims.ghost_capable = False``; every
+mode uses this exact path).
 """
 from __future__ import annotations
 
@@ -16,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import (LayerDims, LayerRule, accumulation_dtype, cast, trainable)
-from .registry import register_rule
+from .registry import register_named_rule, register_rule
 
 
 _UNIT_WEIGHTS: Dict[Tuple[Tuple[int, ...], torch.dtype, torch.device], torch.Tensor] = {}
@@ -117,5 +128,102 @@ class GroupNormRule(_AffineNormRule):
         return out
 
 
+class RMSNormRule(LayerNormRule):
+    """``y = x / √(mean_{normalized_shape}(x²) + ε) ⊙ γ`` (torch's ``nn.RMSNorm``, ε = the input
+    dtype's machine epsilon when None; timm's ``RmsNorm``, the same formula): per-sample
+    ``∂L_i/∂γ = Σ_positions g ⊙ x̂`` with ``x̂ = x / √(mean(x²) + ε)``; no bias."""
+
+    module_types = (nn.RMSNorm,)
+    param_names = ("weight",)
+
+    def _normalized(self, module, a):
+        n = len(module.normalized_shape)
+        if tuple(a.shape[-n:]) != tuple(module.normalized_shape):
+            raise ValueError(
+                f"{type(module).__name__}: input shape {tuple(a.shape)} does not end with "
+                f"normalized_shape {tuple(module.normalized_shape)}."
+            )
+        # ε of the dtype the layer ran in (nn.RMSNorm's default), before widening
+        eps = torch.finfo(a.dtype).eps if module.eps is None else module.eps
+        x = cast(a, accumulation_dtype(a))
+        return F.rms_norm(x, module.normalized_shape, unit_weight(module.normalized_shape, x), eps)
+
+
+class HFRMSNormRule(LayerNormRule):
+    """The RMSNorm of Hugging Face transformers' Llama family (``LlamaRMSNorm`` and its copies in
+    Mistral, Qwen2/3, Phi-3, …): ``y = γ ⊙ cast_in(x̂)`` with ``x̂ = x₃₂ / √(mean(x₃₂²) + ε)``
+    computed in float32 (``x₃₂`` the input in float32, ``cast_in`` back to the input's dtype), ε
+    = ``variance_epsilon``. Per-sample ``∂L_i/∂γ = Σ_positions g ⊙ cast_in(x̂)``, x̂ recomputed
+    by the same operations."""
+
+    module_types = ()
+    param_names = ("weight",)
+
+    def _normalized(self, module, a):
+        d = module.weight.shape[-1]
+        if a.shape[-1] != d:
+            raise ValueError(f"{type(module).__name__}: input shape {tuple(a.shape)} does not end "
+                             f"with the weight's size {d}.")
+        x = a.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)
+        return cast(x.to(a.dtype), accumulation_dtype(a))
+
+    def dims(self, module, activation, output):
+        p = module.weight.shape[-1]
+        T = output.numel() // (output.shape[0] * p) if output.shape[0] else 1
+        return LayerDims(T=T, D=1, p=p, ghost_capable=False)
+
+    def _grads_one_call(self, module, a, g):
+        if not trainable(module, "weight"):
+            return {}
+        B, d = g.shape[0], module.weight.shape[-1]
+        G = cast(g, accumulation_dtype(g)).reshape(B, -1, d)
+        return {"weight": (G * self._normalized(module, a).reshape(B, -1, d)).sum(1)}
+
+
+#: transformers' RMSNorm classes whose forward is ``LlamaRMSNorm.forward`` (checked in the tests)
+HF_RMSNORMS = tuple(
+    f"transformers.models.{m}.modeling_{m}.{c}RMSNorm" for m, c in (
+        ("llama", "Llama"), ("mistral", "Mistral"), ("mixtral", "Mixtral"), ("qwen2", "Qwen2"),
+        ("qwen2_moe", "Qwen2Moe"), ("qwen3", "Qwen3"), ("qwen3_moe", "Qwen3Moe"),
+        ("phi3", "Phi3"), ("granite", "Granite"), ("smollm3", "SmolLM3")))
+
+
+class InstanceNormRule(GroupNormRule):
+    """``nn.InstanceNorm1d/2d/3d(affine=True)``: GroupNorm with one channel per group, i.e.
+    ``x̂_{c} = (x_c − mean(x_c)) / √(var(x_c) + ε)`` over each sample's channel c (all positions);
+    per-sample ``∂L_i/∂γ_c = Σ_pos g_c x̂_c``, ``∂L_i/∂β_c = Σ_pos g_c``."""
+
+    module_types = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
+
+    def check(self, module):
+        if module.track_running_stats:
+            raise ValueError(
+                f"{type(module).__name__}(track_running_stats=True) normalises by statistics of "
+                "earlier batches in eval mode and updates them from the data in training mode; "
+                "build it with track_running_stats=False "
+                "(private_engine.guards.buffers.drop_running_stats does it in place).")
+
+    def _normalized(self, module, a):
+        B, C = a.shape[:2]
+        if a.dim() != module._get_no_batch_dim() + 1 or C != module.num_features:
+            raise ValueError(
+                f"{type(module).__name__}: expected a batched input (B, {module.num_features}, "
+                f"*spatial) of {module._get_no_batch_dim() + 1} dimensions, got shape "
+                f"{tuple(a.shape)}. Unbatched inputs cannot be clipped per sample: add a batch "
+                "dimension.")
+        x = cast(a, accumulation_dtype(a))
+        # GroupNorm with C groups of one channel: the statistics of each sample's channel
+        return F.group_norm(x, C, unit_weight((C,), x), None, module.eps).reshape(B, C, -1)
+
+    def dims(self, module, activation, output):
+        T = math.prod(output.shape[2:])
+        return LayerDims(T=T, D=1, p=module.num_features, ghost_capable=False)
+
+
 register_rule(LayerNormRule())
 register_rule(GroupNormRule())
+register_rule(RMSNormRule())
+register_named_rule(RMSNormRule(), "timm.layers.norm.RmsNorm")
+register_named_rule(HFRMSNormRule(), *HF_RMSNORMS)
+register_rule(InstanceNormRule())

@@ -84,8 +84,10 @@ class Registry:
         return None
 
     def uses_fallback(self, module: nn.Module) -> bool:
-        """True when ``module``'s class (or a parent class) is registered for the fallback."""
-        return any(qualified_name(c) in self.fallback_classes for c in type(module).__mro__)
+        """True when ``module``'s class (or a parent class) is registered for the fallback, or when
+        its weight is reparametrised by weight normalisation (:func:`weight_normalized`)."""
+        return weight_normalized(module) or \
+            any(qualified_name(c) in self.fallback_classes for c in type(module).__mro__)
 
     def overrides_ruled_class(self, module: nn.Module) -> bool:
         """True for a module without a rule whose class derives from one that has a rule (a
@@ -93,6 +95,33 @@ class Registry:
         return self.find_rule(module) is None and \
             any(cls in self.rules or qualified_name(cls) in self.named_rules
                 for cls in type(module).__mro__)
+
+
+#: parametrizations that are pure functions of their parameters (no buffers, no state written in
+#: the forward): a module using them is clipped by the torch.func fallback. ``spectral_norm`` is
+#: not one: its power iteration writes its ``_u``/``_v`` buffers from the data in every training
+#: forward, which the buffer guard refuses.
+PURE_PARAMETRIZATIONS = {"torch.nn.utils.parametrizations._WeightNorm"}
+
+
+def weight_normalized(module: nn.Module) -> bool:
+    """True for a module whose weight is ``W = g·v/‖v‖`` (Salimans & Kingma 2016, "Weight
+    Normalization"), by ``torch.nn.utils.parametrizations.weight_norm`` (trainable ``original0`` =
+    g, ``original1`` = v) or the older hook of ``torch.nn.utils.weight_norm`` (``weight_g``,
+    ``weight_v``).
+
+    Such a module is clipped by the torch.func fallback: the per-sample gradients of g and v are
+    those of its own forward, ``∇_{g,v} ⟨M(g, v; x_i), g_i⟩`` — the chain rule through
+    ``W(g, v)`` of the per-sample ``∂L_i/∂W``, ``∂L_i/∂g_r = ⟨∂L_i/∂W_r, v_r⟩/‖v_r‖`` and
+    ``∂L_i/∂v_r = (g_r/‖v_r‖)(∂L_i/∂W_r − ⟨∂L_i/∂W_r, v̂_r⟩ v̂_r)`` per normalised slice r — computed
+    exactly, whatever the layer inside (Linear, Conv, ConvTranspose, …)."""
+    parametrizations = getattr(module, "parametrizations", None)
+    if isinstance(parametrizations, nn.ModuleDict) and len(parametrizations):
+        return all(qualified_name(type(p)) in PURE_PARAMETRIZATIONS
+                   for plist in parametrizations.values() for p in plist)
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    return any(isinstance(h, WeightNorm) for h in module._forward_pre_hooks.values())
 
 
 REGISTRY = Registry()
