@@ -790,20 +790,23 @@ FIXED_SCALE = dict(init_scale=2.0 ** 4, growth_interval=10 ** 9)
 FP16 = {"fp16-cancellation": (1e3, 50.0, 0), "fp16-overflow": None}
 
 
+@pytest.mark.parametrize("scaler", ["fixed-2^4", "torch-defaults"])
 @pytest.mark.parametrize("mode", BOOK_KEEPING)
 @pytest.mark.parametrize("variant", list(FP16))
-def test_float16_grad_scaler(variant, mode):
-    """float16 autocast with ``grad_scaler=GradScaler("cpu")`` (book-keeping modes): a sample
-    whose positions cancel in the float32 Grams of float16 operands is clipped; one that
-    overflows float16 is dropped (ratio 0); neither makes the step fail."""
+def test_float16_grad_scaler(variant, mode, scaler):
+    """float16 autocast with ``grad_scaler=GradScaler("cpu")`` (book-keeping modes; a fixed
+    scale, or GradScaler's defaults, which the engine starts at 2¹⁰): a sample whose positions
+    cancel in the float32 Grams of float16 operands is clipped; one that overflows float16 is
+    dropped (ratio 0); neither makes the step fail."""
     if FP16[variant] is None:
         case = large_vector_case()
         case.crafted = (case.crafted[0] * 1e5, case.crafted[1])  # inf in float16
     else:
         case = fp16_case(*FP16[variant])
         assert_large(case)
-    pair = run_pair(case, "native", mode, amp=torch.float16, scaler_args=FIXED_SCALE)
-    assert_bounded(*pair, tol=LOWP_TOL, what=f"{variant} {mode}")
+    pair = run_pair(case, "native", mode, amp=torch.float16,
+                    scaler_args=FIXED_SCALE if scaler == "fixed-2^4" else {})
+    assert_bounded(*pair, tol=LOWP_TOL, what=f"{variant} {mode} {scaler}")
 
 
 # -- further crafted cases -----------------------------------------------------------------------
