@@ -198,6 +198,34 @@ def test_gpt2_default_position_ids_clip_fns():
         check_against_reference(model, [ids], hf_default_lm_loss, mode="bk_mixed", clip=clip)
 
 
+@pytest.mark.parametrize("mode", ["bk_mixed", "bk", "mixed", "per_sample"])
+def test_gpt2_default_position_ids_crafted_sample(mode):
+    """A crafted sample (its loss weighted by 1e6: a huge gradient, most of it through the shared
+    position rows) moves the released update by at most R: B·‖Δ(update)‖/R ≤ 1 between the batch
+    with it and without it (noise 0, SGD lr 1, declared batch size B = 4)."""
+    model = gpt2().float()
+    g = torch.Generator().manual_seed(8)
+    honest, crafted = torch.randint(0, 31, (3, 6), generator=g), torch.randint(0, 31, (1, 6),
+                                                                               generator=g)
+    R = 0.1
+
+    def update(ids, weights):
+        m = copy.deepcopy(model)
+        engine = pe.PrivacyEngine(m, batch_size=4, sample_size=40, max_grad_norm=R,
+                                  noise_multiplier=0.0, clipping_mode=mode)
+        opt = torch.optim.SGD(m.parameters(), lr=1.0)
+        engine.attach(opt)
+        before = [p.detach().clone() for p in m.parameters()]
+        opt.step(loss=hf_default_lm_loss(m, ids) * weights)
+        assert engine.last_norms.max() > 100 * R or weights.numel() == 3
+        return torch.cat([(p.detach() - b).double().flatten()
+                          for p, b in zip(m.parameters(), before)])
+
+    with_it = update(torch.cat([honest, crafted]), torch.tensor([1.0, 1.0, 1.0, 1e6]))
+    without = update(honest, torch.ones(3))
+    assert 4 * float((with_it - without).norm()) / R <= 1 + 1e-5
+
+
 def test_shared_row_of_sample_data_is_still_refused():
     """A layer applied to one row of the batch's data (sample 0's) and broadcast to every
     sample mixes samples: refused, never taken for a shared constant row."""
