@@ -18,7 +18,7 @@ parameter.
 
 Examples::
 
-    python examples/finetune_causal_lm.py                       # a few minutes on a CPU
+    python examples/finetune_causal_lm.py                       # about 5 minutes on 2 CPU cores
     python examples/finetune_causal_lm.py --lora --epsilon 3
     python examples/finetune_causal_lm.py --model gpt2 --pretrained --lora --max-steps 50
 """

@@ -77,8 +77,19 @@ def sample_loss(model, ids, mask, labels):
     return torch.stack(out).mean().reshape(1)
 
 
-@pytest.mark.parametrize("poisson", [True, False], ids=["poisson", "fixed"])
-def test_one_step_is_the_clipped_mean(tmp_path, poisson):
+def lm_collator():
+    """Hugging Face's DataCollatorForLanguageModeling(mlm=False) with a word-level tokenizer
+    built here (no download): padding 0, labels −100 at the padding."""
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {"[PAD]": 0, **{f"w{i}": i for i in range(1, VOCAB)}}
+    tk = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[PAD]"))
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="[PAD]")
+    return transformers.DataCollatorForLanguageModeling(tok, mlm=False, return_tensors="pt")
+
+
+@pytest.mark.parametrize("poisson,collator", [(True, "hf"), (False, "padding")],
+                         ids=["poisson-DataCollatorForLanguageModeling", "fixed-padding"])
+def test_one_step_is_the_clipped_mean(tmp_path, poisson, collator):
     """noise 0, SGD lr 1, constant lr: the update is −(Σ_i C_i g_i)/B over the drawn logical
     batch (physical batches of 2, accumulated), C_i from each sample's float64 gradient."""
     model = tiny_gpt2()
@@ -88,7 +99,8 @@ def test_one_step_is_the_clipped_mean(tmp_path, poisson):
     ctx = pytest.warns(FixedBatchesWarning) if not poisson else _nothing()
     with ctx:
         trainer = Recording(model=model, args=training_args(tmp_path), train_dataset=data,
-                            data_collator=pad_collator, privacy_args=PrivacyArguments(**kw))
+                            data_collator=lm_collator() if collator == "hf" else pad_collator,
+                            privacy_args=PrivacyArguments(**kw))
     before = [p.detach().clone() for p in model.parameters()]
     ref_model = tiny_gpt2()
     trainer.train()
