@@ -294,12 +294,35 @@ def opacus_step(model, batch, loss_fn, R, grad_sample_mode="hooks"):
     return [p.detach() - b for p, b in zip(params, before)]
 
 
-@pytest.mark.parametrize("case", ["tiny-tied-lm", "gpt2", "gpt2-default-positions"])
+def bert_default_positions():
+    """A tiny BERT masked LM, its batch and its per-sample loss with the default
+    ``position_ids`` (a ``(1, T)`` slice of a buffer; trainable position embeddings)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(vocab_size=23, hidden_size=8, num_hidden_layers=1,
+                                  num_attention_heads=2, intermediate_size=12,
+                                  max_position_embeddings=8, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    model = transformers.BertForMaskedLM(cfg).double()
+    g = torch.Generator().manual_seed(4)
+    batch = [torch.randint(0, 23, (4, 6), generator=g), torch.randint(0, 23, (4, 6), generator=g)]
+
+    def loss_fn(m, ids, labels):
+        logits = m(input_ids=ids).logits
+        return F.cross_entropy(logits.transpose(1, 2), labels, reduction="none").sum(1)
+
+    return model, batch, loss_fn
+
+
+@pytest.mark.parametrize("case", ["tiny-tied-lm", "gpt2", "gpt2-default-positions",
+                                  "bert-default-positions"])
 def test_opacus_door_tied_weights_are_exact(case):
     if case.startswith("gpt2"):
         model = gpt2()
         batch = [torch.randint(0, 31, (4, 6), generator=torch.Generator().manual_seed(3))]
         loss_fn = hf_lm_loss if case == "gpt2" else hf_default_lm_loss
+    elif case.startswith("bert"):
+        model, batch, loss_fn = bert_default_positions()
     else:
         torch.manual_seed(0)
         model, batch, loss_fn = TinyTiedLM().double(), list(tokens()), lm_loss
