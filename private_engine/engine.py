@@ -91,7 +91,9 @@ class PrivacyEngine:
             (:class:`private_engine.guards.buffers.BufferGuard`).
         grad_scaler: a ``torch.amp.GradScaler`` for float16 autocast (book-keeping modes): the
             engine scales the loss, unscales norms and sums in float32, drops samples that overflow
-            (``C_i = 0``) and keeps the scale fixed at the scaler's
+            (``C_i = 0``) and keeps the scale fixed at the scaler's initial scale; a scaler left
+            at torch's default (2¹⁶, tuned for a batch-mean loss, which overflows float16 on
+            per-sample losses) starts at 2¹⁰ instead
             (:mod:`private_engine.clipping.loss_scaling`).
             bfloat16 autocast needs none.
         dynamic_loss_scale: move the scale by GradScaler's schedule (backoff after an overflow,
@@ -395,7 +397,8 @@ class PrivacyEngine:
                 batch = clip_batch(self.clipper, loss, loss_scaling=self.loss_scaling,
                                    names=self._names,
                                    all_dropped_hint="the model may have diverged (lower the "
-                                   "learning rate; float16: pass grad_scaler=).")
+                                   "learning rate; float16 autocast: pass "
+                                   "grad_scaler=torch.amp.GradScaler(device)).")
             # nothing of this batch is released before the state guard has seen the step; it
             # records the state again at once: the next physical batch is watched from here
             self.state_guard.check(self.clipper.batch_flow.written_storages)

@@ -153,6 +153,9 @@ class LayerRecorder:
         #: install/remove/reset and jumps() -> {output node: [input nodes]}; installed, reset and
         #: removed with this one
         self.extras: list = []
+        #: the batch flow of the steps (:class:`private_engine.guards.batch_flow.BatchFlow`; set
+        #: by its owner): calls on one shared row are recorded per sample through it
+        self.batch_flow = None
         #: the parameter-entry tracer among ``extras``
         #: (:class:`private_engine.capture.tracer.ParamTracer`), or None: it takes over calls on
         #: batch-free constants and tells where each call's input has its batch
@@ -184,26 +187,48 @@ class LayerRecorder:
                 )
             tracer = self.tracer
             if tracer is None or not tracer.active:
-                self.record(layer, module, inputs[0], output)
-                return None
+                return self._record_call(layer, module, inputs[0], output)
             # the engine's own book-keeping does not go through the tracer's TorchFunctionMode
             # (speed only: the tracer ignores it anyway; it reads its own maps, never the mode)
             with torch._C.DisableTorchFunction():
                 # a call on a batch-free constant: the tracer follows its parameters
                 if tracer.handover(layer.name, module, layer.rule, inputs, output):
                     return None
-                self.record(layer, module, inputs[0], output)
-            return None
+                return self._record_call(layer, module, inputs[0], output)
 
         return hook
 
+    def _record_call(self, layer: RecordedLayer, module: nn.Module, x: torch.Tensor,
+                     output: torch.Tensor) -> Optional[torch.Tensor]:
+        """Record a call from the layer's forward hook. A call on one row of no sample's data
+        (Hugging Face's default ``position_ids`` of shape ``(1, T)``) while the step's batch has
+        ``n > 1`` rows is recorded as the same call on the input expanded to ``n`` rows: its
+        output is replaced by ``output.expand(n, …)``, tagged by the batch flow as the batch's
+        rows (:meth:`BatchFlow.broadcast_rows`). Forward values are unchanged — the broadcast
+        the model does later is done here instead — and the output gradient arrives one row per
+        sample, ``g_i = ∂L_i/∂y_i``, before any broadcast sums it; the per-sample gradient is
+        the layer's vjp at row i, ``∂L_i/∂θ = (∂y/∂θ)ᵀ g_i`` with the shared input row. Returns
+        the replaced output (None: unchanged)."""
+        flow = self.batch_flow
+        expanded = flow.broadcast_rows(x, output) if flow is not None else None
+        if expanded is None:
+            self.record(layer, module, x, output)
+            return None
+        activation = autocast_operand(x, output)
+        self.record(layer, module, x, expanded,
+                    activation=activation.expand(expanded.shape[0], *activation.shape[1:]))
+        return expanded
+
     def record(self, layer: RecordedLayer, module: nn.Module, x: torch.Tensor,
-               output: torch.Tensor, covered: bool = False) -> None:
+               output: torch.Tensor, covered: bool = False,
+               activation: Optional[torch.Tensor] = None) -> None:
         """Record one call of ``layer`` with input ``x`` and output ``output`` (also used by the
         tracer for a Linear whose weight its parent passes to ``F.linear`` directly, as timm BEiT's
         attention does). ``covered``: the input's path is a tracer entry, so the graph walk stops at
-        this call."""
-        activation = autocast_operand(x, output)
+        this call. ``activation``: the input as the clipping rules read it (default: ``x`` as
+        the layer's kernel consumed it, :func:`autocast_operand`)."""
+        if activation is None:
+            activation = autocast_operand(x, output)
         root = output
         base = output._base
         if (base is not None and base.numel() == output.numel() and output.is_contiguous()

@@ -76,7 +76,9 @@ def clip_batch(clipper: PerSampleClipper, loss: torch.Tensor, *,
     on ``S·Σ L_i`` and norms and factors are unscaled in float32. A sample whose loss or certified
     norm is not finite is dropped (``C_i = 0``, its rows zeroed). ``names``: ``{id(param): name}``
     for messages. ``all_dropped_hint``: when given, a ``RuntimeWarning`` with this advice, at the
-    user's line, says that every sample of a batch was dropped.
+    user's line, says that every sample of a batch was dropped. Under loss scaling, half the batch
+    or more dropped warns with the scale to use instead
+    (:meth:`LossScaling.overflow_advice`).
     """
     clipper.check_loss(loss)
     check_per_sample_loss(loss)
@@ -110,7 +112,12 @@ def clip_batch(clipper: PerSampleClipper, loss: torch.Tensor, *,
     if dropped:
         log.info("%d of %d samples of this batch dropped (clip factor 0): non-finite loss or "
                  "gradient norm", dropped, loss.shape[0])
-    if dropped == loss.shape[0] and all_dropped_hint is not None:
+    if scaling is not None and dropped and 2 * dropped >= loss.shape[0]:
+        warnings.warn(
+            f"{dropped} of the {loss.shape[0]} samples of this batch had a non-finite scaled "
+            f"loss or gradient norm and were dropped (clip factor 0): "
+            f"{scaling.overflow_advice()}", RuntimeWarning, stacklevel=_user_stacklevel())
+    elif dropped == loss.shape[0] and all_dropped_hint is not None:
         warnings.warn(
             f"every sample of this batch ({dropped}) had a non-finite loss or gradient norm "
             f"and was dropped (clip factor 0): {all_dropped_hint}", RuntimeWarning,

@@ -93,6 +93,7 @@ class PerSampleClipper:
             self.probe = SeparabilityProbe(model)
             self.probe.install()
             self.batch_flow = BatchFlow(model).install()
+            self.recorder.batch_flow = self.batch_flow
         #: book-keeping (one backward) or two passes (:mod:`.release`)
         self.book_keeping = is_book_keeping(self.mode)
         self.strategy = strategy_for(self.mode, self.book_keeping)
@@ -176,9 +177,11 @@ class PerSampleClipper:
                         f"layer {layer.name} saw a batch of 1 but the loss has {B} values: its "
                         "input is shared by all samples and broadcast later, so its output "
                         "gradient is already summed over the batch and per-sample norms cannot "
-                        "be formed. Give the layer one row per sample, e.g. Hugging Face "
-                        "models' position_ids=torch.arange(T).expand(B, T) (their default is "
-                        "(1, T)), or freeze the layer (requires_grad_(False)).")
+                        "be formed. A shared row of no sample's data (Hugging Face's default "
+                        "position_ids) is expanded to the batch while the engine follows the "
+                        "step's batch (batch-first inputs); here it was not. Give the layer one "
+                        "row per sample, e.g. position_ids=torch.arange(T).expand(B, T), or "
+                        "freeze the layer (requires_grad_(False)).")
                 raise ValueError(
                     f"layer {layer.name} saw a batch of {a.shape[0]} but the loss has {B} values; "
                     'the loss must have one value per sample: compute it with reduction="none" '

@@ -13,10 +13,20 @@ scale stays fixed at the scaler's initial scale: a dynamic schedule (× backoff 
 overflow, × growth after ``growth_interval`` clean batches) would make the scale — public state,
 saved with the scaler and read by every later step — a function of whether some private sample
 overflowed, released without noise. Since overflowing samples are dropped one by one, a fixed scale
-is safe; pick it so that honest samples neither overflow nor underflow (2¹⁶ is GradScaler's
-default). ``dynamic=True`` follows GradScaler's schedule instead (read from the scaler's public
+is safe when it is chosen from public information so that honest samples neither overflow nor
+underflow. ``dynamic=True`` follows GradScaler's schedule instead (read from the scaler's public
 getters, written back with ``scaler.update(new_scale)``), accepting that leak. bfloat16 needs no
 scaler.
+
+**The default scale.** GradScaler's default initial scale, 2¹⁶, is tuned for a loss averaged over
+a batch, whose output gradients carry a factor 1/B. The engine backpropagates the per-sample
+losses ``Σ_i L_i``: each sample's output gradient is of order one (cross-entropy:
+``|softmax(z) − y| ≤ 1``), and 2¹⁶ times one already exceeds float16's largest value, 65504, so
+nearly every honest sample would overflow and be dropped. A scaler left at torch's default
+initial scale (2¹⁶, never used) therefore starts at :data:`DEFAULT_PER_SAMPLE_SCALE` = 2¹⁰
+instead: a unit output gradient keeps six binades of headroom against overflow through the
+backward, and gradients down to 2⁻³⁴ stay representable (float16's smallest subnormal is 2⁻²⁴).
+A public constant, independent of the data. Any other ``init_scale`` is used as given.
 """
 from __future__ import annotations
 
@@ -26,6 +36,11 @@ from typing import Optional
 import torch
 
 log = logging.getLogger(__name__)
+#: torch's default ``GradScaler(init_scale=...)``
+TORCH_DEFAULT_SCALE = 2.0 ** 16
+#: the fixed scale the engine starts a scaler at when it was left at torch's default (module
+#: docstring, "The default scale")
+DEFAULT_PER_SAMPLE_SCALE = 2.0 ** 10
 
 
 class LossScaling:
@@ -39,6 +54,12 @@ class LossScaling:
                 "torch.amp.GradScaler('cuda') (or 'cpu')."
             )
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
+        #: True when the scaler was at torch's default initial scale and starts at
+        #: :data:`DEFAULT_PER_SAMPLE_SCALE` instead
+        self.default_replaced = False
+        if self.scaler is not None and _at_torch_default(self.scaler):
+            self.scaler._init_scale = DEFAULT_PER_SAMPLE_SCALE
+            self.default_replaced = True
         #: follow GradScaler's data-dependent schedule (False: the scale stays fixed)
         self.dynamic = bool(dynamic)
         self._good_batches = 0
@@ -50,6 +71,18 @@ class LossScaling:
     @property
     def enabled(self) -> bool:
         return self.scaler is not None
+
+    def overflow_advice(self) -> str:
+        """What to do when samples overflow under this scaling (for warnings)."""
+        if self.scaler is None:
+            return ("float16 autocast: pass grad_scaler=torch.amp.GradScaler(device) to the "
+                    "engine (or train in bfloat16).")
+        scale = self.scaler.get_scale()
+        return (f"float16: the fixed loss scale S = {scale:g} overflows the scaled per-sample "
+                f"gradients; build the GradScaler with a lower init_scale, e.g. "
+                f"torch.amp.GradScaler(device, init_scale={max(scale / 64, 1.0):g}) (each sample's "
+                "loss is backpropagated unaveraged, so it needs a smaller scale than a batch "
+                "mean), or train in bfloat16.")
 
     def scale(self, loss: torch.Tensor):
         """``(S·loss, S)`` with S the scaler's current scale as a 0-dim float32 tensor (no host
@@ -81,3 +114,9 @@ class LossScaling:
             log.debug("dynamic loss scale × %g (%s)", factor,
                       "overflow" if dropped else "growth interval reached")
         sc.update(self._scale * factor)
+
+
+def _at_torch_default(scaler: "torch.amp.GradScaler") -> bool:
+    """The scaler is at torch's default initial scale and has not scaled anything yet."""
+    return (getattr(scaler, "_scale", None) is None
+            and getattr(scaler, "_init_scale", None) == TORCH_DEFAULT_SCALE)

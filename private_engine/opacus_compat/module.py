@@ -180,6 +180,7 @@ class PrivateModule(nn.Module):
         self.batch_flow = BatchFlow(module, openers=None if batch_first else {
             layer.module: self._layer_batch_dim(layer) for layer in self.recorder.layers}
         ).install()
+        self.recorder.batch_flow = self.batch_flow
         #: refuses a step during which a parameter or buffer changed outside the optimizer (recorded
         #: now and after every optimizer step)
         self.state_guard = StepStateGuard(module).install()

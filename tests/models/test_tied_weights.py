@@ -162,6 +162,14 @@ def hf_lm_loss(model, ids):
                            reduction="none").sum(1)
 
 
+def hf_default_lm_loss(model, ids):
+    """GPT-2's next-token loss per sample as Hugging Face users call the model: default
+    ``position_ids`` (one row, ``(1, T)``, broadcast against the batch inside the model)."""
+    logits = model(input_ids=ids).logits
+    return F.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:],
+                           reduction="none").sum(1)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_gpt2_full_fine_tuning_is_exact(mode):
     model = gpt2()
@@ -172,23 +180,80 @@ def test_gpt2_full_fine_tuning_is_exact(mode):
     assert "Conv1D" in types and "Embedding" in types
 
 
-def test_gpt2_default_position_ids_are_refused_with_the_fix():
-    """Hugging Face's default ``position_ids`` have batch 1: the position embedding's output
-    gradient is then the batch sum; refused before anything is released, saying what to pass."""
+@pytest.mark.parametrize("mode", MODES)
+def test_gpt2_default_position_ids_are_exact(mode):
+    """Hugging Face's default ``position_ids`` have batch 1: the position embedding's output is
+    shared by every sample and broadcast later. Its per-sample gradients come from the output
+    gradient before that broadcast sums it: exact against the float64 reference."""
     model = gpt2()
+    ids = torch.randint(0, 31, (4, 6), generator=torch.Generator().manual_seed(3))
+    check_against_reference(model, [ids], hf_default_lm_loss, mode=mode, clip="abadi")
+
+
+def test_gpt2_default_position_ids_clip_fns():
+    """The same with the other clipping functions (a clip factor per sample, never a batch's)."""
+    model = gpt2()
+    ids = torch.randint(0, 31, (4, 6), generator=torch.Generator().manual_seed(3))
+    for clip in ("automatic", "global"):
+        check_against_reference(model, [ids], hf_default_lm_loss, mode="bk_mixed", clip=clip)
+
+
+@pytest.mark.parametrize("mode", ["bk_mixed", "bk", "mixed", "per_sample"])
+def test_gpt2_default_position_ids_crafted_sample(mode):
+    """A crafted sample (its loss weighted by 1e6: a huge gradient, most of it through the shared
+    position rows) moves the released update by at most R: B·‖Δ(update)‖/R ≤ 1 between the batch
+    with it and without it (noise 0, SGD lr 1, declared batch size B = 4)."""
+    model = gpt2().float()
+    g = torch.Generator().manual_seed(8)
+    honest, crafted = torch.randint(0, 31, (3, 6), generator=g), torch.randint(0, 31, (1, 6),
+                                                                               generator=g)
+    R = 0.1
+
+    def update(ids, weights):
+        m = copy.deepcopy(model)
+        engine = pe.PrivacyEngine(m, batch_size=4, sample_size=40, max_grad_norm=R,
+                                  noise_multiplier=0.0, clipping_mode=mode)
+        opt = torch.optim.SGD(m.parameters(), lr=1.0)
+        engine.attach(opt)
+        before = [p.detach().clone() for p in m.parameters()]
+        opt.step(loss=hf_default_lm_loss(m, ids) * weights)
+        assert engine.last_norms.max() > 100 * R or weights.numel() == 3
+        return torch.cat([(p.detach() - b).double().flatten()
+                          for p, b in zip(m.parameters(), before)])
+
+    with_it = update(torch.cat([honest, crafted]), torch.tensor([1.0, 1.0, 1.0, 1e6]))
+    without = update(honest, torch.ones(3))
+    assert 4 * float((with_it - without).norm()) / R <= 1 + 1e-5
+
+
+def test_shared_row_of_sample_data_is_still_refused():
+    """A layer applied to one row of the batch's data (sample 0's) and broadcast to every
+    sample mixes samples: refused, never taken for a shared constant row."""
+
+    class OneRow(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.head = nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.head(x + self.lin(x[:1]))
+
+    torch.manual_seed(0)
+    model = OneRow().double()
     engine = pe.PrivacyEngine(model, batch_size=4, sample_size=40, max_grad_norm=1.0,
                               noise_multiplier=0.0)
-    ids = torch.randint(0, 31, (4, 6))
-    logits = model(input_ids=ids).logits
-    loss = F.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none").sum(1)
-    with pytest.raises(ValueError, match=r"transformer\.wpe.*position_ids"):
-        engine.clipped_grad_sum(loss)
+    with pytest.raises(ValueError, match="mix|lin"):
+        engine.clipped_grad_sum(model(torch.randn(4, 4, dtype=torch.float64)).sum(1))
 
 
-@pytest.mark.parametrize("mode", ["bk_mixed", "mixed", "per_sample"])
-def test_bert_masked_lm_head_is_exact(mode):
+@pytest.mark.parametrize("default_positions", [False, True], ids=["positions", "default"])
+@pytest.mark.parametrize("mode", ["bk_mixed", "bk", "mixed", "per_sample"])
+def test_bert_masked_lm_head_is_exact(mode, default_positions):
     """BERT's decoder shares the word embeddings, and its bias is also an attribute of the
-    prediction head (an alias, clipped with the decoder)."""
+    prediction head (an alias, clipped with the decoder); with Hugging Face's default
+    ``position_ids`` (a ``(1, T)`` slice of a buffer) the trainable position embedding sees one
+    row shared by the batch."""
     transformers = pytest.importorskip("transformers")
     cfg = transformers.BertConfig(vocab_size=23, hidden_size=8, num_hidden_layers=1,
                                   num_attention_heads=2, intermediate_size=12,
@@ -201,7 +266,7 @@ def test_bert_masked_lm_head_is_exact(mode):
                                                                            generator=g)
 
     def loss_fn(m, ids, labels):
-        pos = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
+        pos = None if default_positions else torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
         logits = m(input_ids=ids, position_ids=pos).logits
         return F.cross_entropy(logits.transpose(1, 2), labels, reduction="none").sum(1)
 
@@ -229,12 +294,35 @@ def opacus_step(model, batch, loss_fn, R, grad_sample_mode="hooks"):
     return [p.detach() - b for p, b in zip(params, before)]
 
 
-@pytest.mark.parametrize("case", ["tiny-tied-lm", "gpt2"])
+def bert_default_positions():
+    """A tiny BERT masked LM, its batch and its per-sample loss with the default
+    ``position_ids`` (a ``(1, T)`` slice of a buffer; trainable position embeddings)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(vocab_size=23, hidden_size=8, num_hidden_layers=1,
+                                  num_attention_heads=2, intermediate_size=12,
+                                  max_position_embeddings=8, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    model = transformers.BertForMaskedLM(cfg).double()
+    g = torch.Generator().manual_seed(4)
+    batch = [torch.randint(0, 23, (4, 6), generator=g), torch.randint(0, 23, (4, 6), generator=g)]
+
+    def loss_fn(m, ids, labels):
+        logits = m(input_ids=ids).logits
+        return F.cross_entropy(logits.transpose(1, 2), labels, reduction="none").sum(1)
+
+    return model, batch, loss_fn
+
+
+@pytest.mark.parametrize("case", ["tiny-tied-lm", "gpt2", "gpt2-default-positions",
+                                  "bert-default-positions"])
 def test_opacus_door_tied_weights_are_exact(case):
-    if case == "gpt2":
+    if case.startswith("gpt2"):
         model = gpt2()
         batch = [torch.randint(0, 31, (4, 6), generator=torch.Generator().manual_seed(3))]
-        loss_fn = hf_lm_loss
+        loss_fn = hf_lm_loss if case == "gpt2" else hf_default_lm_loss
+    elif case.startswith("bert"):
+        model, batch, loss_fn = bert_default_positions()
     else:
         torch.manual_seed(0)
         model, batch, loss_fn = TinyTiedLM().double(), list(tokens()), lm_loss
@@ -248,8 +336,9 @@ def test_opacus_door_tied_weights_are_exact(case):
     assert_close_rel(delta, [-r / B for r in ref], 1e-9)
 
 
+@pytest.mark.parametrize("default_positions", [False, True], ids=["positions", "default"])
 @pytest.mark.parametrize("mode", ["bk_mixed", "bk", "mixed", "per_sample"])
-def test_llama_full_fine_tuning_is_exact(mode):
+def test_llama_full_fine_tuning_is_exact(mode, default_positions):
     """A tiny Llama (rotary positions, grouped keys and values, a causal mask with padding, an
     untied head) with explicit per-sample ``position_ids``: exact against the float64 reference,
     the batch flow and the state guard silent. Every parameter is trained, the RMSNorm weights
@@ -271,7 +360,7 @@ def test_llama_full_fine_tuning_is_exact(mode):
     mask[0, 4:] = 0
 
     def loss(model, ids, mask):
-        pos = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
+        pos = None if default_positions else torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
         logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
         tok = F.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none")
         keep = mask[:, 1:].to(tok.dtype)

@@ -164,15 +164,19 @@ def test_float16_overflow_in_one_sample_does_not_reach_the_others(mode):
     assert_close_rel(grads, without, 1e-3)
 
 
-def test_float16_autocast_with_grad_scaler_matches_the_per_sample_float16_reference():
+@pytest.mark.parametrize("scaler_args", [{"init_scale": 2.0 ** 8}, {}],
+                         ids=["init_scale-2^8", "torch-defaults"])
+def test_float16_autocast_with_grad_scaler_matches_the_per_sample_float16_reference(scaler_args):
     """A float16 autocast step with a GradScaler: within float16 precision of the sample-by-sample
-    gradients of the same autocast forward."""
+    gradients of the same autocast forward, no honest sample dropped — with GradScaler's defaults
+    too (torch's 2¹⁶ overflows float16 on per-sample losses: the engine starts such a scaler at
+    2¹⁰)."""
     model = _vit()
     gen = gen_for(3)
     x = torch.randn(6, 3, 32, 32, generator=gen)
     y = torch.randint(0, 5, (6,), generator=gen)
     ref_sum, _, R = _autocast_reference(model, x, y, torch.float16)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    scaler = torch.amp.GradScaler("cpu", **scaler_args)
     engine = pe.PrivacyEngine(model, batch_size=6, sample_size=60, max_grad_norm=R,
                               noise_multiplier=0.0, clipping_mode="bk_mixed", grad_scaler=scaler)
     with torch.autocast("cpu", dtype=torch.float16):
@@ -181,6 +185,24 @@ def test_float16_autocast_with_grad_scaler_matches_the_per_sample_float16_refere
     assert engine.loss_scaling.dropped_samples == 0
     flat = lambda gs: [torch.cat([g.double().flatten() for g in gs])]  # noqa: E731
     assert_close_rel(flat(grads), flat(ref_sum), 1e-2, ["clipped sum"])
+    assert scaler.get_scale() == scaler_args.get("init_scale", 2.0 ** 10)
+
+
+def test_grad_scaler_given_scale_is_kept_and_overflow_warns_with_the_fix():
+    """An init_scale the user chose is kept as given; when it makes half the batch or more
+    overflow, the warning names the fix (a lower init_scale), not grad_scaler= again."""
+    model = _vit()
+    gen = gen_for(3)
+    x = torch.randn(6, 3, 32, 32, generator=gen)
+    y = torch.randint(0, 5, (6,), generator=gen)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 17)
+    engine = pe.PrivacyEngine(model, batch_size=6, sample_size=60, max_grad_norm=1.0,
+                              noise_multiplier=0.0, grad_scaler=scaler)
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = model(x)
+    with pytest.warns(RuntimeWarning, match=r"init_scale=2048"):
+        engine.clipped_grad_sum(F.cross_entropy(out.float(), y, reduction="none"))
+    assert engine.loss_scaling.dropped_samples >= 3 and scaler.get_scale() == 2.0 ** 17
 
 
 def test_grad_scaler_needs_a_book_keeping_mode_and_a_scaler():

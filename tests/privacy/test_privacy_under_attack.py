@@ -790,20 +790,23 @@ FIXED_SCALE = dict(init_scale=2.0 ** 4, growth_interval=10 ** 9)
 FP16 = {"fp16-cancellation": (1e3, 50.0, 0), "fp16-overflow": None}
 
 
+@pytest.mark.parametrize("scaler", ["fixed-2^4", "torch-defaults"])
 @pytest.mark.parametrize("mode", BOOK_KEEPING)
 @pytest.mark.parametrize("variant", list(FP16))
-def test_float16_grad_scaler(variant, mode):
-    """float16 autocast with ``grad_scaler=GradScaler("cpu")`` (book-keeping modes): a sample
-    whose positions cancel in the float32 Grams of float16 operands is clipped; one that
-    overflows float16 is dropped (ratio 0); neither makes the step fail."""
+def test_float16_grad_scaler(variant, mode, scaler):
+    """float16 autocast with ``grad_scaler=GradScaler("cpu")`` (book-keeping modes; a fixed
+    scale, or GradScaler's defaults, which the engine starts at 2¹⁰): a sample whose positions
+    cancel in the float32 Grams of float16 operands is clipped; one that overflows float16 is
+    dropped (ratio 0); neither makes the step fail."""
     if FP16[variant] is None:
         case = large_vector_case()
         case.crafted = (case.crafted[0] * 1e5, case.crafted[1])  # inf in float16
     else:
         case = fp16_case(*FP16[variant])
         assert_large(case)
-    pair = run_pair(case, "native", mode, amp=torch.float16, scaler_args=FIXED_SCALE)
-    assert_bounded(*pair, tol=LOWP_TOL, what=f"{variant} {mode}")
+    pair = run_pair(case, "native", mode, amp=torch.float16,
+                    scaler_args=FIXED_SCALE if scaler == "fixed-2^4" else {})
+    assert_bounded(*pair, tol=LOWP_TOL, what=f"{variant} {mode} {scaler}")
 
 
 # -- further crafted cases -----------------------------------------------------------------------
@@ -1010,3 +1013,50 @@ def test_raw_weights_in_a_matmul(door, how, scale):
     if scale < 1e10:
         assert_large(case)
     assert_bounded(*run_pair(case, door, how), what=f"raw matmul {door}-{how} x{scale:g}")
+
+
+# -- 11. a layer on one row shared by the batch (Hugging Face's default position_ids) -------------
+class SharedPositions(nn.Module):
+    """Hugging Face's embedding pattern: ``proj(x) + wpe(arange(T)[None])`` — the position
+    embedding runs on one ``(1, T)`` row and its output is broadcast against the batch — then a
+    head."""
+
+    def __init__(self, d: int = 6, T: int = 2, o: int = 4):
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+        self.wpe = nn.Embedding(T, d)
+        self.head = nn.Linear(d, o)
+
+    def forward(self, x):
+        pos = torch.arange(x.shape[1]).unsqueeze(0)
+        return self.head(self.proj(x) + self.wpe(pos))
+
+
+def shared_positions_case(variant: str) -> Case:
+    """Honest samples of 2 positions and a crafted one: ``huge`` (inputs ~1e15) or ``cancel``
+    (output gradients opposite to the honest samples' sum, ×100: in the batch's summed gradient
+    of the shared rows the honest samples' share nearly vanishes)."""
+    torch.manual_seed(0)
+    model = SharedPositions()
+    x, t = honest_positions(model, 6, 4)
+    g = torch.Generator().manual_seed(7)
+    if variant == "huge":
+        crafted = (torch.randn(1, 2, 6, generator=g) * 1e15, torch.zeros(1, 2, 4))
+    else:
+        xc = torch.randn(1, 2, 6, generator=g) * 0.1
+        with torch.no_grad():
+            residual = (model(x) - t).sum(0, keepdim=True)
+            crafted = (xc, model(xc) + 100 * residual)
+    return Case(model, (x, t), crafted)
+
+
+@pytest.mark.parametrize("variant", ["huge", "cancel"])
+@pytest.mark.parametrize("door,how", DOORS, ids=DOOR_IDS)
+def test_shared_position_rows(door, how, variant):
+    """The position embedding's per-sample gradients are taken from the output gradient before
+    the broadcast sums it: a crafted sample moves the release by at most R in every mode and
+    both doors (before, such a model was refused)."""
+    case = shared_positions_case(variant)
+    if variant == "cancel":
+        assert_large(case)
+    assert_bounded(*run_pair(case, door, how), what=f"shared rows {variant} {door}-{how}")

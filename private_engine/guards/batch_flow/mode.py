@@ -297,6 +297,30 @@ class BatchFlow(TorchDispatchMode):
         finally:
             self.end()
 
+    # -- shared rows -----------------------------------------------------------------------------
+    def broadcast_rows(self, x: torch.Tensor, output: torch.Tensor) -> Optional[torch.Tensor]:
+        """A clipped layer's call on one row of no sample's data during a step on ``n > 1``
+        batch-first rows (``nn.Embedding`` on Hugging Face's default ``position_ids`` of shape
+        ``(1, T)``): ``output.expand(n, …)``, tagged as the batch's rows ``Rows(0, mod=n)``;
+        None for any other call.
+
+        The model broadcasts the shared row against the batch later; expanding it at the layer
+        gives the same values, and the tag makes every later op that would combine row i with
+        another sample's row (a reduction over the batch, an index across it) a mixing this
+        tracker refuses. Rows kept apart, loss entry i reaches row i alone, so the gradient
+        at row i of the expanded output is sample i's, ``∂L_i/∂y``."""
+        if not (self.active and self.batch_dim == 0 and self.batch is not None
+                and self.batch > 1):
+            return None
+        if x.dim() == 0 or x.shape[0] != 1 or output.dim() == 0 or output.shape[0] != 1:
+            return None
+        if not all(tag is None or isinstance(tag, Iota)
+                   for tag in (self.tag(x), self.tag(output))):
+            return None  # a row of sample data (a model looping over samples): not shared
+        expanded = output.expand(self.batch, *output.shape[1:])
+        self._set(expanded, Rows(0, 1, 0, self.batch), self.epoch)
+        return expanded
+
     # -- tags ----------------------------------------------------------------------------------
     def tag(self, t: torch.Tensor):
         """The tag of ``t`` (None: untagged)."""
