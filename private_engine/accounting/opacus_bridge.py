@@ -20,8 +20,9 @@ a valid but loose upper bound. It appears
 * in every calibration, whose search probes large σ (their ε is far below the target); the
   calibration silences it;
 * when the privacy loss is small (large σ, small q, few steps): :class:`RDPAccountant` then
-  evaluates the larger orders of :data:`EXTENDED_ORDERS` too (the minimum is interior for every
-  ε above about 0.005), and warns in one line only if the minimum is still at the largest.
+  evaluates the larger orders of :data:`EXTENDED_ORDERS` too (the minimum is then interior: the
+  conversion term alone is smallest near α ≈ 1000 for δ from 10⁻⁵ to 10⁻²⁰), and warns in one
+  line only if the minimum is still at the largest.
 """
 from __future__ import annotations
 
