@@ -466,7 +466,8 @@ class PrivacyEngine:
         actually clipped (:class:`private_engine.accounting.PrivacyReport`; ``str()`` gives one
         line)."""
         return self.budget.report(self.get_epsilon(), self.steps_taken,
-                                  self.sampling_check.mean_batch_size, self.batch_size)
+                                  self.sampling_check.mean_batch_size, self.batch_size,
+                                  sampling_checked=self.sampling_check.enabled)
 
     def parameter_names(self) -> dict:
         """``{id(parameter): qualified name}`` of the model as it is now (FSDP2: of its

@@ -126,3 +126,5 @@ def test_check_sampling_false_steps_fixed_batches_knowingly():
         for x, y in DataLoader(_data(), batch_size=B, shuffle=True):
             _step(engine, opt, x, y)
     assert engine.steps_taken == 20
+    report = engine.privacy_report()
+    assert not report.sampling_checked and "sampling not checked" in str(report)
