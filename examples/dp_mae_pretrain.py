@@ -94,7 +94,7 @@ def parse_args(argv=None):
     q.add_argument("--lr", type=float, default=1e-3)
     q.add_argument("--weight-decay", type=float, default=0.05)
     q.add_argument("--clipping-mode", default="bk_mixed")
-    q.add_argument("--accountant", default="rdp", choices=["rdp", "prv", "gdp"])
+    q.add_argument("--accountant", default="rdp", choices=["rdp", "prv", "gdp", "pld"])
     e = p.add_argument_group("evaluation and output")
     e.add_argument("--probe", action="store_true",
                    help="compare random init / synthetic / synthetic + DP-MAE with linear probes")

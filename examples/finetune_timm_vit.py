@@ -110,7 +110,7 @@ def parse_args(argv=None):
                         "(docs/engine.md, 'Clipping modes')")
     p.add_argument("--clipping-fn", default="automatic",
                    choices=["abadi", "automatic", "global"])
-    p.add_argument("--accountant", default="rdp", choices=["rdp", "prv", "gdp"])
+    p.add_argument("--accountant", default="rdp", choices=["rdp", "prv", "gdp", "pld"])
     p.add_argument("--amp", nargs="?", const="bf16", choices=("bf16", "fp16"),
                    help="autocast: bf16 (the default of a bare --amp; CPU, or CUDA GPUs with "
                         "bfloat16) or fp16 (float16 with a torch.amp.GradScaler; needs a "

@@ -147,10 +147,11 @@ def check_engine_state_dict(engine, state: Dict[str, Any], *, ledger: LedgerArg 
                             near: Optional[str] = None) -> Optional[Tuple[str, LedgerContents]]:
     """Raise ``ValueError`` if ``state`` (from :func:`engine_state_dict`) cannot be loaded into
     ``engine``, with nothing changed: another format; the older format (version 1) without
-    ``ledger=False``, or holding an accumulation in progress; privacy parameters that differ from
-    the engine's (each difference named); a given generator's state for an engine that draws from
-    another kind of generator; a step ledger that is missing (without ``ledger=False``), of
-    another run, or that does not extend the state's history.
+    ``ledger=False``, or holding an accumulation in progress; a privacy parameter or the
+    accountant history missing (the budget could not be restored); privacy parameters that
+    differ from the engine's (each difference named); a given generator's state for an engine
+    that draws from another kind of generator; a step ledger that is missing (without
+    ``ledger=False``), of another run, or that does not extend the state's history.
 
     ``ledger``: None, the ledger the state names (looked up at its path, then under its name in
     the directory ``near``); a path, that ledger; False, none (the caller asserts that no step
@@ -163,7 +164,17 @@ def check_engine_state_dict(engine, state: Dict[str, Any], *, ledger: LedgerArg 
                          f"(this private_engine reads versions {_OLD_VERSION} and {VERSION}).")
     if version == _OLD_VERSION:
         _check_old_state(state, ledger)
-    saved = state["privacy"]
+    saved = state.get("privacy")
+    missing = [key for key, _ in _PARAMETERS if not isinstance(saved, dict) or key not in saved]
+    if missing or not isinstance(state.get("accountant"), dict) or (
+            "history" not in state["accountant"]):
+        raise ValueError(
+            "the checkpoint does not record all the privacy parameters this private_engine "
+            f"compares (missing: {missing or ['accountant history']}); it was written by an "
+            "older or another engine. Without them its budget (target_epsilon, steps) and "
+            "its accountant history cannot be restored, and loading it would start a fresh "
+            "budget guard over steps already spent. Resume from a checkpoint of this version, "
+            "or start a new run.")
     mine = {key: read(engine) for key, read in _PARAMETERS}
     diffs = [f"{key}: checkpoint {saved.get(key)!r}, engine {value!r}"
              for key, value in mine.items() if saved.get(key) != value]

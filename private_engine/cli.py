@@ -84,7 +84,7 @@ def _training_length(p: argparse.ArgumentParser) -> None:
     g.add_argument("--epochs", type=float)
     g.add_argument("--steps", type=int)
     p.add_argument("--delta", type=float, default=None, help="default 1/(2n)")
-    p.add_argument("--accountant", default="rdp", choices=["rdp", "prv", "gdp"])
+    p.add_argument("--accountant", default="rdp", choices=["rdp", "prv", "gdp", "pld"])
 
 
 def build_parser() -> argparse.ArgumentParser:

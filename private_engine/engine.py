@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import warnings
 from typing import Callable, List, Optional, Sequence, Union
 
 import torch
@@ -24,7 +25,7 @@ from torch import nn
 
 from . import optim as _optim
 from .accounting import (PrivacyBudget, PrivacyReport, SamplingRateCheck,
-                         calibrate_noise_multiplier, make_accountant, steps_for)
+                         calibrate_noise_multiplier, check_loader, make_accountant, steps_for)
 from .clipping.batch import ClippedBatch, clip_batch
 from .clipping.clipper import PerSampleClipper
 from .clipping.functions import ClipFn
@@ -73,7 +74,19 @@ class PrivacyEngine:
             second activation-only backward that writes the sums); every mode gives the same clipped
             gradient (docs/engine.md, "Clipping modes").
         clipping_fn: "abadi", "automatic", "global" or a callable ``(norms, R) -> factors``.
-        accountant: "rdp", "prv" or "gdp" (Opacus' accountants).
+        accountant: "rdp", "prv" or "gdp" (Opacus' accountants) or "pld" (dp-accounting's
+            privacy-loss-distribution accountant; :mod:`private_engine.accounting.pld`), all for
+            the Poisson-subsampled Gaussian.
+        check_sampling: refuse logical batches whose sizes contradict Poisson sampling at
+            ``q = batch_size / sample_size``: the wrong mean rate, or fixed-size batches (a
+            ``DataLoader(batch_size=B)``, shuffled or not), for which the accountants' ε does not
+            hold (:mod:`private_engine.accounting.sampling_check`). ``False`` steps any batches
+            and reports ε as if they were Poisson (with a warning at construction): for
+            benchmarks, never for a privacy claim.
+        data_loader: optional, the loader the batches come from: its data set must hold
+            ``sample_size`` examples, and a loader that samples fixed-size batches, or Poisson
+            batches at another rate than ``q``, is refused at construction (when
+            ``check_sampling``).
         noise_generator: optional ``torch.Generator`` for the noise. By default (None) the noise
             comes from a generator on the parameters' device whose state is drawn from OS entropy
             (``private_engine.randomness.entropy_seeded_generator``), never from torch's global
@@ -135,6 +148,7 @@ class PrivacyEngine:
                  grad_scaler: Optional["torch.amp.GradScaler"] = None,
                  dynamic_loss_scale: bool = False, allow_overrun: bool = False,
                  distributed: Optional[bool] = None, check_replicas: bool = False,
+                 check_sampling: bool = True, data_loader=None,
                  step_logger: Optional[StepLogger] = None):
         if model is None:
             raise TypeError(
@@ -157,6 +171,14 @@ class PrivacyEngine:
             )
         if (noise_multiplier is None) == (target_epsilon is None):
             raise ValueError("give exactly one of noise_multiplier or target_epsilon.")
+        if data_loader is not None:
+            check_loader(data_loader, batch_size, sample_size, poisson=bool(check_sampling))
+        if not check_sampling:
+            warnings.warn(
+                "check_sampling=False: logical batches are not checked against Poisson sampling "
+                f"at q={batch_size / sample_size:.4g}, and the ε reported assumes it; it is not a "
+                "privacy guarantee for fixed-size or shuffled batches.", UserWarning,
+                stacklevel=2)
         check_mode(clipping_mode)
         self.loss_scaling = LossScaling(grad_scaler, dynamic=dynamic_loss_scale)
         if self.loss_scaling.enabled and not is_book_keeping(clipping_mode):
@@ -215,7 +237,8 @@ class PrivacyEngine:
                                     planned_steps=self.steps, target_epsilon=target_epsilon,
                                     allow_overrun=allow_overrun)
         #: the samples of released logical batches against the declared batch_size
-        self.sampling_check = SamplingRateCheck(batch_size, sample_size)
+        self.sampling_check = SamplingRateCheck(batch_size, sample_size,
+                                                enabled=bool(check_sampling))
 
         check_no_batchnorm(model)
         #: refuses a training forward that changes a buffer from the data (a release without noise)
@@ -493,7 +516,8 @@ class PrivacyEngine:
         actually clipped (:class:`private_engine.accounting.PrivacyReport`; ``str()`` gives one
         line)."""
         return self.budget.report(self.get_epsilon(), self.steps_taken,
-                                  self.sampling_check.mean_batch_size, self.batch_size)
+                                  self.sampling_check.mean_batch_size, self.batch_size,
+                                  sampling_checked=self.sampling_check.enabled)
 
     def parameter_names(self) -> dict:
         """``{id(parameter): qualified name}`` of the model as it is now (FSDP2: of its

@@ -44,6 +44,9 @@ class PrivacyReport:
     #: mean number of samples per released logical batch, and the declared expected batch size
     mean_batch_size: Optional[float]
     declared_batch_size: int
+    #: whether the batches were checked against Poisson sampling (False: ``check_sampling=False``,
+    #: the ε assumes Poisson sampling whatever the batches were)
+    sampling_checked: bool = True
 
     def __str__(self) -> str:
         if self.epsilon_budget is None:
@@ -54,6 +57,8 @@ class PrivacyReport:
         batch = ("" if self.mean_batch_size is None else
                  f", mean batch {self.mean_batch_size:.1f} (declared {self.declared_batch_size})")
         planned = "" if self.planned_steps is None else f" of {self.planned_steps} planned"
+        if not self.sampling_checked:
+            batch += "; sampling not checked (ε assumes Poisson sampling)"
         return (f"ε={self.epsilon:.4g} at δ={self.delta:.3g} after {self.steps} steps{planned} "
                 f"(σ={self.noise_multiplier:.4g}, q={self.sample_rate:.4g}, {self.accountant}); "
                 f"{budget}{batch}")
@@ -152,7 +157,8 @@ class PrivacyBudget:
                 "allow_overrun=True to spend beyond the budget knowingly.")
 
     def report(self, epsilon: float, steps: int, mean_batch_size: Optional[float],
-               declared_batch_size: int) -> PrivacyReport:
+               declared_batch_size: int, sampling_checked: bool = True) -> PrivacyReport:
+        """The :class:`PrivacyReport` of a run that spent ``epsilon`` in ``steps`` steps."""
         budget = self.epsilon_budget
         limit = self.max_steps() if budget is not None else None
         return PrivacyReport(
@@ -161,4 +167,5 @@ class PrivacyBudget:
             accountant=self.accountant, epsilon_budget=budget,
             epsilon_remaining=None if budget is None else budget - epsilon,
             steps_remaining=None if limit is None else limit - steps,
-            mean_batch_size=mean_batch_size, declared_batch_size=declared_batch_size)
+            mean_batch_size=mean_batch_size, declared_batch_size=declared_batch_size,
+            sampling_checked=bool(sampling_checked))

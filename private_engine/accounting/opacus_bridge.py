@@ -1,25 +1,102 @@
-"""Thin layer over Opacus' accountants (RDP, PRV, GDP) for DP-SGD style training.
+"""The accountants of DP-SGD: Opacus' RDP, PRV and GDP accountants and dp-accounting's PLD
+accountant (:mod:`private_engine.accounting.pld`), by name.
 
-The mechanism is the subsampled Gaussian: each step releases ``Σ_i C_i g_i + N(0, σ²R²I)`` over a
-batch sampled at rate ``q = batch_size / sample_size``; the accountant composes ``steps`` of it.
+The mechanism is the Poisson-subsampled Gaussian: each step releases ``Σ_i C_i g_i +
+N(0, σ²R²I)`` over a batch in which each example is included independently with probability
+``q = batch_size / sample_size``; the accountant composes ``steps`` of it (add-or-remove-one
+neighbouring relation).
+
+Opacus' RDP accountant evaluates ``ε = min_α ε_RDP(α) + log((α−1)/α) − (log δ + log α)/(α−1)``
+(Balle et al. 2020, "Hypothesis Testing Interpretations and Renyi Differential Privacy", Thm 21)
+on the orders ``α ∈ {1.1, …, 10.9, 12, …, 63}``, and warns "Optimal order is the largest alpha"
+when the minimum falls on α = 63: then the true minimum lies at a larger order and the ε found is
+a valid but loose upper bound. It appears
+
+* in every run of Opacus' PRV accountant: to size the domain it discretises, it asks the RDP
+  accountant for the ε of one step at ``δ_error / (8·steps)`` (Gopi, Lee & Wutschitz 2021,
+  "Numerical Composition of Differential Privacy", Remark 5.6), whose best order is almost always
+  past 63; a loose bound there only widens the (safe) domain, and the PRV ε stays a valid upper
+  bound. :class:`PRVAccountant` silences it there;
+* in every calibration, whose search probes large σ (their ε is far below the target); the
+  calibration silences it;
+* when the privacy loss is small (large σ, small q, few steps): :class:`RDPAccountant` then
+  evaluates the larger orders of :data:`EXTENDED_ORDERS` too (the minimum is then interior: the
+  conversion term alone is smallest near α ≈ 1000 for δ from 10⁻⁵ to 10⁻²⁰), and warns in one
+  line only if the minimum is still at the largest.
 """
 from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from typing import Optional
 
 from opacus.accountants import IAccountant, create_accountant
+from opacus.accountants import PRVAccountant as _OpacusPRVAccountant
+from opacus.accountants import RDPAccountant as _OpacusRDPAccountant
 from opacus.accountants.utils import get_noise_multiplier
 
-ACCOUNTANTS = ("rdp", "prv", "gdp")
+from .pld import PLDAccountant, pld_noise_multiplier
+
+ACCOUNTANTS = ("rdp", "prv", "gdp", "pld")
+
+#: Opacus' message when the best RDP order is the largest of the grid
+_EDGE_MESSAGE = "Optimal order is the (largest|smallest) alpha"
+#: the orders evaluated when Opacus' default grid puts the optimum at its largest, 63
+EXTENDED_ORDERS = (list(range(64, 128, 4)) + list(range(128, 512, 16))
+                   + list(range(512, 4097, 128)))
+
+
+class RDPAccountant(_OpacusRDPAccountant):
+    """Opacus' RDP accountant (Mironov 2017, "Rényi Differential Privacy"; Mironov, Talwar &
+    Zhang 2019, "Rényi Differential Privacy of the Sampled Gaussian Mechanism"), whose ε is
+    recomputed over :data:`EXTENDED_ORDERS` too when the best order of Opacus' default grid is
+    its largest (module docstring); elsewhere the same ε as Opacus'."""
+
+    def get_privacy_spent(self, *, delta: float, alphas=None):
+        """``(ε, best order)`` at ``delta``: Opacus' over its default orders (or ``alphas``), and
+        over the extended orders as well when the best order is the largest."""
+        orders = list(self.DEFAULT_ALPHAS if alphas is None else alphas)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_EDGE_MESSAGE)
+            eps, best = super().get_privacy_spent(delta=delta, alphas=orders)
+            if best != max(orders) or alphas is not None:
+                return eps, best
+            orders = orders + [a for a in EXTENDED_ORDERS if a > best]
+            eps, best = super().get_privacy_spent(delta=delta, alphas=orders)
+        if best == max(orders) and math.isfinite(eps):
+            warnings.warn(
+                f"RDP accountant: the best Rényi order is the largest evaluated (α={best}); "
+                f"ε={eps:.3g} is a valid upper bound but may be loose (accountant='prv' or "
+                "'pld' is tighter for so little privacy loss).", UserWarning, stacklevel=3)
+        return eps, best
+
+
+class PRVAccountant(_OpacusPRVAccountant):
+    """Opacus' PRV accountant (Gopi, Lee & Wutschitz 2021), the same ε, without the RDP
+    warning of its domain sizing (module docstring)."""
+
+    def get_epsilon(self, delta: float, **kwargs) -> float:
+        """ε spent at ``delta`` (Opacus' ``PRVAccountant.get_epsilon``)."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_EDGE_MESSAGE)
+            return super().get_epsilon(delta, **kwargs)
 
 
 def make_accountant(name: str) -> IAccountant:
-    """An Opacus accountant by name: "rdp" (Mironov 2017), "prv" (Gopi et al. 2021), "gdp" (Dong et
-    al. 2019)."""
+    """An accountant by name: "rdp" (:class:`RDPAccountant`, Opacus' with the extended orders),
+    "prv" (:class:`PRVAccountant`; Gopi, Lee & Wutschitz 2021, "Numerical Composition of
+    Differential Privacy"), "gdp" (Dong, Roth & Su 2022, "Gaussian Differential Privacy";
+    Opacus' accountants) or "pld" (dp-accounting's privacy loss distributions,
+    :class:`private_engine.accounting.pld.PLDAccountant`)."""
     if name not in ACCOUNTANTS:
         raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {name!r}.")
+    if name == "rdp":
+        return RDPAccountant()
+    if name == "pld":
+        return PLDAccountant()
+    if name == "prv":
+        return PRVAccountant()
     return create_accountant(mechanism=name)
 
 
@@ -48,21 +125,29 @@ def calibrate_noise_multiplier(target_epsilon: float, target_delta: float, sampl
                                steps: int, accountant: str = "rdp",
                                epsilon_tolerance: float = 0.01) -> float:
     """The smallest σ (within tolerance) such that ``steps`` subsampled-Gaussian steps at rate q
-    spend at most ``target_epsilon`` at ``target_delta`` — Opacus' ``get_noise_multiplier``."""
+    spend at most ``target_epsilon`` at ``target_delta``: Opacus' ``get_noise_multiplier`` (its
+    probes' "Optimal order is the largest alpha" warnings silenced), or for "pld"
+    :func:`private_engine.accounting.pld.pld_noise_multiplier` (dp-accounting's calibration)."""
     if not target_epsilon > 0 or math.isinf(target_epsilon):
         raise ValueError(
             f"target_epsilon must be a positive finite number, got {target_epsilon}.")
     if not 0 < target_delta < 1:
         raise ValueError(f"target_delta must be in (0, 1), got {target_delta}.")
-    return get_noise_multiplier(target_epsilon=target_epsilon, target_delta=target_delta,
-                                sample_rate=sample_rate, steps=steps, accountant=accountant,
-                                epsilon_tolerance=epsilon_tolerance)
+    if accountant not in ACCOUNTANTS:
+        raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}.")
+    if accountant == "pld":
+        return pld_noise_multiplier(target_epsilon, target_delta, sample_rate, steps)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_EDGE_MESSAGE)
+        return get_noise_multiplier(target_epsilon=target_epsilon, target_delta=target_delta,
+                                    sample_rate=sample_rate, steps=steps, accountant=accountant,
+                                    epsilon_tolerance=epsilon_tolerance)
 
 
 def epsilon_for(noise_multiplier: float, sample_rate: float, steps: int, delta: float,
                 accountant: str = "rdp") -> float:
-    """ε spent by ``steps`` subsampled-Gaussian steps (σ, q) at δ, by the named Opacus
-    accountant."""
+    """ε spent by ``steps`` subsampled-Gaussian steps (σ, q) at δ, by the named accountant
+    (:func:`make_accountant`)."""
     acc = make_accountant(accountant)
     acc.history = [(noise_multiplier, sample_rate, steps)]
     return float(acc.get_epsilon(delta=delta))

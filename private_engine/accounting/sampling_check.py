@@ -2,38 +2,67 @@
 
 The accountant composes steps of the Poisson-subsampled Gaussian at rate ``q = B / n`` (declared
 ``batch_size`` B, ``sample_size`` n). Under Poisson sampling a logical batch holds
-``N_t ~ Binomial(n, q)`` samples: mean ``B``, variance ``B·(1 − q)``; a fixed batch holds B. After
-k released batches the total ``S_k = Σ_t N_t`` has mean ``k·B`` and standard deviation
-``(k·B·(1 − q))^{1/2}``; a total off by more than ``z`` standard deviations (z = 7: a false
-alarm about once in 10¹¹ checks) plus one sample contradicts the declared rate — e.g. batches of
-256 stepped by an engine told 8 would report ε ≈ 0.6 where ≈ 2.8 was spent. The check is on the
-counts only, before the step's noise is added, so a refused step releases nothing.
+``N_t ~ Binomial(n, q)`` samples, independently from step to step. Two departures are refused,
+on the counts only, before the step's noise is added (a refused step releases nothing):
+
+* **the wrong rate.** ``N_t`` has mean ``B`` and variance ``B·(1 − q)``; after k released batches
+  the total ``S_k = Σ_t N_t`` has mean ``k·B`` and standard deviation ``(k·B·(1 − q))^{1/2}``. A
+  total off by more than ``z`` standard deviations (z = 7: a false alarm about once in 10¹¹
+  checks) plus one sample contradicts the declared rate — e.g. batches of 256 stepped by an
+  engine told 8 would report ε ≈ 0.6 where ≈ 2.8 was spent.
+* **fixed-size batches.** A ``DataLoader(batch_size=B)`` (shuffled or not) gives batches of
+  exactly B samples, and the Poisson accountant's ε does not hold for them: a shuffled epoch is
+  neither Poisson sampling nor sampling without replacement at every step, and its privacy can be
+  much worse than the Poisson ε at the same q (Chua et al. 2024, "How Private are DP-SGD
+  Implementations?"; Chua et al. 2024, "Scalable DP-SGD: Shuffling vs. Poisson Subsampling").
+  Under Poisson sampling a batch holds exactly B samples with probability
+  ``p₀ = C(n, B)·q^B·(1 − q)^{n−B}``, independently at each step, so the number E_k of such
+  batches among k is ``Binomial(k, p₀)``; ``P(Binomial(k, p₀) ≥ E_k) < 10⁻¹¹`` refuses the step
+  (batches all of size B are refused after ``⌈log 10⁻¹¹ / log p₀⌉`` steps: 7 at B = 256,
+  n = 50 000; 13 at B = 10, n = 200). With ``q = 1`` every batch is the whole data set under
+  either sampling, and nothing is refused.
 """
 from __future__ import annotations
 
 import math
 
+from scipy.special import bdtrc
+from scipy.stats import binom
+
 
 class SamplingRateError(ValueError):
-    """The samples clipped per logical batch contradict the declared batch_size (nothing was
-    updated)."""
+    """The samples clipped per logical batch contradict Poisson sampling at the declared
+    batch_size (nothing was updated)."""
 
 
 class SamplingRateCheck:
-    """Running count of the samples in released logical batches against ``batch_size``."""
+    """Running counts of the samples in released logical batches against ``batch_size``.
+
+    ``enabled=False`` (the engine's ``check_sampling=False``) keeps the counts for the report and
+    refuses nothing: ε then assumes Poisson sampling at ``q`` whatever the batches were."""
 
     #: standard deviations of the total allowed before a step is refused
     Z = 7.0
+    #: the tail probability of the count of batches of exactly B below which a step is refused
+    FIXED_SIZE_TAIL = 1e-11
 
-    def __init__(self, batch_size: int, sample_size: int):
+    def __init__(self, batch_size: int, sample_size: int, enabled: bool = True):
         self.batch_size = batch_size
+        self.sample_size = sample_size
         self.sample_rate = batch_size / sample_size
+        self.enabled = bool(enabled)
+        #: P(N_t = B) under Poisson sampling at q
+        self.exact_probability = float(binom.pmf(batch_size, sample_size, self.sample_rate))
         self.steps = 0
         self.samples = 0
+        #: released logical batches of exactly batch_size samples
+        self.exact = 0
 
     def check(self, logical_size: int) -> None:
-        """Raise :class:`SamplingRateError` if the totals with this logical batch of
-        ``logical_size`` samples contradict the declared rate."""
+        """Raise :class:`SamplingRateError` if the counts with this logical batch of
+        ``logical_size`` samples contradict Poisson sampling at the declared rate."""
+        if not self.enabled:
+            return
         k = self.steps + 1
         total = self.samples + logical_size
         expected = k * self.batch_size
@@ -48,13 +77,70 @@ class SamplingRateCheck:
                 "Declare the logical batch size you step (batch_size=, with sample_size= the "
                 "number of training examples), or sample at that rate "
                 "(private_engine.data.poisson_loader(dataset, batch_size)).")
+        exact = self.exact + (logical_size == self.batch_size)
+        # P(Binomial(k, p₀) ≥ exact) = bdtrc(exact − 1, k, p₀)
+        if self.exact_probability < 1 and exact and (
+                bdtrc(exact - 1, k, self.exact_probability) < self.FIXED_SIZE_TAIL):
+            raise SamplingRateError(
+                f"{exact} of {k} logical batches held exactly batch_size={self.batch_size} "
+                "samples, where Poisson sampling at "
+                f"q={self.sample_rate:.4g} gives exactly {self.batch_size} with probability "
+                f"{self.exact_probability:.3g}: these are fixed-size batches (a DataLoader "
+                "with batch_size=, shuffled or not). The accountant's ε holds for Poisson "
+                "sampling only; for a shuffled or fixed-size batching it can be far too small. "
+                "Nothing was updated. Sample each batch with "
+                "private_engine.data.poisson_loader(dataset, batch_size) (your loader's "
+                "collate_fn and num_workers can be passed to it), or, to step batches that "
+                "are not Poisson knowingly, build the engine with check_sampling=False: the "
+                "ε it reports then assumes Poisson sampling and is not a guarantee for your "
+                "batches.")
 
     def commit(self, logical_size: int) -> None:
         """Count a released logical batch."""
         self.steps += 1
         self.samples += logical_size
+        self.exact += logical_size == self.batch_size
 
     @property
     def mean_batch_size(self):
         """Mean samples per released logical batch (None before the first)."""
         return self.samples / self.steps if self.steps else None
+
+
+def check_loader(loader, batch_size: int, sample_size: int, poisson: bool = True) -> None:
+    """Refuse, with a ``ValueError`` saying what to change, a data loader that contradicts the
+    declared ``batch_size`` B and ``sample_size`` n: a data set whose length is not n (ε is
+    computed for ``q = B/n``; another n gives another q and a wrong ε), and, with ``poisson``, a
+    loader of fixed-size batches (``loader.batch_size`` set: shuffled or sequential batches of B,
+    :class:`SamplingRateError`) or a Poisson sampler (Opacus' ``DPDataLoader``,
+    :func:`private_engine.data.poisson_loader`) at a rate other than ``q``. A loader of another
+    kind passes (its batches are checked as they are stepped)."""
+    dataset = getattr(loader, "dataset", None)
+    try:
+        length = len(dataset)
+    except TypeError:  # an IterableDataset without a length
+        length = None
+    if length is not None and length != sample_size:
+        raise ValueError(
+            f"sample_size={sample_size} but the data loader's data set holds {length} examples: "
+            f"ε is computed for q = batch_size / sample_size = {batch_size / sample_size:.4g}, "
+            f"and these batches are drawn from {length}. Pass sample_size=len(dataset) "
+            f"({length}).")
+    if not poisson:
+        return
+    if getattr(loader, "batch_size", None) is not None:
+        raise SamplingRateError(
+            f"the data loader gives fixed-size batches (batch_size={loader.batch_size}, "
+            "shuffled or not), for which the accountant's ε, computed for Poisson sampling, "
+            "does not hold: a shuffled epoch can spend much more. Use "
+            f"private_engine.data.poisson_loader(dataset, {batch_size}) (each example joins "
+            "each batch independently with probability q; collate_fn and num_workers can be "
+            "passed to it), or build the engine with check_sampling=False to step these "
+            "batches knowingly (the ε reported is then not a guarantee for them).")
+    rate = getattr(getattr(loader, "batch_sampler", None), "sample_rate", None)
+    if rate is not None and not math.isclose(float(rate), batch_size / sample_size,
+                                             rel_tol=1e-9):
+        raise ValueError(
+            f"the data loader samples at rate {float(rate):.6g}, the engine accounts for "
+            f"q = batch_size / sample_size = {batch_size / sample_size:.6g}: pass the loader's "
+            f"expected batch size as batch_size ({float(rate) * sample_size:.6g}).")

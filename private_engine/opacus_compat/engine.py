@@ -71,6 +71,7 @@ from torch import nn, optim
 from torch.nn.parallel import DistributedDataParallel
 
 from ..accounting.ledger import StepLedger
+from ..accounting.opacus_bridge import PRVAccountant
 from ..checkpoint import find_ledger
 from ..randomness import entropy_seeded_generator
 from ..guards.model_check import check_no_batchnorm, clipped_layers, scan_model
@@ -100,6 +101,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
 
     def __init__(self, *, accountant: str = "prv", secure_mode: bool = False):
         super().__init__(accountant=accountant, secure_mode=secure_mode)
+        if accountant == "prv":  # the same ε, without the RDP warning of its domain sizing
+            self.accountant = PRVAccountant()
         self._module: Optional[PrivateModule] = None
         #: whether the current make_private call got a noise_generator (Opacus' reproducible run)
         self._reproducible = False
@@ -207,6 +210,12 @@ class PrivacyEngine(opacus.PrivacyEngine):
                          rand_on_empty=rand_on_empty)
         self._module = None
         self._reproducible = noise_generator is not None
+        if not poisson_sampling and not isinstance(data_loader, DPDataLoader):
+            warnings.warn(
+                "poisson_sampling=False: the data loader's batches are accounted as Poisson "
+                "sampling at rate 1/len(data_loader), as Opacus does; for fixed-size or shuffled "
+                "batches that ε is not a guarantee (it can be far too small). Keep "
+                "poisson_sampling=True for a privacy claim.", UserWarning, stacklevel=2)
         try:
             return super().make_private(
                 module=module, optimizer=optimizer, criterion=criterion, data_loader=data_loader,

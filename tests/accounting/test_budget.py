@@ -28,6 +28,12 @@ def batch(n, seed=0):
     return torch.randn(n, 4, generator=g), torch.randint(0, 3, (n,), generator=g)
 
 
+def poisson_sizes(n, q, count, seed=0):
+    """Logical batch sizes of Poisson sampling at rate q from n examples (what the accountant
+    assumes; batches of a fixed size are refused after a few steps)."""
+    return [int(s) for s in np.random.default_rng(seed).binomial(n, q, size=count)]
+
+
 def loss_of(model, x, y):
     return F.cross_entropy(model(x), y, reduction="none")
 
@@ -65,8 +71,8 @@ def test_step_beyond_the_target_epsilon_is_refused_with_nothing_changed():
     assert limit >= 10
     assert epsilon_for(engine.noise_multiplier, 0.1, limit, engine.target_delta) <= 1.0
     assert epsilon_for(engine.noise_multiplier, 0.1, limit + 1, engine.target_delta) > 1.0
-    for k in range(limit):
-        opt.step(loss=loss_of(model, *batch(8, k)))
+    for k, size in enumerate(poisson_sizes(80, 0.1, limit)):
+        opt.step(loss=loss_of(model, *batch(size, k)))
     assert engine.get_epsilon() <= 1.0
     opt.virtual_step(loss=loss_of(model, *batch(4, 100)))  # an accumulation in progress
     before = state(model, engine, opt)
@@ -84,8 +90,8 @@ def test_allow_overrun_spends_beyond_the_budget_knowingly():
     engine = pe.PrivacyEngine(model, batch_size=8, sample_size=80, max_grad_norm=1.0,
                               target_epsilon=1.0, epochs=0.5, allow_overrun=True)
     opt = engine.attach(torch.optim.SGD(model.parameters(), lr=0.1))
-    for k in range(3 * engine.budget.max_steps()):
-        opt.step(loss=loss_of(model, *batch(8, k)))
+    for k, size in enumerate(poisson_sizes(80, 0.1, 3 * engine.budget.max_steps())):
+        opt.step(loss=loss_of(model, *batch(size, k)))
     report = engine.privacy_report()
     assert report.epsilon > 1.0 and report.epsilon_remaining < 0 and report.steps_remaining < 0
 

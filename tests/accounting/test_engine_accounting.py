@@ -20,19 +20,22 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
 def _run(engine, steps, B, virtual_per_step=0, seed=0):
-    """Real private steps of logical batches of B samples on a tiny model, each in
-    ``virtual_per_step + 1`` physical batches (virtual steps that must not count)."""
+    """Real private steps of Poisson logical batches (``Binomial(n, B/n)`` samples) on a tiny
+    model, each in ``virtual_per_step + 1`` physical batches (virtual steps that must not
+    count)."""
     model = engine.model
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     engine.attach(opt)
     gen = torch.Generator().manual_seed(seed)
-    chunk = B // (virtual_per_step + 1)
-    for _ in range(steps):
+    n = engine.sample_size
+    sizes = torch.distributions.Binomial(n, torch.tensor(B / n)).sample((steps,)).long()
+    for size in sizes.tolist():
+        chunk = size // (virtual_per_step + 1)
         for _ in range(virtual_per_step):
             x = torch.randn(chunk, 4, generator=gen)
             opt.virtual_step(loss=F.cross_entropy(model(x), (x[:, 0] > 0).long(),
                                                   reduction="none"))
-        x = torch.randn(B - virtual_per_step * chunk, 4, generator=gen)
+        x = torch.randn(size - virtual_per_step * chunk, 4, generator=gen)
         opt.step(loss=F.cross_entropy(model(x), (x[:, 0] > 0).long(), reduction="none"))
     return opt
 

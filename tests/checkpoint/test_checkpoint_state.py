@@ -143,6 +143,22 @@ def test_other_privacy_parameters_are_refused(change, name):
     assert torch.equal(other.noise_generator.get_state(), before)
 
 
+@pytest.mark.parametrize("fields", [("target_epsilon", "steps"), ("accountant",)])
+def test_a_state_without_the_budgets_fields_is_refused_not_loaded_with_a_fresh_budget(fields):
+    """A state that does not record the budget (an older or foreign writer) would read as "no
+    target, no planned length" and load into an engine built without them: a fresh budget guard
+    over steps already spent. It is refused, naming what is missing, with nothing changed."""
+    model, opt, engine = _setup(steps=20)
+    opt.step(loss=_loss(model, _batches(1)[0]))
+    state = _roundtrip(engine.state_dict())
+    for field in fields:
+        del state["privacy"][field]
+    _, _, fresh = _setup()
+    with pytest.raises(ValueError, match=r"missing: \[" + repr(fields[0]) + r".*older"):
+        fresh.load_state_dict(state)
+    assert fresh.accountant.history == [] and fresh.budget.epsilon_budget is None
+
+
 def test_a_changed_max_grad_norm_loads_once_set_to_the_checkpoints():
     model, opt, engine = _setup()
     opt.step(loss=_loss(model, _batches(1)[0]))
@@ -169,7 +185,7 @@ def test_secure_mode_state_has_no_generator_and_is_refused_by_a_seeded_engine():
     assert secure.steps_taken == 1
 
 
-@pytest.mark.parametrize("accountant", ["rdp", "prv", "gdp"])
+@pytest.mark.parametrize("accountant", ["rdp", "prv", "gdp", "pld"])
 def test_every_accountant_resumes_to_the_same_epsilon(accountant):
     model, opt, engine = _setup(accountant=accountant)
     for b in _batches(3):

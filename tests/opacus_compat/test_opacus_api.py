@@ -311,3 +311,38 @@ def test_refused_backward_releases_its_records(mode):
     with pytest.raises(ValueError, match="Poisson"):
         criterion(out, y).backward()
     assert all(not layer.calls for layer in module.recorder.layers)
+
+
+def test_fixed_size_loader_warns_and_prv_epsilon_does_not():
+    """``poisson_sampling=False`` keeps Opacus' accounting of the loader's batches as Poisson
+    sampling, with a warning that this ε is no guarantee for fixed-size batches; the default PRV
+    accountant's ε is Opacus' without its domain sizing's "Optimal order" warning."""
+    import warnings
+
+    from opacus.accountants import PRVAccountant
+
+    def make(poisson):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        loader = DataLoader(TensorDataset(torch.randn(40, 4), torch.randint(0, 2, (40,))),
+                            batch_size=8, shuffle=True)
+        engine = opacus_compat.PrivacyEngine()
+        return engine, engine.make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,
+            poisson_sampling=poisson)
+
+    with pytest.warns(UserWarning, match="poisson_sampling=False.*not a guarantee"):
+        make(False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine, _ = make(True)
+        engine.accountant.history = [(1.0, 0.2, 10)]
+        eps = engine.get_epsilon(1e-5)
+    assert not [w for w in caught if "poisson_sampling" in str(w.message)
+                or "Optimal order" in str(w.message)], [str(w.message) for w in caught]
+    reference = PRVAccountant()
+    reference.history = [(1.0, 0.2, 10)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert eps == reference.get_epsilon(1e-5)

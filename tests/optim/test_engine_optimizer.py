@@ -260,17 +260,19 @@ def test_dp_optimizers_match_torch_on_the_private_gradient(name, kwargs):
 
 
 def test_dp_optimizer_with_noise_trains_float32():
-    """An end-to-end sanity run: DP-Adam with noise on a float32 model lowers a separable loss."""
+    """An end-to-end sanity run: DP-Adam with noise on a float32 model lowers a separable loss
+    (batches of Poisson sizes, expected 64 of 640)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(10, 16), nn.ReLU(inplace=True), nn.Linear(16, 2))
-    engine = pe.PrivacyEngine(model, batch_size=64, sample_size=6400, max_grad_norm=1.0,
+    engine = pe.PrivacyEngine(model, batch_size=64, sample_size=640, max_grad_norm=1.0,
                               noise_multiplier=0.5)
     opt = pe.optim.DPAdam(model.parameters(), lr=0.02, privacy_engine=engine)
-    x = torch.randn(64, 10)
+    x = torch.randn(640, 10)
     y = (x[:, 0] > 0).long()
     first = F.cross_entropy(model(x), y).item()
-    for _ in range(30):
-        opt.step(loss=F.cross_entropy(model(x), y, reduction="none"))
+    for size in torch.distributions.Binomial(640, torch.tensor(0.1)).sample((30,)).long():
+        xb = torch.randn(int(size), 10)
+        opt.step(loss=F.cross_entropy(model(xb), (xb[:, 0] > 0).long(), reduction="none"))
         opt.zero_grad()
     assert F.cross_entropy(model(x), y).item() < 0.7 * first
     assert engine.steps_taken == 30 and 0 < engine.get_epsilon() < math.inf
