@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -72,18 +72,17 @@ class BatchRecord:
 class EpsilonTracker:
     """ε after each step at ``delta``, cheap enough for every step.
 
-    An Opacus ``RDPAccountant``: ``ε = conv(Σ_(σ,q,n) n·ρ_{σ,q}(α), δ)`` with ``ρ_{σ,q}`` the RDP
+    The engine's RDP accountant: ``ε = conv(Σ_(σ,q,n) n·ρ_{σ,q}(α), δ)`` with ``ρ_{σ,q}`` the RDP
     of one step (Mironov, Talwar & Zhang 2019, "Rényi Differential Privacy of the Sampled Gaussian
-    Mechanism"), cached per ``(σ, q)``, and ``conv`` the accountant's own conversion: the value
-    ``accountant.get_epsilon(delta)`` returns. Any other accountant: its ``get_epsilon`` every
-    ``every`` steps (and at the first), None at the others.
+    Mechanism"), which the accountant keeps per ``(σ, q)``: its ``get_epsilon`` at every step. Any
+    other accountant: its ``get_epsilon`` every ``every`` steps (and at the first), None at the
+    others.
     """
 
     def __init__(self, accountant: Callable[[], Any], delta: float, every: int = 10):
         self.accountant = accountant
         self.delta = float(delta)
         self.every = every
-        self._rdp: Dict[Tuple[float, float], Any] = {}
 
     def __call__(self, step: int) -> Optional[float]:
         """ε after step ``step`` (1-based) at :attr:`delta`, or None at a step it is not
@@ -99,29 +98,15 @@ class EpsilonTracker:
         return None
 
     def exact(self, delta: float) -> Optional[float]:
-        """ε at ``delta`` from the cached one-step RDP curves when the accountant is Opacus'
-        ``RDPAccountant`` (the value its ``get_epsilon(delta)`` returns), else None."""
-        from opacus.accountants import RDPAccountant
-        from opacus.accountants.analysis import rdp as rdp_analysis
+        """ε at ``delta`` when the accountant is the engine's RDP accountant (cheap at every step:
+        it keeps each one-step RDP curve, :class:`private_engine.accounting.opacus_bridge.
+        RDPAccountant`), else None."""
+        from .accounting.opacus_bridge import RDPAccountant
 
         accountant = self.accountant()
-        if type(accountant) is not RDPAccountant:
+        if not isinstance(accountant, RDPAccountant):
             return None
-        if not accountant.history:
-            return 0.0
-        alphas = accountant.DEFAULT_ALPHAS
-        rdp = sum(self._one_step(sigma, q, alphas, rdp_analysis) * n
-                  for sigma, q, n in accountant.history)
-        eps, _ = rdp_analysis.get_privacy_spent(orders=alphas, rdp=rdp, delta=delta)
-        return float(eps)
-
-    def _one_step(self, sigma: float, q: float, alphas: Sequence[float], rdp_analysis):
-        """``ρ_{σ,q}(α)`` for every order: one step's RDP (computed once per ``(σ, q)``)."""
-        key = (sigma, q)
-        if key not in self._rdp:
-            self._rdp[key] = rdp_analysis.compute_rdp(q=q, noise_multiplier=sigma, steps=1,
-                                                      orders=alphas)
-        return self._rdp[key]
+        return float(accountant.get_epsilon(delta=delta))
 
 
 class StepMetricsRecorder:

@@ -34,6 +34,7 @@ from typing import Optional
 from opacus.accountants import IAccountant, create_accountant
 from opacus.accountants import PRVAccountant as _OpacusPRVAccountant
 from opacus.accountants import RDPAccountant as _OpacusRDPAccountant
+from opacus.accountants.analysis import rdp as rdp_analysis
 from opacus.accountants.utils import get_noise_multiplier
 
 from .pld import PLDAccountant, pld_noise_multiplier
@@ -51,7 +52,12 @@ class RDPAccountant(_OpacusRDPAccountant):
     """Opacus' RDP accountant (Mironov 2017, "Rényi Differential Privacy"; Mironov, Talwar &
     Zhang 2019, "Rényi Differential Privacy of the Sampled Gaussian Mechanism"), whose ε is
     recomputed over :data:`EXTENDED_ORDERS` too when the best order of Opacus' default grid is
-    its largest (module docstring); elsewhere the same ε as Opacus'."""
+    its largest (module docstring); elsewhere the same ε as Opacus'.
+
+    The RDP of ``n`` steps at ``(σ, q)`` is ``n·ρ_{σ,q}(α)``; the one-step curve ``ρ_{σ,q}`` is
+    computed once per ``(σ, q, orders)`` and kept, so ε costs a fraction of a millisecond at every
+    step instead of Opacus' ≈ 40 ms (the same numbers: Opacus' ``compute_rdp(steps=n)`` is that
+    product)."""
 
     def get_privacy_spent(self, *, delta: float, alphas=None):
         """``(ε, best order)`` at ``delta``: Opacus' over its default orders (or ``alphas``), and
@@ -59,17 +65,36 @@ class RDPAccountant(_OpacusRDPAccountant):
         orders = list(self.DEFAULT_ALPHAS if alphas is None else alphas)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_EDGE_MESSAGE)
-            eps, best = super().get_privacy_spent(delta=delta, alphas=orders)
+            eps, best = self._spent(delta, orders)
             if best != max(orders) or alphas is not None:
                 return eps, best
             orders = orders + [a for a in EXTENDED_ORDERS if a > best]
-            eps, best = super().get_privacy_spent(delta=delta, alphas=orders)
+            eps, best = self._spent(delta, orders)
         if best == max(orders) and math.isfinite(eps):
             warnings.warn(
                 f"RDP accountant: the best Rényi order is the largest evaluated (α={best}); "
                 f"ε={eps:.3g} is a valid upper bound but may be loose (accountant='prv' or "
                 "'pld' is tighter for so little privacy loss).", UserWarning, stacklevel=3)
         return eps, best
+
+
+    def _spent(self, delta: float, orders):
+        """``(ε, best order)`` over ``orders``: ``Σ_history n·ρ_{σ,q}`` converted by Opacus'
+        ``get_privacy_spent``."""
+        if not self.history:
+            return 0.0, 0.0
+        rdp = sum(self._one_step(sigma, q, orders) * n for sigma, q, n in self.history)
+        eps, best = rdp_analysis.get_privacy_spent(orders=orders, rdp=rdp, delta=delta)
+        return float(eps), float(best)
+
+    def _one_step(self, sigma: float, q: float, orders):
+        """``ρ_{σ,q}(α)`` at every order: one step's RDP, computed once per ``(σ, q, orders)``."""
+        cache = self.__dict__.setdefault("_one_step_rdp", {})
+        key = (float(sigma), float(q), tuple(orders))
+        if key not in cache:
+            cache[key] = rdp_analysis.compute_rdp(q=q, noise_multiplier=sigma, steps=1,
+                                                  orders=orders)
+        return cache[key]
 
 
 class PRVAccountant(_OpacusPRVAccountant):

@@ -225,7 +225,8 @@ class DPTrainer(transformers.Trainer):
             max_grad_norm=float(pa.max_grad_norm), noise_multiplier=pa.noise_multiplier,
             target_epsilon=pa.target_epsilon, target_delta=pa.target_delta,
             clipping_mode=pa.clipping_mode, clipping_fn=pa.clipping_fn,
-            accountant=pa.accountant, secure_mode=pa.secure_mode, **length)
+            accountant=pa.accountant, secure_mode=pa.secure_mode,
+            check_sampling=bool(pa.poisson_sampling), **length)
         self.privacy_engine.attach(optimizer)
         # the private step runs inside training_step; the Trainer's optimizer.step() is empty
         self._private_step = optimizer.step

@@ -113,3 +113,21 @@ def test_no_optimal_order_warning_where_it_means_nothing():
     assert accounting.epsilon_for(1.1, 0.05, 7, 1e-5, "rdp") == _opacus(
         RDPAccountant, [(1.1, 0.05, 7)], 1e-5)
     assert math.isinf(accounting.epsilon_for(0.0, 0.05, 3, 1e-5, "pld"))
+
+
+def test_engine_rdp_epsilon_is_opacus_own_where_its_grid_holds_the_optimum():
+    # the engine's RDP accountant keeps one-step curves and widens the grid only when Opacus'
+    # optimum is its largest order: elsewhere its ε is Opacus' own, for a mixed history
+    from opacus.accountants import RDPAccountant as OpacusRDP
+
+    from private_engine.accounting.opacus_bridge import RDPAccountant
+
+    ours, theirs = RDPAccountant(), OpacusRDP()
+    for sigma, q, n in [(1.1, 0.01, 30), (0.8, 0.02, 5), (1.1, 0.01, 12)]:
+        for acc in (ours, theirs):
+            for _ in range(n):
+                acc.step(noise_multiplier=sigma, sample_rate=q)
+        for delta in (1e-5, 1e-7):
+            eps, best = theirs.get_privacy_spent(delta=delta)
+            assert best < max(theirs.DEFAULT_ALPHAS)
+            assert ours.get_privacy_spent(delta=delta) == pytest.approx((eps, best), rel=1e-12)
