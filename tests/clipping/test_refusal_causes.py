@@ -154,3 +154,38 @@ class Checkpointed(nn.Module):
 def test_activation_checkpointing_is_refused_naming_the_cause(reentrant, cause):
     message = _refusal(Checkpointed(reentrant))
     assert cause in message and "set_grad_checkpointing(False)" in message, message
+
+
+class RuledBlock(nn.Module):
+    def __init__(self, checkpointed):
+        super().__init__()
+        self.a, self.n, self.c, self.h = (nn.Linear(6, 8), nn.LayerNorm(8), nn.Linear(8, 8),
+                                          nn.Linear(8, 3))
+        self.checkpointed = checkpointed
+
+    def block(self, x):
+        return self.c(torch.relu(self.n(self.a(x))))
+
+    def forward(self, x):
+        h = (checkpoint(self.block, x, use_reentrant=False) if self.checkpointed
+             else self.block(x))
+        return self.h(h)
+
+
+@pytest.mark.parametrize("mode", ["bk_mixed", "ghost"])
+def test_the_checkpointing_the_refusal_allows_gives_the_same_update(mode):
+    """The fix named above: checkpointing a block of ruled layers (use_reentrant=False) releases
+    the same clipped update as without it (noise 0, SGD lr 1)."""
+    torch.manual_seed(0)
+    plain = RuledBlock(False)
+    x, y = torch.randn(16, 6) * 3, torch.randint(0, 3, (16,))
+    updated = []
+    for checkpointed in (False, True):
+        model = RuledBlock(checkpointed)
+        model.load_state_dict(plain.state_dict())
+        engine = PrivacyEngine(model, batch_size=16, sample_size=64, epochs=1, max_grad_norm=0.5,
+                               noise_multiplier=0.0, clipping_mode=mode)
+        optimizer = engine.attach(torch.optim.SGD(model.parameters(), lr=1.0))
+        optimizer.step(loss=F.cross_entropy(model(x), y, reduction="none"))
+        updated.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    torch.testing.assert_close(updated[0], updated[1], rtol=0, atol=1e-6)
