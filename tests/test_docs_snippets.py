@@ -1,7 +1,8 @@
 """Every ```python block of README.md and docs/*.md runs as written.
 
-The blocks of one page run in order in one fresh interpreter (a page is read top to bottom, so a
-block may use what an earlier block of the same page defined), in an empty temporary directory.
+The blocks of one page run in order in a fresh namespace (a page is read top to bottom, so a block
+may use what an earlier block of the same page defined), in an empty temporary directory; all pages
+run in one new interpreter, so that torch is imported once.
 A block that cannot run here (torchrun, GPUs) is preceded in the page by the visible marker
 ``<!-- not run: reason -->``; it is still compiled, and the attributes it reads from the modules
 it imports are looked up, so a renamed function or an unreachable subpackage is caught.
