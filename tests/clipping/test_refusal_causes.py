@@ -189,3 +189,20 @@ def test_the_checkpointing_the_refusal_allows_gives_the_same_update(mode):
         optimizer.step(loss=F.cross_entropy(model(x), y, reduction="none"))
         updated.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     torch.testing.assert_close(updated[0], updated[1], rtol=0, atol=1e-6)
+
+
+def test_the_opacus_door_names_the_custom_function_too():
+    from private_engine.opacus_compat import PrivacyEngine as OpacusDoor
+
+    model = nn.Sequential(nn.Linear(4, 4), ScaleModule(), nn.Linear(4, 2))
+    data = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randint(0, 2, (16,))),
+        batch_size=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, optimizer, data = OpacusDoor().make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=data, noise_multiplier=1.0, max_grad_norm=1.0)
+    x, y = next(iter(data))
+    with pytest.raises(ValueError, match=r"custom torch.autograd.Function \('1.w' into Scale"):
+        F.cross_entropy(model(x), y).backward()
