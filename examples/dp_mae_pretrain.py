@@ -11,7 +11,8 @@ batches, σ calibrated for ε = 8 and δ = 1/(2n), the logical batch accumulated
 chunks. The default private data are scikit-learn's embedded digits (no download); ``--data
 folder|cifar10|cifar100 --data-dir DIR`` as in ``examples/finetune_timm_vit.py``.
 
-Checkpoints go to ``--out-dir``: ``synthetic.pt`` after step 1, ``dp_mae.pt`` after every DP
+Checkpoints go to ``--out-dir`` (default ``outputs/dp_mae_pretrain`` in the checkout, ignored by
+git): ``synthetic.pt`` after step 1, ``dp_mae.pt`` after every DP
 epoch (model, optimizer and engine: secret, like the data), ``dp_mae_final.pt`` (the model);
 ``--resume`` continues from them. ``--probe`` compares random init, synthetic only and synthetic
 + DP-MAE by their masked-reconstruction loss on the test images and linear probes on the
@@ -49,6 +50,7 @@ import math
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Tuple
 
 import torch
@@ -59,6 +61,8 @@ from private_engine.demo.image_data import SOURCES, load_image_data, model_data_
 from private_engine.pretrain import (DPMAEConfig, SyntheticConfig, SyntheticImages, build_mae,
                                      dp_mae_train, format_comparison, plot_comparison,
                                      pretrain_synthetic, probe_encoder, reconstruction_loss)
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def parse_args(argv=None):
@@ -106,7 +110,8 @@ def parse_args(argv=None):
                    help="also run step 2 from the random initialisation (no warm start)")
     e.add_argument("--table", help="write the probe table (markdown) here")
     e.add_argument("--plot", help="write the loss / probe plot (PNG) here")
-    e.add_argument("--out-dir", default="checkpoints/dp_mae")
+    e.add_argument("--out-dir", default=str(ROOT / "outputs" / "dp_mae_pretrain"),
+                   help="checkpoints (default: outputs/dp_mae_pretrain in the checkout)")
     e.add_argument("--resume", action="store_true", help="continue from --out-dir")
     e.add_argument("--quiet", action="store_true", help="no progress bars or epoch lines")
     e.add_argument("--tensorboard", metavar="DIR",

@@ -6,7 +6,9 @@ deliberately broken run (the positive control: the engine at σ/100 while ε of 
 with m gradient canaries included with probability 1/2, and turns the canaries' guesses into an
 ε lower bound by the one-run method of Steinke, Nasr & Jagielski (2023), "Privacy Auditing with
 One (1) Training Run". Prints a table and plots the empirical lower bound against the claimed ε
-(docs/audit.md): the engine must stay below the diagonal, the control above it.
+(docs/audit.md): the engine must stay below the diagonal, the control above it. The plot goes to
+``--plot``, by default ``privacy_audit.png`` in ``--output-dir`` (``outputs/privacy_audit`` in the
+checkout, ignored by git).
 
     python examples/privacy_audit.py                 # 50,000 canaries, ε = 1, 2, 4, 8 (~3 min)
     python examples/privacy_audit.py --canaries 1000 --delta 1e-5 --epsilons 1,2,4
@@ -56,9 +58,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--door", default="native", choices=["native", "opacus"])
     p.add_argument("--clipping-mode", default="bk_mixed")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--plot", default=str(ROOT / "docs" / "privacy_audit.png"))
+    p.add_argument("--output-dir", default=str(ROOT / "outputs" / "privacy_audit"),
+                   help="folder of the plot (default: outputs/privacy_audit in the checkout)")
+    p.add_argument("--plot", default=None,
+                   help="the plot's path (default: OUTPUT_DIR/privacy_audit.png)")
     p.add_argument("--json", default=None, help="also write the results here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.plot is None:
+        args.plot = str(Path(args.output_dir) / "privacy_audit.png")
+    return args
 
 
 def main(argv=None) -> int:
@@ -77,6 +85,7 @@ def main(argv=None) -> int:
             control = "" if r.control == "none" else f" ({r.control}×{r.control_factor:g})"
             print(f"\nclaimed ε={r.epsilon_claimed:.3f}{control}, each path's canaries alone:")
             print(format_paths(r))
+    Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
     plot_sweep(results, args.plot,
                title=f"One-run audit: {args.canaries} canaries, {args.steps} steps, "
                      f"δ={args.delta:g}")

@@ -20,6 +20,24 @@ from .guards.separability import BatchMixingError
 from .layers.recurrent import fix_recurrent
 
 __version__ = "0.1.0"
+
+# Subpackages loaded on first use (``private_engine.data.poisson_loader`` after a bare
+# ``import private_engine``), so that importing the package stays as fast as its core.
+_LAZY_SUBMODULES = ("accounting", "audit", "capture", "clipping", "data", "demo", "guards",
+                    "heads", "opacus_compat", "pretrain", "training")
+
+
+def __getattr__(name):
+    """Import the subpackage ``name`` on first access (PEP 562 module ``__getattr__``)."""
+    if name in _LAZY_SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY_SUBMODULES))
 __all__ = ["PrivacyEngine", "CLIPPING_MODES", "DEFAULT_CLIPPING_MODE",
            "LayerDecision", "layer_plan", "format_plan", "fix_batchnorm", "fix_recurrent", "optim",
            "layers",

@@ -6,8 +6,8 @@ per-sample gradients would be missing from the norms: refused with :func:`outsid
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Sequence
 
 import torch
 
@@ -22,6 +22,8 @@ class GraphWalk:
     leading_edges: list
     #: autograd nodes reached from the loss (recorded calls are stepped over)
     reached: set
+    #: id of an outside parameter -> the custom ``torch.autograd.Function`` it is an input of
+    custom_functions: Dict[int, str] = field(default_factory=dict)
 
 
 def walk_graph(recorder, loss: torch.Tensor, params: Sequence[torch.Tensor]) -> GraphWalk:
@@ -44,6 +46,7 @@ def walk_graph(recorder, loss: torch.Tensor, params: Sequence[torch.Tensor]) -> 
         for node, inputs in extra.jumps().items():
             jumps.setdefault(node, []).extend(inputs)
     found: dict = {}
+    custom: dict = {}
     below: dict = {}  # node -> True when a jump node is this node or below it
     kids: dict = {}
     stack = [(loss.grad_fn, False)]
@@ -64,17 +67,35 @@ def walk_graph(recorder, loss: torch.Tensor, params: Sequence[torch.Tensor]) -> 
                 below[node] = False
                 continue
             children = [n for n, _ in node.next_functions if n is not None]
+            if isinstance(node, torch.autograd.function.BackwardCFunction):
+                for k in children:  # a parameter handed to a custom autograd.Function
+                    var = getattr(k, "variable", None)
+                    if var is not None and id(var) in wanted:
+                        custom.setdefault(id(var), type(node).__name__.removesuffix("Backward"))
         kids[node] = children
         stack.append((node, True))
         stack.extend((k, False) for k in children if k not in below)
     leading = {n for n in jumps if n in below and not any(below.get(k, False) for k in kids[n])}
     edges = [c.edge for layer in recorder.layers for c in layer.calls if c.edge.node in leading]
-    return GraphWalk(outside=list(found.values()), leading_edges=edges, reached=set(below))
+    return GraphWalk(outside=list(found.values()), leading_edges=edges, reached=set(below),
+                     custom_functions={i: f for i, f in custom.items() if i in found})
 
 
-def outside_error(names: Sequence[object]) -> ValueError:
+def outside_error(names: Sequence[object],
+                  custom_functions: Optional[Dict[object, str]] = None) -> ValueError:
     """The error for trainable parameters the loss reaches outside a recorded call of their layer
-    (one text for every door)."""
+    (one text for every door); ``custom_functions`` (name -> Function class) names the parameters
+    handed to a custom ``torch.autograd.Function``, the cause then."""
+    if custom_functions:
+        uses = ", ".join(f"{n!r} into {f}.apply" for n, f in custom_functions.items())
+        return ValueError(
+            f"trainable parameter(s) go into a custom torch.autograd.Function ({uses}): its "
+            "backward is opaque to the engine (no layer rule and no parameter-entry tracer sees "
+            "inside it), so it cannot split that parameter's gradient per sample. Fix: write the "
+            "function with torch ops, or clip the module that calls it by the torch.func "
+            "fallback: private_engine.layers.register_fallback(ModuleClass) before building the "
+            "engine (the Function then needs a vmap rule: setup_context and "
+            "generate_vmap_rule = True), or freeze the parameter. Nothing was updated.")
     return ValueError(
         f"the loss depends on trainable parameters {list(names)} other than through a recorded "
         "call of their layer, so their per-sample gradients would be missing from the clipping "

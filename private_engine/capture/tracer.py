@@ -120,6 +120,37 @@ def _outputs(out):
     return []
 
 
+def reparametrization_message(names) -> Optional[str]:
+    """The refusal for parameters that are a module's reparametrization — ``torch.nn.utils.
+    parametrize`` (``parametrizations.weight.original*``, e.g. ``parametrizations.weight_norm``)
+    or the older hook-based ``torch.nn.utils.weight_norm`` (``weight_g``, ``weight_v``) — naming
+    the module and the fix; ``None`` for other parameters."""
+    owners = {}
+    for n in names:
+        if ".parametrizations." in f".{n}":
+            head, _, rest = f".{n}".partition(".parametrizations.")
+            owners.setdefault(head[1:], ("parametrize", rest.split(".")[0]))
+        elif n.endswith(("weight_g", "weight_v")) and "." in n:
+            owners.setdefault(n.rsplit(".", 1)[0], ("weight_norm", "weight"))
+    if not owners:
+        return None
+    kind = {k for k, _ in owners.values()}
+    mods = ", ".join(f"the {a} of module {m!r}" for m, (_, a) in sorted(owners.items()))
+    fixes = ("fold it into a plain parameter before training "
+             "(torch.nn.utils.parametrize.remove_parametrizations(module, name)), or clip the "
+             "module by the torch.func fallback: private_engine.layers.register_fallback("
+             "type(module)) before building the engine (a parametrized module has its own class, "
+             "e.g. ParametrizedLinear)" if kind == {"parametrize"} else
+             "fold it into a plain weight before training (torch.nn.utils.remove_weight_norm("
+             "module)), or use torch.nn.utils.parametrizations.weight_norm and clip the module by "
+             "the torch.func fallback: private_engine.layers.register_fallback(type(module))")
+    return (f"parameter(s) {names} reparametrize {mods}: the module computes that tensor from "
+            "them in its forward (torch.nn.utils.parametrize / weight_norm), so its "
+            "layer rule, which clips a weight that is itself a parameter, does not apply, and the "
+            f"parameter-entry tracer cannot follow the computed weight into the layer. Fix: "
+            f"{fixes}; or freeze them (requires_grad_(False)).")
+
+
 class UnsupportedEntryError(ValueError):
     """A tracked parameter reaches the batch through an op the tracer cannot clip per sample."""
 
@@ -433,6 +464,9 @@ class ParamTracer(TorchFunctionMode):
 
     def _fail(self, func, tracked, why):
         names = sorted({self.names[i] for t in tracked for i in self._param_ids(t)})
+        reparametrized = reparametrization_message(names)
+        if reparametrized:
+            raise UnsupportedEntryError(reparametrized)
         raise UnsupportedEntryError(
             f"parameter(s) {names} meet the batch in {getattr(func, '__name__', func)!r}: {why}. "
             "The parameter-entry tracer clips parameters that reach the batch by elementwise ops "

@@ -14,6 +14,7 @@ import torch
 
 from ..capture.graph_walk import outside_error
 from ..layers.base import accumulation_dtype
+from .checkpointing import explain_activation_checkpointing
 from .clipper import PerSampleClipper
 from .grad_sums import GradSums
 from .loss_scaling import LossScaling
@@ -92,21 +93,23 @@ def clip_batch(clipper: PerSampleClipper, loss: torch.Tensor, *,
     if walk.outside:
         clipper.release()
         names = names or {}
-        raise outside_error([names.get(id(p), tuple(p.shape)) for p in walk.outside])
+        raise outside_error([names.get(id(p), tuple(p.shape)) for p in walk.outside],
+                            {names.get(i, i): f for i, f in walk.custom_functions.items()})
     scaling = loss_scaling if loss_scaling is not None and loss_scaling.enabled else None
     loss_in, scale = scaling.scale(loss) if scaling is not None else (loss, None)
-    try:
-        norms = clipper.per_sample_norms(loss_in, walk)
+    with explain_activation_checkpointing():
+        try:
+            norms = clipper.per_sample_norms(loss_in, walk)
+            if scale is not None:
+                norms = norms / scale.to(norms.dtype)
+            # the step's one host sync
+            norms, factors, keep, dropped = clipper.finite_factors(norms, loss)
+        except BaseException:
+            clipper.release()
+            raise
         if scale is not None:
-            norms = norms / scale.to(norms.dtype)
-        # the step's one host sync
-        norms, factors, keep, dropped = clipper.finite_factors(norms, loss)
-    except BaseException:
-        clipper.release()
-        raise
-    if scale is not None:
-        factors = factors / scale.to(factors.dtype)
-    sums = clipper.clipped_sums(loss_in, factors, keep=keep)  # releases what it kept
+            factors = factors / scale.to(factors.dtype)
+        sums = clipper.clipped_sums(loss_in, factors, keep=keep)  # releases what it kept
     if scaling is not None:
         scaling.update(dropped)
     if dropped:

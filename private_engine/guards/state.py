@@ -144,12 +144,24 @@ class StepStateGuard:
                 raise StateChangedError(_message(qualified, kind, "written through .data"))
 
 
+#: the likeliest cause of a parameter written outside the optimizer, and its fix
+_DATA_DEPENDENT_INIT = (
+    " A module that sets its own parameters from a batch's statistics in its forward does this: "
+    "data-dependent initialisation (ActNorm, Glow, weight-norm initialisation) at its first "
+    "forward. Run that first forward before building the engine, on public data "
+    "(with torch.no_grad(): model(public_batch)), so that the private steps find the module "
+    "initialised; its parameters then train through the optimizer like any other.")
+
+
 def _message(qualified: str, kind: str, what: str) -> str:
     return (
         f"{kind} {qualified} was {what} during a private step (in the forward, the loss or a "
         "backward hook), before the release: its value now depends on this batch without noise, "
         "and it would be released (in the state_dict, and to later steps) outside the DP "
-        "guarantee. Nothing was released. Keep state that depends on the data out of the model "
+        "guarantee. Nothing was released."
+        + (_DATA_DEPENDENT_INIT if kind == "parameter" and what != "replaced by another tensor"
+           else "")
+        + " Keep state that depends on the data out of the model "
         "(compute it inside the forward from the current inputs), update parameters only "
         "through the optimizer, and reload the model before releasing anything. (Weights loaded "
         "on purpose between steps, not from the private data: call engine.state_guard.arm() "

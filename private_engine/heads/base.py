@@ -100,11 +100,13 @@ def _as_2d(X: Any, device: Optional[torch.device], name: str) -> torch.Tensor:
     else:
         try:
             arr = np.asarray(X)
-        except Exception as exc:  # pragma: no cover - exotic inputs
-            raise TypeError(f"{name} must be a numpy array or torch tensor, "
-                            f"got {type(X).__name__}.") from exc
+        except Exception as exc:
+            bad = _malformed_record(X, name)
+            raise TypeError(bad or f"{name} must be a numpy array or torch tensor, "
+                                   f"got {type(X).__name__}.") from exc
         if arr.dtype == object or not np.issubdtype(arr.dtype, np.number) and arr.dtype != bool:
-            raise TypeError(f"{name} must hold numbers, got dtype {arr.dtype}.")
+            bad = _malformed_record(X, name)
+            raise TypeError(bad or f"{name} must hold numbers, got dtype {arr.dtype}.")
         t = torch.as_tensor(arr.astype(np.float64, copy=False), device=device)
     if t.dim() != 2:
         raise ValueError(f"{name} must be 2-D (n_samples, n_features), got shape {tuple(t.shape)}; "
@@ -114,6 +116,34 @@ def _as_2d(X: Any, device: Optional[torch.device], name: str) -> torch.Tensor:
     if t.is_complex():
         raise TypeError(f"{name} must hold real numbers, got dtype {t.dtype}.")
     return t
+
+
+def _malformed_record(X: Any, name: str) -> Optional[str]:
+    """For records given as a sequence of rows: a message naming the first record (by position)
+    that is not a row of numbers as long as the first one — its position and the type found,
+    never a value — or ``None`` when every record is well formed."""
+    import numbers
+
+    try:
+        rows = list(X)
+    except TypeError:
+        return None
+    width = None
+    for i, row in enumerate(rows):
+        if isinstance(row, (str, bytes)) or not hasattr(row, "__len__"):
+            return (f"{name} record {i} is a {type(row).__name__}, not a row of numbers: give "
+                    "every record as a sequence of its features.")
+        if width is None:
+            width = len(row)
+        if len(row) != width:
+            return (f"{name} record {i} has {len(row)} features where record 0 has {width}: "
+                    "every record needs the same number of features (fix or drop that record).")
+        for j, v in enumerate(row):
+            scalar = isinstance(v, (torch.Tensor, np.ndarray)) and v.ndim == 0
+            if not (scalar or isinstance(v, (numbers.Real, np.number, np.bool_))):
+                return (f"{name} record {i}, feature {j} is a {type(v).__name__}, not a number: "
+                        "convert or drop that record.")
+    return None
 
 
 def _saturating_cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -140,7 +170,10 @@ def to_tensor(X: Any, dtype: torch.dtype = torch.float64, device: Optional[torch
     """
     t = _as_2d(X, device, name)
     if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-        raise ValueError(f"{name} contains NaN or infinite values; clean the features first.")
+        bad = (~torch.isfinite(t).all(dim=1)).nonzero().flatten().tolist()
+        shown = ", ".join(map(str, bad[:5])) + (", …" if len(bad) > 5 else "")
+        raise ValueError(f"{name} contains NaN or infinite values in {len(bad)} record(s) "
+                         f"(rows {shown}); clean or drop those rows first.")
     return _saturating_cast(t, dtype)
 
 

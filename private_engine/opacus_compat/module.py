@@ -292,13 +292,16 @@ class PrivateModule(nn.Module):
         would otherwise be missing from the per-sample norms of a plain backward)."""
         tensors = [t for t in _flatten(out)
                    if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-        outside = {}
+        outside, custom = {}, {}
         for t in tensors:
-            for p in self.recorder.params_reached_outside_calls(t, self._params):
+            walk = self.recorder.walk(t, self._params)
+            for p in walk.outside:
                 outside[id(p)] = self._names.get(id(p))
+            for i, function in walk.custom_functions.items():
+                custom[self._names.get(i)] = function
         if outside:
             self.recorder.reset()
-            raise outside_error(sorted(outside.values()))
+            raise outside_error(sorted(outside.values()), custom)
         self._graph_checked = bool(tensors)
 
     def __getattr__(self, item):
