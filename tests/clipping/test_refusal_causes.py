@@ -37,12 +37,9 @@ class Symmetric(nn.Module):
 
 
 @pytest.mark.parametrize("make, names, fix", [
-    (lambda: nn.utils.parametrizations.weight_norm(nn.Linear(4, 4)),
-     "0.parametrizations.weight.original0", "remove_parametrizations"),
     (lambda: nn.utils.parametrize.register_parametrization(nn.Linear(4, 4), "weight",
                                                            Symmetric()),
      "0.parametrizations.weight.original", "register_fallback(type(module))"),
-    (lambda: nn.utils.weight_norm(nn.Linear(4, 4)), "0.weight_g", "remove_weight_norm"),
 ])
 def test_reparametrized_linear_with_bias_names_the_parametrization(make, names, fix):
     with warnings.catch_warnings():
