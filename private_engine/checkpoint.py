@@ -63,15 +63,14 @@ reads them; :func:`load_checkpoint` does. The files are written atomically with 
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import tempfile
 from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 from torch import nn
 
+from .files import atomic_save
 from .accounting.ledger import LEDGER_SUFFIX, LedgerContents, StepLedger, is_prefix, read_ledger
 
 #: format tag and version of :func:`engine_state_dict`
@@ -456,33 +455,6 @@ def load_checkpoint(path, *, model: nn.Module, optimizer: torch.optim.Optimizer,
     log.info("checkpoint %s loaded: %d steps taken (ε=%.4g)", os.fspath(path),
              engine.steps_taken, engine.get_epsilon())
     return checkpoint["extra"]
-
-
-def atomic_save(obj: Any, path) -> None:
-    """``torch.save(obj, path)`` so that ``path`` holds either its old content or the whole new
-    one: written to a temporary file of mode 0600 in the same directory, flushed and ``fsync``-ed,
-    renamed over ``path`` (``os.replace``, atomic on POSIX and Windows), then the directory
-    ``fsync``-ed where the OS allows. The temporary file is removed if anything raises."""
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
-                               dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    with contextlib.suppress(OSError, AttributeError):  # directories cannot be opened on Windows
-        dir_fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
 
 
 def _refuse_sharded(engine) -> None:

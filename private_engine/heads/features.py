@@ -36,6 +36,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data._utils.collate import default_collate
 
+from ..files import atomic_save
+
 log = logging.getLogger(__name__)
 
 __all__ = ["FeatureSet", "extract_features", "penultimate_features", "model_fingerprint",
@@ -210,12 +212,6 @@ def _data_fingerprint(dataset: Dataset, batch_size: int, num_workers: int, progr
     return h.hexdigest()
 
 
-def _atomic_save(obj: Any, path: Path) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
 # ----------------------------------------------------------------------------- main entry
 def extract_features(model: Union[nn.Module, str], data: Any, batch_size: int = 256,
                      device: Union[str, torch.device, None] = None, *, labels: Any = None,
@@ -342,7 +338,7 @@ def extract_features(model: Union[nn.Module, str], data: Any, batch_size: int = 
                     feats[b] = f
                     labs[b] = y.cpu() if y is not None else None
                     if parts_dir is not None:
-                        _atomic_save({"features": f, "labels": labs[b]},
+                        atomic_save({"features": f, "labels": labs[b]},
                                      parts_dir / f"part-{starts[b]:010d}.pt")
                     bar.update(1)
         bar.close()
@@ -352,7 +348,7 @@ def extract_features(model: Union[nn.Module, str], data: Any, batch_size: int = 
     all_labels = (torch.cat(labs)  # type: ignore[arg-type]
                   if all(lb is not None for lb in labs) else None)
     if cache_path is not None:
-        _atomic_save({"features": features, "labels": all_labels}, cache_path)
+        atomic_save({"features": features, "labels": all_labels}, cache_path)
         log.info("features of %s written to the cache %s", name, cache_path)
         for p in parts_dir.glob("part-*.pt"):
             p.unlink()
