@@ -222,6 +222,11 @@ class DPCallback(Callback):
             pl_module.backward = self._module_backward
             self._module_backward = None
 
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                     exception: BaseException) -> None:
+        """Give the module its own ``backward`` back when training stops on an error."""
+        self.on_train_end(trainer, pl_module)
+
     def privacy_report(self) -> PrivacyReport:
         """The engine's :class:`private_engine.accounting.PrivacyReport` (ε spent, δ, σ, q,
         steps); ``str()`` gives one line."""
