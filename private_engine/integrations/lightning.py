@@ -177,8 +177,12 @@ class DPCallback(Callback):
                                  "loop with its closure; do not call optimizer.step() yourself.")
             closure()
             losses, self._pending = self._pending, None
-            if losses is None:  # training_step returned None: Lightning skips the step
-                return None
+            if losses is None:
+                raise ValueError(
+                    "DPCallback: training_step returned None. Every batch is stepped (an empty "
+                    "Poisson batch releases noise only): a step skipped because of what the batch "
+                    "holds tells what the batch holds. Return the per-sample losses, shape (B,) "
+                    "(shape (0,) for an empty batch).")
             return private_step(loss=losses)
 
         optimizer.step = step

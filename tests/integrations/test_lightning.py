@@ -158,7 +158,7 @@ def test_refuses_what_it_cannot_train_exactly(tmp_path, kw, match):
             Classifier(torch.float32), train_dataloaders=poisson_loader(data(16, torch.float32), 4))
 
 
-def test_refuses_fixed_size_batches_and_a_mean_loss(tmp_path):
+def test_refuses_fixed_size_batches_a_mean_loss_and_a_skipped_step(tmp_path):
     callback = DPCallback(noise_multiplier=1.0, max_grad_norm=1.0)
     with pytest.raises(SamplingRateError, match="poisson_loader"):
         trainer(tmp_path, callback).fit(
@@ -173,6 +173,14 @@ def test_refuses_fixed_size_batches_and_a_mean_loss(tmp_path):
         trainer(tmp_path, DPCallback(noise_multiplier=1.0, max_grad_norm=1.0)).fit(
             Mean(torch.float32), train_dataloaders=poisson_loader(data(16, torch.float32), 4))
 
+    class Skipping(Classifier):
+        def training_step(self, batch, batch_idx):
+            return None
+
+    with pytest.raises(ValueError, match="returned None"):
+        trainer(tmp_path, DPCallback(noise_multiplier=1.0, max_grad_norm=1.0)).fit(
+            Skipping(torch.float32), train_dataloaders=poisson_loader(data(16, torch.float32), 4))
+
 
 def test_refuses_manual_optimization(tmp_path):
     class Manual(Classifier):
@@ -183,3 +191,13 @@ def test_refuses_manual_optimization(tmp_path):
     with pytest.raises(ValueError, match="automatic_optimization"):
         trainer(tmp_path, DPCallback(noise_multiplier=1.0, max_grad_norm=1.0)).fit(
             Manual(), train_dataloaders=poisson_loader(data(16, torch.float32), 4))
+
+
+def test_bf16_mixed_steps_privately(tmp_path):
+    module = Classifier(torch.float32)
+    before = [p.detach().clone() for p in module.parameters()]
+    callback = DPCallback(noise_multiplier=1.0, max_grad_norm=1.0)
+    trainer(tmp_path, callback, precision="bf16-mixed").fit(
+        module, train_dataloaders=poisson_loader(data(16, torch.float32), 4))
+    assert callback.privacy_report().steps == 1
+    assert all(not torch.equal(p, b) for p, b in zip(module.parameters(), before))
