@@ -23,12 +23,14 @@ restored by ``trainer.fit(..., ckpt_path=...)`` (a step ledger next to the check
 steps released after the last one).
 
 What the engine cannot do exactly under Lightning is refused before the first step, saying what
-to do: several devices or processes (use :class:`private_engine.PrivacyEngine` under
-``torch.distributed``, docs/distributed.md), precisions other than ``"32-true"`` and
-``"bf16-mixed"`` (float16's GradScaler scales a batch-mean loss), ``gradient_clip_val`` (the
-engine clips per sample; Lightning's clipping of the noisy mean would be a different algorithm),
-``accumulate_grad_batches`` > 1 (the union of several Poisson batches is not the Poisson batch the
-accountant counts: a sample can be in two of them), manual optimization and several optimizers.
+to do: several devices or processes, or a strategy other than the single-device one (use
+:class:`private_engine.PrivacyEngine` under ``torch.distributed``, docs/distributed.md);
+precisions other than ``"32-true"`` and ``"bf16-mixed"`` (float16's GradScaler scales a
+batch-mean loss); ``gradient_clip_val`` (the engine clips per sample; Lightning's clipping of the
+noisy mean would be another algorithm); ``accumulate_grad_batches`` > 1 (the union of several
+Poisson batches is not the Poisson batch the accountant counts: a sample can be in two of them);
+manual optimization and several optimizers; a ``training_step`` that returns None (a skipped
+step depends on the batch).
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ from typing import Any, Dict, Optional
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import SingleDeviceStrategy
 
 from ..accounting import PrivacyReport
 from ..checkpoint import use_ledger
@@ -102,12 +105,15 @@ class DPCallback(Callback):
         """Refuse, before anything runs, the settings the engine cannot train exactly with."""
         if stage != "fit":
             return
-        if trainer.world_size > 1 or trainer.num_devices > 1:
+        strategy = trainer.strategy
+        if (trainer.world_size > 1 or trainer.num_devices > 1
+                or not isinstance(strategy, SingleDeviceStrategy)):
             raise ValueError(
                 f"DPCallback trains on one device in one process (this trainer has "
-                f"{trainer.num_devices} devices, world size {trainer.world_size}); pass "
-                "devices=1. For data-parallel DP training use private_engine.PrivacyEngine "
-                "under torch.distributed (docs/distributed.md).")
+                f"{trainer.num_devices} devices, world size {trainer.world_size}, strategy "
+                f"{type(strategy).__name__}); pass devices=1 and no strategy. For data-parallel "
+                "DP training use private_engine.PrivacyEngine under torch.distributed "
+                "(docs/distributed.md).")
         precision = str(trainer.precision)
         if precision not in SUPPORTED_PRECISIONS:
             raise ValueError(

@@ -201,3 +201,13 @@ def test_bf16_mixed_steps_privately(tmp_path):
         module, train_dataloaders=poisson_loader(data(16, torch.float32), 4))
     assert callback.privacy_report().steps == 1
     assert all(not torch.equal(p, b) for p, b in zip(module.parameters(), before))
+
+
+@pytest.mark.parametrize("kw", [dict(devices=2), dict(devices=1, strategy="ddp")],
+                         ids=["two-devices", "ddp"])
+def test_refuses_several_devices_and_other_strategies(kw):
+    """Checked by the callback's setup (called here directly: fit would start processes)."""
+    t = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, **kw)
+    with pytest.raises(ValueError, match="one device in one process"):
+        DPCallback(noise_multiplier=1.0, max_grad_norm=1.0).setup(
+            t, Classifier(torch.float32), "fit")
