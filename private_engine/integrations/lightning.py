@@ -22,8 +22,8 @@ fixed-size batches are refused, as the engine refuses them. ε is logged as ``"e
 restored by ``trainer.fit(..., ckpt_path=...)`` (a step ledger next to the checkpoints counts the
 steps released after the last one).
 
-What the engine cannot do exactly under Lightning is refused before the first step, saying what
-to do: several devices or processes, or a strategy other than the single-device one (use
+What the engine cannot do exactly under Lightning is refused before anything is released, saying
+what to do: several devices or processes, or a strategy other than the single-device one (use
 :class:`private_engine.PrivacyEngine` under ``torch.distributed``, docs/distributed.md);
 precisions other than ``"32-true"`` and ``"bf16-mixed"`` (float16's GradScaler scales a
 batch-mean loss); ``gradient_clip_val`` (the engine clips per sample; Lightning's clipping of the
