@@ -15,7 +15,7 @@ checkout, ignored by git) unless ``--plot`` / ``--cache-dir`` name other places.
 import argparse
 from pathlib import Path
 
-from private_engine.heads.probe import add_probe_arguments, run_probe
+from private_engine.commands.probe import add_probe_arguments, run_probe
 
 DEFAULT_OUTPUT_DIR = Path(__file__).resolve().parents[1] / "outputs" / "linear_probe"
 

@@ -209,14 +209,14 @@ def build_parser() -> argparse.ArgumentParser:
     _training_length(p)
     p.set_defaults(func=cmd_noise)
 
-    from .heads.probe import add_probe_arguments, run_probe
+    from .commands.probe import add_probe_arguments, run_probe
 
     p = sub.add_parser("probe", help="DP linear probes (DP-LS, DP-Newton, DP-FC, DP-Adam, "
                                      "DP mean) over a list of ε")
     add_probe_arguments(p)
     p.set_defaults(func=run_probe)
 
-    from .audit.command import add_audit_arguments, run_audit_command
+    from .commands.audit import add_audit_arguments, run_audit_command
 
     p = sub.add_parser("audit", help="empirical privacy audit: an ε lower bound from one "
                                      "training run with gradient canaries (docs/audit.md)")

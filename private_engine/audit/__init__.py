@@ -12,8 +12,8 @@ of that path's canaries alone; docs/audit.md.
 Modules: ``bound`` (the theorem's p-value and the ε lower bound), ``canaries`` (inclusion,
 directions, data set), ``paths`` (a canary head and canaries per clipping path, ``paths_of``),
 ``model`` (the audited MLP and its canary heads), ``training`` (the observed engine run),
-``scores`` (scores and guesses), ``run`` (``run_audit``), ``report`` (tables and plots),
-``command`` (the ``private-engine audit`` options).
+``scores`` (scores and guesses), ``run`` (``run_audit``), ``report`` (tables and plots); the
+``private-engine audit`` command is :mod:`private_engine.commands.audit`.
 """
 from .bound import best_bound, epsilon_ceiling, epsilon_lower_bound, p_value, union_bounds
 from .config import (CONTROLS, DIRECTIONS, DOORS, PATHS, SCORES, AuditConfig, AuditResult,

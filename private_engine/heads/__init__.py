@@ -12,8 +12,9 @@ inputs, computed on the data's device in float64):
   Efficient Solution to Private Classification", analytic Gaussian calibration (Δ = √2).
 
 Also :func:`extract_features` (penultimate features, cached and resumable), the warm-up of
-Zhu & Zhang (:func:`warmup_finetune`, :func:`residual_loss`) and the probe runner
-(:func:`add_probe_arguments`, :func:`run_probe`, :func:`probe_sweep`). See ``docs/heads.md``.
+Zhu & Zhang (:func:`warmup_finetune`, :func:`residual_loss`) and the probe sweep
+(:func:`probe_sweep`; the ``private-engine probe`` command is :mod:`private_engine.commands.probe`).
+See ``docs/heads.md``.
 """
 from .adam_head import DPAdamHead
 from .base import DPHeadBase, NotFittedError
@@ -22,10 +23,10 @@ from .features import FeatureSet, extract_features, penultimate_features
 from .least_squares import DPLeastSquares
 from .mean_estimator import DPMeanEstimator
 from .newton import DPNewton
-from .probe import add_probe_arguments, probe_sweep, run_probe
+from .probe import ProbeResults, probe_sweep
 from .warmup import WarmupClassifier, WarmupResult, residual_loss, warmup_accuracy, warmup_finetune
 
 __all__ = ["DPHeadBase", "NotFittedError", "DPLeastSquares", "DPNewton", "DPFeatureCovariance",
            "DPAdamHead", "DPMeanEstimator", "FeatureSet", "extract_features",
            "penultimate_features", "WarmupClassifier", "WarmupResult", "residual_loss",
-           "warmup_accuracy", "warmup_finetune", "add_probe_arguments", "probe_sweep", "run_probe"]
+           "warmup_accuracy", "warmup_finetune", "ProbeResults", "probe_sweep"]

@@ -6,9 +6,9 @@ import math
 import numpy as np
 import pytest
 
-from private_engine.heads.probe import (METHODS, add_probe_arguments, format_table, probe_classes,
-                                       probe_sweep, run_probe)
-from private_engine.heads.probe import _synthetic
+from private_engine.commands.probe import add_probe_arguments, probe_classes, run_probe
+from private_engine.commands.probe import synthetic_clusters as _synthetic
+from private_engine.heads.probe import METHODS, format_table, probe_sweep
 from private_engine.randomness import ReproducibleRandomnessWarning
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from private_engine.heads import (DPAdamHead, DPFeatureCovariance, DPLeastSquares, DPMeanEstimator,
                                   DPNewton)
-from private_engine.heads.probe import _synthetic
+from private_engine.commands.probe import synthetic_clusters as _synthetic
 
 # fixed seeds make these checks reproducible (each such fit warns)
 pytestmark = pytest.mark.filterwarnings(

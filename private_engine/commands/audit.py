@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 from ..clipping.plan import CLIPPING_MODES
-from .config import CONTROLS, DIRECTIONS, DOORS, PATHS, SCORES, AuditConfig
+from ..audit.config import CONTROLS, DIRECTIONS, DOORS, PATHS, SCORES, AuditConfig
 
 __all__ = ["add_audit_arguments", "config_from_args", "run_audit_command"]
 
@@ -82,8 +82,8 @@ def config_from_args(args: argparse.Namespace) -> AuditConfig:
 
 def run_audit_command(args: argparse.Namespace) -> int:
     """Run one audit, print its summary line (and save the plot); the exit status."""
-    from .report import format_paths, plot_scores
-    from .run import run_audit
+    from ..audit.report import format_paths, plot_scores
+    from ..audit.run import run_audit
 
     result = run_audit(config_from_args(args))
     print(result.summary())
