@@ -1,7 +1,6 @@
 """Per-layer rules: how a layer's recorded ``(a, g)`` become certified per-sample gradient norms and
 clipped sums; and the one registry that says how each module class is clipped."""
-from . import (activation, conv, conv_transpose, embedding, linear, normalization,  # noqa: F401
-               sequence_bias)
+from . import activation, conv, conv_transpose, embedding, linear, normalization  # noqa: F401
 from .base import LayerDims, LayerRule
 from .conv import unfold_conv_input
 from .recurrent import check_no_recurrent, fix_recurrent

@@ -80,7 +80,7 @@ from .module import PrivateModule
 from .optimizer import (AdaptiveClippedSumOptimizer, ClippedSumOptimizer,
                         DistributedClippedSumOptimizer, DistributedPerLayerClippedSumOptimizer,
                         PerLayerClippedSumOptimizer)
-from ..layers.sequence_bias import PREPARED, SequenceBias
+from .sequence_bias import PREPARED, SequenceBias
 
 #: grad_sample_mode strings accepted by opacus 1.6 (what each runs: the table above)
 GRAD_SAMPLE_MODES = frozenset({"hooks", "functorch", "ew", "no_op", "ghost", "ghost_fsdp"})
@@ -445,9 +445,9 @@ def _positive(x) -> bool:
 def _clipped_layers(module: nn.Module, scan):
     """``clipped_layers(module, strict=True)`` (rules check their modules; shared parameters
     refused), with Opacus' ``SequenceBias`` accepted: ``PrivateModule`` moves its recorded tensors
-    to batch-first. The mark that
-    :class:`private_engine.layers.sequence_bias.SequenceBiasRule` checks is set for this check only,
-    so the native engine still refuses these modules afterwards (it does not move them)."""
+    to batch-first. The mark that :class:`.sequence_bias.SequenceBiasRule` checks is set for this
+    check only, so the native engine still refuses these modules afterwards (it does not move
+    them)."""
     marked = [m for m in module.modules()
               if isinstance(m, SequenceBias) and PREPARED not in m.__dict__]
     for m in marked:

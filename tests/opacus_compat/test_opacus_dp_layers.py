@@ -63,7 +63,7 @@ def test_make_private_leaves_no_mark_on_sequence_bias():
     the native engine (which does not move SequenceBias' tensors to batch-first) still refuses the
     model afterwards."""
     from opacus.layers.dp_multihead_attention import SequenceBias
-    from private_engine.layers.sequence_bias import PREPARED
+    from private_engine.opacus_compat.sequence_bias import PREPARED
 
     model = TinyMHA(add_bias_kv=True).double()
     biases = [m for m in model.modules() if isinstance(m, SequenceBias)]

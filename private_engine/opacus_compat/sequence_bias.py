@@ -9,7 +9,8 @@ The module sees the batch in dimension 1 unless built with ``batch_first=True`` 
 ``DPMultiheadAttention`` it always gets sequence-first keys and values), so the recorded tensors
 are only batch-first after :class:`private_engine.opacus_compat.module.PrivateModule` moves
 them; the native engine does not, hence :meth:`SequenceBiasRule.check` accepts only modules
-prepared by ``make_private``.
+prepared by ``make_private``. The rule is registered when the Opacus-compatible door is imported
+(it is the only way in).
 """
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ from typing import Dict
 import torch
 from opacus.layers.dp_multihead_attention import SequenceBias
 
-from .base import LayerDims, LayerRule, accumulation_dtype, trainable
-from .registry import register_rule
+from ..layers.base import LayerDims, LayerRule, accumulation_dtype, trainable
+from ..layers.registry import register_rule
 
 #: attribute make_private sets on SequenceBias modules for the duration of its validation only (the
 #: native engine, which does not move their tensors to batch-first, keeps refusing them)
