@@ -607,8 +607,9 @@ class PrivateModule(nn.Module):
     def _check_mean_loss(self) -> None:
         """Refuse a plain backward of a batch-mean loss (``loss_reduction="mean"``) in 16-bit
         floats. Its output gradients reach the layers as ``ĝ_i = fl16(g_i / n)`` and are clipped
-        as ``n·ĝ_i``; for ``n`` not a power of two ``n·fl16(g_i/n) ≠ fl16(g_i)`` (relative error
-        up to 2⁻⁹ for bfloat16, 2⁻¹² for float16), so an honest sample's clipped term differs
+        as ``n·ĝ_i``; unless ``n`` is a power of two and nothing underflows,
+        ``n·fl16(g_i/n) ≠ fl16(g_i)`` (relative error of the order of the unit roundoff u, 2⁻⁸
+        for bfloat16, 2⁻¹¹ for float16), so an honest sample's clipped term differs
         between neighbouring batches of ``n`` and ``n − 1`` samples, and one sample moves the
         release by more than R. A sum loss (``g_i`` whatever ``n``) or the criterion flow (per-
         sample losses) has no ``n`` in its gradients. The refusal depends on the precision, never
