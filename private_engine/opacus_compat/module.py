@@ -36,6 +36,8 @@ Two flows fill ``p.grad``:
   parameter gradients are discarded (a tensor hook on each parameter), and at the end of the
   backward (an autograd callback) the clipper writes ``Σ_i C_i g_iᵀ a_i`` — no second backward,
   and no clipping code of its own here.
+  A batch-mean loss (``loss_reduction="mean"``) is refused here in 16-bit precision: its ``1/n``
+  is rounded to 16 bits with every sample's output gradient (:meth:`_check_mean_loss`).
 
 ``clipping="per_layer"``: one threshold R_k per parameter tensor (Opacus' definition), clip
 factor ``C_{i,k} = min(1, R_k / (‖∂L_i/∂θ_k‖ + 1e-6))`` from instantiated per-sample gradients.
@@ -247,6 +249,8 @@ class PrivateModule(nn.Module):
             self._drop_eval_records()
             self.batch_flow.end()
             return
+        if torch.is_grad_enabled() and _sixteen_bit_forward(out, self._params):
+            self._sixteen_bit = True
         try:
             self.batch_flow.check_outputs(out)
         except BaseException:
@@ -482,6 +486,9 @@ class PrivateModule(nn.Module):
         self._saw_batch = False
         #: the clipper's norm pass of this backward has begun (its batch size is the first layer's)
         self._started = False
+        #: a training forward of this backward ran under 16-bit autocast or in 16-bit floats, or a
+        #: recorded output gradient is 16-bit (a batch-mean loss is then refused: _check_mean_loss)
+        self._sixteen_bit = False
 
     def _queue_finish(self) -> None:
         if not self._callback_queued:
@@ -536,6 +543,8 @@ class PrivateModule(nn.Module):
         if pairs:
             self._saw_batch = True
             self._queue_finish()
+            if any(g.dtype in _SIXTEEN_BIT for _, g in pairs):
+                self._sixteen_bit = True
         if not pairs or pairs[0][1].shape[0] == 0:  # nothing reached, or an empty Poisson batch
             layer.release()
             return
@@ -555,6 +564,7 @@ class PrivateModule(nn.Module):
             try:
                 fresh = self._start_backward()
                 self._check_trainable(self._module.parameters())
+                self._check_mean_loss()
             except BaseException:
                 self.recorder.reset()
                 raise
@@ -593,6 +603,26 @@ class PrivateModule(nn.Module):
             raise
         finally:
             self._reset_plain()
+
+    def _check_mean_loss(self) -> None:
+        """Refuse a plain backward of a batch-mean loss (``loss_reduction="mean"``) in 16-bit
+        floats. Its output gradients reach the layers as ``ĝ_i = fl16(g_i / n)`` and are clipped
+        as ``n·ĝ_i``; unless ``n`` is a power of two and nothing underflows,
+        ``n·fl16(g_i/n) ≠ fl16(g_i)`` (relative error of the order of the unit roundoff u, 2⁻⁸
+        for bfloat16, 2⁻¹¹ for float16), so an honest sample's clipped term differs
+        between neighbouring batches of ``n`` and ``n − 1`` samples, and one sample moves the
+        release by more than R. A sum loss (``g_i`` whatever ``n``) or the criterion flow (per-
+        sample losses) has no ``n`` in its gradients. The refusal depends on the precision, never
+        on the batch size or the data."""
+        if self.loss_reduction == "mean" and self._sixteen_bit:
+            raise ValueError(
+                "a plain loss.backward() of a batch-mean loss in 16-bit precision (autocast or "
+                "16-bit weights) cannot be clipped to max_grad_norm exactly: the 1/batch-size "
+                "scaling of every sample's gradient is rounded to 16 bits differently for "
+                "batches of n and n-1 samples; nothing was released. Backpropagate a sum loss "
+                "(e.g. nn.CrossEntropyLoss(reduction=\"sum\")) with "
+                "make_private(loss_reduction=\"sum\"), or use grad_sample_mode=\"ghost\" and "
+                "the criterion make_private returns.")
 
     def _mean_scale(self, batch: int) -> float:
         """``loss_reduction="mean"``: the recorded output gradients are those of ``(1/B) Σ_i L_i``,
@@ -651,6 +681,7 @@ class PrivateModule(nn.Module):
         clipping core (:func:`private_engine.clipping.batch.clip_batch`; book-keeping, one
         backward)."""
         self.model_randomness.end()
+        self._sixteen_bit = False  # the criterion flow's per-sample losses have no 1/n
         try:
             self.batch_flow.check_loss(loss_per_sample)
             check_per_sample_loss(loss_per_sample, name="the per-sample loss")
@@ -683,6 +714,20 @@ class PrivateModule(nn.Module):
             for p, g in zip(self._params, batch.sums.own_grads()):
                 _add_grad(p, g)
         self.backward_passes += 1
+
+
+_SIXTEEN_BIT = (torch.float16, torch.bfloat16)
+
+
+def _sixteen_bit_forward(out, params: Sequence[torch.Tensor]) -> bool:
+    """Whether a forward computes in 16-bit floats: under autocast to float16/bfloat16 on the
+    device of its outputs or parameters, with a 16-bit parameter, or with a 16-bit output."""
+    tensors = [t for t in _flatten(out) if isinstance(t, torch.Tensor)]
+    devices = {t.device.type for t in [*tensors, *params[:1]]}
+    if any(torch.is_autocast_enabled(d) and torch.get_autocast_dtype(d) in _SIXTEEN_BIT
+           for d in devices):
+        return True
+    return any(t.dtype in _SIXTEEN_BIT for t in [*tensors, *params])
 
 
 def _add_grad(p: torch.Tensor, g: torch.Tensor) -> None:

@@ -14,7 +14,8 @@ from torch import nn
 from torch.nn.utils import parametrizations
 
 from engine_checks import one_thread  # noqa: F401  (autouse: one intra-op thread)
-from test_privacy_under_attack import DOOR_IDS, DOORS, R, Case, assert_bounded, run_pair, true_norm
+from test_privacy_under_attack import (DOOR_IDS, DOORS, R, Case, assert_bounded,
+                                       assert_hooks_in_16_bit, run_pair, true_norm)
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -62,7 +63,7 @@ VARIANTS = {
 
 
 def crafted_case(name: str, variant: str, seed: int = 5) -> Case:
-    factory, shape = MODELS[name]
+    factory, shape = {**MODELS, **MEAN_ROUNDING_MODELS}[name]
     torch.manual_seed(0)
     model = factory()
     with torch.no_grad():  # affine parameters away from (1, 0)
@@ -105,10 +106,7 @@ def test_crafted_sample_moves_the_step_by_at_most_R(name, variant, door, how):
     assert_bounded(*run_pair(case, door, how), what=f"{name} {variant} {door}-{how}")
 
 
-#: the Opacus "hooks" flow backpropagates the batch mean: its 1/n scaling of every sample's output
-#: gradient is rounded to bfloat16 differently for the batches of 4 and 3, which moves the honest
-#: samples' terms by ~2⁻⁹ of their norms — rounding of the other samples, for every layer alike
-AMP_DOORS = [("native", "bk_mixed"), ("native", "mixed"), ("opacus", "ghost")]
+AMP_DOORS = [("native", "bk_mixed"), ("native", "mixed"), ("opacus", "ghost"), ("opacus", "hooks")]
 
 
 @pytest.mark.parametrize("door,how", AMP_DOORS, ids=[f"{d}-{h}" for d, h in AMP_DOORS])
@@ -118,5 +116,28 @@ def test_crafted_sample_under_bfloat16_autocast(name, variant, door, how):
     """The same under bfloat16 autocast: the rules' per-sample gradients are formed in float32 from
     the 16-bit operands and released as they were normed."""
     case = crafted_case(name, variant)
-    assert_bounded(*run_pair(case, door, how, amp=torch.bfloat16),
-                   what=f"{name} {variant} bf16 {door}-{how}")
+    what = f"{name} {variant} bf16 {door}-{how}"
+    if (door, how) == ("opacus", "hooks"):
+        assert_hooks_in_16_bit(case, torch.bfloat16, what)
+        return
+    assert_bounded(*run_pair(case, door, how, amp=torch.bfloat16), what=what)
+
+
+#: layers whose terms a batch-mean loss's 16-bit rounding moved most (measured ratios up to 1.0021
+#: for LayerNorm, 1.0004 for GroupNorm, 1.00005 for Linear in the hooks flow before the refusal)
+MEAN_ROUNDING_MODELS: Dict[str, Tuple[Callable[[], nn.Module], Tuple[int, ...]]] = {
+    "layernorm": (lambda: nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6)), (2, 4)),
+    "groupnorm": (lambda: nn.Sequential(nn.Conv1d(2, 4, 1), nn.GroupNorm(2, 4)), (2, 4)),
+    "linear": (lambda: nn.Sequential(nn.Linear(4, 6)), (2, 4)),
+}
+
+
+@pytest.mark.parametrize("amp", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("variant", ["subnormal-1e-40", "cancel"])
+@pytest.mark.parametrize("name", list(MEAN_ROUNDING_MODELS))
+def test_opacus_hooks_under_16_bit_autocast(name, variant, amp):
+    """The Opacus door's plain ``loss.backward()`` under bfloat16/float16 autocast: a batch-mean
+    loss (whose 1/n is rounded to 16 bits differently for n = 4 and 3) is refused; a sum loss
+    with ``loss_reduction="sum"`` is bounded."""
+    case = crafted_case(name, variant)
+    assert_hooks_in_16_bit(case, amp, f"{name} {variant} {amp}")

@@ -169,31 +169,32 @@ def native_release(model: nn.Module, x: torch.Tensor, t: torch.Tensor, mode: str
     return released(model, opt)
 
 
-def opacus_private(engine, model: nn.Module, opt, flow: str, wrap_model: bool = True):
+def opacus_private(engine, model: nn.Module, opt, flow: str, wrap_model: bool = True,
+                   loss_reduction: str = "mean"):
     """``engine.make_private`` as the harness uses it: noise 0, R, no Poisson sampling, a loader of
     10·B rows (expected batch size B), ``nn.MSELoss`` as the criterion of the ghost flow."""
     loader = DataLoader(TensorDataset(torch.zeros(10 * B, 1)), batch_size=B)
     return engine.make_private(module=model, optimizer=opt, data_loader=loader,
                                noise_multiplier=0.0, max_grad_norm=R, poisson_sampling=False,
                                grad_sample_mode=flow, criterion=nn.MSELoss(),
-                               wrap_model=wrap_model)
+                               wrap_model=wrap_model, loss_reduction=loss_reduction)
 
 
 def opacus_objective(out, flow: str, y: torch.Tensor, t: torch.Tensor,
-                     loss: Callable = mse) -> torch.Tensor:
+                     loss: Callable = mse, reduction: str = "mean") -> torch.Tensor:
     """What the user backpropagates in the Opacus door: the returned criterion (flow "ghost";
     Opacus' mean over the k outputs per sample, times k: the per-sample loss of ``mse``) or the
-    mean of ``loss`` (flow "hooks")."""
+    mean (``reduction="sum"``: the sum) of ``loss`` (flow "hooks")."""
     if flow == "ghost":
         n, k = y.shape[0], y[0].numel()
         return out[2](y.float().reshape(-1), t.reshape(-1), shape=(n, k)) * k
-    return loss(y, t).mean()
+    return loss(y, t).sum() if reduction == "sum" else loss(y, t).mean()
 
 
 def opacus_release(model: nn.Module, x: torch.Tensor, t: torch.Tensor, flow: str, *,
                    loss: Callable = mse, amp: Optional[torch.dtype] = None,
                    order: str = "batch", action: Optional[str] = None, wrap_model: bool = True,
-                   device: str = "cpu"):
+                   device: str = "cpu", loss_reduction: str = "mean"):
     """One step of the Opacus-compatible door on a fresh copy of ``model``: ``make_private``
     (SGD lr 1, noise 0, no Poisson sampling, a loader of 10·B rows: expected batch size B).
 
@@ -202,14 +203,16 @@ def opacus_release(model: nn.Module, x: torch.Tensor, t: torch.Tensor, flow: str
     per sample: the per-sample loss of ``mse``), given reversed outputs and targets when
     ``order="flip"``. ``action``: a method of the returned handle called before the forward
     ("remove_hooks", "cleanup", "disable_hooks"). ``device``: where the copy of the model and
-    the batch run. Returns the released tensors, or :class:`Refused` (then nothing was accounted
-    either)."""
+    the batch run. ``loss_reduction="sum"``: ``make_private(loss_reduction="sum")`` and the hooks
+    flow backpropagates the sum of ``loss`` (the optimizer then does not divide by B). Returns the
+    released tensors, or :class:`Refused` (then nothing was accounted either)."""
     model = copy.deepcopy(model).to(device)
     x, t = x.to(device), t.to(device)
     opt = CapturingSGD(model.parameters())
     engine = opacus_compat.PrivacyEngine(accountant="rdp")
     try:
-        out = opacus_private(engine, model, opt, flow, wrap_model=wrap_model)
+        out = opacus_private(engine, model, opt, flow, wrap_model=wrap_model,
+                             loss_reduction=loss_reduction)
     except ValueError as e:
         return refused(e, "construction", opt)
     handle, optimizer = out[0], out[1]
@@ -221,7 +224,7 @@ def opacus_release(model: nn.Module, x: torch.Tensor, t: torch.Tensor, flow: str
             y = module(x)
             if flow == "ghost" and order == "flip":
                 y, t = y.flip(0), t.flip(0)
-            objective = opacus_objective(out, flow, y, t, loss)
+            objective = opacus_objective(out, flow, y, t, loss, loss_reduction)
         objective.backward()
         optimizer.step()
     except ValueError as e:
@@ -300,6 +303,18 @@ def run_pair(case: Case, door: str, how: str, *, with_batch=None, without_batch=
     release = native_release if door == "native" else opacus_release
     return tuple(release(case.model, *xt, how, loss=case.loss, **kw)
                  for xt in (with_batch, without_batch))
+
+
+def assert_hooks_in_16_bit(case: Case, amp: torch.dtype, what: str = "") -> None:
+    """The Opacus door's plain ``loss.backward()`` under 16-bit autocast: a batch-mean loss is
+    refused (its 1/n scaling of every sample's gradient is rounded to 16 bits differently for the
+    batches of 4 and 3, which moves the honest samples' terms), before anything is released; a
+    sum loss with ``loss_reduction="sum"`` (no 1/n; the optimizer divides by nothing, so the
+    ratio is ``‖Δ‖/R``) is bounded."""
+    assert_bounded(*run_pair(case, "opacus", "hooks", amp=amp), may_refuse=True,
+                   refuse_at="step", what=f"{what} mean loss")
+    assert_bounded(*run_pair(case, "opacus", "hooks", amp=amp, loss_reduction="sum"),
+                   tol=LOWP_TOL, batch=1, what=f"{what} sum loss")
 
 
 def two_layer(d: int = 16, h: int = 16, o: int = 16, seed: int = 0) -> nn.Module:
@@ -440,6 +455,9 @@ def test_bfloat16_autocast_cancellation(variant, door, how):
     clipped to R (to bfloat16 rounding), in every mode, ``per_sample`` included."""
     case = bf16_case(*BF16[variant])
     assert_large(case)
+    if (door, how) == ("opacus", "hooks"):  # a batch-mean loss is refused, a sum loss bounded
+        assert_hooks_in_16_bit(case, torch.bfloat16, what=f"{variant} {door}-{how}")
+        return
     assert_bounded(*run_pair(case, door, how, amp=torch.bfloat16), tol=LOWP_TOL,
                    what=f"{variant} {door}-{how}")
 
