@@ -332,10 +332,39 @@ def _refusals(rank, out_dir):
     return out
 
 
+def _memory(rank, mode):
+    """What is held while a physical batch is clipped and released (MLP, a unit per layer and
+    the root): whether the gathered parameters' storage is freed when the clipped sums are
+    formed, how many flat buffers the sums take, and how many are left after the release."""
+    model = _shard("mlp", _model("mlp"))
+    engine, opt = _engine(model, mode)
+    gathered = engine.clipper.params
+    seen = {}
+    clipped_sums, release = engine.clipper.clipped_sums, engine.distributed.release
+
+    def spy_sums(*args, **kwargs):
+        seen["freed"] = [p.untyped_storage().size() == 0 for p in gathered]
+        return clipped_sums(*args, **kwargs)
+
+    def spy_release(sums, *args, **kwargs):
+        seen["buffers"] = len(sums.buffers)
+        out = release(sums, *args, **kwargs)
+        seen["left"] = sum(b is not None for b in sums.buffers)
+        seen["grads_left"] = sum(g is not None for g in sums.grads)
+        return out
+
+    engine.clipper.clipped_sums, engine.distributed.release = spy_sums, spy_release
+    x, y = _batches("mlp")[0]
+    opt.step(loss=_loss(model, x[rank * 4:rank * 4 + 4], y[rank * 4:rank * 4 + 4]))
+    seen["units"] = len(engine.distributed.modules)
+    return seen
+
+
 def noise_worker(rank, out_dir):
     warnings.simplefilter("ignore")
     return {"noise": _noise_once(rank), "generators": _same_generators(rank),
-            "refusals": _refusals(rank, out_dir)}
+            "refusals": _refusals(rank, out_dir),
+            "memory": {mode: _memory(rank, mode) for mode in ("bk_mixed", "mixed")}}
 
 
 @pytest.fixture(scope="module")
@@ -397,3 +426,17 @@ def test_sharded_engine_state_loads_on_its_rank(noise_ranks):
 def test_sharded_detach_gives_fsdp2_its_reduction_back(noise_ranks):
     for r in noise_ranks:
         assert r["refusals"]["detached_sync"] and not r["refusals"]["attached_sync"]
+
+
+def test_sharded_memory_gathered_parameters_and_sums_are_freed(noise_ranks):
+    """Book-keeping: the gathered parameters are freed before the clipped sums are formed (they
+    need only the kept activations and output gradients); two-pass modes keep them for their
+    second backward. The sums take one flat buffer per FSDP2 unit (2 Linear units; the root's
+    unit holds no parameter of its own), each dropped once reduce-scattered."""
+    for r in noise_ranks:
+        bk, two_pass = r["memory"]["bk_mixed"], r["memory"]["mixed"]
+        assert len(bk["freed"]) == 4 and all(bk["freed"])
+        assert not any(two_pass["freed"])
+        for seen in (bk, two_pass):
+            assert seen["units"] == 3 and seen["buffers"] == 2
+            assert seen["left"] == 0 and seen["grads_left"] == 0
