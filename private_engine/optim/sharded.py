@@ -15,12 +15,14 @@ while it computes, so the engine builds its clipper on these unsharded objects a
    (:meth:`ShardedDataParallel.unsharded`: the same collectives on every rank whatever its
    batch, so that the engine's backward passes — norm pass, separability probe, second pass —
    need no communication, and a rank with an empty batch runs none), clips
-   ``s_r = Σ_{i ∈ S_r} C_i g_i`` into full-size flat buffers and reshards. FSDP2's own gradient
-   reduction is switched off (``set_requires_gradient_sync(False)``), and the norm pass forms no
-   ``.grad`` anyway: it asks autograd for activation gradients only;
-2. at the step, one ``reduce_scatter(SUM)`` per accumulation dtype gives rank r the rows it owns of
-   ``s = Σ_q s_q`` (the sum is linear, so summing the full-size sums and cutting them into shards
-   commute);
+   ``s_r = Σ_{i ∈ S_r} C_i g_i`` into full-size flat buffers, one per FSDP2 unit, and reshards
+   (the book-keeping modes free the gathered parameters before forming the sums, which need
+   only the kept activations and output gradients: :meth:`ShardedDataParallel.free_gathered`).
+   FSDP2's own gradient reduction is switched off (``set_requires_gradient_sync(False)``), and
+   the norm pass forms no ``.grad`` anyway: it asks autograd for activation gradients only;
+2. at the step, one ``reduce_scatter(SUM)`` per FSDP2 unit and accumulation dtype gives rank r
+   the rows it owns of ``s = Σ_q s_q`` (the sum is linear, so summing the full-size sums and
+   cutting them into shards commute); each unit's full-size sums are dropped once reduced;
 3. rank r adds ``σR·ξ_r`` to its own rows only, ξ_r ~ N(0, I) from its own generator, divides by
    the global expected batch size B and sets its shard of ``(s + σR·ξ)/B`` as the ``DTensor``
    ``.grad`` of each parameter; the wrapped optimizer steps on the shards, as under FSDP2 alone.
