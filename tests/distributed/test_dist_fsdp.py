@@ -320,6 +320,7 @@ def _refusals(rank, out_dir):
         and state["ledger"]["path"] == ledger.path and ledger.writer == (rank == 0)
         and not torch.equal(engine3.noise_generator.get_state(),
                             engine.noise_generator.get_state()))
+    out["dcp"] = _dcp_round_trip(model, opt, engine, os.path.join(out_dir, "dcp"))
     attempt("save_checkpoint", lambda: pe.save_checkpoint(
         os.path.join(out_dir, "ckpt.pt"), model=model, optimizer=opt, engine=engine))
     # detach gives FSDP2 its gradient reduction back; attach takes it again
@@ -358,6 +359,38 @@ def _memory(rank, mode):
     opt.step(loss=_loss(model, x[rank * 4:rank * 4 + 4], y[rank * 4:rank * 4 + 4]))
     seen["units"] = len(engine.distributed.modules)
     return seen
+
+
+def _dcp_round_trip(model, opt, engine, path):
+    """Model, optimizer and engine saved by ``torch.distributed.checkpoint`` and loaded into a new
+    sharded model and engine: what the new one holds."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                         get_optimizer_state_dict,
+                                                         set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    from private_engine.checkpoint import EngineStateful
+
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt),
+              "engine": EngineStateful(engine)}, checkpoint_id=path)
+    torch.manual_seed(1)
+    model2 = _shard("mlp", nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double())
+    opt2 = torch.optim.SGD(model2.parameters(), lr=0.5)
+    # model and optimizer before the engine attaches: DCP forms a fresh optimizer's state by a
+    # step on zero gradients
+    state = {"model": get_model_state_dict(model2), "optim": get_optimizer_state_dict(model2, opt2)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model2, state["model"])
+    set_optimizer_state_dict(model2, opt2, state["optim"])
+    engine2 = pe.PrivacyEngine(model2, batch_size=B, sample_size=N, max_grad_norm=R,
+                               noise_multiplier=0.0, clipping_mode="bk_mixed")
+    engine2.attach(opt2)
+    dcp.load({"engine": EngineStateful(engine2)}, checkpoint_id=path)
+    return {"same_model": torch.equal(_full(model), _full(model2)),
+            "steps": (engine.steps_taken, engine2.steps_taken),
+            "history": ([tuple(h) for h in engine.accountant.history],
+                        [tuple(h) for h in engine2.accountant.history])}
 
 
 def noise_worker(rank, out_dir):
@@ -440,3 +473,14 @@ def test_sharded_memory_gathered_parameters_and_sums_are_freed(noise_ranks):
         for seen in (bk, two_pass):
             assert seen["units"] == 3 and seen["buffers"] == 2
             assert seen["left"] == 0 and seen["grads_left"] == 0
+
+
+def test_sharded_engine_checkpoint_through_torch_distributed_checkpoint(noise_ranks):
+    """``dcp.save`` / ``dcp.load`` of the sharded model, its optimizer and
+    ``EngineStateful(engine)``: each rank restores its own engine state (steps, accountant
+    history) with the model's shards."""
+    for r in noise_ranks:
+        got = r["refusals"]["dcp"]
+        assert got["same_model"]
+        assert got["steps"][0] == got["steps"][1] == 2
+        assert got["history"][0] == got["history"][1] and len(got["history"][0]) > 0
