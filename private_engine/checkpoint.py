@@ -54,8 +54,9 @@ batch. One fsync per step is the ledger's cost (docs/engine.md, "Checkpoints", h
 Data-parallel training (``engine.distributed``): :func:`save_checkpoint` writes on rank 0 only
 (the other ranks check that they hold no accumulation and return), and rank 0 records the ledger;
 :func:`load_checkpoint` runs on every rank and reads the same ledger (a shared file system). FSDP2
-models are refused by :func:`save_checkpoint`; save ``engine.state_dict()`` on each rank (after
-:func:`use_ledger` on every rank, for a ledger).
+models are refused by :func:`save_checkpoint`; save the engine with the model and optimizer
+through ``torch.distributed.checkpoint`` as :class:`EngineStateful` (after :func:`use_ledger` on
+every rank, for a ledger), or ``engine.state_dict()`` on each rank.
 
 The dicts hold tensors and plain Python values only, so ``torch.load(..., weights_only=True)``
 reads them; :func:`load_checkpoint` does. The files are written atomically with mode 0600 (for
@@ -63,6 +64,7 @@ reads them; :func:`load_checkpoint` does. The files are written atomically with 
 """
 from __future__ import annotations
 
+import io
 import logging
 import os
 from typing import Any, Dict, Optional, Tuple, Union
@@ -460,15 +462,16 @@ def load_checkpoint(path, *, model: nn.Module, optimizer: torch.optim.Optimizer,
 def _refuse_sharded(engine) -> None:
     """Refuse an engine on an FSDP2 (``fully_shard``) model: its model and optimizer states are
     ``DTensor`` shards, one part per rank, so one file written by rank 0 would hold a fraction of
-    the model. Save the shards with ``torch.distributed.checkpoint`` and ``engine.state_dict()``
-    on every rank instead."""
+    the model. Save the shards with ``torch.distributed.checkpoint`` and the engine as
+    :class:`EngineStateful` on every rank instead."""
     if getattr(engine, "sharded", False):
         raise ValueError(
             "save_checkpoint / load_checkpoint do not handle FSDP2 (fully_shard) models: the "
             "model and optimizer states are shards, one part per rank. Save model and optimizer "
             "with torch.distributed.checkpoint (get_model_state_dict / "
-            "get_optimizer_state_dict) and engine.state_dict() on every rank, each rank loading "
-            "its own, after private_engine.checkpoint.use_ledger(engine, path) on every rank "
+            "get_optimizer_state_dict) and the engine as "
+            "private_engine.checkpoint.EngineStateful(engine) in the same dcp.save / dcp.load, "
+            "after private_engine.checkpoint.use_ledger(engine, path) on every rank "
             "(docs/distributed.md, \"FSDP2\").")
 
 
@@ -485,6 +488,42 @@ def _check_model(engine, model) -> None:
                          "parameters the engine clips.")
 
 
+class EngineStateful:
+    """An engine's state as a ``torch.distributed.checkpoint`` ``Stateful``: pass
+    ``{"engine": EngineStateful(engine), ...}`` to ``dcp.save`` / ``dcp.load`` on every rank, next
+    to the model's and optimizer's sharded state dicts (``get_model_state_dict``,
+    ``get_optimizer_state_dict``).
+
+    Each rank's :meth:`engine.state_dict() <private_engine.PrivacyEngine.state_dict>` is stored
+    under a key of its own, ``rank{r}`` (``torch.save`` bytes: tensors and plain values only,
+    read back with ``weights_only=True``): ``torch.distributed.checkpoint`` keeps one copy of an
+    item that every rank holds under one key, while FSDP2 ranks hold different states (each
+    rank's own generator draws the noise of its own rows), which load only on the rank that
+    wrote them. Loading needs the same world size (a missing ``rank{r}`` key fails the load)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def _key(self) -> str:
+        distributed = getattr(self.engine, "distributed", None)
+        return f"rank{distributed.rank if distributed is not None else 0}"
+
+    def state_dict(self) -> Dict[str, Any]:
+        """``{"rank{r}": bytes of engine.state_dict()}``."""
+        buffer = io.BytesIO()
+        torch.save(self.engine.state_dict(), buffer)
+        return {self._key(): buffer.getvalue()}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """``engine.load_state_dict`` of this rank's state (its checks apply: the privacy
+        parameters, the ledger, the rank)."""
+        if self._key() not in state:
+            raise ValueError(f"the checkpoint holds no engine state for {self._key()} (it has "
+                             f"{sorted(state)}): load it with the world size that saved it.")
+        blob = state[self._key()]
+        self.engine.load_state_dict(torch.load(io.BytesIO(blob), weights_only=True))
+
+
 __all__ = ["engine_state_dict", "check_engine_state_dict", "load_engine_state_dict",
            "save_checkpoint", "load_checkpoint", "use_ledger", "find_ledger", "atomic_save",
-           "LEDGER_SUFFIX"]
+           "LEDGER_SUFFIX", "EngineStateful"]

@@ -274,6 +274,8 @@ class PrivacyEngine:
                 traced=scan.traced,
                 fallbacks=scan.fallbacks,
             )
+            if self.sharded:  # one flat buffer per FSDP2 unit, freed once reduce-scattered
+                self.clipper.buffer_group = self.distributed.unit_of
         #: the randomness of training forwards (dropout) from a secret generator, not torch's
         #: publicly seeded global one (keyed from the user's noise_generator when one is given)
         self.model_randomness = SecretModelRandomness(
@@ -421,7 +423,9 @@ class PrivacyEngine:
                                    names=self._names,
                                    all_dropped_hint="the model may have diverged (lower the "
                                    "learning rate; float16 autocast: pass "
-                                   "grad_scaler=torch.amp.GradScaler(device)).")
+                                   "grad_scaler=torch.amp.GradScaler(device)).",
+                                   before_sums=(self.distributed.free_gathered if self.sharded
+                                                else None))
             # nothing of this batch is released before the state guard has seen the step; it
             # records the state again at once: the next physical batch is watched from here
             self.state_guard.check(self.clipper.batch_flow.written_storages)

@@ -8,7 +8,7 @@ import os
 import sys
 import warnings
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 
@@ -69,7 +69,9 @@ class ClippedBatch:
 def clip_batch(clipper: PerSampleClipper, loss: torch.Tensor, *,
                loss_scaling: Optional[LossScaling] = None,
                names: Optional[Dict[int, str]] = None,
-               all_dropped_hint: Optional[str] = None) -> ClippedBatch:
+               all_dropped_hint: Optional[str] = None,
+               before_sums: Optional[Callable[[PerSampleClipper], None]] = None
+               ) -> ClippedBatch:
     """Clip one physical batch of per-sample losses ``loss`` (shape ``(B,)``).
 
     Raises on a malformed loss, or one that reaches a trainable parameter outside a recorded call
@@ -79,7 +81,9 @@ def clip_batch(clipper: PerSampleClipper, loss: torch.Tensor, *,
     for messages. ``all_dropped_hint``: when given, a ``RuntimeWarning`` with this advice, at the
     user's line, says that every sample of a batch was dropped. Under loss scaling, half the batch
     or more dropped warns with the scale to use instead
-    (:meth:`LossScaling.overflow_advice`).
+    (:meth:`LossScaling.overflow_advice`). ``before_sums`` (optional): called with the clipper
+    once the clip factors are known, before the clipped sums are formed (FSDP2 frees the gathered
+    parameters there when the sums need no weights).
     """
     clipper.check_loss(loss)
     check_per_sample_loss(loss)
@@ -104,6 +108,8 @@ def clip_batch(clipper: PerSampleClipper, loss: torch.Tensor, *,
                 norms = norms / scale.to(norms.dtype)
             # the step's one host sync
             norms, factors, keep, dropped = clipper.finite_factors(norms, loss)
+            if before_sums is not None:
+                before_sums(clipper)
         except BaseException:
             clipper.release()
             raise

@@ -111,6 +111,10 @@ class PerSampleClipper:
         #: changes)
         self._layout: Optional[FlatLayout] = None
         self._layout_key: tuple = ()
+        #: a key per parameter: parameters of different keys get different flat buffers (FSDP2:
+        #: the unit, :class:`private_engine.optim.sharded.ShardedDataParallel`); None: one
+        #: buffer per (device, dtype)
+        self.buffer_group = None
 
     # -- norm pass ---------------------------------------------------------------------------
     def start_pass(self, batch_size: int) -> None:
@@ -524,7 +528,7 @@ class PerSampleClipper:
         key = tuple(id(p) for p in order)
         if self._layout is None or key != self._layout_key:
             rest = [p for p in self.params if id(p) not in seen]
-            self._layout, self._layout_key = FlatLayout(order + rest), key
+            self._layout, self._layout_key = FlatLayout(order + rest, self.buffer_group), key
         return self._layout
 
     def release(self) -> None:

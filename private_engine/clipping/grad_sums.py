@@ -18,7 +18,7 @@ leaves the engine (``.grad``, ``clipped_grad_sum``) are tensors of their own
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -74,17 +74,20 @@ class FlatLayout:
 
     The buffer of a parameter has its accumulation dtype (float32 for float32/bfloat16/float16
     parameters, float64 for float64): clipped sums are accumulated in at least float32 and cast to
-    the parameter's dtype only when written to ``.grad``.
+    the parameter's dtype only when written to ``.grad``. ``group`` (optional): a key per
+    parameter; parameters of different keys get different buffers (FSDP2: one buffer per unit,
+    so that each unit's sums can be freed once reduce-scattered).
     """
 
-    def __init__(self, params: Sequence[torch.Tensor]):
+    def __init__(self, params: Sequence[torch.Tensor],
+                 group: Optional[Callable[[torch.Tensor], object]] = None):
         self.params = list(params)
-        self._keys: List[Tuple[torch.device, torch.dtype]] = []
+        self._keys: List[Tuple[object, torch.device, torch.dtype]] = []
         self._sizes: List[int] = []
         #: id(param) -> (buffer index, offset, numel, shape)
         self.slots: Dict[int, Tuple[int, int, int, torch.Size]] = {}
         for p in self.params:
-            key = (p.device, accumulation_dtype(p))
+            key = (group(p) if group is not None else None, p.device, accumulation_dtype(p))
             if key not in self._keys:
                 self._keys.append(key)
                 self._sizes.append(0)
@@ -99,7 +102,8 @@ class FlatLayout:
     ) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
         """``(buffers, views)``: uninitialised flat buffers and one view per parameter of ``order``
         (a permutation of this layout's parameters or a subset of it)."""
-        buffers = [torch.empty(n, device=d, dtype=t) for (d, t), n in zip(self._keys, self._sizes)]
+        buffers = [torch.empty(n, device=d, dtype=t)
+                   for (_, d, t), n in zip(self._keys, self._sizes)]
         views = []
         for p in order:
             b, off, n, shape = self.slots[id(p)]

@@ -15,12 +15,14 @@ while it computes, so the engine builds its clipper on these unsharded objects a
    (:meth:`ShardedDataParallel.unsharded`: the same collectives on every rank whatever its
    batch, so that the engine's backward passes — norm pass, separability probe, second pass —
    need no communication, and a rank with an empty batch runs none), clips
-   ``s_r = Σ_{i ∈ S_r} C_i g_i`` into full-size flat buffers and reshards. FSDP2's own gradient
-   reduction is switched off (``set_requires_gradient_sync(False)``), and the norm pass forms no
-   ``.grad`` anyway: it asks autograd for activation gradients only;
-2. at the step, one ``reduce_scatter(SUM)`` per accumulation dtype gives rank r the rows it owns of
-   ``s = Σ_q s_q`` (the sum is linear, so summing the full-size sums and cutting them into shards
-   commute);
+   ``s_r = Σ_{i ∈ S_r} C_i g_i`` into full-size flat buffers, one per FSDP2 unit, and reshards
+   (the book-keeping modes free the gathered parameters before forming the sums, which need
+   only the kept activations and output gradients: :meth:`ShardedDataParallel.free_gathered`).
+   FSDP2's own gradient reduction is switched off (``set_requires_gradient_sync(False)``), and
+   the norm pass forms no ``.grad`` anyway: it asks autograd for activation gradients only;
+2. at the step, one ``reduce_scatter(SUM)`` per FSDP2 unit and accumulation dtype gives rank r
+   the rows it owns of ``s = Σ_q s_q`` (the sum is linear, so summing the full-size sums and
+   cutting them into shards commute); each unit's full-size sums are dropped once reduced;
 3. rank r adds ``σR·ξ_r`` to its own rows only, ξ_r ~ N(0, I) from its own generator, divides by
    the global expected batch size B and sets its shard of ``(s + σR·ξ)/B`` as the ``DTensor``
    ``.grad`` of each parameter; the wrapped optimizer steps on the shards, as under FSDP2 alone.
@@ -77,6 +79,19 @@ def _refuse(what: str, why: str) -> ValueError:
                       f"{why} (docs/distributed.md, \"FSDP2\").")
 
 
+def rules_without_weights() -> frozenset:
+    """The layer rules whose clipped sums (``weighted_grads``, from kept ``(a, g)``) read only
+    their module's shapes and hyper-parameters, never its parameters' values."""
+    from ..layers.conv import ConvRule
+    from ..layers.embedding import EmbeddingRule
+    from ..layers.linear import LinearRule, TransposedLinearRule
+    from ..layers.normalization import (GroupNormRule, HFRMSNormRule, InstanceNormRule,
+                                        LayerNormRule, RMSNormRule)
+
+    return frozenset((LinearRule, TransposedLinearRule, ConvRule, EmbeddingRule, LayerNormRule,
+                      GroupNormRule, RMSNormRule, HFRMSNormRule, InstanceNormRule))
+
+
 class ShardedDataParallel(DataParallel):
     """The collectives of private training on an FSDP2-sharded model over the default process
     group (module docstring).
@@ -115,12 +130,17 @@ class ShardedDataParallel(DataParallel):
         for fp in self._fsdp.values():
             self._check_param(fp, names.get(id(fp.sharded_param), repr(fp)))
         self._groups = groups
+        #: id(FSDPParam) -> index of its FSDP2 unit (parameter group), the same on every rank
+        self._unit: Dict[int, int] = {id(fp): i for i, g in enumerate(groups)
+                                      for fp in g.fsdp_params}
         #: FSDP2's own settings, restored by :meth:`restore_fsdp` (engine.detach())
         self._fsdp_settings = [(g.reduce_grads, g.all_reduce_grads, g.reshard_after_backward)
                                for g in groups]
         self.take_over_fsdp()
         with self.unsharded():  # FSDP2 creates its unsharded parameters at the first all-gather
             self._unsharded = {k: fp._unsharded_param for k, fp in self._fsdp.items()}
+        self._unit_of_unsharded = {id(self._unsharded[k]): self._unit[id(fp)]
+                                   for k, fp in self._fsdp.items()}
 
     def _check_param(self, fp, name: str) -> None:
         from torch.distributed.tensor import Shard
@@ -205,6 +225,12 @@ class ShardedDataParallel(DataParallel):
         modules hold while they compute, hence what the clipping core keys on."""
         return [self._unsharded[id(p)] for p in params]
 
+    def unit_of(self, unsharded: torch.Tensor) -> int:
+        """Index of the FSDP2 unit (parameter group) of an unsharded parameter: the key of its
+        flat buffer of clipped sums (one buffer per unit, freed once the unit is
+        reduce-scattered, :meth:`release`)."""
+        return self._unit_of_unsharded[id(unsharded)]
+
     @contextlib.contextmanager
     def unsharded(self) -> Iterator[None]:
         """All-gather every FSDP2 module (``FSDPModule.unshard``, in ``modules()`` order: the same
@@ -225,6 +251,23 @@ class ShardedDataParallel(DataParallel):
         finally:
             for m in self.modules:
                 m.reshard()
+
+    def free_gathered(self, clipper) -> None:
+        """Free the storage of every unsharded parameter (FSDP2's ``free_unsharded_param``; the
+        modules keep the parameter objects, the clipper's keys, and the reshard at the end of
+        :meth:`unsharded` finds them freed) once the clip factors are known, when what is left —
+        forming the clipped sums — reads no parameter's values: a book-keeping mode (one
+        backward, already done: the sums ``gᵀ·diag(C)·a`` come from the kept activations and
+        output gradients, the kept per-sample gradients are already formed) whose kept layers'
+        rules read only their modules' shapes (:func:`rules_without_weights`). Otherwise (a
+        two-pass mode's second backward, another rule) nothing is freed. The clipped sums of a
+        physical batch and the gathered parameters are then never held together."""
+        if clipper.strategy.retain_graph:
+            return
+        if any(type(rule) not in rules_without_weights() for _, rule, _ in clipper._kept_pairs):
+            return
+        for fp in self._fsdp.values():
+            fp.free_unsharded_param()
 
     def check_fsdp_state(self) -> None:
         """Before each clipping and release: FSDP2's gradient reduction and its reshard after
@@ -261,22 +304,37 @@ class ShardedDataParallel(DataParallel):
         ``sums.grads``, which are full-size), as ``DTensor`` gradients of the parameters' own
         placement, each on storage of its own.
 
-        Per accumulation dtype, the full-size sums are laid out rank-major — row r holds, for every
-        parameter, its FSDP2 chunk r zero-padded to the padded chunk size — and reduced by one
-        ``reduce_scatter(SUM)``; ``σR·ξ_r`` is added to the real (unpadded) rows only, then the
-        division by B and the cast to the parameter's dtype."""
+        One FSDP2 unit (parameter group) and accumulation dtype at a time, the unit's full-size
+        sums are laid out rank-major — row r holds, for every parameter of the unit, its FSDP2
+        chunk r zero-padded to the padded chunk size — and reduced by one ``reduce_scatter(SUM)``
+        (the sum is linear: reducing unit by unit gives the same rows as reducing everything at
+        once); ``σR·ξ_r`` is added to the real (unpadded) rows only, then the division by B and
+        the cast to the parameter's dtype. Only one unit's send buffer and received rows are held
+        at a time besides the released shards (the units in the same order on every rank).
+
+        ``sums`` is consumed: each unit's full-size sums are dropped from it once reduced (with
+        one flat buffer per unit, :meth:`unit_of`, the unit's memory is freed then)."""
         from torch.distributed.tensor import DTensor
 
         self.check_fsdp_state()
         W = self.world_size
         fps = [self._fsdp[id(p)] for p in params]
         out: List[Optional[torch.Tensor]] = [None] * len(fps)
-        by_dtype: Dict[tuple, List[int]] = {}
+        by_unit: Dict[tuple, List[int]] = {}
         grads = [g if g.dtype == accumulation_dtype(g) else g.to(accumulation_dtype(g))
                  for g in sums.grads]  # one dtype per parameter on every rank, whatever its batch
         for k, g in enumerate(grads):
-            by_dtype.setdefault((g.device, g.dtype), []).append(k)
-        for (device, dtype), ks in by_dtype.items():
+            by_unit.setdefault((self._unit[id(fps[k])], g.device, g.dtype), []).append(k)
+        buffer_of = {b.untyped_storage().data_ptr(): i for i, b in enumerate(sums.buffers)
+                     if b.numel()}
+        left = [0] * len(sums.buffers)  # per buffer: parameters not reduce-scattered yet
+        where = []
+        for g in sums.grads:
+            where.append(buffer_of.get(g.untyped_storage().data_ptr()) if g.numel() else None)
+            if where[-1] is not None:
+                left[where[-1]] += 1
+        reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+        for (_, device, dtype), ks in sorted(by_unit.items(), key=lambda kv: kv[0][0]):
             sizes = [fps[k].padded_sharded_param_size.numel() for k in ks]
             total = sum(sizes)
             send = torch.zeros(W, total, device=device, dtype=dtype)
@@ -289,9 +347,14 @@ class ShardedDataParallel(DataParallel):
                         send[q, offset:offset + hi - lo].copy_(flat[lo:hi])
                 offset += size
             mine = torch.empty(total, device=device, dtype=dtype)
-            reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
             reduce_scatter(mine, send.reshape(-1), op=dist.ReduceOp.SUM)
             del send
+            for k in ks:  # the unit's full-size sums are spent: dropped, their buffer once empty
+                grads[k] = sums.grads[k] = None
+                if where[k] is not None:
+                    left[where[k]] -= 1
+                    if left[where[k]] == 0:
+                        sums.buffers[where[k]] = None
             views, offset = [], 0
             for k, size in zip(ks, sizes):
                 fp = fps[k]
@@ -301,6 +364,7 @@ class ShardedDataParallel(DataParallel):
             if std > 0:
                 add_gaussian_noise([v for v in views if v.numel()], std, generator, secure_mode)
             local = torch._foreach_div(views, float(expected_batch_size))
+            del views, mine
             for k, g in zip(ks, local):
                 p = params[k]
                 g = g.to(p.dtype).contiguous()

@@ -320,6 +320,7 @@ def _refusals(rank, out_dir):
         and state["ledger"]["path"] == ledger.path and ledger.writer == (rank == 0)
         and not torch.equal(engine3.noise_generator.get_state(),
                             engine.noise_generator.get_state()))
+    out["dcp"] = _dcp_round_trip(model, opt, engine, os.path.join(out_dir, "dcp"))
     attempt("save_checkpoint", lambda: pe.save_checkpoint(
         os.path.join(out_dir, "ckpt.pt"), model=model, optimizer=opt, engine=engine))
     # detach gives FSDP2 its gradient reduction back; attach takes it again
@@ -332,10 +333,71 @@ def _refusals(rank, out_dir):
     return out
 
 
+def _memory(rank, mode):
+    """What is held while a physical batch is clipped and released (MLP, a unit per layer and
+    the root): whether the gathered parameters' storage is freed when the clipped sums are
+    formed, how many flat buffers the sums take, and how many are left after the release."""
+    model = _shard("mlp", _model("mlp"))
+    engine, opt = _engine(model, mode)
+    gathered = engine.clipper.params
+    seen = {}
+    clipped_sums, release = engine.clipper.clipped_sums, engine.distributed.release
+
+    def spy_sums(*args, **kwargs):
+        seen["freed"] = [p.untyped_storage().size() == 0 for p in gathered]
+        return clipped_sums(*args, **kwargs)
+
+    def spy_release(sums, *args, **kwargs):
+        seen["buffers"] = len(sums.buffers)
+        out = release(sums, *args, **kwargs)
+        seen["left"] = sum(b is not None for b in sums.buffers)
+        seen["grads_left"] = sum(g is not None for g in sums.grads)
+        return out
+
+    engine.clipper.clipped_sums, engine.distributed.release = spy_sums, spy_release
+    x, y = _batches("mlp")[0]
+    opt.step(loss=_loss(model, x[rank * 4:rank * 4 + 4], y[rank * 4:rank * 4 + 4]))
+    seen["units"] = len(engine.distributed.modules)
+    return seen
+
+
+def _dcp_round_trip(model, opt, engine, path):
+    """Model, optimizer and engine saved by ``torch.distributed.checkpoint`` and loaded into a new
+    sharded model and engine: what the new one holds."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                         get_optimizer_state_dict,
+                                                         set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    from private_engine.checkpoint import EngineStateful
+
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt),
+              "engine": EngineStateful(engine)}, checkpoint_id=path)
+    torch.manual_seed(1)
+    model2 = _shard("mlp", nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double())
+    opt2 = torch.optim.SGD(model2.parameters(), lr=0.5)
+    # model and optimizer before the engine attaches: DCP forms a fresh optimizer's state by a
+    # step on zero gradients
+    state = {"model": get_model_state_dict(model2), "optim": get_optimizer_state_dict(model2, opt2)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model2, state["model"])
+    set_optimizer_state_dict(model2, opt2, state["optim"])
+    engine2 = pe.PrivacyEngine(model2, batch_size=B, sample_size=N, max_grad_norm=R,
+                               noise_multiplier=0.0, clipping_mode="bk_mixed")
+    engine2.attach(opt2)
+    dcp.load({"engine": EngineStateful(engine2)}, checkpoint_id=path)
+    return {"same_model": torch.equal(_full(model), _full(model2)),
+            "steps": (engine.steps_taken, engine2.steps_taken),
+            "history": ([tuple(h) for h in engine.accountant.history],
+                        [tuple(h) for h in engine2.accountant.history])}
+
+
 def noise_worker(rank, out_dir):
     warnings.simplefilter("ignore")
     return {"noise": _noise_once(rank), "generators": _same_generators(rank),
-            "refusals": _refusals(rank, out_dir)}
+            "refusals": _refusals(rank, out_dir),
+            "memory": {mode: _memory(rank, mode) for mode in ("bk_mixed", "mixed")}}
 
 
 @pytest.fixture(scope="module")
@@ -397,3 +459,28 @@ def test_sharded_engine_state_loads_on_its_rank(noise_ranks):
 def test_sharded_detach_gives_fsdp2_its_reduction_back(noise_ranks):
     for r in noise_ranks:
         assert r["refusals"]["detached_sync"] and not r["refusals"]["attached_sync"]
+
+
+def test_sharded_memory_gathered_parameters_and_sums_are_freed(noise_ranks):
+    """Book-keeping: the gathered parameters are freed before the clipped sums are formed (they
+    need only the kept activations and output gradients); two-pass modes keep them for their
+    second backward. The sums take one flat buffer per FSDP2 unit (2 Linear units; the root's
+    unit holds no parameter of its own), each dropped once reduce-scattered."""
+    for r in noise_ranks:
+        bk, two_pass = r["memory"]["bk_mixed"], r["memory"]["mixed"]
+        assert len(bk["freed"]) == 4 and all(bk["freed"])
+        assert not any(two_pass["freed"])
+        for seen in (bk, two_pass):
+            assert seen["units"] == 3 and seen["buffers"] == 2
+            assert seen["left"] == 0 and seen["grads_left"] == 0
+
+
+def test_sharded_engine_checkpoint_through_torch_distributed_checkpoint(noise_ranks):
+    """``dcp.save`` / ``dcp.load`` of the sharded model, its optimizer and
+    ``EngineStateful(engine)``: each rank restores its own engine state (steps, accountant
+    history) with the model's shards."""
+    for r in noise_ranks:
+        got = r["refusals"]["dcp"]
+        assert got["same_model"]
+        assert got["steps"][0] == got["steps"][1] == 2
+        assert got["history"][0] == got["history"][1] and len(got["history"][0]) > 0
