@@ -26,7 +26,7 @@ from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorData
 import private_engine as pe
 from private_engine.accounting.sampling_check import SamplingRateError
 from test_privacy_under_attack import (DOOR_IDS, DOORS, Case, assert_bounded, one_thread,
-                                       run_pair)
+                                       ratio, run_pair)
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 _ = one_thread  # the autouse fixture of the harness: one intra-op thread
@@ -154,6 +154,60 @@ def test_a_batch_mean_written_through_a_data_alias(door, how):
     case = position_case("hf_default")
     case = Case(CentredByAlias(), case.honest, case.crafted)
     assert_bounded(*run_pair(case, door, how), may_refuse=True, what=f"data alias {door}-{how}")
+
+
+class ShapeReadingModel(PositionModel):
+    """``PositionModel`` with the default position row, whose code reads the shape of the
+    position Embedding's output ``q`` (1, T, D): ``q / q.shape[0]`` ("divide"), ``q.reshape(1, T,
+    D)`` ("reshape"), ``q.squeeze(0)`` ("squeeze"), ``q[0]`` ("first")."""
+
+    def __init__(self, use: str):
+        super().__init__("hf_default")
+        self.use = use
+
+    def forward(self, ids):
+        q = self.pos(torch.arange(T)[None])
+        p = {"divide": lambda: q / q.shape[0], "reshape": lambda: q.reshape(1, T, D),
+             "squeeze": lambda: q.squeeze(0), "first": lambda: q[0]}[self.use]()
+        return self.head(self.tok(ids) + p)
+
+
+def shape_case(use: str) -> Case:
+    case = position_case("hf_default")
+    return Case(ShapeReadingModel(use), case.honest, case.crafted)
+
+
+@pytest.mark.parametrize("door,how", DOORS, ids=DOOR_IDS)
+@pytest.mark.parametrize("use", ["squeeze", "first"])
+def test_code_reading_the_shared_rows_shape(use, door, how):
+    """``q.squeeze(0)`` keeps its values (bounded); ``q[0]`` selects one row of the broadcast
+    batch and is refused with and without the attacker's sample."""
+    assert_bounded(*run_pair(shape_case(use), door, how), may_refuse=True,
+                   what=f"{use} {door}-{how}")
+
+
+@pytest.mark.xfail(strict=True, reason="break: BatchFlow.broadcast_rows replaces the layer's "
+                   "(1, T, D) output by n rows, so code reading its shape runs on the batch "
+                   "size: q / q.shape[0] changes the forward values with the data set")
+@pytest.mark.parametrize("door,how", DOORS, ids=DOOR_IDS)
+def test_the_broadcast_output_shape_carries_the_batch_size(door, how):
+    """``q / q.shape[0]`` divides by 1 in the model's own forward and by n under the engine
+    (``Recorder._record_call`` returns ``output.expand(n, …)``): the forward is no longer the
+    model's, and its values depend on how many samples the batch holds, which the attacker's
+    presence changes. Ratio 1.087 in every mode and door."""
+    assert_bounded(*run_pair(shape_case("divide"), door, how), may_refuse=True,
+                   what=f"divide {door}-{how}")
+
+
+@pytest.mark.xfail(strict=True, raises=RuntimeError,
+                   reason="break: the broadcast output (n, T, D) makes q.reshape(1, T, D) fail "
+                   "with torch's RuntimeError, not a refusal naming the layer")
+def test_reshaping_the_shared_row_is_refused_naming_the_layer():
+    """``q.reshape(1, T, D)``, valid in the model's own forward, raises ``RuntimeError: shape
+    '[1, 3, 4]' is invalid for input of size 48`` under the engine: the step fails, with no
+    word of the broadcast nor of the layer."""
+    assert_bounded(*run_pair(shape_case("reshape"), "native", "bk_mixed"), may_refuse=True,
+                   what="reshape native-bk_mixed")
 
 
 # -- 2. scripted, compiled and compiler-disabled parts of the step -------------------------------
@@ -287,22 +341,53 @@ def test_a_fixed_size_loader_is_refused_at_construction():
         _engine(data_loader=loader)
 
 
+class FixedBatches(torch.utils.data.IterableDataset):
+    """Shuffled batches of exactly 4 of 40 rows, yielded already batched (no ``__len__``)."""
+
+    def __init__(self, rows: torch.Tensor):
+        self.rows = rows
+
+    def __iter__(self):
+        order = torch.randperm(len(self.rows))
+        return iter((self.rows[order[i:i + 4]],) for i in range(0, len(self.rows), 4))
+
+
+def _fixed_size_loader(kind: str) -> DataLoader:
+    rows = torch.randn(40, 3)
+    if kind == "batch_sampler":
+        data = TensorDataset(rows)
+        return DataLoader(data, batch_sampler=BatchSampler(RandomSampler(data), 4, drop_last=True))
+    return DataLoader(FixedBatches(rows), batch_size=None)
+
+
 @pytest.mark.xfail(strict=True, reason="break: check_loader reads loader.batch_size only; a "
-                   "DataLoader(batch_sampler=BatchSampler(..., B)) of fixed-size batches passes "
-                   "construction and 16 steps are released before the runtime check refuses")
-def test_a_fixed_size_batch_sampler_is_refused_before_any_release():
+                   "loader of fixed-size batches through batch_sampler= or an IterableDataset "
+                   "of batches passes construction and 16 steps are released before the "
+                   "runtime count check refuses")
+@pytest.mark.parametrize("kind", ["batch_sampler", "iterable"])
+def test_a_fixed_size_loader_of_another_form_is_refused_before_any_release(kind):
     """The same fixed-size batches through ``batch_sampler=BatchSampler(RandomSampler, 4)``
-    (``loader.batch_size`` is None, the sampler's ``batch_size`` is 4): the engine given this
-    loader is built, and 16 steps of B = 4, n = 40 are released before the count check
-    (``P(Binomial(k, p₀) ≥ k) < 10⁻¹¹``) refuses one."""
-    data = TensorDataset(torch.randn(40, 3))
-    loader = DataLoader(data, batch_sampler=BatchSampler(RandomSampler(data), 4, drop_last=True))
+    (``loader.batch_size`` is None, the sampler's ``batch_size`` is 4) or an IterableDataset
+    yielding batches of 4 (``batch_size=None``): the engine given this loader is built, and 16
+    steps of B = 4, n = 40 are released before the count check (``P(Binomial(k, p₀) ≥ k) <
+    10⁻¹¹``) refuses one."""
+    loader = _fixed_size_loader(kind)
     try:
         model, opt = _engine(data_loader=loader)
-    except SamplingRateError:
+    except (SamplingRateError, ValueError):
         return
     released = _steps_released(model, opt, (x for _ in range(10) for (x,) in loader))
     assert released == 0, f"{released} fixed-size steps released before the refusal"
+
+
+def test_the_pld_accountant_bounds_the_exact_epsilon():
+    """``accountant="pld"`` without subsampling (q = 1, 3 steps, σ = 0.8): the exact ε at
+    δ = 10⁻⁵ is the Gaussian mechanism's with ``μ = √3/σ`` (Balle & Wang 2018, "Improving the
+    Gaussian Mechanism for Differential Privacy"), 11.0278948707; the PLD's ε is an upper bound
+    of it, within 10⁻³."""
+    from private_engine.accounting.pld import pld_epsilon
+    eps = pld_epsilon([(0.8, 1.0, 3)], 1e-5)
+    assert 11.0278948707 <= eps <= 11.0278948707 + 1e-3
 
 
 @pytest.mark.xfail(strict=True, reason="break: SamplingRateCheck tests the mean batch size and "
@@ -368,3 +453,68 @@ def test_dp_trainer_says_its_logged_loss_is_not_private(tmp_path):
     doc = (Path(__file__).parents[2] / "docs" / "transformers.md").read_text()
     logs = next(b for b in doc.split("\n- ") if b.startswith("**Logs.**"))
     assert "not private" in logs.lower(), f"logged loss {logged} = exact {exact:.4f}; {logs!r}"
+
+
+# -- 6. DPCallback: what a Lightning training_step may return -----------------------------------
+def _lightning_update(how: str, rows):
+    """One Lightning step (DPCallback, noise 0, SGD lr 1, declared B = 4) of a module whose
+    ``training_step`` computes the per-sample squared errors on the data set's ``rows`` (row 3:
+    the attacker's, 100 everywhere): the update, or the refusal's message."""
+    import tempfile
+
+    pl = pytest.importorskip("lightning.pytorch")
+    from private_engine.integrations.lightning import DPCallback
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 3))
+
+        def training_step(self, batch, i):
+            x, y = batch
+            if how == "centred_in_step":  # submodules called from training_step, not forward
+                h = self.net[0](x)
+                out = self.net[1](h - 3 * h.mean(0, keepdim=True))
+            else:
+                out = self.net(x)
+            losses = ((out - y) ** 2).sum(1)
+            if how == "detached":
+                return losses.detach()
+            if how == "loss_plus_mean":
+                return losses + 3 * losses.mean()
+            return losses
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1.0)
+
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+    x[3], y[3] = 100.0, 0.0
+    module = Module()
+    before = [p.detach().clone() for p in module.parameters()]
+    loader = DataLoader(TensorDataset(x, y), batch_sampler=[rows])
+    callback = DPCallback(noise_multiplier=0.0, max_grad_norm=1.0, batch_size=4)
+    with tempfile.TemporaryDirectory() as folder:
+        trainer = pl.Trainer(callbacks=[callback], accelerator="cpu", devices=1, max_steps=1,
+                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False, default_root_dir=folder)
+        try:
+            trainer.fit(module, train_dataloaders=loader)
+        except ValueError as e:
+            return str(e)
+    return [(p.detach() - b).double() for p, b in zip(module.parameters(), before)]
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("how", ["plain", "centred_in_step", "detached", "loss_plus_mean"])
+def test_lightning_training_step_under_attack(how):
+    """The attacker's row moves a plain step by at most R; a batch mean taken in
+    ``training_step`` (outside ``forward``), a detached loss vector and a loss vector plus its
+    batch mean are refused with and without the attacker's row."""
+    with_run, without_run = (_lightning_update(how, [0, 1, 2, 3]),
+                             _lightning_update(how, [0, 1, 2]))
+    if how == "plain":
+        assert ratio(with_run, without_run) <= 1 + 1e-6
+    else:
+        assert isinstance(with_run, str) and isinstance(without_run, str), how
