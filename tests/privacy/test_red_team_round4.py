@@ -518,3 +518,62 @@ def test_lightning_training_step_under_attack(how):
         assert ratio(with_run, without_run) <= 1 + 1e-6
     else:
         assert isinstance(with_run, str) and isinstance(without_run, str), how
+
+
+# -- 7. a batch-1 row kept in a buffer; DPTrainer's per-sample LM loss on crafted samples --------
+class BufferRow(PositionModel):
+    """``PositionModel`` whose position row is a registered buffer (1, T) rewritten in the
+    forward with the batch's column-wise maximum token, through ``copy_``, ``.data`` or
+    ``.detach()``."""
+
+    def __init__(self, write: str):
+        super().__init__("hf_default")
+        self.register_buffer("row", torch.zeros(1, T, dtype=torch.long))
+        self.write = write
+
+    def forward(self, ids):
+        target = {"copy_": self.row, "data": self.row.data, "detach": self.row.detach()}
+        target[self.write].copy_(ids.amax(0, keepdim=True))
+        return self.head(self.tok(ids) + self.pos(self.row))
+
+
+@pytest.mark.parametrize("door,how", FEW_DOORS, ids=FEW_DOOR_IDS)
+@pytest.mark.parametrize("write", ["copy_", "data", "detach"])
+def test_a_buffer_row_written_from_the_batch_is_refused(write, door, how):
+    """Unlike a fresh tensor, a buffer rewritten from the batch is caught (state guard or batch
+    flow) in both runs."""
+    case = position_case("hf_default")
+    case = Case(BufferRow(write), case.honest, case.crafted)
+    assert_bounded(*run_pair(case, door, how), may_refuse=True, refuse_at="step",
+                   what=f"buffer {write} {door}-{how}")
+
+
+def _lm_loss(y, t):
+    from private_engine.integrations.losses import token_mean_loss
+    return token_mean_loss(y, t, shift=True)
+
+
+#: (input, labels) of the attacker's sequence of 4 positions of 5 features (vocabulary 7)
+LM_SAMPLES = {
+    "all_ignored_huge": (torch.full((1, 4, 5), 1e30), torch.full((1, 4), -100)),
+    "one_label_huge": (torch.full((1, 4, 5), 1e30) * torch.tensor([1., -1, 1, -1, 1]),
+                       torch.tensor([[-100, -100, -100, 3]])),
+    "nan_all_ignored": (torch.full((1, 4, 5), float("nan")), torch.full((1, 4), -100)),
+    "inf_input": (torch.full((1, 4, 5), float("inf")), torch.tensor([[1, 2, 3, 4]])),
+    "float32_max": (torch.full((1, 4, 5), 3e38), torch.tensor([[0, 1, 2, 3]])),
+}
+
+
+@pytest.mark.parametrize("door,how", FEW_DOORS[:4], ids=FEW_DOOR_IDS[:4])
+@pytest.mark.parametrize("sample", list(LM_SAMPLES))
+def test_the_per_sample_lm_loss_on_crafted_sequences(sample, door, how):
+    """``token_mean_loss`` (shifted) of ``Linear → Tanh → Linear(V)`` on a sequence whose
+    labels are all −100, with one label and huge logits, NaN or inf inputs, float32's largest
+    inputs: ratio ≤ 1 (the non-finite ones are dropped)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 7))
+    g = torch.Generator().manual_seed(1)
+    x, t = torch.randn(3, 4, 5, generator=g), torch.randint(0, 7, (3, 4), generator=g)
+    t[0, 3] = -100
+    case = Case(model, (x, t), LM_SAMPLES[sample], loss=_lm_loss)
+    assert_bounded(*run_pair(case, door, how), what=f"{sample} {door}-{how}")
