@@ -21,6 +21,12 @@ on the counts only, before the step's noise is added (a refused step releases no
   (batches all of size B are refused after ``⌈log 10⁻¹¹ / log p₀⌉`` steps: 7 at B = 256,
   n = 50 000; 13 at B = 10, n = 200). With ``q = 1`` every batch is the whole data set under
   either sampling, and nothing is refused.
+* **sizes without Poisson spread.** The same count for the batches within ``±d`` of B:
+  ``P(|N_t − B| ≤ d) = p_d`` under Poisson sampling, and ``P(Binomial(k, p_d) ≥ E_k(d))`` below
+  ``10⁻¹¹`` divided by the number of bands refuses the step, for ``d`` in a few bands up to the
+  standard deviation ``(B·(1 − q))^{1/2}`` (those with ``p_d ≤ 0.95``). A loader whose sizes vary
+  less than Poisson sampling's (batches of 5 and 3 in turn for B = 4, a token-budget batcher) is
+  refused after a few dozen steps (48 at B = 4, n = 40).
 """
 from __future__ import annotations
 
@@ -53,10 +59,14 @@ class SamplingRateCheck:
         self.enabled = bool(enabled)
         #: P(N_t = B) under Poisson sampling at q
         self.exact_probability = float(binom.pmf(batch_size, sample_size, self.sample_rate))
+        #: half-widths d ≥ 1 of the bands |N_t − B| ≤ d checked, with P(|N_t − B| ≤ d)
+        self.bands = _bands(batch_size, sample_size, self.sample_rate)
         self.steps = 0
         self.samples = 0
         #: released logical batches of exactly batch_size samples
         self.exact = 0
+        #: released logical batches within each band
+        self.within = [0] * len(self.bands)
 
     def check(self, logical_size: int) -> None:
         """Raise :class:`SamplingRateError` if the counts with this logical batch of
@@ -94,12 +104,28 @@ class SamplingRateCheck:
                 "are not Poisson knowingly, build the engine with check_sampling=False: the "
                 "ε it reports then assumes Poisson sampling and is not a guarantee for your "
                 "batches.")
+        tail = self.FIXED_SIZE_TAIL / (1 + len(self.bands))
+        for (d, p), count in zip(self.bands, self.within):
+            count += abs(logical_size - self.batch_size) <= d
+            if count and bdtrc(count - 1, k, p) < tail:
+                raise SamplingRateError(
+                    f"{count} of {k} logical batches held between {self.batch_size - d} and "
+                    f"{self.batch_size + d} samples, where Poisson sampling at "
+                    f"q={self.sample_rate:.4g} puts a batch there with probability {p:.3g}: the "
+                    "batch sizes vary less than Poisson sampling's (batches of a size set by "
+                    "the loader, such as a token budget). The accountant's ε holds for Poisson "
+                    "sampling only. Nothing was updated. Sample each batch with "
+                    "private_engine.data.poisson_loader(dataset, batch_size), or build the "
+                    "engine with check_sampling=False to step these batches knowingly (the ε "
+                    "it reports is then not a guarantee for them).")
 
     def commit(self, logical_size: int) -> None:
         """Count a released logical batch."""
         self.steps += 1
         self.samples += logical_size
         self.exact += logical_size == self.batch_size
+        for i, (d, _) in enumerate(self.bands):
+            self.within[i] += abs(logical_size - self.batch_size) <= d
 
     @property
     def mean_batch_size(self):
@@ -113,8 +139,10 @@ def check_loader(loader, batch_size: int, sample_size: int, poisson: bool = True
     computed for ``q = B/n``; another n gives another q and a wrong ε), and, with ``poisson``, a
     loader of fixed-size batches (``loader.batch_size`` set: shuffled or sequential batches of B,
     :class:`SamplingRateError`) or a Poisson sampler (Opacus' ``DPDataLoader``,
-    :func:`private_engine.data.poisson_loader`) at a rate other than ``q``. A loader of another
-    kind passes (its batches are checked as they are stepped)."""
+    :func:`private_engine.data.poisson_loader`) at a rate other than ``q``; a batch sampler with
+    a ``batch_size``, and any loader without a Poisson sampler's ``sample_rate`` (an
+    ``IterableDataset``, a custom batch sampler), are refused as well: their sampling cannot be
+    told from the loader."""
     dataset = getattr(loader, "dataset", None)
     try:
         length = len(dataset)
@@ -128,9 +156,12 @@ def check_loader(loader, batch_size: int, sample_size: int, poisson: bool = True
             f"({length}).")
     if not poisson:
         return
-    if getattr(loader, "batch_size", None) is not None:
+    fixed = getattr(loader, "batch_size", None)
+    if fixed is None:  # DataLoader(batch_sampler=BatchSampler(sampler, B, ...))
+        fixed = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
+    if fixed is not None:
         raise SamplingRateError(
-            f"the data loader gives fixed-size batches (batch_size={loader.batch_size}, "
+            f"the data loader gives fixed-size batches (batch_size={fixed}, "
             "shuffled or not), for which the accountant's ε, computed for Poisson sampling, "
             "does not hold: a shuffled epoch can spend much more. Use "
             f"private_engine.data.poisson_loader(dataset, {batch_size}) (each example joins "
@@ -138,9 +169,33 @@ def check_loader(loader, batch_size: int, sample_size: int, poisson: bool = True
             "passed to it), or build the engine with check_sampling=False to step these "
             "batches knowingly (the ε reported is then not a guarantee for them).")
     rate = getattr(getattr(loader, "batch_sampler", None), "sample_rate", None)
-    if rate is not None and not math.isclose(float(rate), batch_size / sample_size,
+    if rate is None:
+        raise SamplingRateError(
+            "the engine cannot tell how this data loader samples its batches (an IterableDataset "
+            "or a batch sampler without a Poisson sample_rate), and the accountant's ε holds "
+            "for Poisson sampling only. Use "
+            f"private_engine.data.poisson_loader(dataset, {batch_size}) or Opacus' "
+            "DPDataLoader, leave data_loader= out (the batch sizes are then checked as they are "
+            "stepped), or build the engine with check_sampling=False to step these batches "
+            "knowingly (the ε reported is then not a guarantee for them).")
+    if not math.isclose(float(rate), batch_size / sample_size,
                                              rel_tol=1e-9):
         raise ValueError(
             f"the data loader samples at rate {float(rate):.6g}, the engine accounts for "
             f"q = batch_size / sample_size = {batch_size / sample_size:.6g}: pass the loader's "
             f"expected batch size as batch_size ({float(rate) * sample_size:.6g}).")
+
+
+def _bands(batch_size: int, sample_size: int, rate: float):
+    """``[(d, P(|N − B| ≤ d))]`` for ``N ~ Binomial(n, q)``: half-widths ``d ≥ 1`` at a quarter,
+    a half and one standard deviation ``(B·(1 − q))^{1/2}``, those with probability ≤ 0.95."""
+    if rate >= 1:
+        return []
+    sd = math.sqrt(batch_size * (1 - rate))
+    out = []
+    for d in sorted({max(1, round(f * sd)) for f in (0.25, 0.5, 1.0)}):
+        p = float(binom.cdf(batch_size + d, sample_size, rate)
+                  - binom.cdf(batch_size - d - 1, sample_size, rate))
+        if p <= 0.95:
+            out.append((d, p))
+    return out

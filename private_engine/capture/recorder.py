@@ -204,13 +204,15 @@ class LayerRecorder:
         (Hugging Face's default ``position_ids`` of shape ``(1, T)``) while the step's batch has
         ``n > 1`` rows is recorded as the same call on the input expanded to ``n`` rows: its
         output is replaced by ``output.expand(n, …)``, tagged by the batch flow as the batch's
-        rows (:meth:`BatchFlow.broadcast_rows`). Forward values are unchanged — the broadcast
-        the model does later is done here instead — and the output gradient arrives one row per
-        sample, ``g_i = ∂L_i/∂y_i``, before any broadcast sums it; the per-sample gradient is
+        rows (:meth:`BatchFlow.broadcast_rows`, which refuses any use of it other than an
+        elementwise op with the batch's rows, where the model would broadcast it anyway: forward
+        values are unchanged, the broadcast is done here instead). The output gradient arrives
+        one row per sample, ``g_i = ∂L_i/∂y_i``, before any broadcast sums it; the per-sample
+        gradient is
         the layer's vjp at row i, ``∂L_i/∂θ = (∂y/∂θ)ᵀ g_i`` with the shared input row. Returns
         the replaced output (None: unchanged)."""
         flow = self.batch_flow
-        expanded = flow.broadcast_rows(x, output) if flow is not None else None
+        expanded = flow.broadcast_rows(x, output, layer.name) if flow is not None else None
         if expanded is None:
             self.record(layer, module, x, output)
             return None

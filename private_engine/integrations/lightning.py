@@ -154,6 +154,13 @@ class DPCallback(Callback):
                              "private_engine.data.poisson_loader(dataset, B).")
         n = len(loader.dataset)
         B = self._logical_batch(loader, n)
+        # a loader the engine can read (a Poisson sampler's rate, or fixed-size batches, which it
+        # refuses) is checked at construction; another one (DPCallback(batch_size=B) over the
+        # user's own sampler) by its batch sizes as they are stepped
+        readable = (getattr(loader.batch_sampler, "sample_rate", None) is not None
+                    or getattr(loader, "batch_size", None) is not None
+                    or getattr(loader.batch_sampler, "batch_size", None) is not None)
+        checked = loader if readable else None
         steps = trainer.estimated_stepping_batches
         length = dict(steps=int(steps)) if math.isfinite(steps) else {}
         if not length and self.target_epsilon is not None:
@@ -164,7 +171,7 @@ class DPCallback(Callback):
             noise_multiplier=self.noise_multiplier, target_epsilon=self.target_epsilon,
             target_delta=self.target_delta, clipping_mode=self.clipping_mode,
             clipping_fn=self.clipping_fn, accountant=self.accountant,
-            secure_mode=self.secure_mode, data_loader=loader, **length)
+            secure_mode=self.secure_mode, data_loader=checked, **length)
         if self._loaded_state is not None:
             from ..checkpoint import load_engine_state_dict
 

@@ -7,9 +7,9 @@ one step with and without the attacker's sample (same other samples, declared ba
 
     ratio = B·‖Δ(released)‖ / R  ≤  1 + 1e-6
 
-or both runs refused with a ValueError before anything is released. The tests marked
-``xfail(strict=True)`` are breaks of the current tree (the ratio or what slipped is in the
-docstring); the others are attacks that held, kept as regression tests.
+or both runs refused with a ValueError before anything is released. Every break found here is fixed (each test failed before its fix; the ratio or what slipped is
+in its docstring) but one documented limit (``xfail(strict=True)``); the others are attacks that
+held, kept as regression tests.
 """
 from __future__ import annotations
 
@@ -113,9 +113,6 @@ def test_a_row_of_sample_data_is_not_taken_for_a_shared_row(row, door, how):
                    what=f"{row} {door}-{how}")
 
 
-@pytest.mark.xfail(strict=True, reason="break: a batch-1 row written through a .data/.detach() "
-                   "alias of a fresh tensor carries no tag, is broadcast as a shared position row "
-                   "(BatchFlow.broadcast_rows) and couples every sample to the batch maximum")
 @pytest.mark.parametrize("door,how", DOORS, ids=DOOR_IDS)
 @pytest.mark.parametrize("row", ["through_data", "through_detach"])
 def test_a_laundered_batch_row_is_not_taken_for_a_shared_row(row, door, how):
@@ -144,9 +141,6 @@ class CentredByAlias(nn.Module):
         return self.head(h + 100 * z)
 
 
-@pytest.mark.xfail(strict=True, reason="break: a write through the .data alias of a fresh tensor "
-                   "launders a batch mean into a constant (BatchFlow._entry reads _writes only "
-                   "for tensors with an entry)")
 @pytest.mark.parametrize("door,how", DOORS, ids=DOOR_IDS)
 def test_a_batch_mean_written_through_a_data_alias(door, how):
     """The same laundering without the broadcast: the batch mean reaches every sample's
@@ -186,9 +180,6 @@ def test_code_reading_the_shared_rows_shape(use, door, how):
                    what=f"{use} {door}-{how}")
 
 
-@pytest.mark.xfail(strict=True, reason="break: BatchFlow.broadcast_rows replaces the layer's "
-                   "(1, T, D) output by n rows, so code reading its shape runs on the batch "
-                   "size: q / q.shape[0] changes the forward values with the data set")
 @pytest.mark.parametrize("door,how", DOORS, ids=DOOR_IDS)
 def test_the_broadcast_output_shape_carries_the_batch_size(door, how):
     """``q / q.shape[0]`` divides by 1 in the model's own forward and by n under the engine
@@ -200,8 +191,9 @@ def test_the_broadcast_output_shape_carries_the_batch_size(door, how):
 
 
 @pytest.mark.xfail(strict=True, raises=RuntimeError,
-                   reason="break: the broadcast output (n, T, D) makes q.reshape(1, T, D) fail "
-                   "with torch's RuntimeError, not a refusal naming the layer")
+                   reason="documented limit: q.reshape(1, T, D) of the expanded shared row fails "
+                   "in torch's shape check, before the op reaches the batch flow: torch's "
+                   "RuntimeError, with or without the sample, nothing released")
 def test_reshaping_the_shared_row_is_refused_naming_the_layer():
     """``q.reshape(1, T, D)``, valid in the model's own forward, raises ``RuntimeError: shape
     '[1, 3, 4]' is invalid for input of size 48`` under the engine: the step fails, with no
@@ -360,10 +352,6 @@ def _fixed_size_loader(kind: str) -> DataLoader:
     return DataLoader(FixedBatches(rows), batch_size=None)
 
 
-@pytest.mark.xfail(strict=True, reason="break: check_loader reads loader.batch_size only; a "
-                   "loader of fixed-size batches through batch_sampler= or an IterableDataset "
-                   "of batches passes construction and 16 steps are released before the "
-                   "runtime count check refuses")
 @pytest.mark.parametrize("kind", ["batch_sampler", "iterable"])
 def test_a_fixed_size_loader_of_another_form_is_refused_before_any_release(kind):
     """The same fixed-size batches through ``batch_sampler=BatchSampler(RandomSampler, 4)``
@@ -390,9 +378,6 @@ def test_the_pld_accountant_bounds_the_exact_epsilon():
     assert 11.0278948707 <= eps <= 11.0278948707 + 1e-3
 
 
-@pytest.mark.xfail(strict=True, reason="break: SamplingRateCheck tests the mean batch size and "
-                   "the frequency of exactly-B batches, not the dispersion: deterministic sizes "
-                   "B-1, B+1 (no Poisson randomness) are never refused")
 def test_batch_sizes_without_poisson_dispersion_are_refused():
     """Batches of 5 and 3 samples in turn (declared B = 4, n = 40): the mean is B and no batch
     holds exactly B, so 300 steps are released, though the sizes' variance is 1 where Poisson
@@ -416,9 +401,6 @@ def _pad(features):
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
-@pytest.mark.xfail(strict=True, reason="break (docs): DPTrainer logs and checkpoints the exact "
-                   "batch mean of the per-sample losses, and docs/transformers.md ('Logs') names "
-                   "ε only, without saying the logged loss is not private")
 def test_dp_trainer_says_its_logged_loss_is_not_private(tmp_path):
     """The ``loss`` DPTrainer logs, and writes into every checkpoint's ``trainer_state.json``,
     is the exact mean of the private batch's per-sample losses (σ = 1 noise on the update does

@@ -82,6 +82,8 @@ class BatchFlow(TorchDispatchMode):
         self._clock = 0
         self._tags: Dict[int, _Entry] = {}
         self._writes: Dict[int, _Write] = {}
+        #: the expanded outputs of :meth:`broadcast_rows`: id → (tensor, the layer's name)
+        self._shared: Dict[int, Tuple[weakref.ref, str]] = {}
         self._buffers: set = set()
         self._modules = list(model.modules())
         self._handles: list = []
@@ -182,6 +184,7 @@ class BatchFlow(TorchDispatchMode):
         self.roots = []
         self.written_storages = set()
         self._writes = {}
+        self._shared = {}
         self._buffers = {id(b) for m in self._modules for b in m._buffers.values()}
         if not any(m is self for m in _get_current_dispatch_mode_stack()):
             self.__enter__()
@@ -298,7 +301,8 @@ class BatchFlow(TorchDispatchMode):
             self.end()
 
     # -- shared rows -----------------------------------------------------------------------------
-    def broadcast_rows(self, x: torch.Tensor, output: torch.Tensor) -> Optional[torch.Tensor]:
+    def broadcast_rows(self, x: torch.Tensor, output: torch.Tensor,
+                       name: str = "a layer") -> Optional[torch.Tensor]:
         """A clipped layer's call on one row of no sample's data during a step on ``n > 1``
         batch-first rows (``nn.Embedding`` on Hugging Face's default ``position_ids`` of shape
         ``(1, T)``): ``output.expand(n, …)``, tagged as the batch's rows ``Rows(0, mod=n)``;
@@ -308,7 +312,13 @@ class BatchFlow(TorchDispatchMode):
         gives the same values, and the tag makes every later op that would combine row i with
         another sample's row (a reduction over the batch, an index across it) a mixing this
         tracker refuses. Rows kept apart, loss entry i reaches row i alone, so the gradient
-        at row i of the expanded output is sample i's, ``∂L_i/∂y``."""
+        at row i of the expanded output is sample i's, ``∂L_i/∂y``.
+
+        The expansion is what the model's own broadcast would do only where the row meets the
+        batch in an elementwise op: any other use of the expanded output (a reshape, an index, a
+        reduction, an op with constants alone — where the model would see one row, not n, and
+        could read the batch size from its shape) is refused before it runs
+        (:meth:`_check_shared`), naming the layer ``name``."""
         if not (self.active and self.batch_dim == 0 and self.batch is not None
                 and self.batch > 1):
             return None
@@ -319,7 +329,41 @@ class BatchFlow(TorchDispatchMode):
             return None  # a row of sample data (a model looping over samples): not shared
         expanded = output.expand(self.batch, *output.shape[1:])
         self._set(expanded, Rows(0, 1, 0, self.batch), self.epoch)
+        self._shared[id(expanded)] = (weakref.ref(expanded), name)
         return expanded
+
+    def _is_shared(self, t: torch.Tensor) -> bool:
+        """``t`` is an expanded shared row (:meth:`broadcast_rows`) or an alias of one."""
+        entry = self._shared.get(id(t))
+        return entry is not None and entry[0]() is t
+
+    def _check_shared(self, func, inputs: List[torch.Tensor]) -> Optional[str]:
+        """Raise :class:`BatchMixingError` if ``func`` uses an expanded shared row
+        (:meth:`broadcast_rows`) other than in an elementwise op with the batch's own rows;
+        returns the layer's name when the result is a shared row again (an alias; an elementwise
+        op on shared rows alone), else None."""
+        shared = [(t, self._shared[id(t)][1]) for t in inputs if self._is_shared(t)]
+        if not shared:
+            return None
+        t, name = shared[0]
+        if func.overloadpacket in (aten.detach, aten.alias) and len(inputs) == 1:
+            return name
+        if is_pointwise(func) and len(shared) == len(inputs) and len(inputs) > 1 and all(
+                u.shape == t.shape for u, _ in shared):
+            return name  # shared rows combined with each other alone: a shared row again
+        batch = Rows(0, 1, 0, self.batch)
+        if is_pointwise(func) and any(
+                not self._is_shared(u) and u.dim() >= t.dim() and self.tag(u) == batch
+                for u in inputs):
+            return None
+        raise BatchMixingError(
+            f"the output of layer {name!r} on one row shared by every sample (Hugging Face's "
+            f"default position_ids of shape (1, T)) is expanded to the batch's {self.batch} "
+            f"rows so that its per-sample gradients can be taken, and {func} uses it other than "
+            "by broadcasting it elementwise against the batch (at "
+            f"{user_line()}): with the expansion it would see the batch's size. Pass the "
+            "inputs expanded yourself (position_ids=torch.arange(T).expand(B, T)); nothing "
+            "was released.")
 
     # -- tags ----------------------------------------------------------------------------------
     def tag(self, t: torch.Tensor):
@@ -344,6 +388,13 @@ class BatchFlow(TorchDispatchMode):
                 if w is not None and w.clock > entry.clock and w.after != w.before:
                     return Mixed(_REWRITTEN), self.epoch, source
             return tag, epoch, source
+        if self._writes and not isinstance(t, nn.Parameter):
+            w = self._writes.get(_storage(t) or -1)
+            if w is not None and w.after is not None and w.after is not _FREE:
+                # storage written with the batch's data through an alias (``z.data.copy_``,
+                # ``z.detach().copy_``) while ``z`` itself was never tagged
+                tag = w.after if isinstance(w.after, (Mixed, Summed)) else Mixed(_REWRITTEN)
+                return tag, self.epoch, "computed"
         bd = self.batch_dim
         if (self.active and not isinstance(t, (nn.Parameter, UninitializedTensorMixin))
                 and t.dim() > bd and t.shape[bd] == self.batch and id(t) not in self._buffers):
@@ -371,9 +422,14 @@ class BatchFlow(TorchDispatchMode):
     # -- dispatch ------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        alias_of = None
+        if self.active and self._shared:
+            alias_of = self._check_shared(func, inputs_of(args, kwargs))
         out = func(*args, **kwargs)
         if not self.active:
             return out
+        if alias_of is not None and isinstance(out, torch.Tensor):
+            self._shared[id(out)] = (weakref.ref(out), alias_of)
         inputs = inputs_of(args, kwargs)
         entries = [self._entry(t) for t in inputs]
         tags = [tag for tag, _, _ in entries]
