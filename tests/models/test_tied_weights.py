@@ -254,16 +254,7 @@ def test_bert_masked_lm_head_is_exact(mode, default_positions):
     prediction head (an alias, clipped with the decoder); with Hugging Face's default
     ``position_ids`` (a ``(1, T)`` slice of a buffer) the trainable position embedding sees one
     row shared by the batch."""
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.BertConfig(vocab_size=23, hidden_size=8, num_hidden_layers=1,
-                                  num_attention_heads=2, intermediate_size=12,
-                                  max_position_embeddings=8, hidden_dropout_prob=0.0,
-                                  attention_probs_dropout_prob=0.0)
-    torch.manual_seed(0)
-    model = transformers.BertForMaskedLM(cfg).double()
-    g = torch.Generator().manual_seed(4)
-    ids, labels = torch.randint(0, 23, (4, 6), generator=g), torch.randint(0, 23, (4, 6),
-                                                                           generator=g)
+    model, [ids, labels], _ = bert_default_positions()
 
     def loss_fn(m, ids, labels):
         pos = None if default_positions else torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
