@@ -63,18 +63,22 @@ class _AffineNormRule(LayerRule):
         return self.instantiated_norm_sq(module, calls)
 
 
+def _check_normalized_shape(module, a: torch.Tensor, hint: str = "") -> None:
+    """Raise ``ValueError`` when the input ``a`` does not end with ``module.normalized_shape``."""
+    n = len(module.normalized_shape)
+    if tuple(a.shape[-n:]) != tuple(module.normalized_shape):
+        raise ValueError(
+            f"{type(module).__name__}: input shape {tuple(a.shape)} does not end with "
+            f"normalized_shape {tuple(module.normalized_shape)}{hint}.")
+
+
 class LayerNormRule(_AffineNormRule):
     module_types = (nn.LayerNorm,)
 
     def _normalized(self, module, a):
-        n = len(module.normalized_shape)
-        if tuple(a.shape[-n:]) != tuple(module.normalized_shape):
-            raise ValueError(
-                f"{type(module).__name__}: input shape {tuple(a.shape)} does not end with "
-                f"normalized_shape {tuple(module.normalized_shape)}; a LayerNorm subclass that "
-                "normalises other dimensions needs its own rule "
-                "(private_engine.layers.register_rule)."
-            )
+        _check_normalized_shape(module, a, "; a LayerNorm subclass that normalises other "
+                                "dimensions needs its own rule "
+                                "(private_engine.layers.register_rule)")
         # x̂ = (x − mean) / √(var + eps) over the normalised dims, in one fused kernel (γ = 1: see
         # unit_weight)
         x = cast(a, accumulation_dtype(a))
@@ -137,12 +141,7 @@ class RMSNormRule(LayerNormRule):
     param_names = ("weight",)
 
     def _normalized(self, module, a):
-        n = len(module.normalized_shape)
-        if tuple(a.shape[-n:]) != tuple(module.normalized_shape):
-            raise ValueError(
-                f"{type(module).__name__}: input shape {tuple(a.shape)} does not end with "
-                f"normalized_shape {tuple(module.normalized_shape)}."
-            )
+        _check_normalized_shape(module, a)
         # ε of the dtype the layer ran in (nn.RMSNorm's default), before widening
         eps = torch.finfo(a.dtype).eps if module.eps is None else module.eps
         x = cast(a, accumulation_dtype(a))
