@@ -7,9 +7,10 @@ one step with and without the attacker's sample (same other samples, declared ba
 
     ratio = B·‖Δ(released)‖ / R  ≤  1 + 1e-6
 
-or both runs refused with a ValueError before anything is released. Every break found here is fixed (each test failed before its fix; the ratio or what slipped is
-in its docstring) but one documented limit (``xfail(strict=True)``); the others are attacks that
-held, kept as regression tests.
+or both runs refused with a ValueError before anything is released. Every break found here is
+fixed (each test failed before its fix; the ratio or what slipped is in its docstring) but one
+documented limit (``xfail(strict=True)``); the others are attacks that held, kept as regression
+tests.
 """
 from __future__ import annotations
 
