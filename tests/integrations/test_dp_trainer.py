@@ -94,7 +94,7 @@ def test_one_step_is_the_clipped_mean(tmp_path, poisson, collator):
     batch (physical batches of 2, accumulated), C_i from each sample's float64 gradient."""
     model = tiny_gpt2()
     data = texts(8)
-    R = 3.5
+    R = 1.0
     kw = dict(noise_multiplier=0.0, max_grad_norm=R, poisson_sampling=poisson)
     ctx = pytest.warns(FixedBatchesWarning) if not poisson else _nothing()
     with ctx:
@@ -109,7 +109,9 @@ def test_one_step_is_the_clipped_mean(tmp_path, poisson, collator):
     ref, norms = reference_clipped_sum(
         ref_model, [batch["input_ids"], batch["attention_mask"], batch["labels"]], sample_loss, R,
         lambda n, r: torch.clamp(r / (n + 1e-6), max=1.0))
-    assert len(norms) < 2 or float(norms.min()) < R < float(norms.max())
+    # the batch is drawn from the secret Poisson sampler: R below the samples' norms (≈ 2.7
+    # here) makes every drawn sample's clip factor act
+    assert len(norms) == 0 or float(norms.max()) > R
     B = 4  # the expected logical batch: per_device_train_batch_size · gradient_accumulation_steps
     delta = [p.detach() - b for p, b in zip(model.parameters(), before)]
     assert_close_rel(delta, [-r / B for r in ref], 1e-9)

@@ -85,6 +85,7 @@ class BatchFlow(TorchDispatchMode):
         #: the expanded outputs of :meth:`broadcast_rows`: id → (tensor, the layer's name)
         self._shared: Dict[int, Tuple[weakref.ref, str]] = {}
         self._buffers: set = set()
+        self._state_storages: Set[int] = set()
         self._modules = list(model.modules())
         self._handles: list = []
         #: storages (data pointers) written in place during the region: the step state guard
@@ -186,6 +187,11 @@ class BatchFlow(TorchDispatchMode):
         self._writes = {}
         self._shared = {}
         self._buffers = {id(b) for m in self._modules for b in m._buffers.values()}
+        #: storages of the model's parameters and buffers: a write to them is the step state
+        #: guard's to refuse (it names the parameter and the fix)
+        self._state_storages = {_storage(t) for m in self._modules
+                                for t in (*m._parameters.values(), *m._buffers.values())
+                                if t is not None}
         if not any(m is self for m in _get_current_dispatch_mode_stack()):
             self.__enter__()
         self.pushed = True
@@ -389,7 +395,8 @@ class BatchFlow(TorchDispatchMode):
                     return Mixed(_REWRITTEN), self.epoch, source
             return tag, epoch, source
         if self._writes and not isinstance(t, nn.Parameter):
-            w = self._writes.get(_storage(t) or -1)
+            ptr = _storage(t) or -1
+            w = None if ptr in self._state_storages else self._writes.get(ptr)
             if w is not None and w.after is not None and w.after is not _FREE:
                 # storage written with the batch's data through an alias (``z.data.copy_``,
                 # ``z.detach().copy_``) while ``z`` itself was never tagged
