@@ -57,14 +57,12 @@ class SamplingRateCheck:
         self.sample_size = sample_size
         self.sample_rate = batch_size / sample_size
         self.enabled = bool(enabled)
-        #: P(N_t = B) under Poisson sampling at q
-        self.exact_probability = float(binom.pmf(batch_size, sample_size, self.sample_rate))
-        #: half-widths d ≥ 1 of the bands |N_t − B| ≤ d checked, with P(|N_t − B| ≤ d)
-        self.bands = _bands(batch_size, sample_size, self.sample_rate)
+        #: half-widths d of the bands |N_t − B| ≤ d checked, with P(|N_t − B| ≤ d) under Poisson
+        #: sampling at q: d = 0 (batches of exactly B), then :func:`_bands`
+        self.bands = ([(0, float(binom.pmf(batch_size, sample_size, self.sample_rate)))]
+                      + _bands(batch_size, sample_size, self.sample_rate))
         self.steps = 0
         self.samples = 0
-        #: released logical batches of exactly batch_size samples
-        self.exact = 0
         #: released logical batches within each band
         self.within = [0] * len(self.bands)
 
@@ -87,15 +85,23 @@ class SamplingRateCheck:
                 "Declare the logical batch size you step (batch_size=, with sample_size= the "
                 "number of training examples), or sample at that rate "
                 "(private_engine.data.poisson_loader(dataset, batch_size)).")
-        exact = self.exact + (logical_size == self.batch_size)
-        # P(Binomial(k, p₀) ≥ exact) = bdtrc(exact − 1, k, p₀)
-        if self.exact_probability < 1 and exact and (
-                bdtrc(exact - 1, k, self.exact_probability) < self.FIXED_SIZE_TAIL):
-            raise SamplingRateError(
-                f"{exact} of {k} logical batches held exactly batch_size={self.batch_size} "
+        for (d, p), count in zip(self.bands, self.within):
+            count += abs(logical_size - self.batch_size) <= d
+            # P(Binomial(k, p_d) ≥ count) = bdtrc(count − 1, k, p_d), against FIXED_SIZE_TAIL
+            # for d = 0 and FIXED_SIZE_TAIL over the number of bands for each d ≥ 1
+            tail = self.FIXED_SIZE_TAIL / (1 if d == 0 else len(self.bands))
+            if p < 1 and count and bdtrc(count - 1, k, p) < tail:
+                raise SamplingRateError(self._not_poisson(d, p, count, k))
+
+    def _not_poisson(self, d: int, p: float, count: int, k: int) -> str:
+        """The refusal's message: ``count`` of ``k`` batches within ±``d`` of B, a band of
+        probability ``p`` under Poisson sampling."""
+        if d == 0:
+            return (
+                f"{count} of {k} logical batches held exactly batch_size={self.batch_size} "
                 "samples, where Poisson sampling at "
                 f"q={self.sample_rate:.4g} gives exactly {self.batch_size} with probability "
-                f"{self.exact_probability:.3g}: these are fixed-size batches (a DataLoader "
+                f"{p:.3g}: these are fixed-size batches (a DataLoader "
                 "with batch_size=, shuffled or not). The accountant's ε holds for Poisson "
                 "sampling only; for a shuffled or fixed-size batching it can be far too small. "
                 "Nothing was updated. Sample each batch with "
@@ -104,33 +110,45 @@ class SamplingRateCheck:
                 "are not Poisson knowingly, build the engine with check_sampling=False: the "
                 "ε it reports then assumes Poisson sampling and is not a guarantee for your "
                 "batches.")
-        tail = self.FIXED_SIZE_TAIL / (1 + len(self.bands))
-        for (d, p), count in zip(self.bands, self.within):
-            count += abs(logical_size - self.batch_size) <= d
-            if count and bdtrc(count - 1, k, p) < tail:
-                raise SamplingRateError(
-                    f"{count} of {k} logical batches held between {self.batch_size - d} and "
-                    f"{self.batch_size + d} samples, where Poisson sampling at "
-                    f"q={self.sample_rate:.4g} puts a batch there with probability {p:.3g}: the "
-                    "batch sizes vary less than Poisson sampling's (batches of a size set by "
-                    "the loader, such as a token budget). The accountant's ε holds for Poisson "
-                    "sampling only. Nothing was updated. Sample each batch with "
-                    "private_engine.data.poisson_loader(dataset, batch_size), or build the "
-                    "engine with check_sampling=False to step these batches knowingly (the ε "
-                    "it reports is then not a guarantee for them).")
+        return (
+            f"{count} of {k} logical batches held between {self.batch_size - d} and "
+            f"{self.batch_size + d} samples, where Poisson sampling at "
+            f"q={self.sample_rate:.4g} puts a batch there with probability {p:.3g}: the "
+            "batch sizes vary less than Poisson sampling's (batches of a size set by "
+            "the loader, such as a token budget). The accountant's ε holds for Poisson "
+            "sampling only. Nothing was updated. Sample each batch with "
+            "private_engine.data.poisson_loader(dataset, batch_size), or build the "
+            "engine with check_sampling=False to step these batches knowingly (the ε "
+            "it reports is then not a guarantee for them).")
 
     def commit(self, logical_size: int) -> None:
         """Count a released logical batch."""
         self.steps += 1
         self.samples += logical_size
-        self.exact += logical_size == self.batch_size
         for i, (d, _) in enumerate(self.bands):
             self.within[i] += abs(logical_size - self.batch_size) <= d
+
+    @property
+    def exact_probability(self) -> float:
+        """P(N_t = B) under Poisson sampling at q."""
+        return self.bands[0][1]
 
     @property
     def mean_batch_size(self):
         """Mean samples per released logical batch (None before the first)."""
         return self.samples / self.steps if self.steps else None
+
+
+def loader_sampling(loader):
+    """``(fixed batch size, Poisson rate)`` of a data loader as far as it says: the
+    ``batch_size`` of the loader or of its batch sampler (``BatchSampler(sampler, B, ...)``), and
+    the ``sample_rate`` of a Poisson batch sampler (Opacus' ``DPDataLoader``,
+    :func:`private_engine.data.poisson_loader`); None where it says nothing."""
+    sampler = getattr(loader, "batch_sampler", None)
+    fixed = getattr(loader, "batch_size", None)
+    if fixed is None:
+        fixed = getattr(sampler, "batch_size", None)
+    return fixed, getattr(sampler, "sample_rate", None)
 
 
 def check_loader(loader, batch_size: int, sample_size: int, poisson: bool = True) -> None:
@@ -156,9 +174,7 @@ def check_loader(loader, batch_size: int, sample_size: int, poisson: bool = True
             f"({length}).")
     if not poisson:
         return
-    fixed = getattr(loader, "batch_size", None)
-    if fixed is None:  # DataLoader(batch_sampler=BatchSampler(sampler, B, ...))
-        fixed = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
+    fixed, rate = loader_sampling(loader)
     if fixed is not None:
         raise SamplingRateError(
             f"the data loader gives fixed-size batches (batch_size={fixed}, "
@@ -168,7 +184,6 @@ def check_loader(loader, batch_size: int, sample_size: int, poisson: bool = True
             "each batch independently with probability q; collate_fn and num_workers can be "
             "passed to it), or build the engine with check_sampling=False to step these "
             "batches knowingly (the ε reported is then not a guarantee for them).")
-    rate = getattr(getattr(loader, "batch_sampler", None), "sample_rate", None)
     if rate is None:
         raise SamplingRateError(
             "the engine cannot tell how this data loader samples its batches (an IterableDataset "
@@ -178,8 +193,7 @@ def check_loader(loader, batch_size: int, sample_size: int, poisson: bool = True
             "DPDataLoader, leave data_loader= out (the batch sizes are then checked as they are "
             "stepped), or build the engine with check_sampling=False to step these batches "
             "knowingly (the ε reported is then not a guarantee for them).")
-    if not math.isclose(float(rate), batch_size / sample_size,
-                                             rel_tol=1e-9):
+    if not math.isclose(float(rate), batch_size / sample_size, rel_tol=1e-9):
         raise ValueError(
             f"the data loader samples at rate {float(rate):.6g}, the engine accounts for "
             f"q = batch_size / sample_size = {batch_size / sample_size:.6g}: pass the loader's "

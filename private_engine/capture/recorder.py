@@ -208,9 +208,8 @@ class LayerRecorder:
         elementwise op with the batch's rows, where the model would broadcast it anyway: forward
         values are unchanged, the broadcast is done here instead). The output gradient arrives
         one row per sample, ``g_i = ∂L_i/∂y_i``, before any broadcast sums it; the per-sample
-        gradient is
-        the layer's vjp at row i, ``∂L_i/∂θ = (∂y/∂θ)ᵀ g_i`` with the shared input row. Returns
-        the replaced output (None: unchanged)."""
+        gradient is the layer's vjp at row i, ``∂L_i/∂θ = (∂y/∂θ)ᵀ g_i`` with the shared input
+        row. Returns the replaced output (None: unchanged)."""
         flow = self.batch_flow
         expanded = flow.broadcast_rows(x, output, layer.name) if flow is not None else None
         if expanded is None:

@@ -22,20 +22,20 @@ from .newton import DPNewton
 
 __all__ = ["METHODS", "probe_sweep", "ProbeResults", "format_table", "plot_results"]
 
+def _zcdp_head(cls) -> Callable:
+    """``factory(ε, δ, random_state, accounting, classes)`` of a head of Mehta et al. (zCDP
+    accounting, normalised features)."""
+    return lambda e, d, s, a, c: cls(epsilon=e, delta=d, normalize=True, random_state=s,
+                                     accounting=a, classes=c)
+
+
 # name -> (display name, factory(epsilon, delta, random_state, accounting, classes) -> estimator)
 METHODS: Dict[str, Tuple[str, Callable]] = {
-    "ls": ("DP-LS", lambda e, d, s, a, c: DPLeastSquares(epsilon=e, delta=d, normalize=True,
-                                                         random_state=s, accounting=a,
-                                                         classes=c)),
-    "newton": ("DP-Newton", lambda e, d, s, a, c: DPNewton(epsilon=e, delta=d, normalize=True,
-                                                           random_state=s, accounting=a,
-                                                           classes=c)),
-    "fc": ("DP-FC", lambda e, d, s, a, c: DPFeatureCovariance(epsilon=e, delta=d, normalize=True,
-                                                              random_state=s, accounting=a,
-                                                              classes=c)),
-    "adam": ("DP-Adam", lambda e, d, s, a, c: DPAdamHead(epsilon=e, delta=d, normalize=True,
-                                                         random_state=s, accounting=a,
-                                                         classes=c)),
+    "ls": ("DP-LS", _zcdp_head(DPLeastSquares)),
+    "newton": ("DP-Newton", _zcdp_head(DPNewton)),
+    "fc": ("DP-FC", _zcdp_head(DPFeatureCovariance)),
+    "adam": ("DP-Adam", _zcdp_head(DPAdamHead)),
+    # the analytic Gaussian calibration (no accounting choice), on the records as given
     "mean": ("DP-Mean", lambda e, d, s, a, c: DPMeanEstimator(epsilon=e, delta=d, random_state=s,
                                                               classes=c)),
 }

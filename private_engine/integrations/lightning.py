@@ -45,6 +45,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import SingleDeviceStrategy
 
 from ..accounting import PrivacyReport
+from ..accounting.sampling_check import check_loader, loader_sampling
 from ..checkpoint import use_ledger
 from ..engine import PrivacyEngine
 
@@ -157,10 +158,7 @@ class DPCallback(Callback):
         # a loader the engine can read (a Poisson sampler's rate, or fixed-size batches, which it
         # refuses) is checked at construction; another one (DPCallback(batch_size=B) over the
         # user's own sampler) by its batch sizes as they are stepped
-        readable = (getattr(loader.batch_sampler, "sample_rate", None) is not None
-                    or getattr(loader, "batch_size", None) is not None
-                    or getattr(loader.batch_sampler, "batch_size", None) is not None)
-        checked = loader if readable else None
+        checked = loader if any(v is not None for v in loader_sampling(loader)) else None
         steps = trainer.estimated_stepping_batches
         length = dict(steps=int(steps)) if math.isfinite(steps) else {}
         if not length and self.target_epsilon is not None:
@@ -207,12 +205,10 @@ class DPCallback(Callback):
         by the engine with what to use instead)."""
         if self.batch_size is not None:
             return int(self.batch_size)
-        rate = getattr(getattr(loader, "batch_sampler", None), "sample_rate", None)
+        fixed, rate = loader_sampling(loader)
         if rate is None:
-            if getattr(loader, "batch_size", None) is not None:
-                from ..accounting.sampling_check import check_loader
-
-                check_loader(loader, loader.batch_size, n)  # raises: fixed-size batches
+            if fixed is not None:
+                check_loader(loader, fixed, n)  # raises: fixed-size batches
             raise ValueError("DPCallback: the training loader is not a Poisson loader, so the "
                              "logical batch B is unknown; use "
                              "private_engine.data.poisson_loader(dataset, B), or pass "

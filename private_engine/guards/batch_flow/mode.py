@@ -429,15 +429,13 @@ class BatchFlow(TorchDispatchMode):
     # -- dispatch ------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        alias_of = None
-        if self.active and self._shared:
-            alias_of = self._check_shared(func, inputs_of(args, kwargs))
-        out = func(*args, **kwargs)
         if not self.active:
-            return out
+            return func(*args, **kwargs)
+        inputs = inputs_of(args, kwargs)
+        alias_of = self._check_shared(func, inputs) if self._shared else None
+        out = func(*args, **kwargs)
         if alias_of is not None and isinstance(out, torch.Tensor):
             self._shared[id(out)] = (weakref.ref(out), alias_of)
-        inputs = inputs_of(args, kwargs)
         entries = [self._entry(t) for t in inputs]
         tags = [tag for tag, _, _ in entries]
         if all(tag is None for tag in tags):
