@@ -1,4 +1,4 @@
-"""The sample-separability probe (private_engine/separability.py).
+"""The sample-separability probe (private_engine/guards/separability).
 
 Targets are built as the engine's recorder builds them: the GradientEdge of the output of every
 Linear / Conv2d / Embedding call, taken by a plain forward hook.
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
-from private_engine.guards import separability
+from private_engine.guards.separability import probe as probe_module
 from private_engine.guards.separability import BatchMixingError, SeparabilityProbe
 
 D, C = 6, 3
@@ -137,7 +137,7 @@ def test_new_signature_reprobes_and_mixing_there_is_caught():
 
 
 def test_signatures_are_capped(monkeypatch):
-    monkeypatch.setattr(separability, "MAX_SIGNATURES", 3)
+    monkeypatch.setattr(probe_module, "MAX_SIGNATURES", 3)
     model = nn.Sequential(nn.Linear(D, C))
     probe, rec = probe_for(model)
     for T in range(1, 7):
