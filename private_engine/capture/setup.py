@@ -7,8 +7,6 @@ from typing import Callable, Optional, Sequence, Tuple
 
 from torch import nn
 
-from ..layers.linear import LinearRule
-from ..layers.base import trainable
 from .fallback import FallbackModule, warn_fallback
 from .recorder import LayerRecorder, RecordedLayer
 from .tracer import ParamTracer
@@ -28,10 +26,7 @@ def build_capture(layers: Sequence[Tuple[str, nn.Module, object]],
     if model is None or not (traced or fallbacks):
         return recorder
     tracer = ParamTracer(model, traced, opaque=[m for _, m in fallbacks])
-    tracer.recorder = recorder
-    tracer.linear_layers = {id(rec.module.weight): rec for rec in recorder.layers
-                            if isinstance(rec.rule, LinearRule) and not rec.rule.transposed
-                            and trainable(rec.module, "weight")}
+    tracer.attach(recorder)
     recorder.tracer = tracer
     recorder.extras = [tracer, *(FallbackModule(n, m, tracer) for n, m in fallbacks)]
     warn_fallback([f"{n or '(the model)'} ({type(m).__name__})" for n, m in fallbacks])

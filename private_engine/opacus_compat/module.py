@@ -236,10 +236,7 @@ class PrivateModule(nn.Module):
                 c.activation = c.grad = c.edge = c.input_node = None
             del layer.calls[mark:]
         if self.tracer is not None:
-            for e in self.tracer.entries[marks[n]:]:
-                e.base = e.edge = e.out_node = None
-                e.batched_nodes = []
-            del self.tracer.entries[marks[n]:]
+            self.tracer.drop_entries(marks[n])
         for fb, mark in zip(self.fallbacks, marks[n + 1:]):
             del fb.calls[mark:]
         self._eval_marks = None
