@@ -30,39 +30,39 @@ Two flows fill ``p.grad``:
   :class:`private_engine.clipping.clipper.PerSampleClipper`, through
   :func:`private_engine.clipping.batch.clip_batch`).
 * **plain backward** (every other mode, or any ``loss.backward()``): book-keeping (mode
-  "bk_mixed") by the same clipper. During the ordinary backward each layer is handed to the
-  clipper as soon as its output gradient arrives (certified per-sample norm by ghost norm or
-  instantiation, per the layerwise rule of "bk_mixed"; what the clipped sum needs kept), the raw
-  parameter gradients are discarded (a tensor hook on each parameter), and at the end of the
-  backward (an autograd callback) the clipper writes ``Σ_i C_i g_iᵀ a_i`` — no second backward,
-  and no clipping code of its own here.
-  A batch-mean loss (``loss_reduction="mean"``) is refused here in 16-bit precision: its ``1/n``
-  is rounded to 16 bits with every sample's output gradient (:meth:`_check_mean_loss`).
+  "bk_mixed") by the same clipper during the ordinary backward, the raw parameter gradients
+  discarded, ``Σ_i C_i g_iᵀ a_i`` written at its end (:mod:`.plain_backward`).
 
 ``clipping="per_layer"``: one threshold R_k per parameter tensor (Opacus' definition), clip
 factor ``C_{i,k} = min(1, R_k / (‖∂L_i/∂θ_k‖ + 1e-6))`` from instantiated per-sample gradients.
+
+The parts: this module wires the guards and the clipping core to the model and keeps Opacus'
+``GradSampleModule`` face and the criterion flow; :mod:`.plain_backward` runs the plain backward
+flow; :mod:`.forward_checks` the checks at the end of each forward; :mod:`.release_state` keeps
+the clipped sums' ledger that the optimizer reads before it releases them; :mod:`.layouts` says
+where Opacus' layers see the batch.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence
 
 import torch
-from opacus.layers.dp_multihead_attention import SequenceBias
-from opacus.layers.dp_rnn import RNNLinear
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ..guards.buffers import BufferGuard
-from ..capture.graph_walk import outside_error
+from ..capture.recorder import RecordedLayer
 from ..clipping.batch import check_per_sample_loss, clip_batch
 from ..clipping.clipper import PerSampleClipper
-from ..clipping.per_layer import per_layer_clipped_sums
 from ..clipping.plan import is_book_keeping
 from ..guards.batch_flow import BatchFlow
+from ..guards.buffers import BufferGuard
 from ..guards.separability import SeparabilityProbe
 from ..guards.state import StepStateGuard
 from ..randomness import SecretModelRandomness
-from ..capture.recorder import RecordedLayer
+from .forward_checks import ForwardChecks, is_dp_rnn, reject_packed_sequence
+from .layouts import layer_batch_dim, to_batch_first
+from .plain_backward import PlainBackward, add_grad
+from .release_state import ReleaseState
 
 
 class PrivateModule(nn.Module):
@@ -137,49 +137,48 @@ class PrivateModule(nn.Module):
         self._set_capturing(True)
         self._norms_by_param: Dict[int, float] = {}
         self._dp_optimizer = None
-        #: layer call counts at the start of an eval-mode forward (its records are dropped at its
-        #: end)
-        self._eval_marks: Optional[List[int]] = None
-        self.grad_accumulation_allowed = True
-        #: set when a backward with hooks disabled left unclipped gradients in p.grad (cleared by
-        #: zero_grad)
-        self._unclipped_grads = False
-        #: set by remove_hooks()/cleanup(): nothing is clipped any more, so the optimizer refuses to
-        #: step
-        self._hooks_removed = False
-        #: the thresholds R the clipped sums now in p.grad were clipped at (flat clipping)
-        self._clipped_at: set = set()
-        #: backward passes whose clipped sums are in p.grad since the optimizer last consumed them
-        self.backward_passes = 0
-        self._consumed = False
-        #: per-sample gradient norms ‖g_i‖ of the last backward (flat clipping)
-        self.last_norms: Optional[torch.Tensor] = None
-        #: samples clipped, and those left unclipped (clip factor 1), since the optimizer last
-        #: consumed p.grad (flat clipping; read by the adaptive-clipping optimizer)
-        self.sample_count = 0
-        self.unclipped_count: Optional[torch.Tensor] = None
-        #: a backward ran after optimizer.step() without zero_grad(): p.grad holds the noised
-        #: gradient of the last step, so the next step is refused (as Opacus' is) until zero_grad()
-        self._stale_grads = False
-        self._reset_plain()
-        self._graph_checked = False
+        #: the clipped sums in p.grad, as the optimizer reads them before it releases them
+        self.release = ReleaseState()
+        #: the plain loss.backward() flow (book-keeping during the ordinary backward)
+        self.plain_backward = PlainBackward(self)
+        #: the checks at the end of each forward (eval records, batch flow, probe, graph)
+        self.forward_checks = ForwardChecks(self)
+        self._hooks_enabled = True
+        #: inside criterion_backward: its own backward passes leave the parameter gradients alone
+        self._in_criterion = False
+        self._hook_model(module)
+        self._install_guards(module)
+        #: torch DDP: its require_backward_grad_sync before make_private (restored by remove_hooks)
+        self._ddp_grad_sync: Optional[bool] = None
+        if isinstance(wrapper, DistributedDataParallel):
+            self._stop_ddp_grad_sync(wrapper)
+
+    def _hook_model(self, module: nn.Module) -> None:
+        """The hooks of the clipping: each parameter's raw gradient is discarded, each forward is
+        checked at its end; Opacus' DP RNNs refuse a ``PackedSequence``."""
         self._param_handles = [p.register_hook(self._discard_raw_grad) for p in self._params]
         # on the wrapped model itself, so that they also run when make_private(wrap_model=False)
         # is used
-        self._param_handles.append(module.register_forward_pre_hook(self._eval_snapshot))
-        self._param_handles.append(module.register_forward_hook(self._check_graph_hook))
-        self._param_handles += [m.register_forward_pre_hook(_reject_packed_sequence)
-                                for m in module.modules() if _is_dp_rnn(m)]
+        self._param_handles.append(
+            module.register_forward_pre_hook(self.forward_checks.eval_snapshot))
+        self._param_handles.append(
+            module.register_forward_hook(self.forward_checks.after_forward))
+        self._param_handles += [m.register_forward_pre_hook(reject_packed_sequence)
+                                for m in module.modules() if is_dp_rnn(m)]
+
+    def _install_guards(self, module: nn.Module) -> None:
+        """The guards on the wrapped model (buffers, separability, batch flow, state between
+        steps) and the secret randomness of its training forwards."""
         #: refuses a training forward that changes a buffer from the data (a release without noise)
         self.buffer_guard = BufferGuard(module).install()
         #: checks, at the first forward of each input signature, that the model is sample-separable
-        self.probe = SeparabilityProbe(module, batch_dim=0 if batch_first else None)
+        self.probe = SeparabilityProbe(module, batch_dim=0 if self.batch_first else None)
         self.probe.install()
         #: follows the batch through every op of every forward and loss: the outputs are checked at
         #: the forward's end, the loss when the backward starts. With batch_first=False the model's
         #: inputs may hold the batch in dim 0 or 1: the first recorded layer, whose convention is
         #: known, opens the step's region
-        self.batch_flow = BatchFlow(module, openers=None if batch_first else {
+        self.batch_flow = BatchFlow(module, openers=None if self.batch_first else {
             layer.module: self._layer_batch_dim(layer) for layer in self.recorder.layers}
         ).install()
         self.recorder.batch_flow = self.batch_flow
@@ -189,16 +188,14 @@ class PrivateModule(nn.Module):
         self.state_guard.arm()
         #: the randomness of training forwards (dropout) from a secret generator
         self.model_randomness = SecretModelRandomness(module).install()
-        self._hooks_enabled = True
-        #: inside criterion_backward: its own backward passes leave the parameter gradients alone
-        self._in_criterion = False
-        #: torch DDP: its require_backward_grad_sync before make_private (restored by remove_hooks)
-        self._ddp_grad_sync: Optional[bool] = None
-        if isinstance(wrapper, DistributedDataParallel):
-            self._ddp_grad_sync = wrapper.require_backward_grad_sync
-            _no_ddp_grad_sync(wrapper, ())
-            # before every forward (no_sync() restores the flag it found, a user may set it)
-            self._param_handles.append(wrapper.register_forward_pre_hook(_no_ddp_grad_sync))
+
+    def _stop_ddp_grad_sync(self, wrapper: DistributedDataParallel) -> None:
+        """Torch DDP: no all-reduce of raw gradients in its backward (the DP optimizer
+        all-reduces the clipped sums)."""
+        self._ddp_grad_sync = wrapper.require_backward_grad_sync
+        _no_ddp_grad_sync(wrapper, ())
+        # before every forward (no_sync() restores the flag it found, a user may set it)
+        self._param_handles.append(wrapper.register_forward_pre_hook(_no_ddp_grad_sync))
 
     # -- opacus GradSampleModule face ---------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -209,7 +206,7 @@ class PrivateModule(nn.Module):
         weights as the state the next step starts from (weights loaded on purpose between steps,
         as ``load_checkpoint`` does, are not a change made by the data)."""
         result = super().load_state_dict(state_dict, strict=strict, assign=assign)
-        if not self._hooks_removed:
+        if not self.release.hooks_removed:
             self.state_guard.arm()
         return result
 
@@ -219,91 +216,8 @@ class PrivateModule(nn.Module):
         for extra in self.recorder.extras:
             extra.capturing = on
 
-    def _eval_snapshot(self, module, inputs) -> None:
-        self._eval_marks = (None if module.training else
-                            [len(layer.calls) for layer in self.recorder.layers]
-                            + [len(self.tracer.entries) if self.tracer is not None else 0]
-                            + [len(fb.calls) for fb in self.fallbacks])
-
-    def _drop_eval_records(self) -> None:
-        """A forward in eval mode is not recorded (as in Opacus): its calls (and tracer entries,
-        fallback calls) are dropped right away, so evaluating without ``torch.no_grad()`` does not
-        pile up activations."""
-        marks = self._eval_marks
-        n = len(self.recorder.layers)
-        for layer, mark in zip(self.recorder.layers, marks[:n]):
-            for c in layer.calls[mark:]:
-                c.activation = c.grad = c.edge = c.input_node = None
-            del layer.calls[mark:]
-        if self.tracer is not None:
-            self.tracer.drop_entries(marks[n])
-        for fb, mark in zip(self.fallbacks, marks[n + 1:]):
-            del fb.calls[mark:]
-        self._eval_marks = None
-
-    def _check_graph_hook(self, module, inputs, out) -> None:
-        if self._eval_marks is not None:
-            self._drop_eval_records()
-            self.batch_flow.end()
-            return
-        if torch.is_grad_enabled() and _sixteen_bit_forward(out, self._params):
-            self._sixteen_bit = True
-        try:
-            self.batch_flow.check_outputs(out)
-        except BaseException:
-            self.recorder.reset()
-            raise
-        if self.probe.pending and torch.is_grad_enabled():
-            self._check_separable(out)
-        if not self._graph_checked and torch.is_grad_enabled():
-            self._check_graph(out)
-
     def _layer_batch_dim(self, layer: RecordedLayer) -> int:
-        """Where a recorded layer sees the batch (what :meth:`_to_batch_first` moves)."""
-        m = layer.module
-        if isinstance(m, SequenceBias):
-            return 0 if m.batch_first else 1
-        return 0 if (self.batch_first or type(m) is RNNLinear) else 1
-
-    def _check_separable(self, out) -> None:
-        """The separability probe from the model's outputs (this door has no per-sample losses:
-        mixing inside the user's loss function is not seen here; docs/migrating-from-opacus.md)."""
-        owners = [self.recorder, *self.recorder.extras]
-        saved = [o.capturing for o in owners]
-        for o in owners:
-            o.capturing = False  # the probe's backward passes are not recorded
-        try:
-            batch = None
-            if not self.batch_first:
-                dims = [(c.output_shape, self._layer_batch_dim(layer))
-                        for layer in self.recorder.layers for c in layer.calls]
-                batch = min((shape[d] for shape, d in dims if len(shape) > d), default=None)
-            self.probe.check_outputs(out, self.clipper.probe_targets(self._layer_batch_dim),
-                                     batch_dim=0 if self.batch_first else None, batch_size=batch)
-        except BaseException:
-            self.recorder.reset()
-            raise
-        finally:
-            for o, c in zip(owners, saved):
-                o.capturing = c
-
-    def _check_graph(self, out) -> None:
-        """Once, on the first forward with grad: every trainable parameter must reach the output
-        only through a recorded call of its layer (a tied weight in ``F.linear(h, emb.weight)``
-        would otherwise be missing from the per-sample norms of a plain backward)."""
-        tensors = [t for t in _flatten(out)
-                   if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-        outside, custom = {}, {}
-        for t in tensors:
-            walk = self.recorder.walk(t, self._params)
-            for p in walk.outside:
-                outside[id(p)] = self._names.get(id(p))
-            for i, function in walk.custom_functions.items():
-                custom[self._names.get(i)] = function
-        if outside:
-            self.recorder.reset()
-            raise outside_error(sorted(outside.values()), custom)
-        self._graph_checked = bool(tensors)
+        return layer_batch_dim(layer, self.batch_first)
 
     def __getattr__(self, item):
         try:
@@ -322,10 +236,10 @@ class PrivateModule(nn.Module):
     def forbid_grad_accumulation(self) -> None:
         """Poisson sampling: every backward must be followed by ``optimizer.step()`` (as in
         Opacus)."""
-        self.grad_accumulation_allowed = False
+        self.release.grad_accumulation_allowed = False
 
     def allow_grad_accumulation(self) -> None:
-        self.grad_accumulation_allowed = True
+        self.release.grad_accumulation_allowed = True
 
     def disable_hooks(self) -> None:
         """Backward passes compute ordinary (unclipped) gradients until :meth:`enable_hooks`; the
@@ -344,7 +258,7 @@ class PrivateModule(nn.Module):
         for h in self._param_handles:
             h.remove()
         self._param_handles = []
-        self._hooks_removed = True
+        self.release.hooks_removed = True
         if self._ddp_grad_sync is not None:
             self._module.require_backward_grad_sync = self._ddp_grad_sync
             self._ddp_grad_sync = None
@@ -379,73 +293,48 @@ class PrivateModule(nn.Module):
             )
         self._norms_by_param = {id(p): float(r) for p, r in zip(params, max_grad_norms)}
 
+    # -- the clipped sums in p.grad, as the optimizer sees them -------------------------------
+    @property
+    def backward_passes(self) -> int:
+        """Backward passes whose clipped sums are in p.grad since the optimizer consumed them."""
+        return self.release.backward_passes
+
+    @property
+    def last_norms(self) -> Optional[torch.Tensor]:
+        """Per-sample gradient norms ‖g_i‖ of the last backward (flat clipping)."""
+        return self.release.last_norms
+
+    @property
+    def sample_count(self) -> int:
+        """Samples clipped since the optimizer last consumed p.grad (flat clipping)."""
+        return self.release.sample_count
+
+    @property
+    def unclipped_count(self) -> Optional[torch.Tensor]:
+        """Samples left unclipped (clip factor 1) since the optimizer last consumed p.grad (flat
+        clipping; read by the adaptive-clipping optimizer)."""
+        return self.release.unclipped_count
+
+    @property
+    def grad_accumulation_allowed(self) -> bool:
+        return self.release.grad_accumulation_allowed
+
     def optimizer_consumed(self) -> None:
         """Called by the optimizer after it read p.grad (``pre_step``)."""
-        self._consumed = True
-        self.backward_passes = 0
-        self._clipped_at = set()
-        self._reset_counts()
+        self.release.optimizer_consumed()
 
     def optimizer_zero_grad(self) -> None:
-        self._consumed = False
-        self.backward_passes = 0
-        self._unclipped_grads = False
-        self._stale_grads = False
-        self._clipped_at = set()
-        self._reset_counts()
-
-    def _reset_counts(self) -> None:
-        self.sample_count = 0
-        self.unclipped_count = None
-
-    def _count_unclipped(self, factors: torch.Tensor, dropped=None) -> None:
-        """Add a batch to :attr:`sample_count` and :attr:`unclipped_count`: samples whose clip
-        factor is 1 (``‖g_i‖ + 1e-6 ≤ R``, Opacus' ``AdaClipDPOptimizer`` count), without the
-        dropped ones (``dropped``: a bool mask of them, or their number when they are among the
-        factors with factor 1). No host synchronisation."""
-        unclipped = (factors >= 1)
-        if isinstance(dropped, torch.Tensor):
-            unclipped = unclipped & ~dropped
-        count = unclipped.sum()
-        if isinstance(dropped, int):
-            count = count - dropped
-        self.sample_count += factors.shape[0]
-        self.unclipped_count = count if self.unclipped_count is None \
-            else self.unclipped_count + count
+        self.release.optimizer_zero_grad()
 
     def check_releasable(self, params: Sequence[torch.Tensor]) -> None:
         """Called by the optimizer before it reads ``p.grad`` (``pre_step``): refuse to release
         gradients this module did not clip (Opacus raises in both cases too)."""
-        if self._hooks_removed:
-            raise ValueError(
-                "the privacy hooks of this module were removed (remove_hooks()/cleanup()), so its "
-                "gradients are not clipped; nothing was released. Call make_private again to train "
-                "privately."
-            )
-        if self._stale_grads:
-            raise ValueError(
-                "Gradients haven't been cleared since the last optimizer step: a backward ran "
-                "after optimizer.step() without optimizer.zero_grad(), so p.grad mixes the noised "
-                "gradient of the last step with new clipped sums; nothing was released. Call "
-                "optimizer.zero_grad() after every optimizer.step()."
-            )
-        if self._unclipped_grads:
-            raise ValueError(
-                "p.grad holds unclipped gradients: a backward ran while the hooks were disabled "
-                "(disable_hooks()). Call optimizer.zero_grad() before the next private step, or "
-                "enable_hooks() before the backward."
-            )
+        self.release.check_clipped()
         self._check_trainable(params)
         self.batch_flow.end()  # the step's region, closed in its backward, leaves the stack here
         self.model_randomness.end()
         self.state_guard.check(self.batch_flow.written_storages)
-        if self._clipped_at and self._clipped_at != {self.current_max_grad_norm()}:
-            raise ValueError(
-                "the gradients in p.grad were clipped at max_grad_norm "
-                f"{sorted(self._clipped_at)} but the optimizer would add noise for "
-                f"{self.current_max_grad_norm()}: max_grad_norm "
-                "changed between backward passes of one logical batch. Change it after "
-                "optimizer.step() (a grad-clip scheduler steps after the optimizer).")
+        self.release.check_threshold(self.current_max_grad_norm())
 
     def _check_trainable(self, params) -> None:
         """Every trainable parameter in ``params`` must be one clipped here (trainable at
@@ -459,39 +348,7 @@ class PrivateModule(nn.Module):
                 "Call make_private again with the new set of trainable parameters."
             )
 
-    def _start_backward(self) -> bool:
-        """Checks at the start of a backward's clipping. Returns False when p.grad still holds the
-        noised gradient of the last step (no ``zero_grad()`` since ``step()``): the backward is
-        not clipped, and the next step raises (Opacus refuses at that step too)."""
-        if self._consumed:
-            self._stale_grads = True
-            return False
-        if not self.grad_accumulation_allowed and self.backward_passes > 0:
-            raise ValueError(
-                "Poisson sampling is not compatible with grad accumulation. You need to call "
-                "optimizer.step() after every forward/backward pass or consider using "
-                "BatchMemoryManager."
-            )
-        return True
-
-    # -- plain loss.backward(): book-keeping ----------------------------------------------------
-    def _reset_plain(self) -> None:
-        self._stored: List[Tuple[RecordedLayer, list]] = []  # per_layer clipping only
-        self._callback_queued = False
-        #: a layer's recorded call received its output gradient in this backward (a batch, maybe
-        #: empty)
-        self._saw_batch = False
-        #: the clipper's norm pass of this backward has begun (its batch size is the first layer's)
-        self._started = False
-        #: a training forward of this backward ran under 16-bit autocast or in 16-bit floats, or a
-        #: recorded output gradient is 16-bit (a batch-mean loss is then refused: _check_mean_loss)
-        self._sixteen_bit = False
-
-    def _queue_finish(self) -> None:
-        if not self._callback_queued:
-            self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_plain)
-
+    # -- backward passes ----------------------------------------------------------------------
     def _discard_raw_grad(self, grad: torch.Tensor):
         """Tensor hook on each parameter: its unclipped gradient is replaced by zeros (the clipped
         sum is added at the end of the backward)."""
@@ -501,176 +358,20 @@ class PrivateModule(nn.Module):
             return None
         # disable_hooks(): an ordinary gradient, never released by the optimizer
         if not self._hooks_enabled:
-            self._unclipped_grads = True
+            self.release.unclipped_grads = True
             return None
-        self._queue_finish()
+        self.plain_backward.queue_finish()
         return torch.zeros_like(grad)
 
     def _to_batch_first(self, layer: RecordedLayer) -> None:
-        """``batch_first=False``: move the batch dimension (1) of every recorded input and output
-        gradient to the front, except for Opacus' ``RNNLinear`` (called per time step on (B, H)) —
-        Opacus' own convention. ``SequenceBias`` follows its own ``batch_first`` attribute."""
-        if isinstance(layer.module, SequenceBias):
-            if layer.module.batch_first:
-                return
-        elif self.batch_first or type(layer.module) is RNNLinear:
-            return
-        for c in layer.calls:
-            if c.activation is not None and c.activation.dim() > 1:
-                c.activation = c.activation.movedim(1, 0)
-            if c.grad is not None and c.grad.dim() > 1:
-                c.grad = c.grad.movedim(1, 0)
+        to_batch_first(layer, self.batch_first)
 
     def _on_layer_ready_criterion(self, layer: RecordedLayer) -> None:
         self._to_batch_first(layer)
         self.clipper.on_layer_ready(layer)
 
     def _on_layer_ready_plain(self, layer: RecordedLayer) -> None:
-        """One layer of a plain backward, handed to the clipper (certified norm, what the sum needs
-        kept)."""
-        self._to_batch_first(layer)
-        try:
-            self.batch_flow.check_root()  # the backward's loss (once: the region ends here)
-        except BaseException:
-            self.recorder.reset()
-            raise
-        finally:
-            self.model_randomness.end()
-        pairs = layer.pairs()
-        if pairs:
-            self._saw_batch = True
-            self._queue_finish()
-            if any(g.dtype in _SIXTEEN_BIT for _, g in pairs):
-                self._sixteen_bit = True
-        if not pairs or pairs[0][1].shape[0] == 0:  # nothing reached, or an empty Poisson batch
-            layer.release()
-            return
-        if self.per_layer:
-            self._stored.append((RecordedLayer(layer.name, layer.module, layer.rule), pairs))
-            layer.release()
-            return
-        if not self._started:
-            self.clipper.start_pass(pairs[0][1].shape[0])
-            self._started = True
-        self.clipper.on_layer_ready(layer)
-
-    def _finish_plain(self) -> None:
-        """End of a plain backward: certified norms from the clipper, clip factors, then
-        ``Σ_i C_i g_iᵀ a_i``."""
-        try:
-            try:
-                fresh = self._start_backward()
-                self._check_trainable(self._module.parameters())
-                self._check_mean_loss()
-            except BaseException:
-                self.recorder.reset()
-                raise
-            if not fresh:  # refused at the next step; nothing is clipped into the stale p.grad
-                self.recorder.reset()
-                return
-            self.recorder.finish_unfired()  # layers the loss does not reach contribute nothing
-            extras = self._extras_fired()
-            if not (self._started or self._stored or extras):
-                self.recorder.reset()
-                if not self._saw_batch:  # parameter gradients but no recorded call: not a new batch
-                    raise ValueError(
-                        "this backward reached no recorded layer call: it went through a graph "
-                        "whose records were already used (a second backward through a retained "
-                        "graph, or a backward after autograd.grad on the same output) or whose "
-                        "forward ran in eval mode. Run the forward again (in train mode) before "
-                        "each backward."
-                    )
-                self.backward_passes += 1
-                return
-            # the tracer's and fallbacks' per-sample gradients are read before their records go
-            if self.per_layer:
-                extra = self._extra_grads()
-                self.recorder.reset()
-                self._write_per_layer(extra)
-            else:
-                if not self._started:  # only traced parameters / fallback modules were reached
-                    self.clipper.start_pass(self.tracer.batch_size)
-                    self._started = True
-                norms = self.clipper.end_norm_pass(self._params[0].device)
-                self.recorder.reset()
-                self._write_flat(norms)
-            self.backward_passes += 1
-        except BaseException:
-            self.clipper.release()
-            raise
-        finally:
-            self._reset_plain()
-
-    def _check_mean_loss(self) -> None:
-        """Refuse a plain backward of a batch-mean loss (``loss_reduction="mean"``) in 16-bit
-        floats. Its output gradients reach the layers as ``ĝ_i = fl16(g_i / n)`` and are clipped
-        as ``n·ĝ_i``; unless ``n`` is a power of two and nothing underflows,
-        ``n·fl16(g_i/n) ≠ fl16(g_i)`` (relative error of the order of the unit roundoff u, 2⁻⁸
-        for bfloat16, 2⁻¹¹ for float16), so an honest sample's clipped term differs
-        between neighbouring batches of ``n`` and ``n − 1`` samples, and one sample moves the
-        release by more than R. A sum loss (``g_i`` whatever ``n``) or the criterion flow (per-
-        sample losses) has no ``n`` in its gradients. The refusal depends on the precision, never
-        on the batch size or the data."""
-        if self.loss_reduction == "mean" and self._sixteen_bit:
-            raise ValueError(
-                "a plain loss.backward() of a batch-mean loss in 16-bit precision (autocast or "
-                "16-bit weights) cannot be clipped to max_grad_norm exactly: the 1/batch-size "
-                "scaling of every sample's gradient is rounded to 16 bits differently for "
-                "batches of n and n-1 samples; nothing was released. Backpropagate a sum loss "
-                "(e.g. nn.CrossEntropyLoss(reduction=\"sum\")) with "
-                "make_private(loss_reduction=\"sum\"), or use grad_sample_mode=\"ghost\" and "
-                "the criterion make_private returns.")
-
-    def _mean_scale(self, batch: int) -> float:
-        """``loss_reduction="mean"``: the recorded output gradients are those of ``(1/B) Σ_i L_i``,
-        so norms and sums are taken of ``B·g`` (as Opacus does); 1 for "sum"."""
-        return float(batch) if self.loss_reduction == "mean" else 1.0
-
-    def _extras_fired(self) -> bool:
-        """Whether this backward reached a traced parameter's entry or a fallback module's output
-        (a batch to clip even when it reached no ruled layer)."""
-        if self.tracer is None or not self.tracer.batch_size:
-            return False
-        return (any(e.fired for e in self.tracer.entries)
-                or any(g is not None for fb in self.fallbacks for c in fb.calls for g in c.grads))
-
-    def _extra_grads(self) -> List[Tuple[nn.Parameter, torch.Tensor]]:
-        """``[(parameter, (B, *shape) per-sample gradients)]`` of the traced parameters and the
-        fallback modules' parameters in this backward (per-layer clipping)."""
-        if not self._extras_fired():
-            return []
-        tracked = {name: p for name, p in self.tracer.tracked.values()}
-        out = [(tracked[n], g) for n, g in self.tracer.per_sample_grads().items()]
-        for fb in self.fallbacks:
-            if fb.calls:
-                owned = dict(fb.params)
-                out += [(owned[n], g)
-                        for n, g in fb.per_sample_grads(self.tracer.batch_size).items()]
-        return out
-
-    def _write_flat(self, norms: torch.Tensor) -> None:
-        """``p.grad += Σ_i C_i g_i`` from the certified norms of the norm pass just ended."""
-        clipper = self.clipper
-        batch = clipper.batch_size
-        scale = self._mean_scale(batch)
-        norms = norms * scale
-        clipper.max_grad_norm = self.current_max_grad_norm()
-        self._clipped_at.add(clipper.max_grad_norm)
-        norms, factors, keep, _ = clipper.finite_factors(norms)
-        self.last_norms = norms.detach()
-        self._count_unclipped(factors, None if keep is None else ~keep)
-        grads = clipper.clipped_sums(None, factors * scale, keep=keep).own_grads()
-        for p, g in zip(self._params, grads):
-            _add_grad(p, g)
-
-    def _write_per_layer(self, extra: Sequence[Tuple[nn.Parameter, torch.Tensor]] = ()) -> None:
-        """Per-layer clipping by the clipping core
-        (:func:`private_engine.clipping.per_layer.per_layer_clipped_sums`); ``extra``: the traced
-        parameters' and fallback modules' per-sample gradients."""
-        batch = self._stored[0][1][0][1].shape[0] if self._stored else extra[0][1].shape[0]
-        for p, g in per_layer_clipped_sums(self._stored, self._norms_by_param,
-                                           self._mean_scale(batch), self._names, extra=extra):
-            _add_grad(p, g)
+        self.plain_backward.on_layer_ready(layer)
 
     # -- criterion flow ---------------------------------------------------------------------------
     def criterion_backward(self, loss_per_sample: torch.Tensor) -> None:
@@ -678,11 +379,11 @@ class PrivateModule(nn.Module):
         clipping core (:func:`private_engine.clipping.batch.clip_batch`; book-keeping, one
         backward)."""
         self.model_randomness.end()
-        self._sixteen_bit = False  # the criterion flow's per-sample losses have no 1/n
+        self.plain_backward.sixteen_bit = False  # the criterion flow's losses have no 1/n
         try:
             self.batch_flow.check_loss(loss_per_sample)
             check_per_sample_loss(loss_per_sample, name="the per-sample loss")
-            fresh = self._start_backward()
+            fresh = self.release.start_backward()
             self._check_trainable(self._module.parameters())
             if self.per_layer:
                 raise ValueError("clipping='per_layer' is not supported with "
@@ -704,35 +405,13 @@ class PrivateModule(nn.Module):
             self._set_capturing(capturing)
             self._in_criterion = False
         if batch.size:
-            self._clipped_at.add(self.clipper.max_grad_norm)
-            self.last_norms = batch.norms
+            self.release.clipped_at.add(self.clipper.max_grad_norm)
+            self.release.last_norms = batch.norms
             # dropped samples have norm 0 here: their factor 1 is taken off the count
-            self._count_unclipped(self.clipper.clip_factors(batch.norms), batch.dropped)
+            self.release.count_unclipped(self.clipper.clip_factors(batch.norms), batch.dropped)
             for p, g in zip(self._params, batch.sums.own_grads()):
-                _add_grad(p, g)
-        self.backward_passes += 1
-
-
-_SIXTEEN_BIT = (torch.float16, torch.bfloat16)
-
-
-def _sixteen_bit_forward(out, params: Sequence[torch.Tensor]) -> bool:
-    """Whether a forward computes in 16-bit floats: under autocast to float16/bfloat16 on the
-    device of its outputs or parameters, with a 16-bit parameter, or with a 16-bit output."""
-    tensors = [t for t in _flatten(out) if isinstance(t, torch.Tensor)]
-    devices = {t.device.type for t in [*tensors, *params[:1]]}
-    if any(torch.is_autocast_enabled(d) and torch.get_autocast_dtype(d) in _SIXTEEN_BIT
-           for d in devices):
-        return True
-    return any(t.dtype in _SIXTEEN_BIT for t in [*tensors, *params])
-
-
-def _add_grad(p: torch.Tensor, g: torch.Tensor) -> None:
-    g = g.to(p.dtype)
-    if p.grad is None:
-        p.grad = g
-    else:
-        p.grad.add_(g)
+                add_grad(p, g)
+        self.release.backward_passes += 1
 
 
 def _no_ddp_grad_sync(ddp: DistributedDataParallel, inputs) -> None:
@@ -742,29 +421,3 @@ def _no_ddp_grad_sync(ddp: DistributedDataParallel, inputs) -> None:
     The DP optimizer's step all-reduces the clipped sums instead."""
     ddp.require_backward_grad_sync = False
 
-
-def _is_dp_rnn(module: nn.Module) -> bool:
-    from opacus.layers.dp_rnn import DPRNNBase
-    return isinstance(module, DPRNNBase)
-
-
-def _reject_packed_sequence(module, inputs):
-    """DPLSTM/DPGRU/DPRNN on a PackedSequence call their linear maps with a batch that shrinks
-    over time; per-sample bookkeeping across those calls is not implemented."""
-    if inputs and isinstance(inputs[0], nn.utils.rnn.PackedSequence):
-        raise TypeError(
-            f"{type(module).__name__} was given a PackedSequence, which private_engine does not "
-            "support yet. Pad the batch instead (torch.nn.utils.rnn.pad_packed_sequence / "
-            "pad_sequence, batch_first=True) and "
-            "pick each sequence's last valid output, or mask the padded positions in the loss."
-        )
-
-
-def _flatten(out):
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, (list, tuple)):
-        return [t for o in out for t in _flatten(o)]
-    if isinstance(out, dict):
-        return [t for o in out.values() for t in _flatten(o)]
-    return []

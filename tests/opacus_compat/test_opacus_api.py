@@ -136,7 +136,7 @@ def test_no_records_kept_between_steps(mode):
     for _ in range(3):
         criterion(module(x), y).backward()
         assert all(not layer.calls for layer in module.recorder.layers)
-        assert module._stored == [] and not module._started
+        assert module.plain_backward.stored == [] and not module.plain_backward.started
         clipper = module.clipper
         assert not (clipper._kept_pairs or clipper._kept_grads or clipper._kept_groups
                     or clipper._norm_terms)
