@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_PIN := torch==2.14.1 torchvision==0.29.1
 
-.PHONY: demo test lint bench bench-gpu bench-all bench-test venv clean
+.PHONY: demo test test-fast lint bench bench-gpu bench-all bench-test venv clean
 
 $(VENV)/.core: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,11 @@ demo: $(VENV)/.core
 
 test: $(VENV)/.test
 	$(PY) -m pytest -q
+
+# the suite without the tests marked slow (distributed, timm families, red-team rounds, the
+# Opacus suite); `make test` (and CI) runs everything
+test-fast: $(VENV)/.test
+	$(PY) -m pytest -q -m "not slow"
 
 # ruff (configured in pyproject.toml): unused or undefined names, lines of at most 100 characters
 lint: $(VENV)/.test

@@ -13,7 +13,6 @@ from __future__ import annotations
 import random
 from typing import Callable, Optional, Sequence
 
-import pytest
 import torch
 from torch import nn
 
@@ -137,18 +136,3 @@ def rng_for(*key) -> random.Random:
 
 def gen_for(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: intra-op threads only add synchronisation (20–90 ms per conv on a busy 2-core
-    box).
-
-    Imported by each engine test module (autouse there); restores the thread count afterwards.
-    """
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)

@@ -15,7 +15,8 @@ from torch import nn
 import private_engine as pe
 from private_engine.accounting import (BudgetExceededError, PrivacyBudget, SamplingRateCheck,
                                        SamplingRateError, epsilon_for)
-from engine_checks import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def mlp():

@@ -8,7 +8,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import private_engine as pe
-from engine_checks import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
 
 from opacus.accountants import GaussianAccountant, PRVAccountant, RDPAccountant
 from opacus.accountants.utils import get_noise_multiplier
@@ -16,7 +15,8 @@ from opacus.accountants.utils import get_noise_multiplier
 OPACUS = {"rdp": RDPAccountant, "prv": PRVAccountant, "gdp": GaussianAccountant}
 
 # Opacus' GDP accountant warns on few steps
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.filterwarnings("ignore::UserWarning")]
 
 
 def _run(engine, steps, B, virtual_per_step=0, seed=0):

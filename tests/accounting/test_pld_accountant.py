@@ -12,11 +12,12 @@ from torch import nn
 
 import private_engine as pe
 from private_engine import accounting
-from engine_checks import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
 
 import dp_accounting
 from dp_accounting import dp_event
 from opacus.accountants import PRVAccountant, RDPAccountant
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 SIGMA, B, N, STEPS = 1.1, 10, 200, 7
 

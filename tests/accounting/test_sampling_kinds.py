@@ -16,7 +16,8 @@ import private_engine as pe
 from private_engine import accounting
 from private_engine.accounting import SamplingRateCheck, SamplingRateError
 from private_engine.data import poisson_loader
-from engine_checks import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 N, B = 200, 10
 

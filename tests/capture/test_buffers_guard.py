@@ -319,6 +319,7 @@ TIMM = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(TIMM))
 def test_timm_models_raise_no_false_alarm(family):
     name, kwargs, size = TIMM[family]

@@ -13,9 +13,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_checks import check_against_reference, make_engine
-from engine_checks import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
 from private_engine.capture.plain_modules import TRACED, plain_candidates
 from private_engine.capture.tracer import ParamTracer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_vit():

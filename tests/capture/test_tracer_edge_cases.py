@@ -12,8 +12,9 @@ from torch import nn
 
 import private_engine as pe
 from engine_checks import check_against_reference, make_engine
-from engine_checks import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
 from private_engine.capture.tracer import UnsupportedEntryError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 RTOL = 1e-6
 

@@ -10,7 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import private_engine as pe
-from engine_checks import MODES, check_against_reference, one_thread  # noqa: F401
+from engine_checks import MODES, check_against_reference
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class RawLinear(nn.Module):

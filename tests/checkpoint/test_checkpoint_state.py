@@ -13,7 +13,8 @@ from torch import nn
 
 import private_engine as pe
 from private_engine.checkpoint import engine_state_dict
-from engine_checks import one_thread  # noqa: F401  (autouse: one intra-op thread)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 

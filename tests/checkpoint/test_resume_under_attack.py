@@ -21,7 +21,8 @@ from torch.utils.data import TensorDataset
 import private_engine as pe
 from private_engine.data import poisson_loader
 from private_engine.randomness import is_mt19937
-from engine_checks import one_thread  # noqa: F401  (autouse: one intra-op thread)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 N, D_IN, D_OUT, B, SIGMA, R, LR = 256, 32, 16, 32, 1.0, 1.0, 0.5
 

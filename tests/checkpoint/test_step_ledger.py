@@ -15,7 +15,8 @@ import private_engine as pe
 from private_engine.accounting.ledger import (StepLedger, is_prefix, merge_history,
                                               read_ledger)
 from private_engine.checkpoint import CHECKPOINT_FORMAT, ENGINE_FORMAT, use_ledger
-from engine_checks import one_thread  # noqa: F401  (autouse: one intra-op thread)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 SIGMA, Q = 1.2, 8 / 64
 

@@ -10,7 +10,8 @@ from torch import nn
 
 import private_engine as pe
 from engine_checks import gen_for, make_engine, tanh_clip
-from engine_checks import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 REDUCTION = 'reduction="none"'
 

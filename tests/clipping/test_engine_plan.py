@@ -7,7 +7,8 @@ from torch import nn
 
 import private_engine as pe
 from engine_checks import MODES, make_engine
-from engine_checks import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class Net(nn.Module):

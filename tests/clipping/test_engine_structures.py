@@ -7,7 +7,8 @@ from torch import nn
 
 from engine_checks import (CLIPS, MODES, check_against_reference, gen_for, make_engine,
                            quadratic_loss, target_like)
-from engine_checks import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _inputs(model, shape, seed=0):

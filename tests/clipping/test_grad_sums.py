@@ -17,8 +17,9 @@ from private_engine.layers import register_rule
 from private_engine.layers.linear import LinearRule
 
 from engine_checks import check_against_reference, gen_for, make_engine
-from engine_checks import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
 from reference import assert_close_rel, reference_clipped_sum
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 BK_MODES = ("bk", "bk_mixed", "bk_mixopt")
 

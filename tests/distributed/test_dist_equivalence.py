@@ -25,6 +25,8 @@ from torch import nn
 import private_engine as pe
 from dist_spawn import run_ranks
 
+pytestmark = pytest.mark.slow
+
 MODES = pe.CLIPPING_MODES
 MODELS = ("mlp", "cnn", "vit")
 B, N, STEPS, R = 8, 64, 2, 0.1

@@ -40,6 +40,8 @@ import private_engine as pe
 from dist_spawn import run_ranks
 from private_engine.checkpoint import use_ledger
 
+pytestmark = pytest.mark.slow
+
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 if not hasattr(fsdp, "fully_shard"):
     pytest.skip("no FSDP2 in this torch", allow_module_level=True)

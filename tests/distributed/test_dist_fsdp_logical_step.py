@@ -14,6 +14,8 @@ import private_engine as pe
 from dist_spawn import run_ranks
 from private_engine.training import private_logical_step
 
+pytestmark = pytest.mark.slow
+
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 if not hasattr(fsdp, "fully_shard"):
     pytest.skip("no FSDP2 in this torch", allow_module_level=True)

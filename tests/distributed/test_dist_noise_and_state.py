@@ -37,6 +37,8 @@ from private_engine.data import LockstepPoissonSampler, poisson_loader
 from private_engine.optim import ReplicaMismatchError
 from dist_spawn import run_ranks
 
+pytestmark = pytest.mark.slow
+
 B, N = 8, 64
 SIGMA = 1.0
 

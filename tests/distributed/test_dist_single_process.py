@@ -16,6 +16,8 @@ import private_engine as pe
 from private_engine.data import poisson_loader
 from dist_spawn import free_port
 
+pytestmark = pytest.mark.slow
+
 
 def _mlp():
     torch.manual_seed(0)

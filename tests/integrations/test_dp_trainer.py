@@ -8,7 +8,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine_checks import one_thread  # noqa: F401
 from private_engine import BudgetExceededError
 from reference import assert_close_rel, reference_clipped_sum
 
@@ -16,7 +15,8 @@ transformers = pytest.importorskip("transformers")
 from private_engine.integrations.transformers import (DPTrainer, FixedBatchesWarning,  # noqa: E402
                                                       PrivacyArguments)
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:opacus")
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.filterwarnings("ignore::UserWarning:opacus")]
 VOCAB = 50
 
 

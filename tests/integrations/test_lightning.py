@@ -8,7 +8,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from engine_checks import one_thread  # noqa: F401
 from private_engine import BudgetExceededError
 from private_engine.accounting.sampling_check import SamplingRateError
 from reference import assert_close_rel, reference_clipped_sum
@@ -17,7 +16,8 @@ pl = pytest.importorskip("lightning.pytorch")
 from private_engine.data import poisson_loader  # noqa: E402
 from private_engine.integrations.lightning import DPCallback  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.filterwarnings("ignore::UserWarning")]
 
 
 class Classifier(pl.LightningModule):

@@ -9,7 +9,8 @@ from torch import nn
 from private_engine.layers import find_rule
 from private_engine.layers.rounding import cast_down, certified_ghost, gamma, unit_roundoff
 from engine_checks import gen_for
-from engine_checks import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float64]
 

@@ -5,13 +5,13 @@ import torch
 from torch import nn
 
 from engine_checks import CLIPS, MODES, check_against_reference, gen_for, rng_for, target_like
-from engine_checks import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
 
 CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
 SEEDS = range(4)
 PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
 
-pytestmark = pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel")
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel")]
 
 
 def conv_case(nd: int, seed: int, **force):

@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 from engine_checks import CLIPS, MODES, check_against_reference, gen_for, rng_for, target_like
-from engine_checks import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 SEEDS = range(2)
 CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}

@@ -8,9 +8,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import private_engine as pe
 from engine_checks import MODES, check_against_reference, gen_for
-from engine_checks import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
 
-pytestmark = [pytest.mark.filterwarnings("ignore:these modules are clipped"),
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.filterwarnings("ignore:these modules are clipped"),
               pytest.mark.filterwarnings("ignore:Secure RNG turned off")]
 
 RECURRENT = {"lstm": nn.LSTM, "gru": nn.GRU, "rnn": nn.RNN}

@@ -10,7 +10,8 @@ from torch import nn
 import private_engine as pe
 from private_engine.guards import model_check
 from engine_checks import MODES, check_against_reference, gen_for, make_engine, target_like
-from engine_checks import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 timm = pytest.importorskip("timm")
 

@@ -7,9 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine_checks import check_against_reference, one_thread  # noqa: F401
+from engine_checks import check_against_reference
 from test_tied_weights import gpt2, hf_lm_loss, opacus_step
 from reference import assert_close_rel, reference_clipped_sum
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 peft = pytest.importorskip("peft")
 

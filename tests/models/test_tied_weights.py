@@ -20,9 +20,11 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import private_engine as pe
 from private_engine import opacus_compat
-from engine_checks import CLIPS, MODES, check_against_reference, one_thread  # noqa: F401
+from engine_checks import CLIPS, MODES, check_against_reference
 from reference import assert_close_rel, reference_clipped_sum
 from tied_models import SharedLinear
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class TinyTiedLM(nn.Module):

@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from private_engine import opacus_compat
 
-pytestmark = pytest.mark.filterwarnings("ignore")
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore")]
 
 WORLD = 2
 N = 32  # samples in the data set

@@ -56,6 +56,7 @@ def test_grad_clip_scheduler(mode):
     assert (fixed[0] - ours[0]).abs().max().item() > 100 * TOL  # the schedule mattered
 
 
+@pytest.mark.slow
 def test_per_layer_clipping():
     assert_same_run("mlp", mode="hooks", clipping="per_layer", noise=1.0)
     assert_same_run("lstm", mode="hooks", clipping="per_layer", noise=0.0, reduction="sum")
@@ -151,6 +152,7 @@ def test_ghost_criterion_shape_argument_and_loss_arithmetic(reduction):
     assert (results[0] - results[1]).abs().max().item() < TOL
 
 
+@pytest.mark.slow
 def test_dropin_example_gives_opacus_results(monkeypatch):
     """examples/opacus_dropin.py, run as is and with the import switched back to opacus. Ours
     draws its noise and Poisson batches from generators seeded from OS entropy where Opacus uses

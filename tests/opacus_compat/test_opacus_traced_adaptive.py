@@ -17,10 +17,12 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from compat_cases import mlp
-from engine_checks import one_thread, pick_threshold, ref_abadi  # noqa: F401 (autouse fixture)
+from engine_checks import pick_threshold, ref_abadi
 from private_engine import opacus_compat
 from private_engine.layers import register_fallback
 from reference import assert_close_rel, reference_clipped_sum
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 RTOL = 1e-9
 

@@ -12,8 +12,9 @@ from torch import nn
 
 import private_engine as pe
 from engine_checks import MODES, gen_for, pick_threshold, quadratic_loss, ref_abadi, target_like
-from engine_checks import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
 from reference import assert_close_rel, reference_clipped_sum
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 BK_MODES = [m for m in MODES if m.startswith("bk")]
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -11,8 +11,9 @@ from torch import nn
 import private_engine as pe
 from engine_checks import (MODES, RTOL, gen_for, make_engine, pick_threshold, quadratic_loss,
                            ref_abadi, target_like)
-from engine_checks import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
 from reference import assert_close_rel, reference_clipped_sum
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model(seed=0):

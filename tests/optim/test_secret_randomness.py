@@ -20,7 +20,8 @@ import private_engine.data
 from private_engine.data import poisson_loader
 from private_engine.heads.warmup import warmup_finetune
 from private_engine.optim.noise import ReproducibleNoiseWarning
-from engine_checks import one_thread  # noqa: F401  (autouse: one intra-op thread)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 N = 64
 

@@ -20,7 +20,8 @@ import private_engine as pe
 from private_engine import randomness
 from private_engine.optim import noise
 from private_engine.optim.noise import ReproducibleNoiseWarning
-from engine_checks import one_thread  # noqa: F401  (autouse: one intra-op thread)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 ROOT = Path(__file__).resolve().parents[2]
 SIGMA, R = 1.0, 1.0

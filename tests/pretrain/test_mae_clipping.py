@@ -15,13 +15,14 @@ import torch
 from torch import nn
 
 import private_engine as pe
-from engine_checks import MODES, check_against_reference, one_thread, ref_abadi
+from engine_checks import MODES, check_against_reference, ref_abadi
 from private_engine.capture.tracer import UnsupportedEntryError
 from private_engine.guards.model_check import traced_parameters
 from private_engine.pretrain.mae import MaskedAutoencoder, build_mae, patchify
 from reference import reference_clipped_sum
 
-_ = one_thread  # autouse: one intra-op thread
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 B = 4
 

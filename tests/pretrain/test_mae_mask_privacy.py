@@ -32,12 +32,11 @@ import private_engine as pe
 import private_engine.data
 import private_engine.engine
 import private_engine.optim
-from engine_checks import MODES, one_thread
+from engine_checks import MODES
 from private_engine.pretrain import (DPMAEConfig, KeyedMasks, SyntheticConfig, SyntheticImages,
                                      build_mae, dp_mae_train, pretrain_synthetic)
 from private_engine.randomness import ReproducibleRandomnessWarning
 
-_ = one_thread  # autouse: one intra-op thread
 
 R = 0.1  # max_grad_norm (the paper's C)
 B = 32  # declared (expected) logical batch size
@@ -45,7 +44,8 @@ PHYSICAL = 16  # physical chunks: the sample at the front shifts every chunk bou
 SEED = 12345  # a user-given mask seed: the masks are reproducible, so the bound is measurable
 TOL = 1e-6  # float64 model and data: rounding of the honest sums only
 
-pytestmark = pytest.mark.filterwarnings("ignore:Optimal order")
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.filterwarnings("ignore:Optimal order")]
 
 
 def tiny_mae(seed: int = 0):

@@ -7,13 +7,12 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from engine_checks import one_thread
 from private_engine.pretrain import (DPMAEConfig, SyntheticConfig, SyntheticImages, build_mae,
                                      dp_mae_train, encoder_features, format_comparison,
                                      pretrain_synthetic, probe_encoder, reconstruction_loss)
 
-_ = one_thread
-pytestmark = pytest.mark.filterwarnings("ignore:Optimal order")
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.filterwarnings("ignore:Optimal order")]
 
 
 def tiny(seed=0):

@@ -13,11 +13,11 @@ import private_engine as pe
 from torch import nn
 from torch.nn.utils import parametrizations
 
-from engine_checks import one_thread  # noqa: F401  (autouse: one intra-op thread)
 from test_privacy_under_attack import (DOOR_IDS, DOORS, R, Case, assert_bounded,
                                        assert_hooks_in_16_bit, run_pair, true_norm)
 
-pytestmark = pytest.mark.filterwarnings("ignore")
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.filterwarnings("ignore")]
 
 
 def _timm_rmsnorm(d: int) -> nn.Module:

@@ -23,13 +23,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import private_engine as pe
-from engine_checks import one_thread  # noqa: F401  (autouse: samples were searched on 1 thread)
 from test_privacy_under_attack import (B, DOOR_IDS, DOORS, MODES, R, Case, CapturingSGD,
                                        assert_bounded, assert_large, large_vector_case, mlp,
                                        honest_vectors, opacus_objective, opacus_private,
                                        run_pair)
 
-pytestmark = pytest.mark.filterwarnings("ignore")
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.filterwarnings("ignore")]
 
 
 # -- clipping functions ------------------------------------------------------------------------

@@ -41,11 +41,11 @@ import private_engine as pe
 from private_engine import opacus_compat
 from test_privacy_under_attack import (B, DOORS, DOOR_IDS, FLOWS, MODES, R, CapturingSGD, Case,
                                        Mixer, Refused, assert_bounded, honest_vectors,
-                                       large_vector_case, mse, one_thread, opacus_objective,
-                                       opacus_private, ratio, refused, released, run_pair)
+                                       large_vector_case, mse, opacus_objective, opacus_private,
+                                       ratio, refused, released, run_pair)
 
-pytestmark = pytest.mark.filterwarnings("ignore")
-_ = one_thread  # the autouse fixture of the harness: one intra-op thread
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread"),
+              pytest.mark.filterwarnings("ignore")]
 
 
 # -- 1. blinding the separability probe ----------------------------------------------------------

@@ -49,11 +49,11 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import private_engine as pe
 from private_engine import opacus_compat
-from engine_checks import one_thread  # noqa: F401  (autouse: samples were searched on 1 thread)
 from reference import reference_clipped_sum
 from tied_models import SharedLinear
 
-pytestmark = pytest.mark.filterwarnings("ignore")
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.filterwarnings("ignore")]
 
 #: float32 and float64 models: the bound holds to float rounding of the honest sums, no more
 FP32_TOL = 1e-6

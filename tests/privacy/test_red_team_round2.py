@@ -27,12 +27,11 @@ from torch import nn
 import private_engine as pe
 from private_engine import opacus_compat
 from test_privacy_under_attack import (B, DOOR_IDS, DOORS, MODES, R, CapturingSGD, Case,
-                                       assert_bounded, honest_vectors, large_vector_case, mlp,
-                                       mse, native_release, one_thread, opacus_private, refused,
-                                       released, run_pair)
+                                       assert_bounded, honest_vectors, large_vector_case, mlp, mse,
+                                       native_release, opacus_private, refused, released, run_pair)
 
-pytestmark = pytest.mark.filterwarnings("ignore")
-_ = one_thread  # the autouse fixture of the harness: one intra-op thread
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread"),
+              pytest.mark.filterwarnings("ignore")]
 
 
 class Coupled(nn.Module):

@@ -23,13 +23,13 @@ from torch import nn
 
 import private_engine as pe
 from test_privacy_under_attack import (B, DOOR_IDS, DOORS, MODES, R, CapturingSGD, Case,
-                                       assert_bounded, honest_vectors, large_vector_case, mlp,
-                                       mse, one_thread, refused, released, run_pair)
+                                       assert_bounded, honest_vectors, large_vector_case, mlp, mse,
+                                       refused, released, run_pair)
 from test_red_team_round2 import (DropoutModel, centred_mean, native_custom, opacus_custom,
                                   pair_of)
 
-pytestmark = pytest.mark.filterwarnings("ignore")
-_ = one_thread  # the autouse fixture of the harness: one intra-op thread
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread"),
+              pytest.mark.filterwarnings("ignore")]
 
 NATIVE_AND_HOOKS = [("native", m) for m in MODES] + [("opacus", "hooks")]
 NATIVE_AND_HOOKS_IDS = [f"{d}-{h}" for d, h in NATIVE_AND_HOOKS]

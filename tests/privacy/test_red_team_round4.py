@@ -26,11 +26,10 @@ from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorData
 
 import private_engine as pe
 from private_engine.accounting.sampling_check import SamplingRateError
-from test_privacy_under_attack import (DOOR_IDS, DOORS, Case, assert_bounded, one_thread,
-                                       ratio, run_pair)
+from test_privacy_under_attack import DOOR_IDS, DOORS, Case, assert_bounded, ratio, run_pair
 
-pytestmark = pytest.mark.filterwarnings("ignore")
-_ = one_thread  # the autouse fixture of the harness: one intra-op thread
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread"),
+              pytest.mark.filterwarnings("ignore")]
 
 FEW_DOORS = [("native", "bk_mixed"), ("native", "ghost"), ("native", "per_sample"),
              ("opacus", "hooks"), ("opacus", "ghost")]

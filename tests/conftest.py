@@ -1,0 +1,20 @@
+"""Fixtures shared by the test modules (pytest finds them here; plain helpers such as
+``reference.py`` and ``engine_checks.py`` are imported as modules).
+
+``one_thread``: the engine tests run tiny tensors, where intra-op threads only add
+synchronisation (20–90 ms per conv on a busy 2-core box). A module asks for it with
+``pytestmark = pytest.mark.usefixtures("one_thread")``; the thread count is restored afterwards.
+"""
+import pytest
+import torch
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the test; the previous thread count is restored afterwards."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
