@@ -87,6 +87,65 @@ def test_the_engine_core_never_imports_the_demo_or_the_opacus_door():
         assert not bad, f"{m} imports {bad}"
 
 
+#: the core packages: they never import Opacus (the Opacus door, opacus_compat, builds on them)
+CORE = ("layers", "capture", "guards", "clipping", "optim", "accounting", "engine")
+#: the one module of the core that is the door to Opacus' accountants
+OPACUS_BRIDGE = "private_engine.accounting.opacus_bridge"
+#: core modules allowed to import Opacus anyway, and why
+OPACUS_IN_CORE = {
+    "private_engine.accounting.pld": "PLDAccountant implements Opacus' accountant interface "
+    "(IAccountant), so the engine, its budget and its checkpoints use it as Opacus' own; the "
+    "bridge imports it, so it cannot import the interface from the bridge without a circle",
+    "private_engine.guards.model_check": "fix_model runs Opacus' ModuleValidator.fix, and the "
+    "coverage check skips the parameter aliases of Opacus' DP RNNs (RenameParamsMixin)",
+    "private_engine.layers.recurrent": "fix_recurrent replaces torch RNNs by Opacus' DP RNN "
+    "layers, whose per-step Linear calls the layer rules clip",
+}
+#: heads modules allowed to import the demo anyway, and why
+DEMO_IN_HEADS = {
+    "private_engine.heads.features": "extract_features builds a model given by name with the "
+    "demo's model factory (private_engine.demo.models.create_model, a public path)",
+}
+
+
+def _external_imports(path: Path) -> set:
+    """Top-level names of the packages outside private_engine that ``path`` imports anywhere in
+    its body (deferred imports included; not those for type checking)."""
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            node.body = []
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Import):
+            found.update(a.name.split(".")[0] for a in node.names)
+    return found
+
+
+def test_the_core_never_imports_opacus():
+    """Allowed order: Opacus enters through the Opacus door (opacus_compat) and the accountants'
+    bridge only; the listed exceptions say why they need it (and must still need it)."""
+    paths = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    core = [m for m in paths if m.split(".")[1:2] and m.split(".")[1] in CORE]
+    using = {m for m in core if "opacus" in _external_imports(paths[m])}
+    bad = using - {OPACUS_BRIDGE} - set(OPACUS_IN_CORE)
+    assert not bad, f"core modules importing opacus: {sorted(bad)}"
+    stale = set(OPACUS_IN_CORE) - using
+    assert not stale, f"allowed exceptions that no longer import opacus: {sorted(stale)}"
+
+
+def test_heads_never_import_the_demo():
+    graph = _graph()
+    using = {m for m in graph if m.startswith("private_engine.heads")
+             and any(n.startswith("private_engine.demo") for n in graph[m])}
+    bad = using - set(DEMO_IN_HEADS)
+    assert not bad, f"heads modules importing the demo: {sorted(bad)}"
+    stale = set(DEMO_IN_HEADS) - using
+    assert not stale, f"allowed exceptions that no longer import the demo: {sorted(stale)}"
+
+
 def test_every_module_says_its_job():
     missing = [str(p.relative_to(PACKAGE.parent)) for p in PACKAGE.rglob("*.py")
                if not ast.get_docstring(ast.parse(p.read_text()))]

@@ -117,12 +117,12 @@ def _rdp_eps_at(a: float, rho: float, log_delta: float) -> float:
 
 
 def _rdp_epsilon(rho: float, delta: float) -> Tuple[float, float]:
-    from opacus.accountants.analysis.rdp import get_privacy_spent
+    from .opacus_bridge import rdp_analysis
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        eps_grid, best = get_privacy_spent(orders=_GRID_ORDERS, rdp=rho_to_rdp(rho, _GRID_ORDERS),
-                                           delta=delta)
+        eps_grid, best = rdp_analysis.get_privacy_spent(
+            orders=_GRID_ORDERS, rdp=rho_to_rdp(rho, _GRID_ORDERS), delta=delta)
     i = int(np.searchsorted(_GRID_ORDERS, best))
     lo = math.log(_GRID_A[max(i - 1, 0)])
     hi = math.log(_GRID_A[min(i + 1, len(_GRID_A) - 1)])
