@@ -10,7 +10,7 @@ with ψ the encoder (a timm ``VisionTransformer``), g a small ViT decoder and ``
 fraction ``r`` (0.75) of the patches, a different random subset per sample. The loss of sample i
 depends on x_i (and its own mask noise) only, so it can be clipped per sample.
 
-Every op follows the engine's parameter-entry tracer (``private_engine/capture/tracer.py``):
+Every op follows the engine's parameter-entry tracer (``private_engine/capture/tracer``):
 
 * masking: ``ids_shuffle = argsort(u_i)`` of per-sample noise ``u_i ~ U(0,1)^L``; the kept
   tokens are ``gather(x_i, 1, ids_shuffle[:K])``, ``K = ⌊L(1 − r)⌋`` — row-wise, sample i's rows
