@@ -7,9 +7,6 @@ of a batch-expanded token, the ``attn_mask`` of ``F.scaled_dot_product_attention
 :class:`EntryRewriting` holds no state of its own: it is the half of
 :class:`~.mode.ParamTracer` that reads and extends the tracer's maps (tracked, derived, batched
 tensors) and its ledger of entries.
-
-Over 400 lines: the six rules share their helpers (``_substitute``, ``_row_base``) and their
-refusals; split further, each part would be a fragment of one case analysis.
 """
 from __future__ import annotations
 
