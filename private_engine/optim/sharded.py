@@ -105,7 +105,8 @@ class ShardedDataParallel(DataParallel):
     Refuses (``ValueError``, naming what and why) what the engine cannot clip exactly: trainable
     parameters outside FSDP2, other placements or meshes (HSDP, tensor parallelism), FSDP2's
     mixed precision (parameters computed in another dtype than the shards the optimizer updates)
-    and CPU offloading, parameters shared between modules.
+    and CPU offloading, parameters shared between modules of different FSDP2 units (shared
+    within one unit they are clipped together, as on an unsharded model).
     """
 
     #: every rank holds shards and steps on its own rows
@@ -129,6 +130,7 @@ class ShardedDataParallel(DataParallel):
                           "managed by FSDP2 (apply fully_shard to the root module too)")
         for fp in self._fsdp.values():
             self._check_param(fp, names.get(id(fp.sharded_param), repr(fp)))
+        self._check_tied_in_one_unit(model)
         self._groups = groups
         #: id(FSDPParam) -> index of its FSDP2 unit (parameter group), the same on every rank
         self._unit: Dict[int, int] = {id(fp): i for i, g in enumerate(groups)
@@ -162,9 +164,35 @@ class ShardedDataParallel(DataParallel):
         if getattr(fp, "offload_to_cpu", False):
             raise _refuse("CPUOffloadPolicy", "the shards live on the CPU while the clipped sums "
                           "are reduced on the device")
-        if fp._module_info.shared_modules:
-            raise _refuse(f"the shared (tied) parameter {name}", "its uses are clipped together "
-                          "by the clipping core on unsharded models only; untie or freeze it")
+
+    def _check_tied_in_one_unit(self, model: nn.Module) -> None:
+        """Refuse a parameter held by a module that FSDP2 does not assign it to (weights tied
+        after ``fully_shard``): FSDP2 puts a parameter's unsharded tensor into its module and
+        the modules sharing it when the unit was built, and any other module holding it would
+        compute on the ``DTensor`` shard. A weight tied before ``fully_shard`` with every use
+        under one unit (an embedding and its language-model head under the root) is one
+        unsharded tensor in all its modules and is clipped as on an unsharded model (the
+        per-sample gradients of its uses summed, then normed). ``fully_shard`` on a submodule
+        holding only one use unties the weight (each unit gets a parameter of its own): the
+        engine then clips two parameters, as the model now has."""
+        fp_names = {}
+        for fp in self._fsdp.values():
+            info = fp._module_info
+            fp_names[id(fp)] = {(id(info.module), info.param_name)} | {
+                (id(m), n) for m, n in zip(info.shared_modules, info.shared_param_names)}
+        names = {id(p): n for n, p in model.named_parameters()}
+        for mname, mod in model.named_modules():
+            for pname, p in mod._parameters.items():
+                fp = self._fsdp.get(id(p))
+                if fp is not None and (id(mod), pname) not in fp_names[id(fp)]:
+                    held = f"{mname}.{pname}" if mname else pname
+                    raise _refuse(
+                        f"the shared (tied) parameter {names.get(id(p), held)}",
+                        f"{held} holds it too, but FSDP2 does not give that module the "
+                        "unsharded tensor (the weights were tied after fully_shard), so that use "
+                        "would compute on the DTensor shard. Tie the weights before fully_shard, "
+                        "with every use under one fully_shard unit (e.g. the root for an "
+                        "embedding tied with the output head)")
 
     def take_over_fsdp(self) -> None:
         """Switch FSDP2's gradient reduction off (no raw gradient is ever reduce-scattered: the
