@@ -455,10 +455,11 @@ def test_sharded_detach_gives_fsdp2_its_reduction_back(noise_ranks):
 
 
 def test_sharded_memory_gathered_parameters_and_sums_are_freed(noise_ranks):
-    """Book-keeping: the gathered parameters are freed before the clipped sums are formed (they
-    need only the kept activations and output gradients); two-pass modes keep them for their
-    second backward. The sums take one flat buffer per FSDP2 unit (2 Linear units; the root's
-    unit holds no parameter of its own), each dropped once reduce-scattered."""
+    """The whole-model path (a first step: the separability probe's). Book-keeping: the gathered
+    parameters are freed before the clipped sums are formed (they need only the kept activations
+    and output gradients); two-pass modes keep them for their second backward. The sums take
+    one slot per FSDP2 unit (2 Linear units; the root's unit holds no parameter of its own),
+    each dropped once released."""
     for r in noise_ranks:
         bk, two_pass = r["memory"]["bk_mixed"], r["memory"]["mixed"]
         assert len(bk["freed"]) == 4 and all(bk["freed"])

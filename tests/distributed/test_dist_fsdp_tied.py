@@ -6,7 +6,8 @@ wte.weight``), both under the root's ``fully_shard`` and a hidden block in a uni
 * with noise 0 and SGD at learning rate 1, two ranks holding half of a logical batch each (and,
   accumulated, physical batches of different sizes with an empty one) step the shards by the
   float64 clipped mean computed sample by sample (one backward per sample, the tied weight's
-  gradient the sum of its two uses);
+  gradient the sum of its two uses), on a first step (the separability probe's, whole model
+  gathered) and after one (book-keeping modes: the backward unit by unit);
 * a crafted sample (embedding rows ×1e4 through its token) moves the release by at most R:
   ``B·‖Δupdate‖/R ≤ 1``;
 * a weight tied after ``fully_shard`` (the head holding the embedding's ``DTensor``, which
@@ -32,6 +33,7 @@ if not hasattr(fsdp, "fully_shard"):
 
 V, D, T, B, R = 11, 6, 4, 6, 0.5
 MODES = ("bk_mixed", "bk", "mixed", "per_sample")
+VARIANTS = ("split", "accumulate", "split_warm", "accumulate_warm")
 
 
 class TinyLM(nn.Module):
@@ -88,20 +90,32 @@ def _engine(model, mode):
 def _pieces(rank, variant):
     if variant == "split":
         return [slice(rank * 3, rank * 3 + 3)]
-    if rank == 0:  # accumulate: rank 0 → [1, 2, empty], rank 1 → [3, empty, 0]
+    if rank == 0:  # accumulate: rank 0 → [1, 2, empty], rank 1 → [3, empty, empty]
         return [slice(0, 1), slice(1, 3), slice(3, 3)]
     return [slice(3, 6), slice(6, 6), slice(6, 6)]
 
 
+def _warm_up(rank, model, opt):
+    """A first step on other ids: the separability probe runs there (whole model gathered), so
+    that the measured step's backward runs unit by unit in the book-keeping modes."""
+    ids = _ids().flip(1)
+    opt.step(loss=_loss(model, ids[rank * 3:rank * 3 + 3]))
+
+
 def _train(rank, mode, variant, ids):
+    """``(parameters before, update)`` of one logical batch (after a warm-up step for the
+    variants ending in "_warm")."""
     model = _model()
-    before = _full(model)
     _, opt = _engine(model, mode)
+    if variant.endswith("_warm"):
+        _warm_up(rank, model, opt)
+        variant = variant[:-len("_warm")]
+    before = _full(model)
     pieces = _pieces(rank, variant)
     for k, sl in enumerate(pieces):
         loss = _loss(model, ids[sl])
         (opt.step if k == len(pieces) - 1 else opt.virtual_step)(loss=loss)
-    return _full(model) - before
+    return before, _full(model) - before
 
 
 def _crafted(rank, mode):
@@ -114,8 +128,9 @@ def _crafted(rank, mode):
         if rank == 1:  # row V−1 lies in rank 1's shard (rows 6..10)
             with torch.no_grad():
                 model.wte.weight.to_local()[-1] = 1e4
-        before = _full(model)
         _, opt = _engine(model, mode)
+        _warm_up(rank, model, opt)
+        before = _full(model)
         sl = slice(rank * 3, rank * 3 + 3 if (rank == 0 or with_it) else B - 1)
         opt.step(loss=_loss(model, ids[sl]))
         updates.append(_full(model) - before)
@@ -127,7 +142,7 @@ def tied_worker(rank, out_dir):
     out = {}
     ids = _ids()
     for mode in MODES:
-        for variant in ("split", "accumulate"):
+        for variant in VARIANTS:
             out[(mode, variant)] = _train(rank, mode, variant, ids)
         out[(mode, "crafted")] = _crafted(rank, mode)
     try:
@@ -143,21 +158,28 @@ def ranks(tmp_path_factory):
     return run_ranks(tied_worker, tmp_path_factory.mktemp("dist_fsdp_tied"), timeout=300.0)
 
 
-def _reference_update():
-    """``−(Σ_i C_i g_i)/B`` in float64, one backward per sample (SGD, lr 1, noise 0)."""
+def _reference_update(start):
+    """``−(Σ_i C_i g_i)/B`` in float64 at the parameters ``start``, one backward per sample
+    (SGD, lr 1, noise 0)."""
     model = TinyLM().double()
+    with torch.no_grad():
+        offset = 0
+        for p in model.parameters():
+            p.copy_(start[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
     sums, _ = reference_clipped_sum(model, [_ids()], _loss, R, abadi_clip)
     return -torch.cat([s.flatten() for s in sums]) / B
 
 
-@pytest.mark.parametrize("variant", ["split", "accumulate"])
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("mode", MODES)
 def test_fsdp2_tied_weight_update_is_the_clipped_mean(ranks, mode, variant):
-    want = _reference_update()
+    start, _ = ranks[0][(mode, variant)]
+    want = _reference_update(start)
     assert want.abs().max() > 1e-3
     for r in ranks:
-        got = r[(mode, variant)]
-        assert got.shape == want.shape
+        got_start, got = r[(mode, variant)]
+        assert torch.equal(got_start, start) and got.shape == want.shape
         assert float((got - want).abs().max()) <= 1e-9
 
 
