@@ -465,8 +465,8 @@ class PrivacyEngine:
         except Exception as e:
             error = e
         probe = self.clipper.probe is not None and self.clipper.probe.pending
-        empty_free = error is None and loss.numel() == 0 and loss.grad_fn is None
-        gather, failed = d.agree(error is None and (probe and loss.numel() > 0 or empty_free),
+        graphless = error is None and loss.numel() == 0 and loss.grad_fn is None  # no backward
+        gather, failed = d.agree(error is None and (probe and loss.numel() > 0 or graphless),
                                  error is not None)
         if error is not None:
             self.state_guard.disarm()
