@@ -26,7 +26,7 @@ from torch import nn
 from . import optim as _optim
 from .accounting import (PrivacyBudget, PrivacyReport, SamplingRateCheck,
                          calibrate_noise_multiplier, check_loader, make_accountant, steps_for)
-from .clipping.batch import ClippedBatch, clip_batch
+from .clipping.batch import ClippedBatch, check_batch, clip_batch
 from .clipping.clipper import PerSampleClipper
 from .clipping.functions import ClipFn
 from .clipping.loss_scaling import LossScaling
@@ -276,6 +276,9 @@ class PrivacyEngine:
             )
             if self.sharded:  # one flat buffer per FSDP2 unit, freed once reduce-scattered
                 self.clipper.buffer_group = self.distributed.unit_of
+        #: FSDP2: whether physical batches are clipped with FSDP2's per-unit all-gathers
+        #: (:meth:`_clip_sharded`)
+        self._streamed = self.sharded and self.distributed.can_stream(self.clipper)
         #: the randomness of training forwards (dropout) from a secret generator, not torch's
         #: publicly seeded global one (keyed from the user's noise_generator when one is given)
         self.model_randomness = SecretModelRandomness(
@@ -395,7 +398,8 @@ class PrivacyEngine:
 
     # -- clipping ------------------------------------------------------------------------------
     def clipped_grad_sum(self, loss: torch.Tensor):
-        """``([Σ_i C_i ∂L_i/∂θ for θ in params], B)`` for one physical batch.
+        """``([Σ_i C_i ∂L_i/∂θ for θ in params], B)`` for one physical batch (FSDP2: this rank's
+        rows of the ranks' summed clipped sums, a collective on every rank).
 
         Raises on a malformed loss before anything is modified; a sample whose loss or gradient norm
         is not finite is dropped (clip factor 0, counted in ``dropped_samples``).
@@ -415,28 +419,85 @@ class PrivacyEngine:
         (:func:`private_engine.clipping.batch.clip_batch`), with this engine's loss scaling; the
         norms and dropped samples are recorded for :attr:`last_norms` / :attr:`dropped_samples`."""
         if self.sharded:
-            self.distributed.check_fsdp_state()
+            return self._clip_sharded(loss)
         self.model_randomness.end()  # the step's forward and loss are over
         try:
-            with self._unsharded():  # FSDP2: one all-gather per physical batch on every rank
-                batch = clip_batch(self.clipper, loss, loss_scaling=self.loss_scaling,
-                                   names=self._names,
-                                   all_dropped_hint="the model may have diverged (lower the "
-                                   "learning rate; float16 autocast: pass "
-                                   "grad_scaler=torch.amp.GradScaler(device)).",
-                                   before_sums=(self.distributed.free_gathered if self.sharded
-                                                else None))
-            # nothing of this batch is released before the state guard has seen the step; it
-            # records the state again at once: the next physical batch is watched from here
-            self.state_guard.check(self.clipper.batch_flow.written_storages)
-            self.state_guard.arm()
+            batch = self._clip(loss)
+            self._check_state()
         except BaseException:
             self.state_guard.disarm()
             raise
+        return self._recorded(batch)
+
+    def _clip(self, loss: torch.Tensor, **kwargs) -> ClippedBatch:
+        return clip_batch(self.clipper, loss, loss_scaling=self.loss_scaling, names=self._names,
+                          all_dropped_hint="the model may have diverged (lower the learning "
+                          "rate; float16 autocast: pass grad_scaler=torch.amp.GradScaler("
+                          "device)).", **kwargs)
+
+    def _check_state(self) -> None:
+        """Nothing of a batch is released before the state guard has seen the step; it records
+        the state again at once: the next physical batch is watched from here."""
+        self.state_guard.check(self.clipper.batch_flow.written_storages)
+        self.state_guard.arm()
+
+    def _recorded(self, batch: ClippedBatch) -> ClippedBatch:
         if batch.norms is not None:
             self.last_norms = batch.norms
         self.dropped_samples += batch.dropped
         return batch
+
+    def _clip_sharded(self, loss: torch.Tensor) -> ClippedBatch:
+        """:meth:`clip_batch` on an FSDP2 model: this rank's clipped sums reduce-scattered into
+        its shard sums (:mod:`private_engine.optim.sharded`). The ranks first agree (one small
+        all-gather) on how every rank runs the batch: with FSDP2's per-unit all-gathers in the
+        one backward of a book-keeping mode (each unit's sums formed and reduce-scattered in
+        turn after the clip factors; a rank with an empty batch runs the same backward on its
+        zero-row graph), or, for the two-pass modes, rules that read weights, and batches on
+        which some rank runs the separability probe, with the whole model gathered; a rank
+        whose checks failed makes every rank raise before the backward."""
+        d = self.distributed
+        d.check_fsdp_state()
+        self.model_randomness.end()  # the step's forward and loss are over
+        error, walk = None, None
+        try:
+            walk = check_batch(self.clipper, loss, self._names)
+        except Exception as e:
+            error = e
+        probe = self.clipper.probe is not None and self.clipper.probe.pending
+        graphless = error is None and loss.numel() == 0 and loss.grad_fn is None  # no backward
+        gather, failed = d.agree(error is None and (probe and loss.numel() > 0 or graphless),
+                                 error is not None)
+        if error is not None:
+            self.state_guard.disarm()
+            raise error
+        if failed:
+            self.clipper.release()
+            self.state_guard.disarm()
+            raise RuntimeError(f"rank(s) {failed} could not clip their batch (see their error): "
+                               "this step is refused on every rank; nothing was updated.")
+        try:
+            if self._streamed and not gather:
+                sums = d.new_shard_sums(self.params)
+                with d.streaming():
+                    if loss.numel() == 0:
+                        d.empty_backward(self.clipper, loss)
+                        batch = ClippedBatch(sums, 0, None, 0)
+                    else:
+                        batch = self._clip(loss, walk=walk, sums_by_buffer=d.sums_sink(sums))
+                        batch.sums = sums
+                d.fill_missing(sums)
+            else:
+                with d.unsharded():  # one all-gather of every unit, the same on every rank
+                    batch = self._clip(loss, walk=walk, before_sums=d.free_gathered)
+                batch.sums = d.scatter(batch.sums, self.params)
+            self._check_state()
+        except BaseException:
+            self.state_guard.disarm()
+            raise
+        finally:
+            d.end_batch()
+        return self._recorded(batch)
 
     @property
     def max_grad_norm(self) -> float:

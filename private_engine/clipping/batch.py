@@ -12,7 +12,7 @@ from typing import Callable, Dict, Optional
 
 import torch
 
-from ..capture.graph_walk import outside_error
+from ..capture.graph_walk import GraphWalk, outside_error
 from ..layers.base import accumulation_dtype
 from .checkpointing import explain_activation_checkpointing
 from .clipper import PerSampleClipper
@@ -66,12 +66,32 @@ class ClippedBatch:
     loss: Optional[torch.Tensor] = None
 
 
+def check_batch(clipper: PerSampleClipper, loss: torch.Tensor,
+                names: Optional[Dict[int, str]] = None) -> Optional[GraphWalk]:
+    """The checks of :func:`clip_batch` that run before any backward: the loss follows the
+    batch flow and is a per-sample vector, and (non-empty) its graph reaches no trainable
+    parameter outside a recorded call of its layer. Returns the graph walk (None for an empty
+    loss); raises, with the clipper's records released, otherwise."""
+    clipper.check_loss(loss)
+    check_per_sample_loss(loss)
+    if loss.numel() == 0:
+        return None
+    walk = clipper.recorder.walk(loss, clipper.params)
+    if walk.outside:
+        clipper.release()
+        names = names or {}
+        raise outside_error([names.get(id(p), tuple(p.shape)) for p in walk.outside],
+                            {names.get(i, i): f for i, f in walk.custom_functions.items()})
+    return walk
+
+
 def clip_batch(clipper: PerSampleClipper, loss: torch.Tensor, *,
                loss_scaling: Optional[LossScaling] = None,
                names: Optional[Dict[int, str]] = None,
                all_dropped_hint: Optional[str] = None,
-               before_sums: Optional[Callable[[PerSampleClipper], None]] = None
-               ) -> ClippedBatch:
+               before_sums: Optional[Callable[[PerSampleClipper], None]] = None,
+               walk: Optional[GraphWalk] = None,
+               sums_by_buffer: Optional[tuple] = None) -> ClippedBatch:
     """Clip one physical batch of per-sample losses ``loss`` (shape ``(B,)``).
 
     Raises on a malformed loss, or one that reaches a trainable parameter outside a recorded call
@@ -83,22 +103,20 @@ def clip_batch(clipper: PerSampleClipper, loss: torch.Tensor, *,
     or more dropped warns with the scale to use instead
     (:meth:`LossScaling.overflow_advice`). ``before_sums`` (optional): called with the clipper
     once the clip factors are known, before the clipped sums are formed (FSDP2 frees the gathered
-    parameters there when the sums need no weights).
+    parameters there when the sums need no weights). ``walk``: the result of
+    :func:`check_batch` when the caller ran it already (the checks are not repeated).
+    ``sums_by_buffer``: ``(sink, order)`` to form the sums one flat buffer at a time
+    (:meth:`PerSampleClipper.clipped_sums_by_buffer`, book-keeping modes); the batch's ``sums``
+    are then None (the sink holds them).
     """
-    clipper.check_loss(loss)
-    check_per_sample_loss(loss)
+    if walk is None:
+        walk = check_batch(clipper, loss, names)
     if loss.numel() == 0:  # an empty (Poisson) batch contributes nothing
         clipper.release()
         # in the sums' dtype (at least float32), as a non-empty batch's: accumulated and reduced
         # across ranks alike
         zeros = [torch.zeros_like(p, dtype=accumulation_dtype(p)) for p in clipper.params]
         return ClippedBatch(GradSums.separate(zeros), 0, None, 0)
-    walk = clipper.recorder.walk(loss, clipper.params)
-    if walk.outside:
-        clipper.release()
-        names = names or {}
-        raise outside_error([names.get(id(p), tuple(p.shape)) for p in walk.outside],
-                            {names.get(i, i): f for i, f in walk.custom_functions.items()})
     scaling = loss_scaling if loss_scaling is not None and loss_scaling.enabled else None
     loss_in, scale = scaling.scale(loss) if scaling is not None else (loss, None)
     with explain_activation_checkpointing():
@@ -115,7 +133,11 @@ def clip_batch(clipper: PerSampleClipper, loss: torch.Tensor, *,
             raise
         if scale is not None:
             factors = factors / scale.to(factors.dtype)
-        sums = clipper.clipped_sums(loss_in, factors, keep=keep)  # releases what it kept
+        if sums_by_buffer is not None:
+            clipper.clipped_sums_by_buffer(factors, keep, *sums_by_buffer)
+            sums = None
+        else:
+            sums = clipper.clipped_sums(loss_in, factors, keep=keep)  # releases what it kept
     if scaling is not None:
         scaling.update(dropped)
     if dropped:

@@ -19,7 +19,7 @@ Networks with Differential Privacy", Algorithm 1, "mixed ghost clipping"):
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -360,7 +360,8 @@ class PerSampleClipper:
         self._kept_grads.extend(self.tied.take())
         self._norm_terms.extend(self.tied.joint_norms())
         items, self._kept_grads = self._kept_grads, []
-        self._kept_groups, terms = group_kept_grads(items, self.batch_size)
+        self._kept_groups, terms = group_kept_grads(items, self.batch_size,
+                                                    key=self.buffer_group)
         self._norm_terms.extend(terms)
         self.last_plan = list(reversed(self._plan))
         B = self.batch_size
@@ -460,59 +461,91 @@ class PerSampleClipper:
         try:
             layout = self._flat_layout()
             buffers, views = layout.allocate(layout.params)
-            view_of = {id(p): v for p, v in zip(layout.params, views)}
-            written: set = set()
-
-            def put(p, g):  # a term computed outside the buffer (a parameter kept twice)
-                v = view_of[id(p)]
-                if id(p) in written:
-                    v.add_(g.reshape(v.shape))
-                else:
-                    v.copy_(g.reshape(v.shape))
-                    written.add(id(p))
-
-            def write(module, rule, pairs, weights):
-                if keep is not None:
-                    pairs = [(rows_kept(a, keep), rows_kept(g, keep)) for a, g in pairs]
-                targets = {}
-                for name in rule.param_names:
-                    p = getattr(module, name, None)
-                    if isinstance(p, nn.Parameter) and id(p) in view_of and id(p) not in written:
-                        targets[name] = view_of[id(p)]
-                for name, g in rule.weighted_grads(module, pairs, weights, out=targets).items():
-                    p = getattr(module, name)
-                    if targets.get(name) is g:
-                        written.add(id(p))
-                    else:
-                        put(p, g)
-
+            writer = _SumWriter(dict(zip(map(id, layout.params), views)), factors, keep)
             while self._kept_groups:
                 params, mat = self._kept_groups.pop(0)
-                if keep is not None:
-                    mat = rows_kept(mat, keep)
-                seg = layout.segment(buffers, params)
-                if seg is not None and not any(id(p) in written for p in params):
-                    weighted_sum_into(seg, mat, factors)
-                    written.update(id(p) for p in params)
-                else:
-                    sums = weighted_sum_into(None, mat, factors)
-                    offset = 0
-                    for p in params:
-                        put(p, sums[offset:offset + p.numel()])
-                        offset += p.numel()
+                writer.group(params, mat, layout.segment(buffers, params))
                 del mat
             while self._kept_pairs:
                 module, rule, pairs = self._kept_pairs.pop()
-                write(module, rule, pairs, factors)
+                writer.pair(module, rule, pairs)
                 del pairs
-            self.strategy.release(self, loss, factors, keep, write)
-            unwritten = [p for p in layout.params if id(p) not in written]
+            self.strategy.release(self, loss, factors, keep, writer.pair_weighted)
+            unwritten = [p for p in layout.params if id(p) not in writer.written]
             for seg in layout.segments(buffers, unwritten):
                 seg.zero_()  # parameters the loss does not reach
         finally:
             self.release()
-        return GradSums(grads=[view_of[id(p)] for p in self.params], buffers=buffers,
+        return GradSums(grads=[writer.view_of[id(p)] for p in self.params], buffers=buffers,
                         layout=layout)
+
+    def clipped_sums_by_buffer(self, factors: torch.Tensor, keep: Optional[torch.Tensor],
+                               sink: Callable[[object, List[nn.Parameter], List[torch.Tensor]],
+                                              None],
+                               order: Callable[[object], object]) -> None:
+        """The clipped sums of :meth:`clipped_sums` formed one flat buffer at a time (book-keeping
+        modes, with a ``buffer_group``: FSDP2, one buffer per unit and dtype): for each buffer, in
+        the order of ``order((group key, device, dtype))`` (the same on every rank whatever its
+        batch), the kept
+        terms of its parameters are written into it (``gᵀ·diag(C)·a`` per kept layer, ``Gᵀ C``
+        per kept group), the parameters the loss does not reach zeroed, and
+        ``sink((group key, device, dtype), parameters, sums)`` called; the buffer is then
+        dropped. Only one
+        buffer of sums is held at a time besides what ``sink`` keeps. Requires every kept layer's
+        parameters to lie in one buffer (:meth:`kept_layers_in_one_buffer`) and a strategy that
+        writes nothing after the kept terms (book-keeping)."""
+        if self.strategy.retain_graph:
+            raise RuntimeError("internal error: sums by buffer need a book-keeping mode.")
+        factors = factors.detach()
+        try:
+            layout = self._flat_layout()
+            buffer_of = {id(p): slot[0] for p, slot in
+                         ((p, layout.slots[id(p)]) for p in layout.params)}
+            groups: Dict[int, list] = {}
+            for params, mat in self._kept_groups:
+                groups.setdefault(buffer_of[id(params[0])], []).append((params, mat))
+            pairs: Dict[int, list] = {}
+            for module, rule, kept in reversed(self._kept_pairs):
+                ps = [buffer_of[id(p)] for p in _rule_params(module, rule)
+                      if id(p) in buffer_of]
+                if len(set(ps)) > 1:
+                    raise RuntimeError("internal error: a kept layer's parameters span buffers.")
+                if ps:
+                    pairs.setdefault(ps[0], []).append((module, rule, kept))
+            self._kept_groups, self._kept_pairs = [], []
+            for b in sorted(range(layout.num_buffers), key=lambda b: order(layout.key_of(b))):
+                buffer, views = layout.allocate_buffer(b)
+                params = layout.buffer_params(b)
+                writer = _SumWriter(dict(zip(map(id, params), views)), factors, keep)
+                for ps, mat in groups.pop(b, []):
+                    writer.group(ps, mat, layout.segment([buffer if k == b else None
+                                                          for k in range(layout.num_buffers)],
+                                                         ps))
+                    del mat
+                for module, rule, kept in pairs.pop(b, []):
+                    writer.pair(module, rule, kept)
+                    del kept
+                for p, v in zip(params, views):
+                    if id(p) not in writer.written:
+                        v.zero_()  # parameters the loss does not reach
+                sink(layout.key_of(b), params, views)
+                del buffer, views, writer
+        finally:
+            self.release()
+
+    def kept_layers_in_one_buffer(self) -> bool:
+        """Whether every recorded layer's trainable parameters fall in one flat buffer (one
+        ``buffer_group`` key and accumulation dtype): what :meth:`clipped_sums_by_buffer`
+        needs."""
+        from ..layers.base import accumulation_dtype
+
+        for layer in self.recorder.layers:
+            keys = {(self.buffer_group(p) if self.buffer_group else None, p.device,
+                     accumulation_dtype(p))
+                    for p in _rule_params(layer.module, layer.rule) if id(p) in self._param_ids}
+            if len(keys) > 1:
+                return False
+        return True
 
     def _flat_layout(self) -> FlatLayout:
         """The flat-buffer layout for what this norm pass kept: the parameters of the kept
@@ -564,3 +597,70 @@ class PerSampleClipper:
             except BaseException:
                 self.release()
                 raise
+
+
+def _rule_params(module: nn.Module, rule) -> List[nn.Parameter]:
+    """The parameters a layer rule writes sums for (those of ``rule.param_names`` the module
+    holds)."""
+    return [p for p in (getattr(module, n, None) for n in rule.param_names)
+            if isinstance(p, nn.Parameter)]
+
+
+class _SumWriter:
+    """Writes clipped-sum terms into the views of a flat buffer: ``view_of`` maps id(parameter)
+    to its view; a parameter's first term is written (by the layer's matmul ``out=`` the view,
+    or copied), later ones (a weight kept twice: tied uses) added. ``keep`` (bool ``(B,)``):
+    rows of dropped samples are zeroed before any product (no ``0·inf``)."""
+
+    def __init__(self, view_of: Dict[int, torch.Tensor], factors: torch.Tensor,
+                 keep: Optional[torch.Tensor]):
+        self.view_of = view_of
+        self.factors = factors
+        self.keep = keep
+        self.written: set = set()
+
+    def put(self, p, g) -> None:
+        """A term computed outside the buffer, written or added into ``p``'s view."""
+        v = self.view_of[id(p)]
+        if id(p) in self.written:
+            v.add_(g.reshape(v.shape))
+        else:
+            v.copy_(g.reshape(v.shape))
+            self.written.add(id(p))
+
+    def group(self, params, mat, seg) -> None:
+        """``Gᵀ C`` of a kept group ``(B, n)``: straight into ``seg`` (its parameters' contiguous
+        segment, None when they are not one) when none was written yet, else through ``put``."""
+        if self.keep is not None:
+            mat = rows_kept(mat, self.keep)
+        if seg is not None and not any(id(p) in self.written for p in params):
+            weighted_sum_into(seg, mat, self.factors)
+            self.written.update(id(p) for p in params)
+            return
+        sums = weighted_sum_into(None, mat, self.factors)
+        offset = 0
+        for p in params:
+            self.put(p, sums[offset:offset + p.numel()])
+            offset += p.numel()
+
+    def pair(self, module, rule, pairs) -> None:
+        """``gᵀ·diag(C)·a`` of a kept layer, by its rule's ``weighted_grads``."""
+        self.pair_weighted(module, rule, pairs, self.factors)
+
+    def pair_weighted(self, module, rule, pairs, weights) -> None:
+        """``gᵀ·diag(w)·a`` of a layer (the release strategy's second pass passes its own
+        weights)."""
+        if self.keep is not None:
+            pairs = [(rows_kept(a, self.keep), rows_kept(g, self.keep)) for a, g in pairs]
+        targets = {}
+        for name in rule.param_names:
+            p = getattr(module, name, None)
+            if isinstance(p, nn.Parameter) and id(p) in self.view_of and \
+                    id(p) not in self.written:
+                targets[name] = self.view_of[id(p)]
+        for name, g in rule.weighted_grads(module, pairs, weights, out=targets).items():
+            p = getattr(module, name)
+            if targets.get(name) is g:
+                self.written.add(id(p))
+            else:
+                self.put(p, g)

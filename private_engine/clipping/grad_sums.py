@@ -110,6 +110,29 @@ class FlatLayout:
             views.append(buffers[b][off : off + n].view(shape))
         return buffers, views
 
+    @property
+    def num_buffers(self) -> int:
+        return len(self._keys)
+
+    def key_of(self, b: int) -> Tuple[object, torch.device, torch.dtype]:
+        """``(group key, device, dtype)`` of buffer ``b`` (group key None without ``group``)."""
+        return self._keys[b]
+
+    def buffer_params(self, b: int) -> List[torch.Tensor]:
+        """The parameters of buffer ``b``, in their order in it."""
+        return [p for p in self.params if self.slots[id(p)][0] == b]
+
+    def allocate_buffer(self, b: int) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+        """``(buffer, views)``: buffer ``b`` alone (uninitialised) and the views of its
+        parameters (:meth:`buffer_params` order)."""
+        _, d, t = self._keys[b]
+        buffer = torch.empty(self._sizes[b], device=d, dtype=t)
+        views = []
+        for p in self.buffer_params(b):
+            _, off, n, shape = self.slots[id(p)]
+            views.append(buffer[off:off + n].view(shape))
+        return buffer, views
+
     def segment(
         self, buffers: Sequence[torch.Tensor], params: Sequence[torch.Tensor]
     ) -> Optional[torch.Tensor]:

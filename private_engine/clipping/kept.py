@@ -36,8 +36,8 @@ def rows_kept(t: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return torch.where(keep.reshape(-1, *([1] * (t.dim() - 1))), t, zero)
 
 
-def group_kept_grads(items: List[Tuple[nn.Parameter, torch.Tensor]], batch_size: int
-                     ) -> Tuple[List[KeptGroup], List[torch.Tensor]]:
+def group_kept_grads(items: List[Tuple[nn.Parameter, torch.Tensor]], batch_size: int,
+                     key=None) -> Tuple[List[KeptGroup], List[torch.Tensor]]:
     """``(groups, norm terms)`` for kept per-sample gradients ``[(parameter, G (B, *shape))]``.
 
     The small ones are laid side by side as ``(B, n)`` matrices of at most ``KEPT_GROUP_ELEMENTS``
@@ -45,7 +45,8 @@ def group_kept_grads(items: List[Tuple[nn.Parameter, torch.Tensor]], batch_size:
     certified squared norms ``Σ_θ ‖G_i^θ‖²`` are one reduction per group
     (:func:`private_engine.layers.base.certified_kept`) and their clipped sums one product
     ``Gᵀ C`` per group. Each original is released (its slot in ``items`` set to None) as soon as
-    its group is formed.
+    its group is formed. ``key`` (optional, ``parameter -> key``): parameters of different keys
+    are never grouped together (FSDP2: one group never spans two units).
     """
     B = batch_size
     groups: List[KeptGroup] = []
@@ -71,6 +72,7 @@ def group_kept_grads(items: List[Tuple[nn.Parameter, torch.Tensor]], batch_size:
         small = G.numel() <= (KEPT_SMALL_CUDA if G.is_cuda else KEPT_SMALL_CPU)
         if current and (not small or G.dtype != current[0][1].dtype
                         or G.device != current[0][1].device
+                        or (key is not None and key(p) != key(current[0][0]))
                         or size + G.numel() > KEPT_GROUP_ELEMENTS):
             flush()
             size = 0
