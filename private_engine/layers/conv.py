@@ -255,8 +255,9 @@ class ConvRule(LayerRule):
         if trainable(module, "weight"):
             g0 = calls[0][1]
             dt = accumulation_dtype(g0)  # a weight-gradient kernel returns its operands' dtype
+            target = out.get("weight")
             if release_by_unfold(module, _positions(module, calls), dt, g0.device):
-                W = self._unfold_release(module, calls, factors, dt)
+                W = self._unfold_release(module, calls, factors, dt, target)
             else:
                 W = None
                 for a, g in calls:
@@ -268,15 +269,16 @@ class ConvRule(LayerRule):
                     w = _conv_weight_grad(module, _padded(module, a), g, module.groups,
                                           module.weight.shape)
                     W = w if W is None else W + w
-            res["weight"] = put_into(out.get("weight"), W)
+            res["weight"] = W if W is target else put_into(target, W)
         if trainable(module, "bias"):
             res["bias"] = weighted_sum_into(out.get("bias"), self._bias_grad(calls), factors)
         return res
 
-    def _unfold_release(self, module, calls, factors, dt) -> torch.Tensor:
+    def _unfold_release(self, module, calls, factors, dt, target=None) -> torch.Tensor:
         """``Σ_i C_i g_iᵀ U(a_i)`` per group, ``(groups, p/groups, B·T) @ (groups, B·T, D)``: the
         output gradient scaled by ``C`` (factors rounded toward zero) and im2col of the input, the
-        positions of every call concatenated."""
+        positions of every call concatenated; written by the matmul into ``target`` (returned) when
+        that is a contiguous tensor of the operands' dtype, else returned as a new tensor."""
         Us, Gs = [], []
         for a, g in calls:
             cols, G = self._columns(module, cast(a, dt), scale_samples(cast(g, dt), factors))
@@ -287,6 +289,9 @@ class ConvRule(LayerRule):
         groups = module.groups
         U = U.permute(1, 0, 3, 2).reshape(groups, -1, U.shape[2])  # (groups, B·T, D)
         G = G.permute(1, 2, 0, 3).reshape(groups, G.shape[2], -1)  # (groups, p/groups, B·T)
+        if target is not None and target.dtype == dt and target.is_contiguous():
+            torch.bmm(G, U, out=target.view(groups, G.shape[1], U.shape[2]))
+            return target
         return torch.bmm(G, U).reshape(module.weight.shape)
 
 
@@ -301,16 +306,22 @@ def _positions(module: nn.modules.conv._ConvNd, calls) -> int:
     return sum(g[0].numel() // module.out_channels for _, g in calls)
 
 
+#: per-sample gradients of a convolution by im2col + bmm on the CPU when its positions per sample
+#: are at most this many times its output channels per group (:func:`per_sample_by_unfold`)
+PER_SAMPLE_UNFOLD_RATIO = 1
+
+
 def per_sample_by_unfold(module: nn.modules.conv._ConvNd, positions: int, dtype: torch.dtype,
                          device: torch.device) -> bool:
     """Instantiate ``G_i`` by im2col and a batched matmul (True) or by the grouped-convolution
     kernel (False). The matmul on the CPU, in float32 or float64, when the im2col copy
     (``B·T·D`` per group) is no larger than the per-sample gradients it yields (``B·(p/groups)·D``),
-    i.e. ``T ≤ p/groups``; oneDNN's grouped weight-gradient kernel with ``B·groups`` groups is
-    then several times slower than the matmul (ResNet-18 at 64²: 0.5 s against 0.2 s for a
-    512-channel 3×3 layer at batch 16). The grouped kernel elsewhere: no im2col copy."""
+    i.e. ``T ≤ p/groups`` (:data:`PER_SAMPLE_UNFOLD_RATIO`); oneDNN's grouped weight-gradient
+    kernel with ``B·groups`` groups is then several times slower than the matmul (ResNet-18 at 64²,
+    batch 16, one core: 0.5 s against 0.2 s for a 512-channel 3×3 layer on a 2×2 map). The grouped
+    kernel elsewhere: no im2col copy."""
     return (device.type == "cpu" and dtype in (torch.float32, torch.float64)
-            and positions <= module.out_channels // module.groups)
+            and positions <= PER_SAMPLE_UNFOLD_RATIO * (module.out_channels // module.groups))
 
 
 def release_by_unfold(module: nn.modules.conv._ConvNd, positions: int, dtype: torch.dtype,
