@@ -147,3 +147,20 @@ def test_conv_called_twice_both_formulations(formulation, monkeypatch):
     for mode in ("per_sample", "bk_mixed", "bk_mixopt", "ghost"):
         check_against_reference(model, [x, target_like(model, x, gen)], mode=mode, clip="abadi",
                                 check_step=False)
+
+
+@pytest.mark.parametrize("formulation", list(FORMULATIONS))
+def test_conv_channels_last_both_formulations(formulation, monkeypatch):
+    """A channels_last model and input (strided activations and output gradients) in either
+    formulation."""
+    force_formulation(monkeypatch, formulation)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Tanh(),
+                          nn.Conv2d(4, 6, 2, stride=2, dilation=1, bias=False))
+    model = model.double().to(memory_format=torch.channels_last)
+    gen = gen_for(1)
+    x = torch.randn(3, 3, 6, 6, generator=gen, dtype=torch.float64)
+    x = x.to(memory_format=torch.channels_last)
+    for mode in ("per_sample", "bk_mixed", "bk_mixopt", "ghost"):
+        check_against_reference(model, [x, target_like(model, x, gen)], mode=mode, clip="abadi",
+                                check_step=False)
