@@ -10,6 +10,11 @@ For each group γ the layer is linear: ``G_i^γ = g_i^γᵀ U(a_i)^γ`` (p/group
   per group),
 * instantiation: ``Σ_γ ‖g_i^γᵀ U(a_i)^γ‖²_F``,
 * bias: ``‖Σ_t g_{i,t}‖²``.
+
+Per-sample gradients and clipped sums come from cuDNN / oneDNN weight-gradient kernels or, where
+those are slow (the CPU, few output positions: :func:`per_sample_by_unfold`,
+:func:`release_by_unfold`), from im2col and matmuls; both sum the same products per entry, so one
+rounding bound covers either.
 """
 from __future__ import annotations
 
