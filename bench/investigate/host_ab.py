@@ -11,7 +11,8 @@ on a shared VM can sit 10–20 % apart for a whole run).
 
 Prints best and median milliseconds per step of ``nondp``, ``this`` and ``other``, and each
 private step's median per-round ratio to non-DP. ``--model`` runs a real model instead of the
-proxy (arithmetic included, torch's default threads), e.g. the CPU target's configuration, the two
+proxy (arithmetic included, torch's default threads), built as the clipping benchmark builds it
+(timm or torchvision, BatchNorm replaced by GroupNorm), e.g. the CPU target's configuration, the two
 engines measured against each other:
 
     python bench/investigate/host_ab.py --other /tmp/base --model vit_tiny_patch16_224 \\
@@ -39,7 +40,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--noise", type=float, default=1.0,
                    help="noise multiplier σ (0: no noise draw)")
     p.add_argument("--width", type=int, default=64, help="the proxy's embed_dim")
-    p.add_argument("--model", help="a timm model (random init, 10 classes) instead of the proxy")
+    p.add_argument("--model", help="a model of the clipping benchmark (random init, 10 classes) "
+                                    "instead of the proxy")
     p.add_argument("--img-size", type=int, default=224, help="with --model")
     p.add_argument("--batch-size", type=int, default=16, help="with --model")
     p.add_argument("--rounds", type=int, default=40)
@@ -70,11 +72,15 @@ def main(argv=None) -> dict:
     packages = {"this": load_package("_pe_this", ROOT),
                 "other": load_package("_pe_other", Path(args.other))}
     if args.model:
-        import timm
+        from bench.clipping import cli
+        from bench.clipping.models import build_model
 
-        def build():
-            torch.manual_seed(0)
-            return timm.create_model(args.model, img_size=args.img_size, num_classes=10)
+        bench_args = cli.parse_args(["--model", args.model, "--img-size", str(args.img_size),
+                                     "--device", "cpu", "--methods", "nondp"])
+        bench_args.model = args.model
+
+        def build():  # as the clipping benchmark builds it: BatchNorm → GroupNorm
+            return build_model(bench_args)[0]
 
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(args.batch_size, 3, args.img_size, args.img_size, generator=gen)

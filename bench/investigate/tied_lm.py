@@ -1,6 +1,7 @@
 """Tied input/output embeddings (a GPT-2-style language model): time and memory of a private step
 whose tied vocabulary matrix is normed by the joint ghost norm ("bk_mixed") or by instantiated,
-summed per-sample gradients ("bk_mixopt"), against non-private training and Opacus.
+summed per-sample gradients ("bk_mixopt", whose time rule instantiates them when the sequence is
+long against the width, ``2·T²·(d + V) ≥ 32·V·d``), against non-private training and Opacus.
 
 The model: token and position embeddings (``V×d``), ``--layers`` residual MLP blocks, and an output
 projection tied to the token embedding. Times are interleaved round by round in one process (the

@@ -490,7 +490,9 @@ def test_cpu_noise_bench_runs(tmp_path):
 def test_tied_lm_runs(capsys):
     from bench.investigate import tied_lm as module
 
-    result = module.main(["--vocab", "256", "--dim", "16", "--seq", "8", "--layers", "1",
+    # 40 tokens at width 64: bk_mixed's memory rule ghost-norms the tied matrix (V·d > T·(d + V)),
+    # bk_mixopt's time rule instantiates it (2·T²·(d + V) ≥ 32·V·d)
+    result = module.main(["--vocab", "256", "--dim", "64", "--seq", "40", "--layers", "1",
                           "--batch-size", "3", "--rounds", "1"])
     assert set(result) == set(module.METHODS)
     assert result["bk_mixed"]["tied"] == "joint ghost"

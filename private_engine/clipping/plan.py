@@ -3,10 +3,11 @@ Efficient Training of Large Convolutional Neural Networks with Differential Priv
 eq. 4.1).
 
 Per layer and per batch: use the ghost norm iff ``2·T² < p·D`` (mode "mixed", the memory rule of Bu,
-Mao & Xu 2022; mode "bk_mixed" applies it to what book-keeping keeps), iff ``T²·(D + p) < p·D``
-(mode "bk_mixopt", the time rule of book-keeping; see :func:`use_ghost`), always (modes "ghost" and
-"bk"), or never (mode "per_sample"). Layers whose per-sample gradient is no larger than an
-activation row (affine parameters of LayerNorm/GroupNorm) are always instantiated.
+Mao & Xu 2022; mode "bk_mixed" applies it to what book-keeping keeps), iff its time is below
+instantiation's (mode "bk_mixopt": :func:`ghost_time` < :func:`instantiate_time`; see
+:func:`use_ghost`), always (modes "ghost" and "bk"), or never (mode "per_sample"). Layers whose
+per-sample gradient is no larger than an activation row (affine parameters of LayerNorm/GroupNorm)
+are always instantiated.
 
 Modes starting with ``bk`` are *book-keeping* (Bu et al. 2023, "Differentially Private Optimization
 on Large Model at Small Cost"): one backward pass; the clipped gradient is formed from the kept
@@ -99,12 +100,10 @@ def use_ghost(dims: LayerDims, mode: str) -> bool:
       ``p·D``. So instantiate when ``p·D ≤ io_size`` (it keeps less and is also faster: no Gram
       matrices, no matmul at the end); otherwise both keep ``(a, g)`` and eq. (4.1), ``2·T² < p·D``,
       picks the cheaper transient.
-    * "bk_mixopt": the time rule of book-keeping. Per sample, the ghost path costs the two Gram
-      matrices ``T²(D + p)`` multiply-adds plus, at the end, its share of ``aᵀ·diag(C)·g``
-      (``TpD``); instantiation costs ``G_i = g_iᵀ a_i`` (``TpD``) and, kept, gives ``Σ_i C_i G_i``
-      for ``pD``. Ghost iff ``T²(D + p) < p·D`` (``LayerDims.ghost_time <
-      LayerDims.instantiate_time``): in practice only for short inputs (T = 1); instantiated
-      gradients are always kept, whatever their size.
+    * "bk_mixopt": the time rule of book-keeping (Bu et al. 2023, "Differentially Private
+      Optimization on Large Model at Small Cost", with measured costs): ghost iff
+      :func:`ghost_time` < :func:`instantiate_time`. Instantiated gradients are always kept,
+      whatever their size.
     * "ghost", "bk": always ghost; "per_sample": never.
     """
     if not dims.ghost_capable:
@@ -114,10 +113,38 @@ def use_ghost(dims: LayerDims, mode: str) -> bool:
     if mode == "per_sample":
         return False
     if mode == "bk_mixopt":
-        return dims.ghost_time < dims.instantiate_time
+        return ghost_time(dims) < instantiate_time(dims)
     if mode == "bk_mixed" and dims.io_size and dims.instantiate_cost <= dims.io_size:
         return False
     return dims.ghost_cost < dims.instantiate_cost
+
+
+#: what one element of an instantiated per-sample gradient costs, in float32 multiply-adds: it is
+#: written, read by its norm and read again by ``Σ_i C_i G_i``, and a layer's ``B·p·D`` of them
+#: leave the caches (151 MB for a 512-channel 3×3 convolution at batch 16). From per-layer timings
+#: of ResNet-18 at 64², batch 16, on one CPU core: the ghost norm is ≈ 10× faster than
+#: instantiation for its 4×4 feature maps (T = 16) and ≈ 1.5× slower for its 8×8 ones (T = 64),
+#: which puts this constant between 3 and 70.
+INSTANTIATED_ELEMENT_COST = 32
+
+
+def ghost_time(dims: LayerDims) -> int:
+    """Per-sample time of a ghost norm beyond what instantiation also pays, in float32
+    multiply-adds: the two Gram matrices ``T²·(groups·D + p)`` (``D`` the activation side's width:
+    1 for an Embedding), formed in float64 (certified: exact products, float64 sums), which runs at
+    half the float32 rate: ``2·T²·(groups·D + p)``. Both paths pay the layer's weight-gradient
+    product ``T·p·D`` once — the ghost path in its release ``gᵀ·diag(C)·a``, instantiation in
+    ``G_i`` — so it is left out of both."""
+    d = dims.D if dims.gram_D is None else dims.gram_D
+    return 2 * dims.T * dims.T * (dims.groups * d + dims.p)
+
+
+def instantiate_time(dims: LayerDims) -> int:
+    """Per-sample time of instantiation beyond what the ghost path also pays, in float32
+    multiply-adds: moving the ``p·D`` elements of ``G_i`` through memory,
+    ``INSTANTIATED_ELEMENT_COST·p·D`` (the contraction ``Σ_i C_i G_i``, ``p·D`` multiply-adds per
+    sample, is part of that traffic)."""
+    return INSTANTIATED_ELEMENT_COST * dims.p * dims.D
 
 
 def decide(name: str, module: nn.Module, dims: Sequence[LayerDims], mode: str) -> LayerDecision:

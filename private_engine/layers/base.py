@@ -46,7 +46,7 @@ class LayerDims:
     groups: int = 1
     ghost_capable: bool = True
     #: width of the activation side of the ghost Gram matrix when it is not D (Embedding: 1, the
-    #: equality of token ids); enters only the time cost
+    #: equality of token ids); enters only the time cost (``clipping.plan.ghost_time``)
     gram_D: Optional[int] = None
     #: elements per sample of the call's input and output (what book-keeping keeps for a ghost
     #: layer: the activation and the output gradient); set by the recorder, 0 when unknown
@@ -60,20 +60,6 @@ class LayerDims:
     @property
     def instantiate_cost(self) -> int:
         """Memory per sample of the instantiated per-sample weight gradient, ``p·D``."""
-        return self.p * self.D
-
-    @property
-    def ghost_time(self) -> int:
-        """Multiply-adds per sample of the two ghost Gram matrices, ``T²·(groups·D + p)``."""
-        d = self.D if self.gram_D is None else self.gram_D
-        return self.T * self.T * (self.groups * d + self.p)
-
-    @property
-    def instantiate_time(self) -> int:
-        """Book-keeping time rule (Bu et al. 2023, "Differentially Private Optimization on Large
-        Model at Small Cost"): instantiating ``G_i`` costs what the weight gradient costs anyway
-        (``T·p·D``) and leaves ``Σ_i C_i G_i`` at ``p·D``; the ghost path pays its Grams on top of
-        that same matmul, so this is the per-sample extra of instantiation: ``p·D``."""
         return self.p * self.D
 
 

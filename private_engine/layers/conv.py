@@ -10,6 +10,11 @@ For each group γ the layer is linear: ``G_i^γ = g_i^γᵀ U(a_i)^γ`` (p/group
   per group),
 * instantiation: ``Σ_γ ‖g_i^γᵀ U(a_i)^γ‖²_F``,
 * bias: ``‖Σ_t g_{i,t}‖²``.
+
+Per-sample gradients and clipped sums come from cuDNN / oneDNN weight-gradient kernels or, where
+those are slow (the CPU, few output positions: :func:`per_sample_by_unfold`,
+:func:`release_by_unfold`), from im2col and matmuls; both sum the same products per entry, so one
+rounding bound covers either.
 """
 from __future__ import annotations
 
@@ -34,9 +39,28 @@ def unfold_conv_input(module: nn.modules.conv._ConvNd, a: torch.Tensor) -> torch
 
     Padding follows the module (``_reversed_padding_repeated_twice`` covers ints, "same" with
     its asymmetric split, and "valid"; the padding mode picks zeros/reflect/replicate/circular),
-    so the column order matches ``weight.view(p, -1)`` within each group.
+    so the column order matches ``weight.view(p, -1)`` within each group. A strided view of
+    :func:`unfolded_columns` (a copy of the input's windows, nothing computed).
     """
+    return unfolded_columns(module, a).permute(0, 3, 1, 2)
+
+
+def unfolded_columns(module: nn.modules.conv._ConvNd, a: torch.Tensor) -> torch.Tensor:
+    """im2col as ``(B, groups, D, T)`` with ``D = (C_in/groups)·Πk`` (the order of
+    ``weight.view(p, -1)`` within a group) and ``T = Π S_out``: for 1-d and 2-d layers one
+    ``F.unfold`` kernel (a 1-d layer as a 2-d one of height 1); for 3-d the input's windows by
+    ``Tensor.unfold`` and one copy. Every entry is a copy of an input value or a padding value."""
     nd = a.dim() - 2
+    B, C = a.shape[:2]
+    groups = module.groups
+    if nd <= 2:
+        x, padding = _padded(module, a)
+        ks, st, dl = module.kernel_size, module.stride, module.dilation
+        if nd == 1:
+            x, padding = x.unsqueeze(2), (0,) + tuple(padding)
+            ks, st, dl = (1,) + tuple(ks), (1,) + tuple(st), (1,) + tuple(dl)
+        cols = F.unfold(x, ks, dl, padding, st)  # (B, C·Πk, T), channel-major columns
+        return cols.reshape(B, groups, -1, cols.shape[-1])
     pad = list(module._reversed_padding_repeated_twice)
     if any(pad):
         mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
@@ -47,41 +71,48 @@ def unfold_conv_input(module: nn.modules.conv._ConvNd, a: torch.Tensor) -> torch
     if any(d != 1 for d in module.dilation):
         index = (slice(None),) * (2 + nd) + tuple(slice(None, None, d) for d in module.dilation)
         a = a[index]
-    B, C = a.shape[:2]
     T = math.prod(a.shape[2 : 2 + nd])
-    a = a.permute(0, *range(2, 2 + nd), 1, *range(2 + nd, 2 + 2 * nd))
-    return a.reshape(B, T, module.groups, (C // module.groups) * math.prod(module.kernel_size))
+    # (B, C, *S_out, *k) -> (B, C, *k, *S_out): channel-major columns, positions last
+    a = a.permute(0, 1, *range(2 + nd, 2 + 2 * nd), *range(2, 2 + nd))
+    return a.reshape(B, groups, (C // groups) * math.prod(module.kernel_size), T)
 
 
 class ConvRule(LayerRule):
     module_types = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
     def _views(self, module, calls):
-        """Unfolded inputs ``(B·groups, T, D)`` and output grads ``(B·groups, T, p/groups)``."""
+        """Unfolded inputs ``(B·groups, T, D)`` and output grads ``(B·groups, T, p/groups)``:
+        strided views of one im2col copy (:func:`unfolded_columns`) and of ``g`` itself (several
+        calls: concatenated along T)."""
         Us, Gs = [], []
         for a, g in calls:
             dt = compute_dtype(g)
-            if a.dim() != len(module.kernel_size) + 2:
-                raise ValueError(
-                    f"{type(module).__name__} expects batched input (B, C, *spatial); got shape "
-                    f"{tuple(a.shape)}. "
-                    "Unbatched inputs cannot be clipped per sample: add a batch dimension."
-                )
-            U = unfold_conv_input(module, cast(a, dt))  # (B, T, groups, D)
-            B, T, groups, D = U.shape
-            # (B, groups, p_g, T)
-            G = cast(g, dt).reshape(B, groups, module.out_channels // groups, -1)
-            if G.shape[-1] != T:
-                raise ValueError(
-                    f"{type(module).__name__}: unfolded {T} positions but the output has "
-                    f"{G.shape[-1]}; "
-                    "a subclass that changes Conv's forward needs its own rule."
-                )
-            Us.append(U.permute(0, 2, 1, 3).reshape(B * groups, T, D))
-            Gs.append(G.permute(0, 1, 3, 2).reshape(B * groups, T, -1))
+            cols, G = self._columns(module, cast(a, dt), cast(g, dt))
+            Us.append(cols.flatten(0, 1).transpose(1, 2))
+            Gs.append(G.flatten(0, 1).transpose(1, 2))
         if len(calls) == 1:
             return Us[0], Gs[0]
         return torch.cat(Us, 1), torch.cat(Gs, 1)
+
+    def _columns(self, module, a, g):
+        """``(U, G)`` of one call: the im2col ``(B, groups, D, T)`` of ``a`` and ``g`` viewed as
+        ``(B, groups, p/groups, T)``."""
+        if a.dim() != len(module.kernel_size) + 2:
+            raise ValueError(
+                f"{type(module).__name__} expects batched input (B, C, *spatial); got shape "
+                f"{tuple(a.shape)}. "
+                "Unbatched inputs cannot be clipped per sample: add a batch dimension."
+            )
+        cols = unfolded_columns(module, a)
+        B, groups, _, T = cols.shape
+        G = g.reshape(B, groups, module.out_channels // groups, -1)
+        if G.shape[-1] != T:
+            raise ValueError(
+                f"{type(module).__name__}: unfolded {T} positions but the output has "
+                f"{G.shape[-1]}; "
+                "a subclass that changes Conv's forward needs its own rule."
+            )
+        return cols, G
 
     def dims(self, module, activation, output):
         T = math.prod(output.shape[2:])
@@ -175,23 +206,38 @@ class ConvRule(LayerRule):
         return certified_instantiated(norm_sq, mass, c_inst, c_rel, terms)
 
     def per_sample_grads(self, module, calls) -> Dict[str, torch.Tensor]:
-        """Per-sample weight gradients by the grouped-convolution trick (Rochette et al. 2019,
-        "Efficient per-example gradient computations in convolutional neural networks"): the batch
-        folded into the channels, ``(B, C, *S) -> (1, B·C, *S)``, makes sample i group i of a
-        convolution with ``B·groups`` groups, so one weight-gradient kernel (cuDNN / oneDNN)
-        returns ``G_i = g_iᵀ U(a_i)`` for every i at the cost of the ordinary weight gradient — no
-        im2col copy (Π k times the input) and no bmm."""
+        """Per-sample weight gradients ``G_i = g_iᵀ U(a_i)``, per group, in one of two
+        formulations (:func:`per_sample_by_unfold` picks):
+
+        * grouped convolution (Rochette, Manoel & Tramel 2019, "Efficient Per-Example Gradient
+          Computations in Convolutional Neural Networks"): the batch folded into the channels,
+          ``(B, C, *S) -> (1, B·C, *S)``, makes sample i group i of a convolution with
+          ``B·groups`` groups, so one weight-gradient kernel returns every ``G_i`` without an im2col
+          copy — fast for large feature maps and few channels;
+        * im2col and one batched matmul ``(B·groups, p/groups, T) @ (B·groups, T, D)`` over the
+          ``T`` positions of all calls — on the CPU for few positions and many channels, where the
+          grouped kernel is many times slower than the matmul.
+
+        Either sums ``T`` products per entry (plus one per further call), in the accumulator of
+        the operands' dtype, so both meet :func:`~private_engine.layers.rounding.
+        instantiation_coefficient` for ``T + calls`` positions."""
         out = {}
         B = calls[0][1].shape[0]
         if trainable(module, "weight"):
-            W = None
-            for a, g in calls:
-                dt = compute_dtype(g)
-                x, padding = _padded(module, cast(a, dt))
-                w = _conv_weight_grad(module, (x.reshape(1, -1, *x.shape[2:]), padding),
-                                      cast(g, dt).reshape(1, -1, *g.shape[2:]), B * module.groups,
-                                      (B * module.out_channels, *module.weight.shape[1:]))
-                W = w if W is None else W + w
+            dt = compute_dtype(calls[0][1])
+            if per_sample_by_unfold(module, _positions(module, calls), dt, calls[0][1].device):
+                U, G = self._views(module, calls)
+                W = torch.bmm(G.transpose(1, 2), U)
+            else:
+                W = None
+                for a, g in calls:
+                    dt = compute_dtype(g)
+                    x, padding = _padded(module, cast(a, dt))
+                    w = _conv_weight_grad(module, (x.reshape(1, -1, *x.shape[2:]), padding),
+                                          cast(g, dt).reshape(1, -1, *g.shape[2:]),
+                                          B * module.groups,
+                                          (B * module.out_channels, *module.weight.shape[1:]))
+                    W = w if W is None else W + w
             out["weight"] = W.reshape(B, *module.weight.shape)
         if trainable(module, "bias"):
             out["bias"] = self._bias_grad(calls)
@@ -200,29 +246,96 @@ class ConvRule(LayerRule):
     def weighted_grads(self, module, calls, factors, out=None) -> Dict[str, torch.Tensor]:
         """``Σ_i C_i G_i`` as the ordinary weight gradient of the layer for the input ``diag(C)·a``
         or the output gradient ``diag(C)·g`` — whichever is smaller: the weight gradient is linear
-        in each, and padding (any mode) commutes with scaling a sample — one cuDNN / oneDNN
-        weight-gradient kernel per call, no per-sample gradient; bias ``Σ_i C_i Σ_t g_{i,t}``;
-        copied into ``out`` when given. Operands in ≥ float32: the kernel returns its operands'
-        dtype, and a 16-bit result would round the whole batch's sum."""
+        in each, and padding (any mode) commutes with scaling a sample — no per-sample gradient;
+        bias ``Σ_i C_i Σ_t g_{i,t}``; copied into ``out`` when given. Operands in ≥ float32: the
+        kernel returns its operands' dtype, and a 16-bit result would round the whole batch's sum.
+
+        One weight-gradient kernel (cuDNN / oneDNN) per call, or, where :func:`release_by_unfold`
+        says so (few positions on the CPU), im2col and one matmul per group over the ``B·T``
+        positions of all calls, ``(diag(C)·g)ᵀ U``. Both sum ``B·T`` products per entry (and one
+        per further call) in any order, and so meet the same
+        :func:`~private_engine.layers.rounding.release_coefficient`."""
         out = out or {}
         res = {}
         if trainable(module, "weight"):
-            W = None
-            for a, g in calls:
-                # a weight-gradient kernel returns its operands' dtype: ≥ float32
-                dt = accumulation_dtype(g)
-                a, g = cast(a, dt), cast(g, dt)
-                if a.numel() < g.numel():
-                    a = scale_samples(a, factors)
-                else:
-                    g = scale_samples(g, factors)
-                w = _conv_weight_grad(module, _padded(module, a), g, module.groups,
-                                      module.weight.shape)
-                W = w if W is None else W + w
-            res["weight"] = put_into(out.get("weight"), W)
+            g0 = calls[0][1]
+            dt = accumulation_dtype(g0)  # a weight-gradient kernel returns its operands' dtype
+            target = out.get("weight")
+            if release_by_unfold(module, _positions(module, calls), dt, g0.device):
+                W = self._unfold_release(module, calls, factors, dt, target)
+            else:
+                W = None
+                for a, g in calls:
+                    a, g = cast(a, dt), cast(g, dt)
+                    if a.numel() < g.numel():
+                        a = scale_samples(a, factors)
+                    else:
+                        g = scale_samples(g, factors)
+                    w = _conv_weight_grad(module, _padded(module, a), g, module.groups,
+                                          module.weight.shape)
+                    W = w if W is None else W + w
+            res["weight"] = W if W is target else put_into(target, W)
         if trainable(module, "bias"):
             res["bias"] = weighted_sum_into(out.get("bias"), self._bias_grad(calls), factors)
         return res
+
+    def _unfold_release(self, module, calls, factors, dt, target=None) -> torch.Tensor:
+        """``Σ_i C_i g_iᵀ U(a_i)`` per group, ``(groups, p/groups, B·T) @ (groups, B·T, D)``: the
+        output gradient scaled by ``C`` (factors rounded toward zero) and im2col of the input, the
+        positions of every call concatenated; written by the matmul into ``target`` (returned) when
+        that is a contiguous tensor of the operands' dtype, else returned as a new tensor."""
+        Us, Gs = [], []
+        for a, g in calls:
+            cols, G = self._columns(module, cast(a, dt), scale_samples(cast(g, dt), factors))
+            Us.append(cols)
+            Gs.append(G)
+        U = Us[0] if len(Us) == 1 else torch.cat(Us, 3)  # (B, groups, D, T)
+        G = Gs[0] if len(Gs) == 1 else torch.cat(Gs, 3)  # (B, groups, p/groups, T)
+        groups = module.groups
+        U = U.permute(1, 0, 3, 2).reshape(groups, -1, U.shape[2])  # (groups, B·T, D)
+        G = G.permute(1, 2, 0, 3).reshape(groups, G.shape[2], -1)  # (groups, p/groups, B·T)
+        if target is not None and target.dtype == dt and target.is_contiguous():
+            torch.bmm(G, U, out=target.view(groups, G.shape[1], U.shape[2]))
+            return target
+        return torch.bmm(G, U).reshape(module.weight.shape)
+
+
+#: fewest output positions per sample (all calls) at which the CPU release (``Σ_i C_i G_i``) of a
+#: convolution uses oneDNN's weight-gradient kernel; below it, im2col and one matmul (measured on
+#: ResNet-18's 2×2 and 4×4 feature maps, where the matmul takes half the kernel's time)
+RELEASE_KERNEL_MIN_POSITIONS = 16
+
+
+def _positions(module: nn.modules.conv._ConvNd, calls) -> int:
+    """Output positions per sample over all calls, ``Σ_calls Π S_out``."""
+    return sum(g[0].numel() // module.out_channels for _, g in calls)
+
+
+#: per-sample gradients of a convolution by im2col + bmm on the CPU when its positions per sample
+#: are at most this many times its output channels per group (:func:`per_sample_by_unfold`)
+PER_SAMPLE_UNFOLD_RATIO = 1
+
+
+def per_sample_by_unfold(module: nn.modules.conv._ConvNd, positions: int, dtype: torch.dtype,
+                         device: torch.device) -> bool:
+    """Instantiate ``G_i`` by im2col and a batched matmul (True) or by the grouped-convolution
+    kernel (False). The matmul on the CPU, in float32 or float64, when the im2col copy
+    (``B·T·D`` per group) is no larger than the per-sample gradients it yields (``B·(p/groups)·D``),
+    i.e. ``T ≤ p/groups`` (:data:`PER_SAMPLE_UNFOLD_RATIO`); oneDNN's grouped weight-gradient
+    kernel with ``B·groups`` groups is then several times slower than the matmul (ResNet-18 at 64²,
+    batch 16, one core: 0.5 s against 0.2 s for a 512-channel 3×3 layer on a 2×2 map). The grouped
+    kernel elsewhere: no im2col copy."""
+    return (device.type == "cpu" and dtype in (torch.float32, torch.float64)
+            and positions <= PER_SAMPLE_UNFOLD_RATIO * (module.out_channels // module.groups))
+
+
+def release_by_unfold(module: nn.modules.conv._ConvNd, positions: int, dtype: torch.dtype,
+                      device: torch.device) -> bool:
+    """Form the clipped sum ``Σ_i C_i G_i`` by im2col and a matmul (True) or by one
+    weight-gradient kernel per call (False): the matmul on the CPU, in float32 or float64, for
+    fewer than :data:`RELEASE_KERNEL_MIN_POSITIONS` positions per sample."""
+    return (device.type == "cpu" and dtype in (torch.float32, torch.float64)
+            and positions < RELEASE_KERNEL_MIN_POSITIONS)
 
 
 def _padded(module: nn.modules.conv._ConvNd, a: torch.Tensor):

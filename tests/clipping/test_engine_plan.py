@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import private_engine as pe
+from private_engine.clipping.plan import INSTANTIATED_ELEMENT_COST
 from engine_checks import MODES, make_engine
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -84,10 +85,12 @@ def test_layer_plan_rows(mode):
             io = _io_per_sample(module, model)
             assert d.io_size == io, (name, d.io_size, io)
             assert d.use_ghost == (p * D > io and d.ghost_cost < d.instantiate_cost), d
-        # book-keeping's time rule: T²·(groups·D' + p) < p·D (D' = 1 for Embedding)
+        # book-keeping's time rule: float64 Grams 2·T²·(groups·D' + p) against the memory
+        # traffic of G_i, κ·p·D (D' = 1 for Embedding)
         elif mode == "bk_mixopt":
             gram_d = 1 if name == "emb" else D
-            assert d.use_ghost == (T * T * (groups * gram_d + p) < p * D), d
+            kappa = INSTANTIATED_ELEMENT_COST
+            assert d.use_ghost == (2 * T * T * (groups * gram_d + p) < kappa * p * D), d
         else:
             assert d.use_ghost == (mode in ("ghost", "bk"))
     assert not rows["gn"].ghost_capable and not rows["ln"].ghost_capable
@@ -218,3 +221,16 @@ def test_host_side_caches_keep_decisions_and_dims_exact(monkeypatch):
         rec.remove()
     t = torch.ones(3)
     assert cast(t, torch.float32) is t and cast(t, torch.float64).dtype == torch.float64
+
+
+def test_bk_mixopt_ghost_norms_convolutions_on_small_feature_maps():
+    """The time rule of "bk_mixopt" on ResNet-18's layers at 64²: a 256-channel 3×3 convolution on
+    a 4×4 map (T = 16) is ghost-normed — its two float64 Grams cost far less than moving its
+    590k-element per-sample gradient through memory — while a 64-channel one on a 16×16 map
+    (T = 256) is instantiated."""
+    small = pe.layer_plan(nn.Sequential(nn.Conv2d(256, 256, 3, padding=1)),
+                          torch.randn(2, 256, 4, 4), mode="bk_mixopt")[0]
+    large = pe.layer_plan(nn.Sequential(nn.Conv2d(64, 64, 3, padding=1)),
+                          torch.randn(2, 64, 16, 16), mode="bk_mixopt")[0]
+    assert (small.T, small.D, small.p) == (16, 2304, 256) and small.use_ghost
+    assert (large.T, large.D, large.p) == (256, 576, 64) and not large.use_ghost

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from private_engine.layers import conv as conv_rule
 from private_engine.layers import find_rule
 from private_engine.layers.rounding import cast_down, certified_ghost, gamma, unit_roundoff
 from engine_checks import gen_for
@@ -82,6 +83,49 @@ def test_certified_bound_covers_the_release_of_a_crafted_sample(case, use_ghost,
         released = _release(rule, module, pairs, i, B).norm()
         assert released <= bound[i], (i, float(released), float(bound[i]), float(estimate[i]))
     assert bound[0] > 0 and torch.isfinite(bound).all()
+
+
+def _padded_conv_case(dtype, crafted: bool):
+    """A 3×3 convolution with zero padding, stride 2 and a bias; crafted: two output positions of
+    sample 0 whose (overlapping) windows hold almost the same large values and whose output
+    gradients are opposite."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(2, 4, 3, stride=2, padding=1)
+    gen = gen_for(5)
+    a = torch.randn(3, 2, 5, 5, generator=gen)
+    g = torch.randn(3, 4, 3, 3, generator=gen)
+    if crafted:
+        a[0] = 2e4 * (1 + 2 ** -20 * torch.randn(2, 5, 5, generator=gen))
+        g[0] = 0
+        g[0, :, 1, 0] = 1e3
+        g[0, :, 1, 1] = -1e3
+    return conv, [(a.to(dtype), g.to(dtype))]
+
+
+@pytest.mark.parametrize("formulation", [(0, 0), (1 << 30, 1 << 30)], ids=["kernels", "unfold"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("use_ghost", [True, False], ids=["ghost", "instantiated"])
+@pytest.mark.parametrize("make", [_conv_case, _padded_conv_case], ids=["1x1", "3x3-padded"])
+def test_certified_bound_covers_every_conv_formulation(make, use_ghost, dtype, formulation,
+                                                       monkeypatch):
+    """The convolution's bound covers what it releases for a crafted sample whether its
+    per-sample gradients and clipped sum come from the cuDNN/oneDNN kernels (grouped convolution,
+    weight gradient) or from im2col and matmuls: both sum T (per sample) or B·T (the release)
+    products per entry, which is what the instantiation and release coefficients bound."""
+    monkeypatch.setattr(conv_rule, "PER_SAMPLE_UNFOLD_RATIO", formulation[0])
+    monkeypatch.setattr(conv_rule, "RELEASE_KERNEL_MIN_POSITIONS", formulation[1])
+    module, pairs = make(dtype, crafted=True)
+    module = module.to(torch.float64 if dtype == torch.float64 else torch.float32)
+    rule = find_rule(module)
+    B = pairs[0][1].shape[0]
+    bound = rule.certified_norm_sq(module, pairs, use_ghost).sqrt()
+    for i in range(B):
+        released = _release(rule, module, pairs, i, B).norm()
+        assert released <= bound[i], (i, float(released), float(bound[i]))
+    assert bound[0] > 0 and torch.isfinite(bound).all()
+    m64 = module.double()
+    exact = rule.instantiated_norm_sq(m64, [(a.double(), g.double()) for a, g in pairs]).sqrt()
+    assert (bound >= exact * (1 - 1e-12)).all()
 
 
 def _naive_float32_ghost(case, rule, module, pairs):

@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from engine_checks import CLIPS, MODES, check_against_reference, gen_for, rng_for, target_like
+from private_engine.layers import conv as conv_rule
 
 CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
 SEEDS = range(4)
@@ -96,3 +97,70 @@ def test_conv_same_asymmetric_padding_depthwise():
     x = torch.randn(3, 3, 7, 8, generator=gen, dtype=torch.float64)
     for mode in MODES:
         check_against_reference(model, [x, target_like(model, x, gen)], mode=mode, clip="automatic")
+
+
+#: (PER_SAMPLE_UNFOLD_RATIO, RELEASE_KERNEL_MIN_POSITIONS) that force one formulation everywhere
+FORMULATIONS = {"kernels": (0, 0), "unfold": (1 << 30, 1 << 30)}
+
+
+def force_formulation(monkeypatch, name: str) -> None:
+    """Per-sample gradients and clipped sums of every convolution by the cuDNN/oneDNN kernels
+    ("kernels": grouped convolution, weight gradient) or by im2col and matmuls ("unfold")."""
+    ratio, positions = FORMULATIONS[name]
+    monkeypatch.setattr(conv_rule, "PER_SAMPLE_UNFOLD_RATIO", ratio)
+    monkeypatch.setattr(conv_rule, "RELEASE_KERNEL_MIN_POSITIONS", positions)
+
+
+@pytest.mark.parametrize("formulation", list(FORMULATIONS))
+@pytest.mark.parametrize("nd", [1, 2, 3])
+def test_conv_both_formulations_match_reference(nd, formulation, monkeypatch):
+    """Per-sample gradients and clipped sums by the kernels and by im2col + matmul alike match the
+    float64 sample-by-sample reference (random stride, padding and padding mode, dilation, groups,
+    bias)."""
+    force_formulation(monkeypatch, formulation)
+    for seed in range(4):
+        model, inputs = conv_case(nd, seed)
+        for mode in ("per_sample", "bk_mixed", "bk_mixopt", "ghost"):
+            check_against_reference(model, inputs, mode=mode, clip="abadi", check_step=False)
+
+
+class TwoCalls(nn.Module):
+    """One convolution applied to an image and to its mirror image (two calls, summed)."""
+
+    def __init__(self, conv):
+        super().__init__()
+        self.conv = conv
+
+    def forward(self, x):
+        return self.conv(x) + self.conv(x.flip(-1))
+
+
+@pytest.mark.parametrize("formulation", list(FORMULATIONS))
+def test_conv_called_twice_both_formulations(formulation, monkeypatch):
+    """A convolution called twice: its per-sample gradient is the sum over both calls (cross
+    terms in the norm), in either formulation."""
+    force_formulation(monkeypatch, formulation)
+    torch.manual_seed(0)
+    model = TwoCalls(nn.Conv2d(4, 6, 3, stride=2, padding=1, groups=2)).double()
+    gen = gen_for(0)
+    x = torch.randn(3, 4, 6, 5, generator=gen, dtype=torch.float64)
+    for mode in ("per_sample", "bk_mixed", "bk_mixopt", "ghost"):
+        check_against_reference(model, [x, target_like(model, x, gen)], mode=mode, clip="abadi",
+                                check_step=False)
+
+
+@pytest.mark.parametrize("formulation", list(FORMULATIONS))
+def test_conv_channels_last_both_formulations(formulation, monkeypatch):
+    """A channels_last model and input (strided activations and output gradients) in either
+    formulation."""
+    force_formulation(monkeypatch, formulation)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Tanh(),
+                          nn.Conv2d(4, 6, 2, stride=2, dilation=1, bias=False))
+    model = model.double().to(memory_format=torch.channels_last)
+    gen = gen_for(1)
+    x = torch.randn(3, 3, 6, 6, generator=gen, dtype=torch.float64)
+    x = x.to(memory_format=torch.channels_last)
+    for mode in ("per_sample", "bk_mixed", "bk_mixopt", "ghost"):
+        check_against_reference(model, [x, target_like(model, x, gen)], mode=mode, clip="abadi",
+                                check_step=False)
