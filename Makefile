@@ -32,9 +32,11 @@ test: $(VENV)/.test
 test-fast: $(VENV)/.test
 	$(PY) -m pytest -q -m "not slow"
 
-# ruff (configured in pyproject.toml): unused or undefined names, lines of at most 100 characters
+# ruff (configured in pyproject.toml): unused or undefined names, lines of at most 100 characters;
+# mypy (configured in pyproject.toml, installed with the test extra): the package's types
 lint: $(VENV)/.test
 	$(PY) -m ruff check private_engine tests bench examples
+	$(PY) -m mypy
 
 # Benchmarks (docs/benchmarks.md). `make bench` = ViT-Tiny on the CPU, core methods; more:
 # make bench BENCH_ARGS="--models resnet18 --img-size 64 --methods all"

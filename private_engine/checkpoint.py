@@ -139,7 +139,7 @@ def engine_state_dict(engine) -> Dict[str, Any]:
         "ledger": None if ledger is None else {"run": ledger.run, "path": ledger.path},
         "noise_generator": generator.get_state() if given else None,
         "noise_generator_device": generator.device.type if given else None,
-        "loss_scaling": _loss_scaling_state(engine.loss_scaling),
+        "loss_scaling": engine.loss_scaling.state_dict(),
         "clipping_mode": str(engine.clipping_mode),
     }
 
@@ -165,7 +165,7 @@ def check_engine_state_dict(engine, state: Dict[str, Any], *, ledger: LedgerArg 
                          f"(this private_engine reads versions {_OLD_VERSION} and {VERSION}).")
     if version == _OLD_VERSION:
         _check_old_state(state, ledger)
-    saved = state.get("privacy")
+    saved: Any = state.get("privacy")  # read from a file: checked below
     missing = [key for key, _ in _PARAMETERS if not isinstance(saved, dict) or key not in saved]
     if missing or not isinstance(state.get("accountant"), dict) or (
             "history" not in state["accountant"]):
@@ -227,8 +227,7 @@ def load_engine_state_dict(engine, state: Dict[str, Any], *, ledger: LedgerArg =
     if state.get("version") == VERSION:
         if state["noise_generator"] is not None and _draws_noise(engine):
             engine.noise_generator.set_state(state["noise_generator"].cpu())
-        if state["loss_scaling"] is not None and engine.loss_scaling.enabled:
-            engine.loss_scaling.scaler.load_state_dict(state["loss_scaling"]["scaler"])
+        engine.loss_scaling.load_state_dict(state["loss_scaling"])
 
 
 def use_ledger(engine, path) -> StepLedger:
@@ -353,24 +352,11 @@ def _records(engine) -> bool:
 
 def _refuse_accumulation(engine) -> None:
     """Refuse to save in the middle of a logical batch: its sums are clipped but not noised."""
-    if any(s.grad_sums is not None or s.samples for s in _attached_steps(engine)):
+    if any(s.accumulating for s in engine.attached_steps):
         raise ValueError(
             "a checkpoint cannot be taken while a logical batch is being accumulated "
             "(virtual_step): its clipped sums are not yet noised, and a checkpoint holds released "
             "values only. Checkpoint right after optimizer.step().")
-
-
-def _attached_steps(engine) -> list:
-    """The engine's attached :class:`private_engine.optim.PrivateStep` objects, in attach order."""
-    return [s for s in engine._attached if s.attached]
-
-
-def _loss_scaling_state(ls) -> Optional[Dict[str, Any]]:
-    """The GradScaler's state when its scale is fixed (public); None without loss scaling or with
-    a dynamic scale (moved by which private samples overflowed)."""
-    if not ls.enabled or ls.dynamic:
-        return None
-    return {"scaler": ls.scaler.state_dict()}
 
 
 # -- files -----------------------------------------------------------------------------------------
@@ -476,7 +462,7 @@ def _refuse_sharded(engine) -> None:
 
 
 def _check_attached(engine, optimizer) -> None:
-    if not any(s.optimizer is optimizer for s in _attached_steps(engine)):
+    if not any(s.optimizer is optimizer for s in engine.attached_steps):
         raise ValueError("the optimizer is not attached to this engine (engine.attach(optimizer)): "
                          "a checkpoint is taken between its logical batches, through the engine.")
 

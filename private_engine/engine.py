@@ -620,6 +620,11 @@ class PrivacyEngine:
         return eps if eps is not None else float(self.accountant.get_epsilon(delta=delta))
 
     # -- checkpoints -----------------------------------------------------------------------------
+    @property
+    def attached_steps(self) -> List[_optim.PrivateStep]:
+        """The private step of every optimizer attached now (:meth:`attach`), in attach order."""
+        return [s for s in self._attached if s.attached]
+
     def state_dict(self) -> dict:
         """The engine's state for a resumed run
         (:func:`private_engine.checkpoint.engine_state_dict`: privacy parameters, accountant

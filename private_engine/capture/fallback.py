@@ -181,7 +181,7 @@ class FallbackModule:
         for kind, v in list(call.args) + list(call.kwargs.values()):
             if kind == "batched":
                 batched.append(v.reshape(B, v.shape[0] // B, *v.shape[1:]))
-        gs = []
+        gs: list = []
         for g in call.grads:
             if g is None:  # an output the loss does not use
                 gs.append(None)

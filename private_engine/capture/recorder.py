@@ -18,14 +18,19 @@ second backward, and walks the loss's autograd graph over its calls (:mod:`.grap
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 from ..layers import LayerDims, LayerRule
+from ..layers.ruled import RuledLayer
 from .graph_walk import GraphWalk, walk_graph
+
+if TYPE_CHECKING:
+    from ..guards.batch_flow import BatchFlow
+    from .tracer import ParamTracer
 
 
 @dataclass
@@ -71,7 +76,9 @@ class RecordedLayer:
 
     def pairs(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
         """``[(activation, output_grad)]`` of the calls whose gradient reached the layer."""
-        return [(c.activation, c.grad) for c in self.calls if c.fired and c.grad is not None]
+        # a call's activation is cleared with its gradient: one holding a gradient has both
+        return [(c.activation, c.grad)  # type: ignore[misc]
+                for c in self.calls if c.fired and c.grad is not None]
 
     def clear_grads(self) -> None:
         """Forget the calls' output gradients but keep the calls (activations, edges) for a second
@@ -143,23 +150,23 @@ def _with_io_size(dims: LayerDims, activation: torch.Tensor, output: torch.Tenso
 class LayerRecorder:
     """Installs the hooks on ``layers = [(name, module, rule)]`` and holds their records."""
 
-    def __init__(self, layers: Sequence[Tuple[str, nn.Module, LayerRule]],
+    def __init__(self, layers: Sequence[RuledLayer],
                  on_layer_ready: Optional[Callable[[RecordedLayer], None]] = None):
         self.layers = [RecordedLayer(name, module, rule) for name, module, rule in layers]
         self.on_layer_ready = on_layer_ready
         self.capturing = False
-        self._handles = []
+        self._handles: list = []
         #: other recorders (parameter-entry tracer, fallback modules): objects with
         #: install/remove/reset and jumps() -> {output node: [input nodes]}; installed, reset and
         #: removed with this one
         self.extras: list = []
         #: the batch flow of the steps (:class:`private_engine.guards.batch_flow.BatchFlow`; set
         #: by its owner): calls on one shared row are recorded per sample through it
-        self.batch_flow = None
+        self.batch_flow: Optional["BatchFlow"] = None
         #: the parameter-entry tracer among ``extras``
         #: (:class:`private_engine.capture.tracer.ParamTracer`), or None: it takes over calls on
         #: batch-free constants and tells where each call's input has its batch
-        self.tracer = None
+        self.tracer: Optional["ParamTracer"] = None
         self.install()
 
     def install(self) -> None:

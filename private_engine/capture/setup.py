@@ -7,12 +7,13 @@ from typing import Callable, Optional, Sequence, Tuple
 
 from torch import nn
 
+from ..layers.ruled import RuledLayer
 from .fallback import FallbackModule, warn_fallback
 from .recorder import LayerRecorder, RecordedLayer
 from .tracer import ParamTracer
 
 
-def build_capture(layers: Sequence[Tuple[str, nn.Module, object]],
+def build_capture(layers: Sequence[RuledLayer],
                   model: Optional[nn.Module] = None,
                   traced: Sequence[Tuple[str, nn.Parameter]] = (),
                   fallbacks: Sequence[Tuple[str, nn.Module]] = (),

@@ -33,6 +33,7 @@ from ..guards.separability import SeparabilityProbe
 from ..layers.base import sum_per_sample, weighted_sum_into
 from ..layers.linear import LinearRule
 from ..layers.rounding import gamma
+from ..layers.ruled import KeptPairs, RuledLayer
 from .functions import ClipFn, clip_factors, resolve_clipping_fn
 from .grad_sums import FlatLayout, GradSums
 from .kept import group_kept_grads, kept_pair_params, per_sample_numel, rows_kept
@@ -57,7 +58,7 @@ class PerSampleClipper:
             (:func:`private_engine.guards.model_check.scan_model`).
     """
 
-    def __init__(self, layers: Sequence[Tuple[str, nn.Module, object]],
+    def __init__(self, layers: Sequence[RuledLayer],
                  params: Sequence[nn.Parameter], *, mode: str = DEFAULT_CLIPPING_MODE,
                  clipping_fn: Union[str, ClipFn] = "abadi", max_grad_norm: float = 1.0,
                  model: Optional[nn.Module] = None,
@@ -104,7 +105,7 @@ class PerSampleClipper:
         self._plan: List[LayerDecision] = []
         #: kept by the norm pass for the clipped sums: [(module, rule, [(a, g)])] and
         #: [(parameter, G (B, *shape))], then the latter side by side: [([parameters], (B, n))]
-        self._kept_pairs: list = []
+        self._kept_pairs: List[KeptPairs] = []
         self._kept_grads: list = []
         self._kept_groups: list = []
         #: where the clipped sums of a step live (rebuilt when which parameters are kept how
@@ -159,7 +160,7 @@ class PerSampleClipper:
 
     def keep_pairs(self, module: nn.Module, rule, pairs) -> None:
         """Keep a layer's ``(a, g)`` for its clipped sum ``gᵀ·diag(C)·a``."""
-        self._kept_pairs.append((module, rule, pairs))
+        self._kept_pairs.append(KeptPairs(module, rule, pairs))
 
     def keep_grads(self, module: nn.Module, grads: Dict[str, torch.Tensor]) -> None:
         """Keep a layer's per-sample gradients for their norm and clipped sum ``Σ_i C_i G_i``."""
@@ -279,7 +280,7 @@ class PerSampleClipper:
         per sample (LeViT's ``flatten(0, 1)`` tokens): instantiated per row, the k rows of each
         sample summed, ``∂L_i/∂θ = Σ_{r ∈ rows(i)} G_r``."""
         B = self.batch_size
-        total = {}
+        total: Dict[str, torch.Tensor] = {}
         for a, g in pairs:
             for name, grad in layer.rule.per_sample_grads(layer.module, [(a, g)]).items():
                 grad = grad.reshape(B, grad.shape[0] // B, *grad.shape[1:]).sum(1)

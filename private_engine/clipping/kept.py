@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from ..layers.base import certified_kept
+from ..layers.ruled import KeptPairs
 
 #: small kept per-sample gradients are laid side by side (copied) in groups of at most this many
 #: elements; on CUDA, where each operation is a kernel launch that costs more host time than
@@ -85,7 +86,7 @@ def group_kept_grads(items: List[Tuple[nn.Parameter, torch.Tensor]], batch_size:
     return groups, terms
 
 
-def kept_pair_params(kept_pairs: Sequence[tuple]) -> List[nn.Parameter]:
+def kept_pair_params(kept_pairs: Sequence[KeptPairs]) -> List[nn.Parameter]:
     """The parameters of kept ``(module, rule, pairs)`` entries, in the order given."""
     return [getattr(m, n) for m, rule, _ in kept_pairs for n in rule.param_names
             if isinstance(getattr(m, n, None), nn.Parameter)]

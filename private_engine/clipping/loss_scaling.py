@@ -31,7 +31,7 @@ A public constant, independent of the data. Any other ``init_scale`` is used as 
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -72,6 +72,21 @@ class LossScaling:
     def enabled(self) -> bool:
         return self.scaler is not None
 
+    def state_dict(self) -> Optional[Dict[str, Any]]:
+        """What a checkpoint keeps: ``{"scaler": GradScaler.state_dict()}`` when the scale is fixed
+        (the scale chosen when the scaler was built: public); None without loss scaling or with
+        ``dynamic`` (its scale moved with which private samples overflowed). The overflow counters
+        are not included: they are functions of the data."""
+        if self.scaler is None or self.dynamic:
+            return None
+        return {"scaler": self.scaler.state_dict()}
+
+    def load_state_dict(self, state: Optional[Dict[str, Any]]) -> None:
+        """Restore :meth:`state_dict`: the fixed scale. None (or scaling disabled here) leaves the
+        scaler as it was built; the counters keep their values."""
+        if state is not None and self.scaler is not None:
+            self.scaler.load_state_dict(state["scaler"])
+
     def overflow_advice(self) -> str:
         """What to do when samples overflow under this scaling (for warnings)."""
         if self.scaler is None:
@@ -87,6 +102,8 @@ class LossScaling:
     def scale(self, loss: torch.Tensor):
         """``(S·loss, S)`` with S the scaler's current scale as a 0-dim float32 tensor (no host
         sync)."""
+        if self.scaler is None:
+            raise RuntimeError("internal error: scale() called without loss scaling.")
         one = torch.ones((), dtype=torch.float32, device=loss.device)
         self._scale = self.scaler.scale(one)
         return loss * self._scale.to(loss.dtype), self._scale
@@ -102,6 +119,8 @@ class LossScaling:
             self.dropped_samples += dropped
         if not self.dynamic:
             return
+        if sc is None:
+            raise RuntimeError("internal error: update() called without loss scaling.")
         if dropped:
             self._good_batches = 0
             factor = sc.get_backoff_factor()

@@ -10,14 +10,15 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 from torch import nn
 
+from ..capture.recorder import RecordedLayer
 from ..layers.base import certified_kept
 from ..layers.rounding import cast_down
 from .functions import abadi_clip
 from .tied import PerParameter, add_per_parameter
 
 
-def per_layer_clipped_sums(stored: Sequence[Tuple[object, list]], thresholds: Dict[int, float],
-                           scale: float, names: Dict[int, str],
+def per_layer_clipped_sums(stored: Sequence[Tuple[RecordedLayer, list]],
+                           thresholds: Dict[int, float], scale: float, names: Dict[int, str],
                            extra: Sequence[Tuple[nn.Parameter, torch.Tensor]] = ()
                            ) -> List[Tuple[nn.Parameter, torch.Tensor]]:
     """``[(parameter, Σ_i C_{i,k} G_i^k)]`` for recorded layers ``stored = [(layer, pairs)]`` and

@@ -13,18 +13,77 @@
   so the certificate still holds.
 
 Either way a sample's clip factor multiplies that sample's rows at every layer, and what is
-released is what was normed.
+released is what was normed. Both implement :class:`ReleaseStrategy`, the interface the clipper
+drives; :meth:`ReleaseStrategy.layer_norm` answers with a :class:`NormedLayer`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import (TYPE_CHECKING, Callable, Dict, List, NamedTuple, Optional, Protocol,
+                    Sequence)
 
 import torch
+from torch import nn
 
 from ..capture.recorder import RecordedLayer
+from ..layers.base import Call, LayerDims, LayerRule
 from .kept import per_sample_numel
-from .plan import decide
+from .plan import LayerDecision, decide
+
+if TYPE_CHECKING:
+    from .clipper import PerSampleClipper
+
+#: writes one layer's clipped sum: ``write(module, rule, calls, per-sample weights)``
+WriteSum = Callable[[nn.Module, LayerRule, Sequence[Call], torch.Tensor], None]
+
+
+class NormedLayer(NamedTuple):
+    """What the norm pass learns of one layer (:meth:`ReleaseStrategy.layer_norm`)."""
+
+    #: ghost norm or instantiation, and why
+    decision: LayerDecision
+    #: the certified ``‖∂L_i/∂θ‖²`` (float64, ``(B,)``); None when the per-sample gradients were
+    #: kept and are normed at the end of the pass with the other kept gradients
+    norm_sq: Optional[torch.Tensor]
+    #: keep the layer's recorded calls for a second backward
+    keep_calls: bool
+
+
+class ReleaseStrategy(Protocol):
+    """How the clipped sums of a physical batch are formed from what the norm pass saw."""
+
+    #: whether the norm pass's backward keeps the graph (for a second backward)
+    retain_graph: bool
+
+    def start(self) -> None:
+        """A new norm pass begins."""
+
+    def layer_norm(self, clipper: "PerSampleClipper", layer: RecordedLayer,
+                   pairs: Sequence[Call], dims: Sequence[LayerDims], merged: int) -> NormedLayer:
+        """Norm one recorded layer, keeping what its clipped sum will need."""
+
+    def rows_layer(self, layer: RecordedLayer) -> bool:
+        """A layer seeing k·B rows whose per-sample gradients were kept: keep its calls?"""
+
+    def norm_pass_done(self, clipper: "PerSampleClipper", inputs: list, ok: bool) -> None:
+        """The norm pass is over (``ok``: its norms will be released; ``inputs``: the edges its
+        backward asked autograd for)."""
+
+    def release(self, clipper: "PerSampleClipper", loss: Optional[torch.Tensor],
+                factors: torch.Tensor, keep: Optional[torch.Tensor], write: WriteSum) -> None:
+        """Write the clipped sums the clipper has not written from what it kept."""
+
+    def reset(self) -> None:
+        """Drop what a norm pass left."""
+
+
+class SecondPass(NamedTuple):
+    """What the second backward of :class:`TwoPass` writes with."""
+
+    clipper: "PerSampleClipper"
+    #: the clip factors ``C_i``
+    factors: torch.Tensor
+    write: WriteSum
 
 
 @dataclass
@@ -67,7 +126,8 @@ class BookKeeping:
     def start(self) -> None:
         """A new norm pass begins."""
 
-    def layer_norm(self, clipper, layer: RecordedLayer, pairs, dims, merged: int):
+    def layer_norm(self, clipper: "PerSampleClipper", layer: RecordedLayer,
+                   pairs: Sequence[Call], dims: Sequence[LayerDims], merged: int) -> NormedLayer:
         """``(decision, certified ‖∂L_i/∂θ‖² or None, keep the calls)`` of one layer, keeping what
         its clipped sum needs: ``(a, g)`` for a ghost layer; for an instantiated one the per-sample
         gradients ``G_i`` when they are no larger than ``(a, g)`` per sample (always in
@@ -78,26 +138,27 @@ class BookKeeping:
         decision = decide(layer.name, module, dims, self.mode)
         if decision.use_ghost:
             clipper.keep_pairs(module, rule, pairs)
-            return decision, rule.certified_norm_sq(module, pairs, True), False
+            return NormedLayer(decision, rule.certified_norm_sq(module, pairs, True), False)
         grads = rule.per_sample_grads(module, pairs)
         grad_size = sum(per_sample_numel(g) for g in grads.values())
         pair_size = sum(per_sample_numel(a) + per_sample_numel(g) for a, g in pairs)
         if self.mode == "bk_mixopt" or grad_size <= pair_size:
             clipper.keep_grads(module, grads)
-            return decision, None, False
+            return NormedLayer(decision, None, False)
         contrib = rule.certified_norm_sq(module, pairs, False, grads=grads)
         del grads
         clipper.keep_pairs(module, rule, pairs)
-        return decision, contrib, False
+        return NormedLayer(decision, contrib, False)
 
     def rows_layer(self, layer: RecordedLayer) -> bool:
         """A layer seeing k·B rows whose per-sample gradients were kept: keep its calls?"""
         return False
 
-    def norm_pass_done(self, clipper, inputs: list, ok: bool) -> None:
+    def norm_pass_done(self, clipper: "PerSampleClipper", inputs: list, ok: bool) -> None:
         clipper.recorder.reset()
 
-    def release(self, clipper, loss, factors, keep, write) -> None:
+    def release(self, clipper: "PerSampleClipper", loss: Optional[torch.Tensor],
+                factors: torch.Tensor, keep: Optional[torch.Tensor], write: WriteSum) -> None:
         """Nothing left to release: every kept term was written by the clipper."""
 
     def reset(self) -> None:
@@ -116,24 +177,25 @@ class TwoPass:
         self.first: Dict[int, FirstPass] = {}
         #: the edges the norm pass asked autograd for (asked for again by the second pass)
         self.leading: list = []
-        #: while the second pass runs: (clipper, factors, write)
-        self._second = None
+        #: while the second pass runs: what it writes with
+        self._second: Optional[SecondPass] = None
 
     def start(self) -> None:
         self.first, self.leading = {}, []
 
-    def layer_norm(self, clipper, layer: RecordedLayer, pairs, dims, merged: int):
+    def layer_norm(self, clipper: "PerSampleClipper", layer: RecordedLayer,
+                   pairs: Sequence[Call], dims: Sequence[LayerDims], merged: int) -> NormedLayer:
         decision = decide(layer.name, layer.module, dims, self.mode)
         contrib = layer.rule.certified_norm_sq(layer.module, pairs, decision.use_ghost)
         self.first[id(layer)] = FirstPass(decision.use_ghost, merged, fingerprints(pairs),
                                           contrib)
-        return decision, contrib, True
+        return NormedLayer(decision, contrib, True)
 
     def rows_layer(self, layer: RecordedLayer) -> bool:
         self.first[id(layer)] = FirstPass(False, 1, [], None)
         return True
 
-    def norm_pass_done(self, clipper, inputs: list, ok: bool) -> None:
+    def norm_pass_done(self, clipper: "PerSampleClipper", inputs: list, ok: bool) -> None:
         if ok:
             self.leading = inputs
             for extra in clipper.recorder.extras:  # their per-sample gradients are kept
@@ -142,13 +204,14 @@ class TwoPass:
             self.reset()
             clipper.recorder.reset()
 
-    def release(self, clipper, loss, factors, keep, write) -> None:
+    def release(self, clipper: "PerSampleClipper", loss: Optional[torch.Tensor],
+                factors: torch.Tensor, keep: Optional[torch.Tensor], write: WriteSum) -> None:
         """Backpropagate ``Σ_i L_i`` again, activation gradients only, and write each recorded
         layer's clipped sum from ``(a, g)`` as its output gradient arrives."""
         recorder = clipper.recorder
         saved = recorder.on_layer_ready
         recorder.on_layer_ready = self._on_layer_released
-        self._second = (clipper, factors, write)
+        self._second = SecondPass(clipper, factors, write)
         recorder.rearm()
         recorder.capturing = True
         try:
@@ -167,8 +230,11 @@ class TwoPass:
         bit for bit; if a non-deterministic kernel changed it, the layer's certified bound is
         computed again and its factors lowered to ``C_i·min(1, N_i/N'_i)`` for this layer, so that
         its release stays within what the clip factors were computed for."""
-        clipper, factors, write = self._second
+        second = self._second
         try:
+            if second is None:
+                raise RuntimeError("internal error: a layer was released outside the second pass.")
+            clipper, factors, write = second
             first = self.first.get(id(layer))
             if first is None or first.bound is None:  # per-sample gradients kept: released so
                 return
@@ -191,6 +257,6 @@ class TwoPass:
         self.first, self.leading = {}, []
 
 
-def strategy_for(mode: str, book_keeping: bool):
+def strategy_for(mode: str, book_keeping: bool) -> ReleaseStrategy:
     """The release strategy of a clipping mode."""
     return BookKeeping(mode) if book_keeping else TwoPass(mode)

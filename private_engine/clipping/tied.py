@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..guards.model_check import tied_layers
+from ..layers.ruled import RuledLayer
 from .tied_ghost import certified_joint_norm_sq, ghost_capable
 
 
@@ -41,7 +42,7 @@ def add_per_parameter(sums: PerParameter, p: nn.Parameter, grad: torch.Tensor) -
 class TiedGroup:
     """Ruled layers linked by shared parameters, and what the running norm pass holds of them."""
 
-    members: List[Tuple[str, nn.Module, object]]
+    members: List[RuledLayer]
     #: the joint ghost norm (True) or instantiation (False) for this pass; None: not decided yet
     use_ghost: Optional[bool] = None
     #: ``[(module, rule, pairs)]`` of the members normed jointly
@@ -57,8 +58,8 @@ class TiedGroups:
     """The layers of a model that share trainable parameters, and the per-sample gradients of the
     running norm pass summed per parameter."""
 
-    def __init__(self, layers: Sequence[Tuple[str, nn.Module, object]]):
-        by_name = {n: (n, m, r) for n, m, r in layers}
+    def __init__(self, layers: Sequence[RuledLayer]):
+        by_name = {n: RuledLayer(n, m, r) for n, m, r in layers}
         #: groups of layers linked by shared parameters (empty: no tied weights)
         self.groups: List[TiedGroup] = [TiedGroup([by_name[n] for n in names])
                                         for names in tied_layers(layers)]

@@ -33,7 +33,7 @@ from typing import List, Sequence, Tuple
 import torch
 from torch import nn
 
-from ..layers.base import LayerDims, accumulation_dtype, release_dtype
+from ..layers.base import LayerDims, LayerRule, accumulation_dtype, release_dtype
 from ..layers.embedding import EmbeddingRule
 from ..layers.linear import LinearRule
 from ..layers.rounding import (ETA64, gamma, ghost_underflow, gram_coefficient, pair_mass,
@@ -63,7 +63,7 @@ def ghost_capable(members: Sequence[Tuple[nn.Module, object]]) -> bool:
     return len(weights) == 1
 
 
-def joint_dims(members: Sequence[Tuple[nn.Module, object, Sequence[LayerDims]]]) -> LayerDims:
+def joint_dims(members: Sequence[Tuple[nn.Module, LayerRule, Sequence[LayerDims]]]) -> LayerDims:
     """Dimensions of the stacked rows for the memory rule: ``T = Σ_k T_k``, ``p = V``, ``D = d``
     plus one column per trained bias."""
     T = sum(d.T for _, _, dims in members for d in dims)

@@ -12,6 +12,7 @@ from torch import nn
 
 from .buffers import check_no_running_stats, drop_running_stats
 from ..layers.base import LayerRule
+from ..layers.ruled import RuledLayer
 from ..layers.recurrent import check_no_recurrent
 from ..layers.registry import find_rule, overrides_ruled_class, uses_fallback
 
@@ -79,13 +80,14 @@ def _replace_batchnorm(model: nn.Module, num_groups: int) -> nn.Module:
     try:
         from timm.layers import BatchNormAct2d
     except ImportError:  # pragma: no cover - timm is a dependency
-        BatchNormAct2d = ()
+        BatchNormAct2d = ()  # type: ignore[misc,assignment]  # isinstance(x, ()) is False
     from collections import OrderedDict
 
     for name, child in list(model.named_children()):
         if isinstance(child, nn.modules.batchnorm._BatchNorm):
             C = child.num_features
-            norm = nn.GroupNorm(math.gcd(C, num_groups), C, eps=child.eps, affine=child.affine)
+            norm: nn.Module = nn.GroupNorm(math.gcd(C, num_groups), C, eps=child.eps,
+                                           affine=child.affine)
             like = next((t for t in (*child.parameters(), *child.buffers())
                          if t.is_floating_point()), None)
             if like is not None:  # same device and dtype as the layer it replaces
@@ -118,7 +120,7 @@ class ModelScan:
     """Who clips each trainable parameter of a model (:func:`scan_model`)."""
 
     #: ``[(name, module, rule)]``: modules whose direct trainable parameters a layer rule covers
-    layers: List[Tuple[str, nn.Module, LayerRule]]
+    layers: List[RuledLayer]
     #: ``[(qualified name, parameter)]``: parameters clipped by the parameter-entry tracer
     traced: List[Tuple[str, nn.Parameter]]
     #: ``[(name, module)]``: modules clipped by the torch.func fallback (their whole subtree)
@@ -139,8 +141,11 @@ def scan_model(model: nn.Module) -> ModelScan:
       (timm's LayerNorm2d, StdConv2d, …); they clip every trainable parameter of their subtree.
     """
 
-    layers, traced, fallbacks, owners = [], [], [], {}
-    inside = []  # prefixes of fallback subtrees
+    layers: List[RuledLayer] = []
+    traced: List[Tuple[str, nn.Parameter]] = []
+    fallbacks: List[Tuple[str, nn.Module]] = []
+    owners: Dict[int, List[str]] = {}
+    inside: List[str] = []  # prefixes of fallback subtrees
     for name, module in model.named_modules():
         prefix = f"{name}." if name else ""
         if any(f == "" or name == f or name.startswith(f + ".") for f in inside):
@@ -164,16 +169,16 @@ def scan_model(model: nn.Module) -> ModelScan:
             owners.setdefault(id(p), []).append(prefix + pname)
         missing = [(prefix + pname, p) for pname, p in own if pname not in covered]
         traced.extend(missing)
-        if len(missing) < len(own):
-            layers.append((name, module, rule))
+        if rule is not None and len(missing) < len(own):  # (no rule: every parameter missing)
+            layers.append(RuledLayer(name, module, rule))
     # an attribute of another module that is a ruled layer's own parameter (BERT's
     # ``cls.predictions.bias``, the decoder's bias) is an alias: clipped by that layer; a direct
     # use outside the layer's forward is refused at the first step (the graph walk)
     ruled = {id(p) for _, _, _, p in ruled_parameters(layers)}
-    aliases = {n for n, p in traced if id(p) in ruled}
-    traced = [(n, p) for n, p in traced if n not in aliases]
+    alias_names = {n for n, p in traced if id(p) in ruled}
+    traced = [(n, p) for n, p in traced if n not in alias_names]
     for names in owners.values():
-        names[:] = [n for n in names if n not in aliases]
+        names[:] = [n for n in names if n not in alias_names]
     return ModelScan(layers, traced, fallbacks, owners)
 
 
@@ -225,7 +230,7 @@ def fallback_modules(model: nn.Module) -> List[str]:
 
 
 def clipped_layers(model: nn.Module, strict: bool = True,
-                   scan: Optional[ModelScan] = None) -> List[Tuple[str, nn.Module, LayerRule]]:
+                   scan: Optional[ModelScan] = None) -> List[RuledLayer]:
     """``[(name, module, rule)]`` for every module whose direct trainable parameters a rule covers.
 
     With ``strict``, rules check their module, and a parameter shared between modules is checked
@@ -246,7 +251,7 @@ def clipped_layers(model: nn.Module, strict: bool = True,
     return layers
 
 
-def ruled_parameters(layers: Sequence[Tuple[str, nn.Module, LayerRule]]
+def ruled_parameters(layers: Sequence[RuledLayer]
                      ) -> List[Tuple[str, nn.Module, str, nn.Parameter]]:
     """``[(layer name, module, parameter name, parameter)]``: the parameters the rules of
     ``layers`` cover (frozen ones included), one entry per use of a tensor."""
@@ -255,7 +260,7 @@ def ruled_parameters(layers: Sequence[Tuple[str, nn.Module, LayerRule]]
             if isinstance(getattr(module, pname, None), nn.Parameter)]
 
 
-def tied_layers(layers: Sequence[Tuple[str, nn.Module, LayerRule]]) -> List[List[str]]:
+def tied_layers(layers: Sequence[RuledLayer]) -> List[List[str]]:
     """Groups of ruled layers that share a trainable parameter (tied weights: GPT-2's ``wte`` and
     ``lm_head``, BERT's word embeddings and MLM decoder), as lists of layer names; layers linked
     through a chain of shared parameters form one group.

@@ -344,8 +344,8 @@ def extract_features(model: Union[nn.Module, str], data: Any, batch_size: int = 
         bar.close()
     finally:
         model.train(was_training)
-    features = torch.cat(feats)  # type: ignore[arg-type]
-    all_labels = (torch.cat(labs)  # type: ignore[arg-type]
+    features = torch.cat(feats)
+    all_labels = (torch.cat(labs)
                   if all(lb is not None for lb in labs) else None)
     if cache_path is not None:
         atomic_save({"features": features, "labels": all_labels}, cache_path)

@@ -7,9 +7,13 @@ Lookups walk the class hierarchy (a subclass inherits its parent's rule unless i
 """
 from __future__ import annotations
 
-from typing import Dict, Set, Type
+from typing import Dict, Optional, Set, Type, TypeVar, cast
 
 from torch import nn
+
+from .base import LayerRule
+
+R = TypeVar("R", bound=LayerRule)
 
 
 def qualified_name(cls: type) -> str:
@@ -21,10 +25,10 @@ class Registry:
     """Rules by module class, the fallback's classes, and subclasses with their parent's math."""
 
     def __init__(self) -> None:
-        self.rules: Dict[Type[nn.Module], object] = {}
+        self.rules: Dict[type, LayerRule] = {}
         #: rules for classes of optional libraries, by qualified name (matched without importing
         #: the library)
-        self.named_rules: Dict[str, object] = {}
+        self.named_rules: Dict[str, LayerRule] = {}
         #: module classes clipped by the torch.func fallback (qualified names)
         self.fallback_classes: Set[str] = {
             # weights used inside F.multi_head_attention_forward
@@ -39,13 +43,13 @@ class Registry:
             "timm.layers.linear.Linear",  # F.linear; only TorchScript takes another branch
         }
 
-    def register_rule(self, rule, *module_types: Type[nn.Module]):
+    def register_rule(self, rule: R, *module_types: Type[nn.Module]) -> R:
         """Clip ``module_types`` (default: ``rule.module_types``) by ``rule``."""
         for cls in module_types or rule.module_types:
             self.rules[cls] = rule
         return rule
 
-    def register_named_rule(self, rule, *qualified_names: str):
+    def register_named_rule(self, rule: R, *qualified_names: str) -> R:
         """Clip the classes called ``qualified_names`` (``module.QualName``) by ``rule``, without
         importing their library."""
         for name in qualified_names:
@@ -63,7 +67,7 @@ class Registry:
         self.named_rules.pop(qualified_name(cls), None)
         self.fallback_classes.discard(qualified_name(cls))
 
-    def find_rule(self, module: nn.Module):
+    def find_rule(self, module: nn.Module) -> Optional[LayerRule]:
         """The rule for ``module``: the registered class nearest along its MRO, or None.
 
         A class on the way that defines its own ``forward`` ends the search with None (unless it
@@ -118,7 +122,7 @@ def weight_normalized(module: nn.Module) -> bool:
     parametrizations = getattr(module, "parametrizations", None)
     if isinstance(parametrizations, nn.ModuleDict) and len(parametrizations):
         return all(qualified_name(type(p)) in PURE_PARAMETRIZATIONS
-                   for plist in parametrizations.values() for p in plist)
+                   for plist in parametrizations.values() for p in cast(nn.ModuleList, plist))
     from torch.nn.utils.weight_norm import WeightNorm
 
     return any(isinstance(h, WeightNorm) for h in module._forward_pre_hooks.values())

@@ -122,6 +122,12 @@ class PrivateStep:
         self.records: List[BatchRecord] = []
         self.attached = True
 
+    @property
+    def accumulating(self) -> bool:
+        """True while a logical batch is in progress (``virtual_step`` accumulated clipped sums
+        that are not yet noised)."""
+        return self.grad_sums is not None or bool(self.samples)
+
     # -- stages ------------------------------------------------------------------------------
     def check_params(self) -> None:
         """:func:`check_clipped_params` for this optimizer."""

@@ -60,7 +60,7 @@ class ParamTracer(EntryRewriting, TorchFunctionMode):
         self.skipping = 0
         self._popped = False
         self.plain = PlainModules(self, plain_candidates(model, set(self.tracked), opaque))
-        self._handles = []
+        self._handles: list = []
         self.install()
 
     # -- installation ----------------------------------------------------------------------

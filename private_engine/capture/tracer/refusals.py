@@ -10,7 +10,7 @@ def reparametrization_message(names) -> Optional[str]:
     parametrize`` (``parametrizations.weight.original*``, e.g. ``parametrizations.weight_norm``)
     or the older hook-based ``torch.nn.utils.weight_norm`` (``weight_g``, ``weight_v``) — naming
     the module and the fix; ``None`` for other parameters."""
-    owners = {}
+    owners: dict = {}
     for n in names:
         if ".parametrizations." in f".{n}":
             head, _, rest = f".{n}".partition(".parametrizations.")

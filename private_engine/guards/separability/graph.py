@@ -81,7 +81,7 @@ def reached_forwards(forwards: List[PendingForward], root_nodes) -> List[Pending
     """The pending forwards whose inputs the roots depend on (those without differentiable
     inputs cannot be told apart: they count as reached)."""
     wanted = {n for f in forwards for n in f.nodes if n is not None}
-    found = set()
+    found: set = set()
     if wanted:
         seen, stack = set(), list(root_nodes)
         while stack and len(found) < len(wanted):
@@ -97,7 +97,9 @@ def reached_forwards(forwards: List[PendingForward], root_nodes) -> List[Pending
 
 def walk_graph(roots: Sequence[object]) -> Tuple[List[object], Dict[object, list]]:
     """All autograd nodes reachable from ``roots`` (each once) and ``{node: [parents]}``."""
-    seen, order, parents = set(), [], {}
+    seen: set = set()
+    order: list = []
+    parents: dict = {}
     stack = [n for n in roots if n is not None]
     while stack:
         node = stack.pop()
