@@ -17,11 +17,14 @@ draws (each draws a fresh key), share noise. Every coordinate is N(0, std²) (th
 mechanism's noise, Abadi et al. 2016; Bu, Mao & Xu 2022, Alg. 1), independent across
 coordinates, blocks and steps.
 
-The result depends only on the generator's state and the tensor's size, not on the number of
-threads (blocks are fixed; one thread draws them one after another). float16 and bfloat16 blocks
-are drawn in float32 and rounded once. numpy's ziggurat costs about 2.5× torch's vectorised
-``normal_`` per coordinate, so the threaded draw is the faster one from about four threads on
-(docs/engine.md, "One step, in order"; ``bench/bench_cpu_noise.py``).
+numpy's ziggurat costs about 2.5× torch's vectorised ``normal_`` per coordinate (which runs on
+one thread), so the threaded draw is the faster one from about four threads on and the slower one
+below: with fewer than ``THREADED_FROM`` intra-op threads (``torch.get_num_threads()``) a chunk is
+one ``normal_`` of the caller's generator instead (docs/engine.md, "One step, in order";
+``bench/bench_cpu_noise.py``). The result depends only on the generator's state, the tensor's
+size and which of the two draws applies, not on the number of threads beyond that (blocks are
+fixed; one thread draws them one after another). float16 and bfloat16 blocks are drawn in float32
+and rounded once.
 """
 from __future__ import annotations
 
@@ -38,6 +41,9 @@ import torch
 BLOCK = 1 << 20
 #: 32-bit words of key drawn from the caller's generator per draw (256 bits)
 KEY_WORDS = 8
+#: intra-op threads from which the blocked draw replaces one ``normal_`` (it is the faster one
+#: from there: numpy's ziggurat costs about 2.5× torch's vectorised Box–Muller per coordinate)
+THREADED_FROM = 4
 
 _NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
 
@@ -51,8 +57,9 @@ def fill_normal_(
 ) -> torch.Tensor:
     """``t ← std·ξ`` in place, ξ ~ N(0, I) (see the module docstring for how the draw is split).
 
-    A CUDA tensor, a tensor smaller than two blocks, a non-contiguous one or a generator that is
-    not on the CPU: one ``normal_`` call of ``generator`` (torch's default one if None).
+    A CUDA tensor, a tensor smaller than two blocks, a non-contiguous one, a generator that is
+    not on the CPU, or fewer than ``THREADED_FROM`` intra-op threads: one ``normal_`` call of
+    ``generator`` (torch's default one if None).
     """
     parent = torch.default_generator if generator is None else generator
     if (
@@ -61,6 +68,7 @@ def fill_normal_(
         or not t.is_contiguous()
         or not t.is_floating_point()
         or parent.device.type != "cpu"
+        or torch.get_num_threads() < THREADED_FROM
     ):
         return t.normal_(0.0, std, generator=generator)
     blocks = t.detach().view(-1).split(BLOCK)

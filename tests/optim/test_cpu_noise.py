@@ -18,8 +18,34 @@ from private_engine import optim as pe_optim
 
 @pytest.fixture
 def small_blocks(monkeypatch):
+    """Blocks of 1000 coordinates, drawn blocked whatever the number of threads."""
     monkeypatch.setattr(cpu_noise, "BLOCK", 1000)
+    monkeypatch.setattr(cpu_noise, "THREADED_FROM", 1)
     return 1000
+
+
+@pytest.fixture
+def blocked(monkeypatch):
+    """The real block size, drawn blocked whatever the number of threads."""
+    monkeypatch.setattr(cpu_noise, "THREADED_FROM", 1)
+
+
+def test_few_threads_draw_one_normal(monkeypatch):
+    """Below THREADED_FROM threads, where torch's one-thread normal_ is the faster draw, a chunk
+    is one normal_ of the caller's generator; from THREADED_FROM on, the blocks."""
+    torch_threads = torch.get_num_threads()
+    monkeypatch.setattr(cpu_noise, "BLOCK", 1000)
+    monkeypatch.setattr(cpu_noise, "THREADED_FROM", 2)
+    try:
+        torch.set_num_threads(1)
+        serial = cpu_noise.fill_normal_(torch.empty(5000), 1.5, torch.Generator().manual_seed(3))
+        torch.set_num_threads(2)
+        threaded = cpu_noise.fill_normal_(torch.empty(5000), 1.5,
+                                          torch.Generator().manual_seed(3))
+    finally:
+        torch.set_num_threads(torch_threads)
+    expected = torch.empty(5000).normal_(0.0, 1.5, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(serial, expected) and not torch.equal(threaded, expected)
 
 
 def _check_standard_normal(z: torch.Tensor):
@@ -174,7 +200,7 @@ def test_add_gaussian_noise_uses_the_blocks(small_blocks):
     _check_standard_normal(expected / 0.5)
 
 
-def test_real_block_size_draw():
+def test_real_block_size_draw(blocked):
     t = cpu_noise.fill_normal_(torch.empty(2 * cpu_noise.BLOCK + 17, dtype=torch.float64), 1.0,
                                torch.Generator().manual_seed(6))
     _check_standard_normal(t)
@@ -205,7 +231,7 @@ def test_a_forked_child_draws_with_its_own_threads(small_blocks):
     assert queue.get(timeout=5) == expected.tolist()[:5]
 
 
-def test_seeded_draw_is_stable_across_releases():
+def test_seeded_draw_is_stable_across_releases(blocked):
     """A seeded generator draws the same noise from one release to the next with the same numpy
     (reproducible runs and resumed checkpoints): the blocks' streams depend only on the key drawn
     from the generator and on numpy's SeedSequence, PCG64 and ``standard_normal``."""
