@@ -71,9 +71,9 @@ class PrivacyEngine:
             the memory rule of Bu, Mao & Xu 2022 applied to what book-keeping keeps), "bk" (ghost
             norms) and "bk_mixopt" (time rule: ghost iff the two Grams cost less than moving the
             instantiated gradient through memory, :func:`private_engine.clipping.plan.ghost_time`),
-            or the two-pass modes "mixed" (Bu, Mao & Xu 2022, eq. 4.1 per layer), "ghost", "per_sample" (norm pass + a
-            second activation-only backward that writes the sums); every mode gives the same clipped
-            gradient (docs/engine.md, "Clipping modes").
+            or the two-pass modes "mixed" (Bu, Mao & Xu 2022, eq. 4.1 per layer), "ghost",
+            "per_sample" (norm pass + a second activation-only backward that writes the sums);
+            every mode gives the same clipped gradient (docs/engine.md, "Clipping modes").
         clipping_fn: "abadi", "automatic", "global" or a callable ``(norms, R) -> factors``.
         accountant: "rdp", "prv" or "gdp" (Opacus' accountants) or "pld" (dp-accounting's
             privacy-loss-distribution accountant; :mod:`private_engine.accounting.pld`), all for
