@@ -109,14 +109,14 @@ def unclipped(path: str):
             broken_params.update(id(p) for p in params)
         return saved["_keep_extra"](self, name, layer_type, grads, params)
 
-    def group_kept_grads(items, batch_size):
+    def group_kept_grads(items, batch_size, key=None):
         broken_mats.clear()  # one norm pass at a time: ids of freed matrices are reused
         broken = [it for it in items if id(it[0]) in broken_params]
         rest = [it for it in items if id(it[0]) not in broken_params]
         items[:] = [None] * len(items)
-        groups, terms = saved_group(rest, batch_size)
+        groups, terms = saved_group(rest, batch_size, key=key)
         if broken:
-            more, more_terms = saved_group(broken, batch_size)
+            more, more_terms = saved_group(broken, batch_size, key=key)
             broken_mats.update(id(mat) for _, mat in more)
             groups += more
             terms += more_terms
