@@ -1,0 +1,181 @@
+"""Certified ghost norms from Gram matrices formed in the fast path (float32 matmuls, or 16-bit
+operands accumulated in float32), with an a-posteriori bound of their rounding.
+
+The ghost norm of a layer is ``ν_i = ⟨Ã_i, G_i⟩ = Σ_{t,s} A_ts·G_ts`` with ``A = ã ãᵀ`` (``ã_t``
+the input at position t, with a constant 1 appended when the bias is trained) and ``G = g gᵀ``
+(Bu, Mao & Xu 2022, "Scalable and Efficient Training of Large Convolutional Neural Networks with
+Differential Privacy", eq. 2.7). Forming ``A`` and ``G`` in float64 (exact products of float32 or
+16-bit values) certifies easily but costs float64 matmuls, 1/15 to 1/64 of the float32 rate on a
+GPU. Here they are formed by float32-accumulating matmuls, and the rounding is bounded per
+sample from the computed matrices themselves.
+
+Error model (Higham, "Accuracy and Stability of Numerical Algorithms", 2nd ed., 2002, §2.2, §3.1):
+a Gram entry ``Ã_ts = fl(Σ_k ã_tk ã_sk)`` over ``w`` columns satisfies
+``|Ã_ts − A_ts| ≤ γ_w·Σ_k |ã_tk||ã_sk| + w·η ≤ γ_w·n_t n_s + w·η`` (``γ_n = n·u/(1 − n·u)``,
+Cauchy–Schwarz with ``n_t ≥ ‖ã_t‖``; ``η`` the absolute loss of a product below the normal range).
+
+* float32 operands on the CPU, and 16-bit operands widened to float32 there: products exact in
+  float32 (a 16-bit product has at most 22 significant bits), sums rounded to nearest,
+  ``u = 2⁻²⁴``, ``η = 2⁻¹⁴⁹``; float32 on CUDA when TF32 is off likewise.
+* 16-bit operands on CUDA (tensor cores), the pessimistic model of Fasi, Higham, Mikaitis &
+  Pranesh 2021, "Numerical behavior of NVIDIA tensor cores": products exact; each block of ``b``
+  products is added to the float32 accumulator with the significands aligned to the largest
+  exponent and *truncated*, without extra alignment bits, and the result normalised by
+  truncation. Every one of the ``b + 1`` aligned terms then loses less than one unit in the last
+  place of the largest, and the normalisation another, so a block adds at most
+  ``(b + 2)·2⁻²³`` times the absolute sum so far; over ``⌈w/b⌉`` blocks that is at most
+  ``3w + 3`` such errors for any ``1 ≤ b ≤ w``: ``γ_{3w+3}`` at ``u = 2⁻²³``, and
+  ``η = 2⁻¹²⁶`` (subnormal products may be flushed).
+* any other float32 setting (TF32 on CUDA, implicit bfloat16 in the CPU's matmuls): no fast path,
+  the Grams are formed in float64 as before.
+
+With ``E = Ã − A``, ``F = G̃ − G``, ``ν = Σ (Ã − E)(G̃ − F)``, so
+
+``|ν − Σ Ã G̃| ≤ γ_a·nᵀ|G̃|n + γ_g·mᵀ|Ã|m + γ_a γ_g·M² + U``,
+
+``n_t ≥ ‖ã_t‖``, ``m_t ≥ ‖g_t‖``, ``M = Σ_t n_t m_t``, and ``U`` the underflow terms
+``2η·(w_a(Σ_t m_t)² + w_g(Σ_t n_t)²) + 3 w_a w_g η² T²``. ``nᵀ|G̃|n`` weighs each Gram entry by the
+row norms rather than ``M²``'s products of norms: for honest data it is a few times ``ν`` where
+``M²`` is about ``T·ν``, which is what keeps the bound within 10⁻³ of the norm. The inner products
+and the weighted sums are formed element-wise in float64 (no matmul; float32 products are exact
+there), whose own rounding (``γ^{(64)}_{2T+1}·(1 + γ_a)(1 + γ_g)·M²`` for ``Σ Ã G̃``, and relative
+``O(T·2⁻⁵³)`` on the non-negative terms) the factor ``1 + 2⁻²⁰`` on the slack covers.
+
+A sample whose bound is not finite (a value so large that a float32 Gram entry overflows) or loose
+(slack above ``LOOSE`` times the ghost norm: cancellation built into a crafted sample) gets the
+float64 Grams instead, for that sample only; on CUDA, where picking the samples would cost a host
+synchronisation per layer, a loose bound is kept as it is (it is an upper bound all the same) and
+a non-finite one stays non-finite (the engine drops that sample).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from .rounding import (ETA32, ETA64, ETA_TENSOR_CORE, gamma, gram_coefficient, operand_unit,
+                       unit_roundoff)
+
+#: the slack above which a fast bound is replaced by the float64 one: 2⁻¹⁰ of ``ν`` (a squared
+#: norm), so a kept fast bound is within 5·10⁻⁴ of the norm
+LOOSE = 2.0 ** -10
+#: relative margin on the slack for the float64 rounding of the slack terms themselves
+_MARGIN = 1 + 2.0 ** -20
+#: unit roundoff of the pessimistic tensor-core accumulation (truncation, float32)
+TENSOR_CORE_UNIT = 2.0 ** -23
+
+
+def tensor_core_gamma(width: int) -> float:
+    """Relative bound of a tensor-core dot product of ``width`` exact products accumulated in
+    float32 with truncated alignment and normalisation (module docstring): ``γ_{3w+3}`` at
+    ``u = 2⁻²³``."""
+    return gamma(3 * width + 3, TENSOR_CORE_UNIT)
+
+
+def _cpu_float32_is_ieee() -> bool:
+    """Whether float32 matmuls on the CPU are plain IEEE float32 (no implicit bfloat16)."""
+    try:
+        own = torch.backends.mkldnn.matmul.fp32_precision
+        if own != "none":
+            return own == "ieee"
+        return torch.get_float32_matmul_precision() == "highest"
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def fast_gram_model(t: torch.Tensor) -> Optional[Tuple[bool, float]]:
+    """``(tensor_core, η)`` of the fast Gram path for operands like ``t``, or None when there is
+    none (float64 operands, TF32 or implicit bfloat16 float32 matmuls)."""
+    if t.dtype == torch.float64 or not t.is_floating_point():
+        return None
+    if t.device.type == "cuda":
+        if t.element_size() == 2:
+            return True, ETA_TENSOR_CORE
+        return (False, ETA32) if operand_unit(torch.float32, t.device) == 0.0 else None
+    if t.device.type == "cpu" and not _cpu_float32_is_ieee():
+        return None
+    return False, ETA32
+
+
+def _gram32(t: torch.Tensor) -> torch.Tensor:
+    """``t tᵀ`` per sample as float32 ``(N, T, T)``: a float32 bmm, 16-bit operands accumulated in
+    float32 (tensor cores on CUDA, with rows padded for their kernels; widened on the CPU)."""
+    from .base import aligned_positions, wide_bmm
+
+    T = t.shape[1]
+    if t.element_size() == 2:
+        p = aligned_positions(t)
+        out = wide_bmm(p, p.transpose(1, 2))
+        return out[:, :T, :T] if p.shape[1] != T else out
+    return torch.bmm(t, t.transpose(1, 2))
+
+
+def _weighted_abs(gram: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``wᵀ|gram|w`` per sample (float64, element-wise: ``Σ_t w_t Σ_s |gram_ts| w_s``)."""
+    return (gram.abs() * w.unsqueeze(1)).sum(2).mul_(w).sum(1)
+
+
+def fast_ghost_bound(a: torch.Tensor, g: torch.Tensor, bias: bool, na: torch.Tensor,
+                     ng: torch.Tensor, tensor_core: bool, eta: float
+                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(bound, slack, ν̃)``: a float64 upper bound of ``ν_i = ⟨ã ãᵀ, g gᵀ⟩`` per sample from
+    Grams formed in float32 (module docstring), ``(max(ν̃, 0) + slack)·(1 + 2⁻⁵⁰)`` (the last
+    factor: the float64 addition), the slack, and the computed ghost norm ``max(ν̃, 0)``.
+
+    ``a: (N, T, D)``, ``g: (N, T, p)`` of one non-float64 dtype; ``na``, ``ng``: float64 ``(N, T)``
+    upper bounds of ``‖ã_t‖`` (bias column included) and ``‖g_t‖``."""
+    T = a.shape[1]
+    wa, wg = a.shape[2] + bias, g.shape[2]
+    if tensor_core:
+        ga, gg = tensor_core_gamma(wa), tensor_core_gamma(wg)
+    else:
+        u = unit_roundoff(torch.float32)
+        ga, gg = gamma(wa, u), gamma(wg, u)
+    aat = _gram32(a)
+    if bias:
+        aat.add_(1)  # one more float32 addition: the w_a-th term of the sum
+    A, G = aat.double(), _gram32(g).double()
+    del aat
+    nu = (A * G).sum(2).sum(1)
+    mass = (na * ng).sum(1)
+    sa, sg = na.sum(1), ng.sum(1)
+    inner = gamma(2 * T + 1, unit_roundoff(torch.float64)) * (1 + ga) * (1 + gg)
+    slack = (ga * _weighted_abs(G, na) + gg * _weighted_abs(A, ng)
+             + (ga * gg + inner) * mass * mass
+             + 2 * eta * (wa * sg * sg + wg * sa * sa) + 3.0 * wa * wg * eta * eta * T * T
+             + 4.0 * T * T * ETA64) * _MARGIN
+    nu = nu.clamp(min=0)
+    return (nu + slack) * (1 + 2.0 ** -50), slack, nu
+
+
+def float64_ghost_bound(a: torch.Tensor, g: torch.Tensor, bias: bool,
+                        mass: torch.Tensor) -> torch.Tensor:
+    """Upper bound of ``ν_i`` from Grams formed in float64 (exact products of float32 or 16-bit
+    values): ``max(ν̃, 0) + c·M²`` (:func:`private_engine.layers.rounding.gram_coefficient`)."""
+    from .base import gram_inner_float64
+
+    c_nu = gram_coefficient(a.shape[2] + bias, g.shape[2], a.shape[1],
+                            unit_roundoff(torch.float64))
+    nu = gram_inner_float64(a, g, bias)
+    return nu.clamp(min=0) + c_nu * mass * mass
+
+
+def certified_ghost_sq(a: torch.Tensor, g: torch.Tensor, bias: bool, na: torch.Tensor,
+                       ng: torch.Tensor) -> Optional[torch.Tensor]:
+    """A float64 upper bound ``(N,)`` of the ghost norm ``⟨ã ãᵀ, g gᵀ⟩``, every rounding included,
+    from fast Grams (:func:`fast_ghost_bound`) with the float64 Grams for the samples whose fast
+    bound is loose or not finite (off CUDA); None when the operands have no fast path
+    (:func:`fast_gram_model`: the caller keeps its float64 path)."""
+    model = fast_gram_model(a)
+    if model is None or a.shape[1] == 1:
+        return None
+    bound, slack, nu = fast_ghost_bound(a, g, bias, na, ng, *model)
+    if bound.device.type == "cuda":
+        return bound
+    bad = ~torch.isfinite(bound) | (slack > LOOSE * nu)
+    if bool(bad.any()):
+        idx = bad.nonzero().squeeze(1)
+        mass = (na[idx] * ng[idx]).sum(1) * (1 + gamma(na.shape[1] + 4,
+                                                         unit_roundoff(torch.float64)))
+        bound = bound.index_put((idx,), float64_ghost_bound(a[idx], g[idx], bias, mass))
+    return bound
