@@ -35,17 +35,22 @@ With ``E = Ã − A``, ``F = G̃ − G``, ``ν = Σ (Ã − E)(G̃ − F)``, so
 
 ``n_t ≥ ‖ã_t‖``, ``m_t ≥ ‖g_t‖``, ``M = Σ_t n_t m_t``, and ``U`` the underflow terms
 ``2η·(w_a(Σ_t m_t)² + w_g(Σ_t n_t)²) + 3 w_a w_g η² T²``. ``nᵀ|G̃|n`` weighs each Gram entry by the
-row norms rather than ``M²``'s products of norms: for honest data it is a few times ``ν`` where
-``M²`` is about ``T·ν``, which is what keeps the bound within 10⁻³ of the norm. The inner products
-and the weighted sums are formed element-wise in float64 (no matmul; float32 products are exact
-there), whose own rounding (``γ^{(64)}_{2T+1}·(1 + γ_a)(1 + γ_g)·M²`` for ``Σ Ã G̃``, and relative
-``O(T·2⁻⁵³)`` on the non-negative terms) the factor ``1 + 2⁻²⁰`` on the slack covers.
+row norms rather than ``M²``'s products of norms: for most honest layers it is a few times ``ν``
+where ``M²`` is about ``T·ν``, which is what keeps the bound within 10⁻³ of the norm. The inner
+products and the weighted sums are formed element-wise in float64 (no matmul; float32 products
+are exact there), whose own rounding is ``γ^{(64)}_{2T+1}·(1 + γ_a)(1 + γ_g)·M²`` for ``Σ Ã G̃``
+(added) and a relative ``O(T·2⁻⁵³)`` on the non-negative terms (the factor ``1 + 2⁻²⁰`` on the
+slack).
 
 A sample whose bound is not finite (a value so large that a float32 Gram entry overflows) or loose
-(slack above ``LOOSE`` times the ghost norm: cancellation built into a crafted sample) gets the
-float64 Grams instead, for that sample only; on CUDA, where picking the samples would cost a host
-synchronisation per layer, a loose bound is kept as it is (it is an upper bound all the same) and
-a non-finite one stays non-finite (the engine drops that sample).
+(slack above ``LOOSE`` times the ghost norm) gets a second try, for that sample only: Grams formed
+in blocks of ``CHUNK`` columns by float32 matmuls, the blocks' Grams summed in float64, which
+divides ``γ`` by ``width/CHUNK`` for the same float32 FLOPs (honest samples whose Gram of one side
+is nearly diagonal, e.g. image patches, while the other is dense, e.g. correlated gradients: the
+weighted sum ``nᵀ|G̃|n`` is then about ``T·ν``). A sample still loose (cancellation built into a
+crafted sample) gets the float64 Grams. On CUDA, where picking the samples would cost a host
+synchronisation per layer, there is no second try: a loose bound is kept as it is (it is an upper
+bound all the same) and a non-finite one stays non-finite (the engine drops that sample).
 """
 from __future__ import annotations
 
@@ -56,11 +61,13 @@ import torch
 from .rounding import (ETA32, ETA64, ETA_TENSOR_CORE, gamma, gram_coefficient, operand_unit,
                        unit_roundoff)
 
-#: the slack above which a fast bound is replaced by the float64 one: 2⁻¹⁰ of ``ν`` (a squared
-#: norm), so a kept fast bound is within 5·10⁻⁴ of the norm
+#: the slack above which a fast bound is computed again (blocked Grams, then float64 Grams): 2⁻¹⁰
+#: of ``ν`` (a squared norm), so a kept fast bound is within 5·10⁻⁴ of the norm
 LOOSE = 2.0 ** -10
 #: relative margin on the slack for the float64 rounding of the slack terms themselves
 _MARGIN = 1 + 2.0 ** -20
+#: columns per block of the second try's Grams (:func:`_gram_chunked`)
+CHUNK = 64
 #: unit roundoff of the pessimistic tensor-core accumulation (truncation, float32)
 TENSOR_CORE_UNIT = 2.0 ** -23
 
@@ -110,32 +117,62 @@ def _gram32(t: torch.Tensor) -> torch.Tensor:
     return torch.bmm(t, t.transpose(1, 2))
 
 
+def _gram_chunked(t: torch.Tensor, chunk: int) -> torch.Tensor:
+    """``t tᵀ`` per sample as float64 ``(N, T, T)``: the columns split into ``⌈w/chunk⌉`` blocks
+    (zero-padded: exact), each block's Gram formed by one batched float32 matmul
+    (:func:`_gram32`), the blocks' Grams summed in float64."""
+    N, T, w = t.shape
+    blocks = -(-w // chunk)
+    if blocks * chunk != w:
+        t = torch.nn.functional.pad(t, (0, blocks * chunk - w))
+    parts = t.reshape(N, T, blocks, chunk).permute(0, 2, 1, 3).reshape(N * blocks, T, chunk)
+    return _gram32(parts).reshape(N, blocks, T, T).double().sum(1)
+
+
+def gram_gamma(width: int, tensor_core: bool, chunk: Optional[int] = None) -> float:
+    """Relative bound ``γ`` of a Gram entry over ``width`` exact products (module docstring):
+    ``γ_w`` at ``u = 2⁻²⁴`` (or the tensor cores' ``γ_{3w+3}`` at ``2⁻²³``) for one float32
+    accumulation; with ``chunk``, blocks of ``chunk`` products accumulated so and the blocks' sums
+    added in float64, ``γ_chunk + 2·γ^{(64)}_{blocks+1}`` (the float64 sum's error is at most
+    ``γ^{(64)}`` of the blocks' absolute values, each within ``1 + γ_chunk`` of its absolute
+    sum)."""
+    n = width if chunk is None else min(chunk, width)
+    own = tensor_core_gamma(n) if tensor_core else gamma(n, unit_roundoff(torch.float32))
+    if chunk is None:
+        return own
+    return own + 2 * gamma(-(-width // chunk) + 1, unit_roundoff(torch.float64))
+
+
 def _weighted_abs(gram: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``wᵀ|gram|w`` per sample (float64, element-wise: ``Σ_t w_t Σ_s |gram_ts| w_s``)."""
     return (gram.abs() * w.unsqueeze(1)).sum(2).mul_(w).sum(1)
 
 
 def fast_ghost_bound(a: torch.Tensor, g: torch.Tensor, bias: bool, na: torch.Tensor,
-                     ng: torch.Tensor, tensor_core: bool, eta: float
+                     ng: torch.Tensor, tensor_core: bool, eta: float,
+                     chunk: Optional[int] = None
                      ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(bound, slack, ν̃)``: a float64 upper bound of ``ν_i = ⟨ã ãᵀ, g gᵀ⟩`` per sample from
     Grams formed in float32 (module docstring), ``(max(ν̃, 0) + slack)·(1 + 2⁻⁵⁰)`` (the last
     factor: the float64 addition), the slack, and the computed ghost norm ``max(ν̃, 0)``.
 
     ``a: (N, T, D)``, ``g: (N, T, p)`` of one non-float64 dtype; ``na``, ``ng``: float64 ``(N, T)``
-    upper bounds of ``‖ã_t‖`` (bias column included) and ``‖g_t‖``."""
+    upper bounds of ``‖ã_t‖`` (bias column included) and ``‖g_t‖``. ``chunk``: Grams formed in
+    blocks of that many columns whose float32 Grams are summed in float64
+    (:func:`gram_gamma`: a bound ``width/chunk`` times tighter, for the same float32 FLOPs)."""
     T = a.shape[1]
     wa, wg = a.shape[2] + bias, g.shape[2]
-    if tensor_core:
-        ga, gg = tensor_core_gamma(wa), tensor_core_gamma(wg)
+    ga, gg = gram_gamma(wa, tensor_core, chunk), gram_gamma(wg, tensor_core, chunk)
+    if chunk is None:
+        aat = _gram32(a)
+        if bias:
+            aat.add_(1)  # one more float32 addition: the w_a-th term of the sum
+        A, G = aat.double(), _gram32(g).double()
+        del aat
     else:
-        u = unit_roundoff(torch.float32)
-        ga, gg = gamma(wa, u), gamma(wg, u)
-    aat = _gram32(a)
-    if bias:
-        aat.add_(1)  # one more float32 addition: the w_a-th term of the sum
-    A, G = aat.double(), _gram32(g).double()
-    del aat
+        A, G = _gram_chunked(a, chunk), _gram_chunked(g, chunk)
+        if bias:
+            A.add_(1)  # one more float64 addition
     nu = (A * G).sum(2).sum(1)
     mass = (na * ng).sum(1)
     sa, sg = na.sum(1), ng.sum(1)
@@ -170,12 +207,64 @@ def certified_ghost_sq(a: torch.Tensor, g: torch.Tensor, bias: bool, na: torch.T
     if model is None or a.shape[1] == 1:
         return None
     bound, slack, nu = fast_ghost_bound(a, g, bias, na, ng, *model)
+
+    def exact(idx: torch.Tensor) -> torch.Tensor:
+        mass = (na[idx] * ng[idx]).sum(1) * (1 + gamma(na.shape[1] + 4,
+                                                         unit_roundoff(torch.float64)))
+        return float64_ghost_bound(a[idx], g[idx], bias, mass)
+
+    def chunked(idx: torch.Tensor) -> torch.Tensor:
+        if max(a.shape[2], g.shape[2]) < 2 * CHUNK:
+            return exact(idx)
+        b2, s2, n2 = fast_ghost_bound(a[idx], g[idx], bias, na[idx], ng[idx], *model,
+                                      chunk=CHUNK)
+        return refine(b2, s2, n2, lambda j: exact(idx[j]))
+
+    return refine(bound, slack, nu, chunked)
+
+
+def refine(bound: torch.Tensor, slack: torch.Tensor, nu: torch.Tensor, exact) -> torch.Tensor:
+    """``bound`` with the samples whose fast bound is not finite or loose (``slack > LOOSE·ν̃``)
+    replaced by ``exact(indices)`` (float64 Grams) — off CUDA; on CUDA ``bound`` as it is (no host
+    synchronisation; a loose bound is an upper bound all the same, a non-finite one drops the
+    sample)."""
     if bound.device.type == "cuda":
         return bound
     bad = ~torch.isfinite(bound) | (slack > LOOSE * nu)
-    if bool(bad.any()):
-        idx = bad.nonzero().squeeze(1)
-        mass = (na[idx] * ng[idx]).sum(1) * (1 + gamma(na.shape[1] + 4,
-                                                         unit_roundoff(torch.float64)))
-        bound = bound.index_put((idx,), float64_ghost_bound(a[idx], g[idx], bias, mass))
-    return bound
+    if not bool(bad.any()):
+        return bound
+    idx = bad.nonzero().squeeze(1)
+    return bound.index_put((idx,), exact(idx))
+
+
+def certified_token_ghost_sq(ids: torch.Tensor, g: torch.Tensor,
+                             ng: torch.Tensor) -> Optional[torch.Tensor]:
+    """A float64 upper bound ``(N,)`` of an embedding's ghost norm ``ν = Σ_{t,s} 1[x_t = x_s]·G_ts``
+    (``ids: (N, T)`` token ids, ``g: (N, T, p)``, ``ng`` float64 upper bounds of ``‖g_t‖``) from
+    the Gram ``G̃ = g gᵀ`` formed in float32: the token-equality side is exact, so
+    ``|ν − Σ S G̃| ≤ γ_p·mᵀ S m + p·η·T²`` (module docstring), with the float64 Gram for the
+    samples whose bound is loose or not finite (off CUDA); None when ``g`` has no fast path."""
+    model = fast_gram_model(g)
+    T, p = g.shape[1], g.shape[2]
+    if model is None or T == 1:
+        return None
+    tensor_core, eta = model
+    gg = tensor_core_gamma(p) if tensor_core else gamma(p, unit_roundoff(torch.float32))
+    same = (ids.unsqueeze(2) == ids.unsqueeze(1)).to(torch.float64)
+    nu = _gram32(g).double().mul_(same).sum(2).sum(1)
+    weighted = (same * ng.unsqueeze(1)).sum(2).mul_(ng).sum(1)
+    mass = ng.sum(1)
+    inner = gamma(2 * T + 1, unit_roundoff(torch.float64)) * (1 + gg)
+    slack = (gg * weighted + inner * mass * mass + 2 * p * eta * T * T
+             + 4.0 * T * T * ETA64) * _MARGIN
+    nu = nu.clamp(min=0)
+    bound = (nu + slack) * (1 + 2.0 ** -50)
+
+    def exact(idx: torch.Tensor) -> torch.Tensor:
+        gi = g[idx].double()
+        nu64 = torch.bmm(gi, gi.transpose(1, 2)).mul_(same[idx]).sum(2).sum(1)
+        m = mass[idx] * (1 + gamma(T + 4, unit_roundoff(torch.float64)))
+        c_nu = gram_coefficient(1, p, T, unit_roundoff(torch.float64))
+        return nu64.clamp(min=0) + c_nu * m * m
+
+    return refine(bound, slack, nu, exact)

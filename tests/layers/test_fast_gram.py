@@ -106,3 +106,30 @@ def test_honest_bound_within_1e_3_of_the_norm(dtype, bias, shape):
     got, ref = bound_of(a, g, bias), exact_sq(a, g, bias)
     rel = got.sqrt() / ref.sqrt() - 1
     assert bool((rel >= 0).all()) and bool((rel <= 1e-3).all()), rel.tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nearly_diagonal_gram_against_a_dense_one_takes_the_blocked_grams(dtype):
+    """Image-patch-like inputs (a nearly diagonal Gram) with correlated output gradients (a dense
+    one): the one-pass float32 bound is loose, the blocked float32 Grams (float64 block sums, no
+    float64 matmul) bring it within 10⁻³ of the norm."""
+    gen = gen_for(12)
+    a = torch.randn(2, 196, 768, generator=gen).to(dtype)
+    g = (torch.randn(1, 1, 256, generator=gen)
+         + 0.05 * torch.randn(2, 196, 256, generator=gen)).to(dtype)
+    na, ng = pair_norms(a, g, True)
+    _, slack, nu = fast_ghost_bound(a, g, True, na, ng, False, 2.0 ** -149)
+    assert bool((slack > 2e-3 * nu).all())
+    got, ref = bound_of(a, g, True), exact_sq(a, g, True)
+    rel = got.sqrt() / ref.sqrt() - 1
+    assert bool((rel >= 0).all()) and bool((rel <= 1e-3).all()), rel.tolist()
+
+
+def test_blocked_gram_gamma_is_the_block_s_plus_the_float64_sum():
+    from private_engine.layers.gram import gram_gamma
+    from private_engine.layers.rounding import gamma, unit_roundoff
+
+    u32, u64 = unit_roundoff(torch.float32), unit_roundoff(torch.float64)
+    assert gram_gamma(768, False) == gamma(768, u32)
+    assert gram_gamma(768, False, 64) == gamma(64, u32) + 2 * gamma(13, u64)
+    assert gram_gamma(769, False, 64) == gamma(64, u32) + 2 * gamma(14, u64)

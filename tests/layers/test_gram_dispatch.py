@@ -67,7 +67,15 @@ def _grouped_conv_pairs():
                    torch.randn(2, 6, 3, 3, generator=gen))]
 
 
-@pytest.mark.parametrize("case", [_linear_pairs, _conv_pairs, _grouped_conv_pairs])
+def _embedding_pairs():
+    gen = gen_for(9)
+    emb = nn.Embedding(5, 12)
+    return emb, [(torch.randint(0, 5, (3, 16), generator=gen),
+                  torch.randn(3, 16, 12, generator=gen))]
+
+
+@pytest.mark.parametrize("case", [_linear_pairs, _conv_pairs, _grouped_conv_pairs,
+                                  _embedding_pairs])
 def test_honest_float32_certified_norms_dispatch_no_float64_matmul(case):
     module, pairs = case()
     rule = find_rule(module)
@@ -75,7 +83,8 @@ def test_honest_float32_certified_norms_dispatch_no_float64_matmul(case):
         bound = rule.certified_norm_sq(module, pairs, True)
     assert seen.seen, "no matmul seen: the Grams were not formed"
     assert all(dt != torch.float64 for _, dt in seen.seen), seen.seen
-    grads = rule.per_sample_grads(module, [(a.double(), g.double()) for a, g in pairs])
+    wide = [(a if not a.is_floating_point() else a.double(), g.double()) for a, g in pairs]
+    grads = rule.per_sample_grads(module, wide)
     ref = sum(t.flatten(1).square().sum(1) for t in grads.values())
     assert bool((bound >= ref).all())
     assert torch.allclose(bound.sqrt(), ref.sqrt(), rtol=1e-3, atol=0)
@@ -92,3 +101,41 @@ def test_crafted_float32_sample_alone_takes_float64_matmuls():
     ref = exact_sq(a, g)
     assert bool((bound >= ref).all())
     assert torch.allclose(bound[1:].sqrt(), ref[1:].sqrt(), rtol=1e-3, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_embedding_repeated_token_that_cancels_is_bounded(dtype):
+    """A token repeated at two positions with opposite gradients: the float32 Gram's bound is
+    loose, the float64 Gram replaces it, and the bound covers the exact norm."""
+    emb = nn.Embedding(5, 12)
+    gen = gen_for(10)
+    ids = torch.randint(0, 5, (3, 6), generator=gen)
+    g = torch.randn(3, 6, 12, generator=gen)
+    ids[0, 0] = ids[0, 1] = 2
+    g[0, 1] = -g[0, 0] * (1 + 2 ** -7)
+    g[0, 0] *= 1e4
+    g[0, 1] *= 1e4
+    g = g.to(dtype)
+    rule = find_rule(emb)
+    with MatmulDtypes() as seen:
+        bound = rule.certified_norm_sq(emb, [(ids, g)], True)
+    assert any(dt == torch.float64 for _, dt in seen.seen)  # the crafted sample's float64 Gram
+    ref = rule.per_sample_grads(emb, [(ids, g.double())])["weight"].flatten(1).square().sum(1)
+    assert bool((bound >= ref).all())
+    assert torch.allclose(bound[1:].sqrt(), ref[1:].sqrt(), rtol=1e-3, atol=0)
+
+
+def test_patch_like_inputs_with_correlated_gradients_stay_in_float32():
+    """A layer whose one-pass float32 bound is loose for honest samples (nearly orthogonal inputs,
+    correlated gradients) is bounded again with blocked float32 Grams, not float64 ones."""
+    gen = gen_for(13)
+    lin = nn.Linear(768, 256)
+    a = torch.randn(2, 196, 768, generator=gen)
+    g = torch.randn(1, 1, 256, generator=gen) + 0.05 * torch.randn(2, 196, 256, generator=gen)
+    rule = find_rule(lin)
+    with MatmulDtypes() as seen:
+        bound = rule.certified_norm_sq(lin, [(a, g)], True)
+    assert all(dt != torch.float64 for _, dt in seen.seen), seen.seen
+    ref = exact_sq(a, g)
+    assert bool((bound >= ref).all())
+    assert torch.allclose(bound.sqrt(), ref.sqrt(), rtol=2e-3, atol=0)
