@@ -14,9 +14,9 @@ a Gram entry ``Ã_ts = fl(Σ_k ã_tk ã_sk)`` over ``w`` columns satisfies
 ``|Ã_ts − A_ts| ≤ γ_w·Σ_k |ã_tk||ã_sk| + w·η ≤ γ_w·n_t n_s + w·η`` (``γ_n = n·u/(1 − n·u)``,
 Cauchy–Schwarz with ``n_t ≥ ‖ã_t‖``; ``η`` the absolute loss of a product below the normal range).
 
-* float32 operands on the CPU, and 16-bit operands widened to float32 there: products exact in
-  float32 (a 16-bit product has at most 22 significant bits), sums rounded to nearest,
-  ``u = 2⁻²⁴``, ``η = 2⁻¹⁴⁹``; float32 on CUDA when TF32 is off likewise.
+* float32 operands on the CPU, and 16-bit operands widened to float32 there: products and sums
+  rounded to nearest (or fused), ``u = 2⁻²⁴``, ``γ_w`` covering both (Higham 2002, eq. 3.5),
+  ``η = 2⁻¹⁴⁹``; float32 on CUDA when TF32 is off likewise.
 * 16-bit operands on CUDA (tensor cores), the pessimistic model of Fasi, Higham, Mikaitis &
   Pranesh 2021, "Numerical behavior of NVIDIA tensor cores": products exact; each block of ``b``
   products is added to the float32 accumulator with the significands aligned to the largest
@@ -64,6 +64,10 @@ from .rounding import (ETA32, ETA64, ETA_TENSOR_CORE, gamma, gram_coefficient, o
 #: the slack above which a fast bound is computed again (blocked Grams, then float64 Grams): 2⁻¹⁰
 #: of ``ν`` (a squared norm), so a kept fast bound is within 5·10⁻⁴ of the norm
 LOOSE = 2.0 ** -10
+#: a slack below this (a squared norm of 8·10⁻³¹) is not worth a second try, loose or not: a sample
+#: whose gradient at the layer is zero or tiny, whose slack is the underflow terms of float32
+#: (about ``2⁻¹⁴⁹·T²·w``)
+NEGLIGIBLE = 2.0 ** -100
 #: relative margin on the slack for the float64 rounding of the slack terms themselves
 _MARGIN = 1 + 2.0 ** -20
 #: columns per block of the second try's Grams (:func:`_gram_chunked`)
@@ -224,13 +228,13 @@ def certified_ghost_sq(a: torch.Tensor, g: torch.Tensor, bias: bool, na: torch.T
 
 
 def refine(bound: torch.Tensor, slack: torch.Tensor, nu: torch.Tensor, exact) -> torch.Tensor:
-    """``bound`` with the samples whose fast bound is not finite or loose (``slack > LOOSE·ν̃``)
-    replaced by ``exact(indices)`` (float64 Grams) — off CUDA; on CUDA ``bound`` as it is (no host
-    synchronisation; a loose bound is an upper bound all the same, a non-finite one drops the
-    sample)."""
+    """``bound`` with the samples whose fast bound is not finite or loose (``slack > LOOSE·ν̃`` and
+    above ``NEGLIGIBLE``) replaced by ``exact(indices)`` (a tighter try) — off CUDA; on CUDA
+    ``bound`` as it is (no host synchronisation; a loose bound is an upper bound all the same, a
+    non-finite one drops the sample)."""
     if bound.device.type == "cuda":
         return bound
-    bad = ~torch.isfinite(bound) | (slack > LOOSE * nu)
+    bad = ~torch.isfinite(bound) | ((slack > LOOSE * nu) & (slack > NEGLIGIBLE))
     if not bool(bad.any()):
         return bound
     idx = bad.nonzero().squeeze(1)

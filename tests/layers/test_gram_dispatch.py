@@ -139,3 +139,16 @@ def test_patch_like_inputs_with_correlated_gradients_stay_in_float32():
     ref = exact_sq(a, g)
     assert bool((bound >= ref).all())
     assert torch.allclose(bound.sqrt(), ref.sqrt(), rtol=2e-3, atol=0)
+
+
+def test_a_sample_with_a_zero_gradient_takes_no_second_try():
+    """A zero output gradient (ν̃ = 0, a slack of underflow terms only) takes no float64 Grams."""
+    lin, pairs = _linear_pairs()
+    a, g = pairs[0]
+    g = g.clone()
+    g[1] = 0
+    rule = find_rule(lin)
+    with MatmulDtypes() as seen:
+        bound = rule.certified_norm_sq(lin, [(a, g)], True)
+    assert all(dt != torch.float64 for _, dt in seen.seen), seen.seen
+    assert 0 <= bound[1] < 1e-30
