@@ -29,18 +29,19 @@ Cauchy–Schwarz with ``n_t ≥ ‖ã_t‖``; ``η`` the absolute loss of a prod
 * any other float32 setting (TF32 on CUDA, implicit bfloat16 in the CPU's matmuls): no fast path,
   the Grams are formed in float64 as before.
 
-With ``E = Ã − A``, ``F = G̃ − G``, ``ν = Σ (Ã − E)(G̃ − F)``, so
+The loss below the normal range is folded into ``γ``: with row norms raised to
+``n'_t = n_t + c_a``, ``γ_a·c_a² = 2·w_a·η``, ``γ_a·n'_t n'_s ≥ γ_a·n_t n_s + 2·w_a·η``, so
+``|E_ts| ≤ γ_a·n'_t n'_s`` for ``E = Ã − A`` (and ``|F_ts| ≤ γ_g·m'_t m'_s`` for ``F = G̃ − G``,
+``m_t ≥ ‖g_t‖``). Since ``ν = Σ (Ã − E)(G̃ − F)``,
 
-``|ν − Σ Ã G̃| ≤ γ_a·nᵀ|G̃|n + γ_g·mᵀ|Ã|m + γ_a γ_g·M² + U``,
+``|ν − Σ Ã G̃| ≤ γ_a·n'ᵀ|G̃|n' + γ_g·m'ᵀ|Ã|m' + γ_a γ_g·M'²``,  ``M' = Σ_t n'_t m'_t``.
 
-``n_t ≥ ‖ã_t‖``, ``m_t ≥ ‖g_t‖``, ``M = Σ_t n_t m_t``, and ``U`` the underflow terms
-``2η·(w_a(Σ_t m_t)² + w_g(Σ_t n_t)²) + 3 w_a w_g η² T²``. ``nᵀ|G̃|n`` weighs each Gram entry by the
-row norms rather than ``M²``'s products of norms: for most honest layers it is a few times ``ν``
-where ``M²`` is about ``T·ν``, which is what keeps the bound within 10⁻³ of the norm. The inner
-products and the weighted sums are formed element-wise in float64 (no matmul; float32 products
-are exact there), whose own rounding is ``γ^{(64)}_{2T+1}·(1 + γ_a)(1 + γ_g)·M²`` for ``Σ Ã G̃``
-(added) and a relative ``O(T·2⁻⁵³)`` on the non-negative terms (the factor ``1 + 2⁻²⁰`` on the
-slack).
+``n'ᵀ|G̃|n'`` weighs each Gram entry by the row norms rather than ``M²``'s products of norms: for
+most honest layers it is a few times ``ν`` where ``M²`` is about ``T·ν``, which is what keeps the
+bound within 10⁻³ of the norm. The inner product and the weighted sums are formed element-wise in
+float64 (no matmul; float32 products are exact there), whose own rounding is
+``γ^{(64)}_{T²+2}·(1 + γ_a)(1 + γ_g)·M'²`` for ``Σ Ã G̃`` (added) and a relative ``O(T²·2⁻⁵³)``
+on the non-negative terms (a factor ``1 + 2·γ^{(64)}_{T²+8}`` on the slack).
 
 A sample whose bound is not finite (a value so large that a float32 Gram entry overflows) or loose
 (slack above ``LOOSE`` times the ghost norm) gets a second try, for that sample only: Grams formed
@@ -54,6 +55,7 @@ bound all the same) and a non-finite one stays non-finite (the engine drops that
 """
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -68,8 +70,6 @@ LOOSE = 2.0 ** -10
 #: whose gradient at the layer is zero or tiny, whose slack is the underflow terms of float32
 #: (about ``2⁻¹⁴⁹·T²·w``)
 NEGLIGIBLE = 2.0 ** -100
-#: relative margin on the slack for the float64 rounding of the slack terms themselves
-_MARGIN = 1 + 2.0 ** -20
 #: columns per block of the second try's Grams (:func:`_gram_chunked`)
 CHUNK = 64
 #: unit roundoff of the pessimistic tensor-core accumulation (truncation, float32)
@@ -147,9 +147,24 @@ def gram_gamma(width: int, tensor_core: bool, chunk: Optional[int] = None) -> fl
     return own + 2 * gamma(-(-width // chunk) + 1, unit_roundoff(torch.float64))
 
 
-def _weighted_abs(gram: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``wᵀ|gram|w`` per sample (float64, element-wise: ``Σ_t w_t Σ_s |gram_ts| w_s``)."""
-    return (gram.abs() * w.unsqueeze(1)).sum(2).mul_(w).sum(1)
+def _margin(T: int) -> float:
+    """``1 + 2·γ^{(64)}_{T²+8}``: the relative rounding of the slack's own float64 terms (products
+    of float64 values, sums of ``T²`` non-negative terms), doubled."""
+    return 1 + 2 * gamma(T * T + 8, unit_roundoff(torch.float64))
+
+
+def _floored(norms: torch.Tensor, width: int, eta: float, g: float) -> torch.Tensor:
+    """``√(γ·margin)·(n + c)`` with ``γ·c² = 2·width·η``: row norms raised so that ``γ·n'_t n'_s``
+    also covers what a Gram entry of ``width`` products loses below the normal range
+    (``(n_t + c)(n_s + c) ≥ n_t n_s + c²``), and scaled so that their outer product carries
+    ``γ`` and the margin (:func:`_margin`)."""
+    margin = _margin(norms.shape[1])
+    return (norms + math.sqrt(2 * width * eta / g)).mul_(math.sqrt(g * margin))
+
+
+def _outer(v: torch.Tensor) -> torch.Tensor:
+    """``v vᵀ`` per sample, element-wise: ``(N, T) -> (N, T, T)``."""
+    return v.unsqueeze(2) * v.unsqueeze(1)
 
 
 def fast_ghost_bound(a: torch.Tensor, g: torch.Tensor, bias: bool, na: torch.Tensor,
@@ -159,6 +174,10 @@ def fast_ghost_bound(a: torch.Tensor, g: torch.Tensor, bias: bool, na: torch.Ten
     """``(bound, slack, ν̃)``: a float64 upper bound of ``ν_i = ⟨ã ãᵀ, g gᵀ⟩`` per sample from
     Grams formed in float32 (module docstring), ``(max(ν̃, 0) + slack)·(1 + 2⁻⁵⁰)`` (the last
     factor: the float64 addition), the slack, and the computed ghost norm ``max(ν̃, 0)``.
+
+    ``slack = γ_a·n'ᵀ|G̃|n' + γ_g·m'ᵀ|Ã|m' + (γ_aγ_g + γ^{(64)}_{T²+2}(1 + γ_a)(1 + γ_g))·M'²``
+    (times :func:`_margin`, plus ``4T²·2⁻¹⁰⁷⁴``) with the row norms raised by the underflow floor
+    (:func:`_floored`: ``U`` of the module docstring folded into ``γ``) and ``M' = Σ_t n'_t m'_t``.
 
     ``a: (N, T, D)``, ``g: (N, T, p)`` of one non-float64 dtype; ``na``, ``ng``: float64 ``(N, T)``
     upper bounds of ``‖ã_t‖`` (bias column included) and ``‖g_t‖``. ``chunk``: Grams formed in
@@ -177,16 +196,17 @@ def fast_ghost_bound(a: torch.Tensor, g: torch.Tensor, bias: bool, na: torch.Ten
         A, G = _gram_chunked(a, chunk), _gram_chunked(g, chunk)
         if bias:
             A.add_(1)  # one more float64 addition
-    nu = (A * G).sum(2).sum(1)
-    mass = (na * ng).sum(1)
-    sa, sg = na.sum(1), ng.sum(1)
-    inner = gamma(2 * T + 1, unit_roundoff(torch.float64)) * (1 + ga) * (1 + gg)
-    slack = (ga * _weighted_abs(G, na) + gg * _weighted_abs(A, ng)
-             + (ga * gg + inner) * mass * mass
-             + 2 * eta * (wa * sg * sg + wg * sa * sa) + 3.0 * wa * wg * eta * eta * T * T
-             + 4.0 * T * T * ETA64) * _MARGIN
-    nu = nu.clamp(min=0)
-    return (nu + slack) * (1 + 2.0 ** -50), slack, nu
+    # one reduction of T² products (exact for float32 Grams, rounded once for blocked ones)
+    nu = (A * G).sum((1, 2)).clamp_(min=0)
+    n2, m2 = _floored(na, wa, eta, ga), _floored(ng, wg, eta, gg)
+    weighted = _outer(n2).mul_(G.abs_()).addcmul_(_outer(m2), A.abs_()).sum((1, 2))
+    del A, G
+    inner = gamma(T * T + 2, unit_roundoff(torch.float64)) * (1 + ga) * (1 + gg)
+    # (Σ n2·m2)² = γ_aγ_g·margin²·M'²
+    cross = (n2 * m2).sum(1)
+    slack = torch.addcmul(weighted, cross, cross, value=1 + inner / (ga * gg)).add_(
+        4.0 * T * T * ETA64)
+    return (nu + slack).mul_(1 + 2.0 ** -50), slack, nu
 
 
 def float64_ghost_bound(a: torch.Tensor, g: torch.Tensor, bias: bool,
@@ -234,10 +254,10 @@ def refine(bound: torch.Tensor, slack: torch.Tensor, nu: torch.Tensor, exact) ->
     non-finite one drops the sample)."""
     if bound.device.type == "cuda":
         return bound
-    bad = ~torch.isfinite(bound) | ((slack > LOOSE * nu) & (slack > NEGLIGIBLE))
-    if not bool(bad.any()):
+    ok = slack <= (LOOSE * nu).clamp_(min=NEGLIGIBLE)  # False for NaN and inf slacks
+    if bool(ok.all()):
         return bound
-    idx = bad.nonzero().squeeze(1)
+    idx = (~ok).nonzero().squeeze(1)
     return bound.index_put((idx,), exact(idx))
 
 
@@ -246,28 +266,29 @@ def certified_token_ghost_sq(ids: torch.Tensor, g: torch.Tensor,
     """A float64 upper bound ``(N,)`` of an embedding's ghost norm ``ν = Σ_{t,s} 1[x_t = x_s]·G_ts``
     (``ids: (N, T)`` token ids, ``g: (N, T, p)``, ``ng`` float64 upper bounds of ``‖g_t‖``) from
     the Gram ``G̃ = g gᵀ`` formed in float32: the token-equality side is exact, so
-    ``|ν − Σ S G̃| ≤ γ_p·mᵀ S m + p·η·T²`` (module docstring), with the float64 Gram for the
-    samples whose bound is loose or not finite (off CUDA); None when ``g`` has no fast path."""
+    ``|ν − Σ S G̃| ≤ γ_p·m'ᵀ S m'`` (module docstring; ``m'`` the row norms raised by the underflow
+    floor, :func:`_floored`), plus the float64 sum's ``γ^{(64)}_{T²+2}(1 + γ_p)(Σ_t m'_t)²``; the
+    float64 Gram for the samples whose bound is loose or not finite (off CUDA); None when ``g`` has
+    no fast path."""
     model = fast_gram_model(g)
     T, p = g.shape[1], g.shape[2]
     if model is None or T == 1:
         return None
     tensor_core, eta = model
-    gg = tensor_core_gamma(p) if tensor_core else gamma(p, unit_roundoff(torch.float32))
+    gg = gram_gamma(p, tensor_core)
     same = (ids.unsqueeze(2) == ids.unsqueeze(1)).to(torch.float64)
-    nu = _gram32(g).double().mul_(same).sum(2).sum(1)
-    weighted = (same * ng.unsqueeze(1)).sum(2).mul_(ng).sum(1)
-    mass = ng.sum(1)
-    inner = gamma(2 * T + 1, unit_roundoff(torch.float64)) * (1 + gg)
-    slack = (gg * weighted + inner * mass * mass + 2 * p * eta * T * T
-             + 4.0 * T * T * ETA64) * _MARGIN
-    nu = nu.clamp(min=0)
-    bound = (nu + slack) * (1 + 2.0 ** -50)
+    nu = _gram32(g).double().mul_(same).sum((1, 2)).clamp_(min=0)
+    m2 = _floored(ng, p, eta, gg)
+    weighted = _outer(m2).mul_(same).sum((1, 2))
+    inner = gamma(T * T + 2, unit_roundoff(torch.float64)) * (1 + gg)
+    cross = m2.sum(1)  # √(γ_g·margin)·Σ_t m'_t
+    slack = torch.addcmul(weighted, cross, cross, value=inner / gg).add_(4.0 * T * T * ETA64)
+    bound = (nu + slack).mul_(1 + 2.0 ** -50)
 
     def exact(idx: torch.Tensor) -> torch.Tensor:
         gi = g[idx].double()
         nu64 = torch.bmm(gi, gi.transpose(1, 2)).mul_(same[idx]).sum(2).sum(1)
-        m = mass[idx] * (1 + gamma(T + 4, unit_roundoff(torch.float64)))
+        m = ng[idx].sum(1) * (1 + gamma(T + 4, unit_roundoff(torch.float64)))
         c_nu = gram_coefficient(1, p, T, unit_roundoff(torch.float64))
         return nu64.clamp(min=0) + c_nu * m * m
 
