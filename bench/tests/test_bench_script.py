@@ -357,6 +357,16 @@ def test_host_overhead_proxy_runs(capsys):
     assert "aten ops/step" in out and "kernels/step" in out
 
 
+def test_float64_flops_counts_a_step_by_dtype(capsys):
+    """The proxy's ghost layers form their Grams in float32: no float64 matmul FLOPs."""
+    from bench.investigate import float64_flops as module
+
+    result = module.main(["--width", "64", "--img-size", "32", "--mode", "bk", "--steps", "1"])
+    assert result["gflop"]["torch.float32"] > 0
+    assert result["float64_share"] == 0.0
+    assert "float64 share 0.0000" in capsys.readouterr().out
+
+
 def test_host_ab_runs_against_a_checkout(capsys, tmp_path):
     from bench.investigate import host_ab as module
 
@@ -468,7 +478,8 @@ def test_cpu_peak_memory_is_the_childs_own_not_its_parents():
 
 @pytest.mark.parametrize("script", ["bench_clipping.py", "investigate/host_overhead.py",
                                     "investigate/host_ab.py", "investigate/profile_step.py",
-                                    "investigate/ddp_scaling.py", "bench_cpu_noise.py"])
+                                    "investigate/ddp_scaling.py", "bench_cpu_noise.py",
+                                    "investigate/float64_flops.py"])
 def test_scripts_run_from_anywhere(script, tmp_path):
     """Every script runs by its path (the Makefile's and the docs' commands), from any directory."""
     import subprocess

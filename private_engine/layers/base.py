@@ -230,25 +230,35 @@ def gram_inner(a: torch.Tensor, g: torch.Tensor, bias: bool = False) -> torch.Te
     its rounding is provably small against ``M² = (Σ_t ‖ã_t‖‖g_t‖)²`` (:func:`gram_unit`,
     :func:`private_engine.layers.rounding.gram_coefficient`): the Gram matrices in float64 (products
     of float32 or 16-bit values are exact there), or, for 16-bit CUDA operands, by a matmul that
-    accumulates and returns float32; their inner product always in float64.
+    accumulates and returns float32; their inner product always in float64. The certified norms
+    form the Grams in float32 and bound their rounding per sample instead
+    (:func:`private_engine.layers.gram.certified_ghost_sq`).
     """
     if a.shape[1] == 1:
         a_sq = row_norm_sq(a)
         return (a_sq + 1 if bias else a_sq) * row_norm_sq(g)
     if gram_unit(a) == unit_roundoff(torch.float64):
-        a, g = a.double(), g.double()
-        aat = torch.bmm(a, a.transpose(1, 2))
-        ggt = torch.bmm(g, g.transpose(1, 2))
-    else:  # 16-bit CUDA operands: exact products accumulated in float32 by the tensor cores
-        a, g = aligned_positions(a), aligned_positions(g)
-        aat = wide_bmm(a, a.transpose(1, 2)).double()
-        ggt = wide_bmm(g, g.transpose(1, 2)).double()
+        return gram_inner_float64(a, g, bias)
+    # 16-bit CUDA operands: exact products accumulated in float32 by the tensor cores
+    a, g = aligned_positions(a), aligned_positions(g)
+    aat = wide_bmm(a, a.transpose(1, 2)).double()
+    ggt = wide_bmm(g, g.transpose(1, 2)).double()
     if bias:
         aat.add_(1)  # zero-padded rows of g (aligned_positions) keep the padding out of the sum
     # ⟨aaᵀ, ggᵀ⟩ as a sum over s, then over t (in place: no third T×T temporary): two reductions of
     # T terms, so a rounding error of at most γ_{2T} of the absolute sum, against γ_{T²} for one
     # flat dot product
     return aat.mul_(ggt).sum(2).sum(1)
+
+
+def gram_inner_float64(a: torch.Tensor, g: torch.Tensor, bias: bool = False) -> torch.Tensor:
+    """:func:`gram_inner` with both Gram matrices formed in float64 (exact products of float32 or
+    16-bit values) and their inner product summed over s, then over t."""
+    a, g = a.double(), g.double()
+    aat = torch.bmm(a, a.transpose(1, 2))
+    if bias:
+        aat.add_(1)
+    return aat.mul_(torch.bmm(g, g.transpose(1, 2))).sum(2).sum(1)
 
 
 def gram_unit(t: torch.Tensor) -> float:

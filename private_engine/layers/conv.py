@@ -28,6 +28,7 @@ from torch import nn
 from .base import (LayerDims, LayerRule, accumulation_dtype, cast, certified_kept, compute_dtype,
                    gram_inner, gram_unit, put_into, row_norm_sq, scale_samples, trainable,
                    weighted_sum_into, zeros_like_batch)
+from .gram import certified_ghost_sq
 from .registry import register_rule
 from .rounding import (ETA64, certified_ghost, certified_instantiated, gamma,
                        ghost_may_underflow, ghost_underflow, gram_coefficient, gram_eta,
@@ -188,6 +189,9 @@ class ConvRule(LayerRule):
         if use_ghost:
             U, G = self._views(module, calls)
             D = U.shape[2]
+            fast = self._fast_ghost(module, U, G, bias)
+            if fast is not None:
+                return certified_ghost(fast, mass, 0.0, c_rel)
             c_nu = gram_coefficient(D + bias, G.shape[2], T, gram_unit(U))
             nu = gram_inner(U, G, bias=bias)
             unit = gram_unit(U)
@@ -204,6 +208,21 @@ class ConvRule(LayerRule):
         c_inst = instantiation_coefficient(dt, g0.device, T + len(calls), conv=True)
         terms = module.weight.numel() + module.out_channels
         return certified_instantiated(norm_sq, mass, c_inst, c_rel, terms)
+
+    @staticmethod
+    def _fast_ghost(module, U: torch.Tensor, G: torch.Tensor, bias: bool):
+        """Upper bound of the ghost norm per sample from float32 Grams of the unfolded input
+        ``U`` and ``G`` (:func:`private_engine.layers.gram.certified_ghost_sq`), the groups'
+        non-negative bounds summed in float64 (raised by ``γ^{(64)}_{groups+1}``); None where
+        the operands have no fast path."""
+        na, ng = row_norms64(U), row_norms64(G)
+        if bias:
+            na = (na.square() + 1).sqrt()
+        fast = certified_ghost_sq(U, G, bias, na, ng)
+        if fast is None or module.groups == 1:
+            return fast
+        fast = fast.reshape(-1, module.groups).sum(1)
+        return fast * (1 + gamma(module.groups + 1, unit_roundoff(torch.float64)))
 
     def per_sample_grads(self, module, calls) -> Dict[str, torch.Tensor]:
         """Per-sample weight gradients ``G_i = g_iᵀ U(a_i)``, per group, in one of two

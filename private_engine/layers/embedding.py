@@ -16,6 +16,7 @@ from torch import nn
 
 from .base import (LayerDims, LayerRule, accumulation_dtype, cast, put_into, row_norm_sq,
                    scale_samples, trainable, zeros_like_batch)
+from .gram import certified_token_ghost_sq
 from .registry import register_rule
 from .rounding import (ETA64, certified_ghost, certified_instantiated, gamma, ghost_underflow,
                        gram_coefficient, instantiation_coefficient, release_coefficient,
@@ -76,8 +77,9 @@ class EmbeddingRule(LayerRule):
         """Certified ``‖release_i‖²`` bound at C_i = 1 (:mod:`private_engine.layers.rounding`): the
         release adds ``C_i g_t`` at row ``x_t`` over the batch's ``B·T`` positions
         (:meth:`weighted_grads`), so with ``M_i = Σ_t ‖g_t‖`` (one-hot inputs have norm 1; padding
-        positions 0) the bound is ``(√(ν̃ + c_ν M²) + c_r M)²`` (ghost) or ``(‖G̃‖ + (c_inst + c_r)
-        M)²`` (scatter-added ``G̃``)."""
+        positions 0) the bound is ``(√ν⁺ + c_r M)²`` (ghost; ``ν⁺`` from a float32 Gram and its
+        rounding, :func:`private_engine.layers.gram.certified_token_ghost_sq`, or ``ν̃ + c_ν M²``
+        from a float64 one) or ``(‖G̃‖ + (c_inst + c_r) M)²`` (scatter-added ``G̃``)."""
         if not trainable(module, "weight"):
             return zeros_like_batch(calls[0][1])
         ids, G = self._views(module, calls)
@@ -86,6 +88,9 @@ class EmbeddingRule(LayerRule):
         mass = row_norms64(G).sum(1) * slack
         c_rel = release_coefficient(G.dtype, G.device, B * T)
         if use_ghost:
+            fast = certified_token_ghost_sq(ids, G, row_norms64(G))
+            if fast is not None:  # a float32 Gram, its rounding bounded per sample
+                return certified_ghost(fast, mass, 0.0, c_rel)
             c_nu = gram_coefficient(1, G.shape[2], T, unit_roundoff(torch.float64))
             lost = (ghost_underflow(torch.full_like(mass, float(T)), mass, 1, G.shape[2], T,
                                     ETA64) if G.dtype == torch.float64 else None)

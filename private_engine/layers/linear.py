@@ -18,6 +18,7 @@ from torch import nn
 from .base import (LayerDims, LayerRule, accumulation_dtype, cast, certified_kept, compute_dtype,
                    flatten_positions, gram_inner, gram_unit, mm_into, release_dtype, row_norm_sq,
                    scale_samples, sum_into, trainable, weighted_sum_into, zeros_like_batch)
+from .gram import certified_ghost_sq
 from .registry import register_named_rule, register_rule
 from .rounding import (certified_ghost, certified_instantiated, ghost_may_underflow,
                        ghost_underflow, gram_coefficient, gram_eta, instantiation_coefficient,
@@ -79,8 +80,11 @@ class LinearRule(LayerRule):
         """Certified ``‖release_i‖²`` bound at C_i = 1 (:mod:`private_engine.layers.rounding`).
 
         Weight trained: the release is ``Gᵀ·diag(C)·A`` over the batch's ``B·T`` rows
-        (:meth:`weighted_grads`), so the bound is ``(√(ν̃ + c_ν M²) + c_r M)²`` from the ghost norm
-        ``ν̃`` (float64 Grams), or ``(‖G̃‖ + (c_inst + c_r) M)²`` from an instantiated ``G̃``, with
+        (:meth:`weighted_grads`), so the bound is ``(√ν⁺ + c_r M)²`` from an upper bound ``ν⁺`` of
+        the ghost norm (float32 Grams and their rounding bounded per sample,
+        :func:`private_engine.layers.gram.certified_ghost_sq`; float64 Grams, ``ν⁺ = ν̃ + c_ν M²``,
+        for float64 operands and where the fast bound is loose), or ``(‖G̃‖ + (c_inst + c_r) M)²``
+        from an instantiated ``G̃``, with
         ``M = Σ_t ‖(a_t, 1)‖·‖g_t‖``. Bias alone: the release is ``Σ_i C_i b̃_i`` of the per-sample
         sums ``b̃_i = Σ_t g_t`` themselves."""
         weight, bias = trainable(module, "weight"), trainable(module, "bias")
@@ -95,6 +99,9 @@ class LinearRule(LayerRule):
         mass = mass_of(na, ng, A.shape[-1])
         c_rel = release_coefficient(release_dtype(G), G.device, B * T)
         if use_ghost:
+            fast = certified_ghost_sq(A, G, bias, na, ng)
+            if fast is not None:  # float32 Grams, their rounding bounded per sample
+                return certified_ghost(fast, mass, 0.0, c_rel)
             unit = gram_unit(A)
             c_nu = gram_coefficient(A.shape[2] + bias, G.shape[2], T, unit)
             lost = (ghost_underflow(na.sum(1), ng.sum(1), A.shape[2] + bias, G.shape[2], T,

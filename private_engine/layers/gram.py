@@ -1,0 +1,295 @@
+"""Certified ghost norms from Gram matrices formed in the fast path (float32 matmuls, or 16-bit
+operands accumulated in float32), with an a-posteriori bound of their rounding.
+
+The ghost norm of a layer is ``ν_i = ⟨Ã_i, G_i⟩ = Σ_{t,s} A_ts·G_ts`` with ``A = ã ãᵀ`` (``ã_t``
+the input at position t, with a constant 1 appended when the bias is trained) and ``G = g gᵀ``
+(Bu, Mao & Xu 2022, "Scalable and Efficient Training of Large Convolutional Neural Networks with
+Differential Privacy", eq. 2.7). Forming ``A`` and ``G`` in float64 (exact products of float32 or
+16-bit values) certifies easily but costs float64 matmuls, 1/15 to 1/64 of the float32 rate on a
+GPU. Here they are formed by float32-accumulating matmuls, and the rounding is bounded per
+sample from the computed matrices themselves.
+
+Error model (Higham, "Accuracy and Stability of Numerical Algorithms", 2nd ed., 2002, §2.2, §3.1):
+a Gram entry ``Ã_ts = fl(Σ_k ã_tk ã_sk)`` over ``w`` columns satisfies
+``|Ã_ts − A_ts| ≤ γ_w·Σ_k |ã_tk||ã_sk| + w·η ≤ γ_w·n_t n_s + w·η`` (``γ_n = n·u/(1 − n·u)``,
+Cauchy–Schwarz with ``n_t ≥ ‖ã_t‖``; ``η`` the absolute loss of a product below the normal range).
+
+* float32 operands on the CPU, and 16-bit operands widened to float32 there: products and sums
+  rounded to nearest (or fused), ``u = 2⁻²⁴``, ``γ_w`` covering both (Higham 2002, eq. 3.5),
+  ``η = 2⁻¹⁴⁹``; float32 on CUDA when TF32 is off likewise.
+* 16-bit operands on CUDA (tensor cores), the pessimistic model of Fasi, Higham, Mikaitis &
+  Pranesh 2021, "Numerical behavior of NVIDIA tensor cores": products exact; each block of ``b``
+  products is added to the float32 accumulator with the significands aligned to the largest
+  exponent and *truncated*, without extra alignment bits, and the result normalised by
+  truncation. Every one of the ``b + 1`` aligned terms then loses less than one unit in the last
+  place of the largest, and the normalisation another, so a block adds at most
+  ``(b + 2)·2⁻²³`` times the absolute sum so far; over ``⌈w/b⌉`` blocks that is at most
+  ``3w + 3`` such errors for any ``1 ≤ b ≤ w``: ``γ_{3w+3}`` at ``u = 2⁻²³``, and
+  ``η = 2⁻¹²⁶`` (subnormal products may be flushed).
+* any other float32 setting (TF32 on CUDA, implicit bfloat16 in the CPU's matmuls): no fast path,
+  the Grams are formed in float64 as before.
+
+The loss below the normal range is folded into ``γ``: with row norms raised to
+``n'_t = n_t + c_a``, ``γ_a·c_a² = 2·w_a·η``, ``γ_a·n'_t n'_s ≥ γ_a·n_t n_s + 2·w_a·η``, so
+``|E_ts| ≤ γ_a·n'_t n'_s`` for ``E = Ã − A`` (and ``|F_ts| ≤ γ_g·m'_t m'_s`` for ``F = G̃ − G``,
+``m_t ≥ ‖g_t‖``). Since ``ν = Σ (Ã − E)(G̃ − F)``,
+
+``|ν − Σ Ã G̃| ≤ γ_a·n'ᵀ|G̃|n' + γ_g·m'ᵀ|Ã|m' + γ_a γ_g·M'²``,  ``M' = Σ_t n'_t m'_t``.
+
+``n'ᵀ|G̃|n'`` weighs each Gram entry by the row norms rather than ``M²``'s products of norms: for
+most honest layers it is a few times ``ν`` where ``M²`` is about ``T·ν``, which is what keeps the
+bound within 10⁻³ of the norm. The inner product and the weighted sums are formed element-wise in
+float64 (no matmul; float32 products are exact there), whose own rounding is
+``γ^{(64)}_{T²+2}·(1 + γ_a)(1 + γ_g)·M'²`` for ``Σ Ã G̃`` (added) and a relative ``O(T²·2⁻⁵³)``
+on the non-negative terms (a factor ``1 + 2·γ^{(64)}_{T²+8}`` on the slack).
+
+A sample whose bound is not finite (a value so large that a float32 Gram entry overflows) or loose
+(slack above ``LOOSE`` times the ghost norm) gets a second try, for that sample only: Grams formed
+in blocks of ``CHUNK`` columns by float32 matmuls, the blocks' Grams summed in float64, which
+divides ``γ`` by ``width/CHUNK`` for the same float32 FLOPs (honest samples whose Gram of one side
+is nearly diagonal, e.g. image patches, while the other is dense, e.g. correlated gradients: the
+weighted sum ``nᵀ|G̃|n`` is then about ``T·ν``). A sample still loose (cancellation built into a
+crafted sample) gets the float64 Grams. On CUDA, where picking the samples would cost a host
+synchronisation per layer, there is no second try: a loose bound is kept as it is (it is an upper
+bound all the same) and a non-finite one stays non-finite (the engine drops that sample).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+
+from .rounding import (ETA32, ETA64, ETA_TENSOR_CORE, gamma, gram_coefficient, operand_unit,
+                       unit_roundoff)
+
+#: the slack above which a fast bound is computed again (blocked Grams, then float64 Grams): 2⁻¹⁰
+#: of ``ν`` (a squared norm), so a kept fast bound is within 5·10⁻⁴ of the norm
+LOOSE = 2.0 ** -10
+#: a slack below this (a squared norm of 8·10⁻³¹) is not worth a second try, loose or not: a sample
+#: whose gradient at the layer is zero or tiny, whose slack is the underflow terms of float32
+#: (about ``2⁻¹⁴⁹·T²·w``)
+NEGLIGIBLE = 2.0 ** -100
+#: columns per block of the second try's Grams (:func:`_gram_chunked`)
+CHUNK = 64
+#: unit roundoff of the pessimistic tensor-core accumulation (truncation, float32)
+TENSOR_CORE_UNIT = 2.0 ** -23
+
+
+def tensor_core_gamma(width: int) -> float:
+    """Relative bound of a tensor-core dot product of ``width`` exact products accumulated in
+    float32 with truncated alignment and normalisation (module docstring): ``γ_{3w+3}`` at
+    ``u = 2⁻²³``."""
+    return gamma(3 * width + 3, TENSOR_CORE_UNIT)
+
+
+def _cpu_float32_is_ieee() -> bool:
+    """Whether float32 matmuls on the CPU are plain IEEE float32 (no implicit bfloat16)."""
+    try:
+        own = torch.backends.mkldnn.matmul.fp32_precision
+        if own != "none":
+            return own == "ieee"
+        return torch.get_float32_matmul_precision() == "highest"
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def fast_gram_model(t: torch.Tensor) -> Optional[Tuple[bool, float]]:
+    """``(tensor_core, η)`` of the fast Gram path for operands like ``t``, or None when there is
+    none (float64 operands, TF32 or implicit bfloat16 float32 matmuls)."""
+    if t.dtype == torch.float64 or not t.is_floating_point():
+        return None
+    if t.device.type == "cuda":
+        if t.element_size() == 2:
+            return True, ETA_TENSOR_CORE
+        return (False, ETA32) if operand_unit(torch.float32, t.device) == 0.0 else None
+    if t.device.type == "cpu" and not _cpu_float32_is_ieee():
+        return None
+    return False, ETA32
+
+
+def _gram32(t: torch.Tensor) -> torch.Tensor:
+    """``t tᵀ`` per sample as float32 ``(N, T, T)``: a float32 bmm, 16-bit operands accumulated in
+    float32 (tensor cores on CUDA, with rows padded for their kernels; widened on the CPU)."""
+    from .base import aligned_positions, wide_bmm
+
+    T = t.shape[1]
+    if t.element_size() == 2:
+        p = aligned_positions(t)
+        out = wide_bmm(p, p.transpose(1, 2))
+        return out[:, :T, :T] if p.shape[1] != T else out
+    return torch.bmm(t, t.transpose(1, 2))
+
+
+def _gram_chunked(t: torch.Tensor, chunk: int) -> torch.Tensor:
+    """``t tᵀ`` per sample as float64 ``(N, T, T)``: the columns split into ``⌈w/chunk⌉`` blocks
+    (zero-padded: exact), each block's Gram formed by one batched float32 matmul
+    (:func:`_gram32`), the blocks' Grams summed in float64."""
+    N, T, w = t.shape
+    blocks = -(-w // chunk)
+    if blocks * chunk != w:
+        t = torch.nn.functional.pad(t, (0, blocks * chunk - w))
+    parts = t.reshape(N, T, blocks, chunk).permute(0, 2, 1, 3).reshape(N * blocks, T, chunk)
+    return _gram32(parts).reshape(N, blocks, T, T).double().sum(1)
+
+
+def gram_gamma(width: int, tensor_core: bool, chunk: Optional[int] = None) -> float:
+    """Relative bound ``γ`` of a Gram entry over ``width`` exact products (module docstring):
+    ``γ_w`` at ``u = 2⁻²⁴`` (or the tensor cores' ``γ_{3w+3}`` at ``2⁻²³``) for one float32
+    accumulation; with ``chunk``, blocks of ``chunk`` products accumulated so and the blocks' sums
+    added in float64, ``γ_chunk + 2·γ^{(64)}_{blocks+1}`` (the float64 sum's error is at most
+    ``γ^{(64)}`` of the blocks' absolute values, each within ``1 + γ_chunk`` of its absolute
+    sum)."""
+    n = width if chunk is None else min(chunk, width)
+    own = tensor_core_gamma(n) if tensor_core else gamma(n, unit_roundoff(torch.float32))
+    if chunk is None:
+        return own
+    return own + 2 * gamma(-(-width // chunk) + 1, unit_roundoff(torch.float64))
+
+
+def _margin(T: int) -> float:
+    """``1 + 2·γ^{(64)}_{T²+8}``: the relative rounding of the slack's own float64 terms (products
+    of float64 values, sums of ``T²`` non-negative terms), doubled."""
+    return 1 + 2 * gamma(T * T + 8, unit_roundoff(torch.float64))
+
+
+def _floored(norms: torch.Tensor, width: int, eta: float, g: float) -> torch.Tensor:
+    """``√(γ·margin)·(n + c)`` with ``γ·c² = 2·width·η``: row norms raised so that ``γ·n'_t n'_s``
+    also covers what a Gram entry of ``width`` products loses below the normal range
+    (``(n_t + c)(n_s + c) ≥ n_t n_s + c²``), and scaled so that their outer product carries
+    ``γ`` and the margin (:func:`_margin`)."""
+    margin = _margin(norms.shape[1])
+    return (norms + math.sqrt(2 * width * eta / g)).mul_(math.sqrt(g * margin))
+
+
+def _outer(v: torch.Tensor) -> torch.Tensor:
+    """``v vᵀ`` per sample, element-wise: ``(N, T) -> (N, T, T)``."""
+    return v.unsqueeze(2) * v.unsqueeze(1)
+
+
+def fast_ghost_bound(a: torch.Tensor, g: torch.Tensor, bias: bool, na: torch.Tensor,
+                     ng: torch.Tensor, tensor_core: bool, eta: float,
+                     chunk: Optional[int] = None
+                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(bound, slack, ν̃)``: a float64 upper bound of ``ν_i = ⟨ã ãᵀ, g gᵀ⟩`` per sample from
+    Grams formed in float32 (module docstring), ``(max(ν̃, 0) + slack)·(1 + 2⁻⁵⁰)`` (the last
+    factor: the float64 addition), the slack, and the computed ghost norm ``max(ν̃, 0)``.
+
+    ``slack = γ_a·n'ᵀ|G̃|n' + γ_g·m'ᵀ|Ã|m' + (γ_aγ_g + γ^{(64)}_{T²+2}(1 + γ_a)(1 + γ_g))·M'²``
+    (times :func:`_margin`, plus ``4T²·2⁻¹⁰⁷⁴``) with the row norms raised by the underflow floor
+    (:func:`_floored`: ``U`` of the module docstring folded into ``γ``) and ``M' = Σ_t n'_t m'_t``.
+
+    ``a: (N, T, D)``, ``g: (N, T, p)`` of one non-float64 dtype; ``na``, ``ng``: float64 ``(N, T)``
+    upper bounds of ``‖ã_t‖`` (bias column included) and ``‖g_t‖``. ``chunk``: Grams formed in
+    blocks of that many columns whose float32 Grams are summed in float64
+    (:func:`gram_gamma`: a bound ``width/chunk`` times tighter, for the same float32 FLOPs)."""
+    T = a.shape[1]
+    wa, wg = a.shape[2] + bias, g.shape[2]
+    ga, gg = gram_gamma(wa, tensor_core, chunk), gram_gamma(wg, tensor_core, chunk)
+    if chunk is None:
+        aat = _gram32(a)
+        if bias:
+            aat.add_(1)  # one more float32 addition: the w_a-th term of the sum
+        A, G = aat.double(), _gram32(g).double()
+        del aat
+    else:
+        A, G = _gram_chunked(a, chunk), _gram_chunked(g, chunk)
+        if bias:
+            A.add_(1)  # one more float64 addition
+    # one reduction of T² products (exact for float32 Grams, rounded once for blocked ones)
+    nu = (A * G).sum((1, 2)).clamp_(min=0)
+    n2, m2 = _floored(na, wa, eta, ga), _floored(ng, wg, eta, gg)
+    weighted = _outer(n2).mul_(G.abs_()).addcmul_(_outer(m2), A.abs_()).sum((1, 2))
+    del A, G
+    inner = gamma(T * T + 2, unit_roundoff(torch.float64)) * (1 + ga) * (1 + gg)
+    # (Σ n2·m2)² = γ_aγ_g·margin²·M'²
+    cross = (n2 * m2).sum(1)
+    slack = torch.addcmul(weighted, cross, cross, value=1 + inner / (ga * gg)).add_(
+        4.0 * T * T * ETA64)
+    return (nu + slack).mul_(1 + 2.0 ** -50), slack, nu
+
+
+def float64_ghost_bound(a: torch.Tensor, g: torch.Tensor, bias: bool,
+                        mass: torch.Tensor) -> torch.Tensor:
+    """Upper bound of ``ν_i`` from Grams formed in float64 (exact products of float32 or 16-bit
+    values): ``max(ν̃, 0) + c·M²`` (:func:`private_engine.layers.rounding.gram_coefficient`)."""
+    from .base import gram_inner_float64
+
+    c_nu = gram_coefficient(a.shape[2] + bias, g.shape[2], a.shape[1],
+                            unit_roundoff(torch.float64))
+    nu = gram_inner_float64(a, g, bias)
+    return nu.clamp(min=0) + c_nu * mass * mass
+
+
+def certified_ghost_sq(a: torch.Tensor, g: torch.Tensor, bias: bool, na: torch.Tensor,
+                       ng: torch.Tensor) -> Optional[torch.Tensor]:
+    """A float64 upper bound ``(N,)`` of the ghost norm ``⟨ã ãᵀ, g gᵀ⟩``, every rounding included,
+    from fast Grams (:func:`fast_ghost_bound`) with the float64 Grams for the samples whose fast
+    bound is loose or not finite (off CUDA); None when the operands have no fast path
+    (:func:`fast_gram_model`: the caller keeps its float64 path)."""
+    model = fast_gram_model(a)
+    if model is None or a.shape[1] == 1:
+        return None
+    bound, slack, nu = fast_ghost_bound(a, g, bias, na, ng, *model)
+
+    def exact(idx: torch.Tensor) -> torch.Tensor:
+        mass = (na[idx] * ng[idx]).sum(1) * (1 + gamma(na.shape[1] + 4,
+                                                         unit_roundoff(torch.float64)))
+        return float64_ghost_bound(a[idx], g[idx], bias, mass)
+
+    def chunked(idx: torch.Tensor) -> torch.Tensor:
+        if max(a.shape[2], g.shape[2]) < 2 * CHUNK:
+            return exact(idx)
+        b2, s2, n2 = fast_ghost_bound(a[idx], g[idx], bias, na[idx], ng[idx], *model,
+                                      chunk=CHUNK)
+        return refine(b2, s2, n2, lambda j: exact(idx[j]))
+
+    return refine(bound, slack, nu, chunked)
+
+
+def refine(bound: torch.Tensor, slack: torch.Tensor, nu: torch.Tensor, exact) -> torch.Tensor:
+    """``bound`` with the samples whose fast bound is not finite or loose (``slack > LOOSE·ν̃`` and
+    above ``NEGLIGIBLE``) replaced by ``exact(indices)`` (a tighter try) — off CUDA; on CUDA
+    ``bound`` as it is (no host synchronisation; a loose bound is an upper bound all the same, a
+    non-finite one drops the sample)."""
+    if bound.device.type == "cuda":
+        return bound
+    ok = slack <= (LOOSE * nu).clamp_(min=NEGLIGIBLE)  # False for NaN and inf slacks
+    if bool(ok.all()):
+        return bound
+    idx = (~ok).nonzero().squeeze(1)
+    return bound.index_put((idx,), exact(idx))
+
+
+def certified_token_ghost_sq(ids: torch.Tensor, g: torch.Tensor,
+                             ng: torch.Tensor) -> Optional[torch.Tensor]:
+    """A float64 upper bound ``(N,)`` of an embedding's ghost norm ``ν = Σ_{t,s} 1[x_t = x_s]·G_ts``
+    (``ids: (N, T)`` token ids, ``g: (N, T, p)``, ``ng`` float64 upper bounds of ``‖g_t‖``) from
+    the Gram ``G̃ = g gᵀ`` formed in float32: the token-equality side is exact, so
+    ``|ν − Σ S G̃| ≤ γ_p·m'ᵀ S m'`` (module docstring; ``m'`` the row norms raised by the underflow
+    floor, :func:`_floored`), plus the float64 sum's ``γ^{(64)}_{T²+2}(1 + γ_p)(Σ_t m'_t)²``; the
+    float64 Gram for the samples whose bound is loose or not finite (off CUDA); None when ``g`` has
+    no fast path."""
+    model = fast_gram_model(g)
+    T, p = g.shape[1], g.shape[2]
+    if model is None or T == 1:
+        return None
+    tensor_core, eta = model
+    gg = gram_gamma(p, tensor_core)
+    same = (ids.unsqueeze(2) == ids.unsqueeze(1)).to(torch.float64)
+    nu = _gram32(g).double().mul_(same).sum((1, 2)).clamp_(min=0)
+    m2 = _floored(ng, p, eta, gg)
+    weighted = _outer(m2).mul_(same).sum((1, 2))
+    inner = gamma(T * T + 2, unit_roundoff(torch.float64)) * (1 + gg)
+    cross = m2.sum(1)  # √(γ_g·margin)·Σ_t m'_t
+    slack = torch.addcmul(weighted, cross, cross, value=inner / gg).add_(4.0 * T * T * ETA64)
+    bound = (nu + slack).mul_(1 + 2.0 ** -50)
+
+    def exact(idx: torch.Tensor) -> torch.Tensor:
+        gi = g[idx].double()
+        nu64 = torch.bmm(gi, gi.transpose(1, 2)).mul_(same[idx]).sum(2).sum(1)
+        m = ng[idx].sum(1) * (1 + gamma(T + 4, unit_roundoff(torch.float64)))
+        c_nu = gram_coefficient(1, p, T, unit_roundoff(torch.float64))
+        return nu64.clamp(min=0) + c_nu * m * m
+
+    return refine(bound, slack, nu, exact)

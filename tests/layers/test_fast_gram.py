@@ -1,0 +1,135 @@
+"""Ghost norms from float32 Grams with a per-sample rounding bound
+(:mod:`private_engine.layers.gram`): the bound is never below the exact (float64) squared norm, on
+random and crafted samples (cancellation, huge, tiny and subnormal, mixed scales) in float32,
+bfloat16 and float16; and it is within 10⁻³ of the norm for honest samples."""
+import pytest
+import torch
+
+from private_engine.layers.gram import certified_ghost_sq, fast_ghost_bound
+from private_engine.layers.rounding import pair_norms
+from engine_checks import gen_for
+from engine_checks import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def exact_sq(a: torch.Tensor, g: torch.Tensor, bias: bool) -> torch.Tensor:
+    """``‖g_iᵀ ã_i‖²_F`` per sample in float64 from the operands as they are (the per-sample
+    gradient formed, not its ghost norm)."""
+    A, G = a.double(), g.double()
+    if bias:
+        A = torch.cat([A, torch.ones_like(A[..., :1])], 2)
+    return torch.einsum("ntp,ntd->npd", G, A).square().sum((1, 2))
+
+
+def bound_of(a, g, bias):
+    na, ng = pair_norms(a, g, bias)
+    out = certified_ghost_sq(a, g, bias, na, ng)
+    assert out is not None and out.dtype == torch.float64
+    return out
+
+
+def honest(n, T, D, p, dtype, seed):
+    gen = gen_for(seed)
+    # activations with a common component (as after a LayerNorm with a bias), gradients small
+    a = torch.randn(n, T, D, generator=gen) + 0.5 * torch.randn(1, 1, D, generator=gen)
+    g = 1e-3 * torch.randn(n, T, p, generator=gen)
+    return a.to(dtype), g.to(dtype)
+
+
+def crafted(kind: str, dtype):
+    """Four samples of 3 positions, width 8 (input) and 5 (output); sample 0 is crafted."""
+    gen = gen_for(7)
+    a = torch.randn(4, 3, 8, generator=gen)
+    g = torch.randn(4, 3, 5, generator=gen)
+    if kind == "cancel":  # equal large inputs at two positions, opposite gradients
+        a[0, 1] = a[0, 0] = 1e3
+        a[0, 1, 0] = 1e3 * (1 + 2 ** -6)
+        g[0, 0], g[0, 1] = 1e2, -1e2
+    elif kind == "huge":  # float32 norms overflow: the bound is inf (the engine drops it)
+        a[0] = 1e30
+    elif kind == "large":  # Gram entries near float32's overflow
+        a[0] = 3e18
+        g[0] = 1e-20
+    elif kind == "tiny":
+        a[0] = 1e-30 * a[0]
+        g[0] = 1e-20 * g[0]
+    elif kind == "subnormal":
+        a[0] = 1e-41 * torch.sign(a[0])
+        g[0] = 1e-40 * torch.sign(g[0])
+    elif kind == "mixed":  # positions at very different scales in one sample
+        a[0, 0] *= 1e12
+        a[0, 2] *= 1e-12
+        g[0, 1] *= 1e-15
+    if dtype == torch.float16:
+        lim = torch.finfo(torch.float16).max
+        a, g = a.clamp(-lim, lim), g.clamp(-lim, lim)
+    return a.to(dtype), g.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("kind", ["random", "cancel", "huge", "large", "tiny", "subnormal",
+                                  "mixed"])
+def test_bound_is_at_least_the_exact_norm(dtype, bias, kind):
+    if kind == "random":
+        a, g = honest(4, 9, 12, 7, dtype, 3)
+    else:
+        a, g = crafted(kind, dtype)
+    got, ref = bound_of(a, g, bias), exact_sq(a, g, bias)
+    ok = torch.isinf(got) | (got >= ref)
+    assert bool(ok.all()), (got - ref).tolist()
+    assert not bool(torch.isnan(got).any())
+    if kind == "huge" and dtype != torch.float16:
+        assert torch.isinf(got[0])  # not finite: dropped by the engine, never under-clipped
+    # the honest samples of a crafted batch keep a tight bound
+    assert torch.allclose(got[1:].sqrt(), ref[1:].sqrt(), rtol=1e-3, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_crafted_cancellation_takes_the_float64_grams(dtype):
+    """The fast bound of a sample that cancels is loose; the float64 Grams replace it."""
+    a, g = crafted("cancel", dtype)
+    na, ng = pair_norms(a, g, True)
+    fast, slack, nu = fast_ghost_bound(a, g, True, na, ng, False, 2.0 ** -149)
+    assert slack[0] > 1e-3 * nu[0]
+    got, ref = bound_of(a, g, True), exact_sq(a, g, True)
+    assert got[0] < fast[0] and got[0] >= ref[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(2, 197, 192, 576), (3, 50, 256, 64), (4, 17, 64, 256)])
+def test_honest_bound_within_1e_3_of_the_norm(dtype, bias, shape):
+    n, T, D, p = shape
+    a, g = honest(n, T, D, p, dtype, 11)
+    got, ref = bound_of(a, g, bias), exact_sq(a, g, bias)
+    rel = got.sqrt() / ref.sqrt() - 1
+    assert bool((rel >= 0).all()) and bool((rel <= 1e-3).all()), rel.tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nearly_diagonal_gram_against_a_dense_one_takes_the_blocked_grams(dtype):
+    """Image-patch-like inputs (a nearly diagonal Gram) with correlated output gradients (a dense
+    one): the one-pass float32 bound is loose, the blocked float32 Grams (float64 block sums, no
+    float64 matmul) bring it within 10⁻³ of the norm."""
+    gen = gen_for(12)
+    a = torch.randn(2, 196, 768, generator=gen).to(dtype)
+    g = (torch.randn(1, 1, 256, generator=gen)
+         + 0.05 * torch.randn(2, 196, 256, generator=gen)).to(dtype)
+    na, ng = pair_norms(a, g, True)
+    _, slack, nu = fast_ghost_bound(a, g, True, na, ng, False, 2.0 ** -149)
+    assert bool((slack > 2e-3 * nu).all())
+    got, ref = bound_of(a, g, True), exact_sq(a, g, True)
+    rel = got.sqrt() / ref.sqrt() - 1
+    assert bool((rel >= 0).all()) and bool((rel <= 1e-3).all()), rel.tolist()
+
+
+def test_blocked_gram_gamma_is_the_block_s_plus_the_float64_sum():
+    from private_engine.layers.gram import gram_gamma
+    from private_engine.layers.rounding import gamma, unit_roundoff
+
+    u32, u64 = unit_roundoff(torch.float32), unit_roundoff(torch.float64)
+    assert gram_gamma(768, False) == gamma(768, u32)
+    assert gram_gamma(768, False, 64) == gamma(64, u32) + 2 * gamma(13, u64)
+    assert gram_gamma(769, False, 64) == gamma(64, u32) + 2 * gamma(14, u64)

@@ -1,0 +1,154 @@
+"""The certified norms of Linear and Conv layers form their ghost Grams in float32 for honest
+float32 inputs — no float64 matmul is dispatched (on a GPU float64 runs at 1/15 to 1/64 of the
+float32 rate) — and only a crafted sample's norm takes float64 Grams; the bounds stay at least
+the exact norm and within 10⁻³ of it."""
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from private_engine.layers import find_rule
+from engine_checks import gen_for
+from engine_checks import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
+
+MATMULS = {"mm", "bmm", "addmm", "baddbmm", "matmul", "convolution", "convolution_backward",
+           "addbmm", "addmv", "mv", "dot"}
+
+
+def honest(n, T, D, p, seed):
+    gen = gen_for(seed)
+    a = torch.randn(n, T, D, generator=gen) + 0.5 * torch.randn(1, 1, D, generator=gen)
+    return a, 1e-3 * torch.randn(n, T, p, generator=gen)
+
+
+def exact_sq(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``‖g_iᵀ (a_i, 1)‖²_F`` per sample in float64."""
+    A = torch.cat([a.double(), torch.ones_like(a[..., :1], dtype=torch.float64)], 2)
+    return torch.einsum("ntp,ntd->npd", g.double(), A).square().sum((1, 2))
+
+
+class MatmulDtypes(TorchDispatchMode):
+    """Records the dtype of the first operand of every matmul-like kernel."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in MATMULS:
+            first = next(x for x in args if isinstance(x, torch.Tensor))
+            self.seen.append((func.overloadpacket.__name__, first.dtype))
+        return func(*args, **(kwargs or {}))
+
+
+def _linear_pairs(kind=None):
+    gen = gen_for(5)
+    lin = nn.Linear(24, 16)
+    if kind is None:
+        return lin, [honest(3, 10, 24, 16, 5)]
+    a, g = torch.randn(3, 10, 24, generator=gen), torch.randn(3, 10, 16, generator=gen)
+    a[0, 1] = a[0, 0] = 1e3
+    a[0, 1, 0] = 1e3 * (1 + 2 ** -6)
+    g[0, 0], g[0, 1] = 1e2, -1e2
+    return lin, [(a, g)]
+
+
+def _conv_pairs():
+    gen = gen_for(6)
+    conv = nn.Conv2d(3, 8, 3, padding=1, groups=1)
+    return conv, [(torch.randn(2, 3, 6, 6, generator=gen),
+                   1e-3 * torch.randn(2, 8, 6, 6, generator=gen))]
+
+
+def _grouped_conv_pairs():
+    gen = gen_for(8)
+    conv = nn.Conv2d(4, 6, 3, groups=2)
+    return conv, [(torch.randn(2, 4, 5, 5, generator=gen),
+                   torch.randn(2, 6, 3, 3, generator=gen))]
+
+
+def _embedding_pairs():
+    gen = gen_for(9)
+    emb = nn.Embedding(5, 12)
+    return emb, [(torch.randint(0, 5, (3, 16), generator=gen),
+                  torch.randn(3, 16, 12, generator=gen))]
+
+
+@pytest.mark.parametrize("case", [_linear_pairs, _conv_pairs, _grouped_conv_pairs,
+                                  _embedding_pairs])
+def test_honest_float32_certified_norms_dispatch_no_float64_matmul(case):
+    module, pairs = case()
+    rule = find_rule(module)
+    with MatmulDtypes() as seen:
+        bound = rule.certified_norm_sq(module, pairs, True)
+    assert seen.seen, "no matmul seen: the Grams were not formed"
+    assert all(dt != torch.float64 for _, dt in seen.seen), seen.seen
+    wide = [(a if not a.is_floating_point() else a.double(), g.double()) for a, g in pairs]
+    grads = rule.per_sample_grads(module, wide)
+    ref = sum(t.flatten(1).square().sum(1) for t in grads.values())
+    assert bool((bound >= ref).all())
+    assert torch.allclose(bound.sqrt(), ref.sqrt(), rtol=1e-3, atol=0)
+
+
+def test_crafted_float32_sample_alone_takes_float64_matmuls():
+    module, pairs = _linear_pairs("cancel")
+    rule = find_rule(module)
+    with MatmulDtypes() as seen:
+        bound = rule.certified_norm_sq(module, pairs, True)
+    wide = [(name, dt) for name, dt in seen.seen if dt == torch.float64]
+    assert wide  # the crafted sample's float64 Grams
+    a, g = pairs[0]
+    ref = exact_sq(a, g)
+    assert bool((bound >= ref).all())
+    assert torch.allclose(bound[1:].sqrt(), ref[1:].sqrt(), rtol=1e-3, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_embedding_repeated_token_that_cancels_is_bounded(dtype):
+    """A token repeated at two positions with opposite gradients: the float32 Gram's bound is
+    loose, the float64 Gram replaces it, and the bound covers the exact norm."""
+    emb = nn.Embedding(5, 12)
+    gen = gen_for(10)
+    ids = torch.randint(0, 5, (3, 6), generator=gen)
+    g = torch.randn(3, 6, 12, generator=gen)
+    ids[0, 0] = ids[0, 1] = 2
+    g[0, 1] = -g[0, 0] * (1 + 2 ** -7)
+    g[0, 0] *= 1e4
+    g[0, 1] *= 1e4
+    g = g.to(dtype)
+    rule = find_rule(emb)
+    with MatmulDtypes() as seen:
+        bound = rule.certified_norm_sq(emb, [(ids, g)], True)
+    assert any(dt == torch.float64 for _, dt in seen.seen)  # the crafted sample's float64 Gram
+    ref = rule.per_sample_grads(emb, [(ids, g.double())])["weight"].flatten(1).square().sum(1)
+    assert bool((bound >= ref).all())
+    assert torch.allclose(bound[1:].sqrt(), ref[1:].sqrt(), rtol=1e-3, atol=0)
+
+
+def test_patch_like_inputs_with_correlated_gradients_stay_in_float32():
+    """A layer whose one-pass float32 bound is loose for honest samples (nearly orthogonal inputs,
+    correlated gradients) is bounded again with blocked float32 Grams, not float64 ones."""
+    gen = gen_for(13)
+    lin = nn.Linear(768, 256)
+    a = torch.randn(2, 196, 768, generator=gen)
+    g = torch.randn(1, 1, 256, generator=gen) + 0.05 * torch.randn(2, 196, 256, generator=gen)
+    rule = find_rule(lin)
+    with MatmulDtypes() as seen:
+        bound = rule.certified_norm_sq(lin, [(a, g)], True)
+    assert all(dt != torch.float64 for _, dt in seen.seen), seen.seen
+    ref = exact_sq(a, g)
+    assert bool((bound >= ref).all())
+    assert torch.allclose(bound.sqrt(), ref.sqrt(), rtol=2e-3, atol=0)
+
+
+def test_a_sample_with_a_zero_gradient_takes_no_second_try():
+    """A zero output gradient (ν̃ = 0, a slack of underflow terms only) takes no float64 Grams."""
+    lin, pairs = _linear_pairs()
+    a, g = pairs[0]
+    g = g.clone()
+    g[1] = 0
+    rule = find_rule(lin)
+    with MatmulDtypes() as seen:
+        bound = rule.certified_norm_sq(lin, [(a, g)], True)
+    assert all(dt != torch.float64 for _, dt in seen.seen), seen.seen
+    assert 0 <= bound[1] < 1e-30
