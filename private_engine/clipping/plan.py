@@ -122,21 +122,23 @@ def use_ghost(dims: LayerDims, mode: str) -> bool:
 #: what one element of an instantiated per-sample gradient costs, in float32 multiply-adds: it is
 #: written, read by its norm and read again by ``Σ_i C_i G_i``, and a layer's ``B·p·D`` of them
 #: leave the caches (151 MB for a 512-channel 3×3 convolution at batch 16). From per-layer timings
-#: of ResNet-18 at 64², batch 16, on one CPU core: the ghost norm is ≈ 10× faster than
-#: instantiation for its 4×4 feature maps (T = 16) and ≈ 1.5× slower for its 8×8 ones (T = 64),
-#: which puts this constant between 3 and 70.
+#: of ResNet-18 at 64², batch 16, on one CPU core, with Grams then formed in float64 (twice the
+#: float32 cost): the ghost norm was ≈ 10× faster than instantiation for its 4×4 feature maps
+#: (T = 16) and ≈ 1.5× slower for its 8×8 ones (T = 64), which puts this constant between 3 and
+#: 70 (between 1.5 and 35 for the float32 Grams of :func:`ghost_time`).
 INSTANTIATED_ELEMENT_COST = 32
 
 
 def ghost_time(dims: LayerDims) -> int:
     """Per-sample time of a ghost norm beyond what instantiation also pays, in float32
     multiply-adds: the two Gram matrices ``T²·(groups·D + p)`` (``D`` the activation side's width:
-    1 for an Embedding), formed in float64 (certified: exact products, float64 sums), which runs at
-    half the float32 rate: ``2·T²·(groups·D + p)``. Both paths pay the layer's weight-gradient
-    product ``T·p·D`` once — the ghost path in its release ``gᵀ·diag(C)·a``, instantiation in
-    ``G_i`` — so it is left out of both."""
+    1 for an Embedding), formed in float32 and certified by an a-posteriori bound
+    (:mod:`private_engine.layers.gram`; the rare sample whose bound is loose is redone at a higher
+    cost, not counted). Both paths pay the layer's weight-gradient product ``T·p·D`` once — the
+    ghost path in its release ``gᵀ·diag(C)·a``, instantiation in ``G_i`` — so it is left out of
+    both."""
     d = dims.D if dims.gram_D is None else dims.gram_D
-    return 2 * dims.T * dims.T * (dims.groups * d + dims.p)
+    return dims.T * dims.T * (dims.groups * d + dims.p)
 
 
 def instantiate_time(dims: LayerDims) -> int:
