@@ -227,6 +227,9 @@ class DPTrainer(transformers.Trainer):
             clipping_mode=pa.clipping_mode, clipping_fn=pa.clipping_fn,
             accountant=pa.accountant, secure_mode=pa.secure_mode,
             check_sampling=bool(pa.poisson_sampling), **length)
+        # every step is recorded before its release from the first one on: a run killed before
+        # its first checkpoint and started again into the same output_dir counts what it spent
+        use_ledger(self.privacy_engine, os.path.join(args.output_dir, LEDGER_NAME))
         self.privacy_engine.attach(optimizer)
         # the private step runs inside training_step; the Trainer's optimizer.step() is empty
         self._private_step = optimizer.step
@@ -310,7 +313,7 @@ class DPTrainer(transformers.Trainer):
         """The Trainer's checkpoint, with the engine's state (public values only:
         :func:`private_engine.checkpoint.engine_state_dict`) in ``private_engine.pt``; every step
         is recorded before its release in the step ledger ``output_dir/private_engine.ledger``
-        from the first checkpoint on."""
+        (opened when the engine is built, before the first step)."""
         super()._save_checkpoint(model, trial)
         engine = self.privacy_engine
         if engine is None:

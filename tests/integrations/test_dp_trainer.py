@@ -174,3 +174,19 @@ def test_checkpoints_hold_the_engine_and_resume(tmp_path):
         again.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
     report = again.privacy_report()
     assert report.steps == 2 and report.epsilon == pytest.approx(eps)
+
+
+def test_a_run_killed_before_its_first_checkpoint_counts_its_steps(tmp_path):
+    """The ledger is opened before the first step: a run started again into the same output_dir
+    (no checkpoint to resume from) starts with the released steps spent."""
+    args = training_args(tmp_path, max_steps=2)
+    privacy = PrivacyArguments(noise_multiplier=1.0, max_grad_norm=1.0)
+    first = DPTrainer(model=tiny_gpt2(torch.float32), args=args, train_dataset=texts(16),
+                      data_collator=pad_collator, privacy_args=privacy)
+    first.train()
+    assert first.privacy_report().steps == 2
+    again = DPTrainer(model=tiny_gpt2(torch.float32), args=args, train_dataset=texts(16),
+                      data_collator=pad_collator, privacy_args=privacy)
+    with pytest.raises(BudgetExceededError):
+        again.train()
+    assert again.privacy_report().steps == 2

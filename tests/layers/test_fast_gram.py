@@ -8,7 +8,8 @@ import torch
 from private_engine.layers.gram import certified_ghost_sq, fast_ghost_bound
 from private_engine.layers.rounding import pair_norms
 from engine_checks import gen_for
-from engine_checks import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

@@ -9,7 +9,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from private_engine.layers import find_rule
 from engine_checks import gen_for
-from engine_checks import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 MATMULS = {"mm", "bmm", "addmm", "baddbmm", "matmul", "convolution", "convolution_backward",
            "addbmm", "addmv", "mv", "dot"}
