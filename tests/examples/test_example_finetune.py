@@ -279,7 +279,9 @@ def test_bfloat16_autocast_clipping_is_within_bfloat16_precision_of_the_referenc
     engine = pe.PrivacyEngine(model, batch_size=6, sample_size=100, noise_multiplier=0.0,
                               max_grad_norm=R, steps=1, clipping_fn="abadi")
     grads32, _ = engine.clipped_grad_sum(loss_fn(model, x, y))
-    assert_close_rel(grads32, ref, rtol=1e-5)
+    # float32: each sample is clipped by a certified upper bound of its norm from float32 Grams,
+    # whose rounding slack (γ_w·‖a‖·‖g‖ terms, private_engine.layers.gram) is ~1e-5 here
+    assert_close_rel(grads32, ref, rtol=1e-4)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = loss_fn(model, x, y)
     grads16, _ = engine.clipped_grad_sum(loss)
