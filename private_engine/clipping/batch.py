@@ -18,6 +18,7 @@ from .checkpointing import explain_activation_checkpointing
 from .clipper import PerSampleClipper
 from .grad_sums import GradSums
 from .loss_scaling import LossScaling
+from ..layers.precision import without_autocast
 
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,7 @@ def check_batch(clipper: PerSampleClipper, loss: torch.Tensor,
     return walk
 
 
+@without_autocast
 def clip_batch(clipper: PerSampleClipper, loss: torch.Tensor, *,
                loss_scaling: Optional[LossScaling] = None,
                names: Optional[Dict[int, str]] = None,

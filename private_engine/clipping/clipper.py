@@ -42,6 +42,7 @@ from .plan import (DEFAULT_CLIPPING_MODE, LayerDecision, check_mode, decide, is_
 from .release import strategy_for
 from .tied import TiedGroups
 from .tied_ghost import joint_dims
+from ..layers.precision import without_autocast
 
 
 class PerSampleClipper:
@@ -207,6 +208,7 @@ class PerSampleClipper:
         return [(a.reshape(B, -1, a.shape[-1]), g.reshape(B, -1, g.shape[-1]))
                 for a, g in pairs], k
 
+    @without_autocast
     def on_layer_ready(self, layer: RecordedLayer) -> None:
         """One recorded layer's output gradients have all arrived: its certified per-sample norm
         term, and what its clipped sum needs kept (per the release strategy)."""
@@ -352,6 +354,7 @@ class PerSampleClipper:
             targets += [(fb.name, e) for fb in self.fallbacks for e in fb.out_edges()]
         return targets
 
+    @without_autocast
     def end_norm_pass(self, device: torch.device) -> torch.Tensor:
         """Finish a norm pass whose layers have all been handed to :meth:`on_layer_ready`: the
         traced parameters' and fallback modules' norms, the kept per-sample gradients grouped, and
@@ -444,6 +447,7 @@ class PerSampleClipper:
         parameter)."""
         return self.clipped_sums(loss, factors, keep).own_grads()
 
+    @without_autocast
     def clipped_sums(self, loss: Optional[torch.Tensor], factors: torch.Tensor,
                      keep: Optional[torch.Tensor] = None) -> GradSums:
         """``Σ_i C_i·∂L_i/∂θ`` for every parameter, in flat buffers
@@ -480,6 +484,7 @@ class PerSampleClipper:
         return GradSums(grads=[writer.view_of[id(p)] for p in self.params], buffers=buffers,
                         layout=layout)
 
+    @without_autocast
     def clipped_sums_by_buffer(self, factors: torch.Tensor, keep: Optional[torch.Tensor],
                                sink: Callable[[object, List[nn.Parameter], List[torch.Tensor]],
                                               None],

@@ -15,8 +15,10 @@ from ..layers.base import certified_kept
 from ..layers.rounding import cast_down
 from .functions import abadi_clip
 from .tied import PerParameter, add_per_parameter
+from ..layers.precision import without_autocast
 
 
+@without_autocast
 def per_layer_clipped_sums(stored: Sequence[Tuple[RecordedLayer, list]],
                            thresholds: Dict[int, float], scale: float, names: Dict[int, str],
                            extra: Sequence[Tuple[nn.Parameter, torch.Tensor]] = ()

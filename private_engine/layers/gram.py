@@ -60,6 +60,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from .precision import without_autocast
 from .rounding import (ETA32, ETA64, ETA_TENSOR_CORE, gamma, gram_coefficient, operand_unit,
                        unit_roundoff)
 
@@ -221,6 +222,7 @@ def float64_ghost_bound(a: torch.Tensor, g: torch.Tensor, bias: bool,
     return nu.clamp(min=0) + c_nu * mass * mass
 
 
+@without_autocast
 def certified_ghost_sq(a: torch.Tensor, g: torch.Tensor, bias: bool, na: torch.Tensor,
                        ng: torch.Tensor) -> Optional[torch.Tensor]:
     """A float64 upper bound ``(N,)`` of the ghost norm ``⟨ã ãᵀ, g gᵀ⟩``, every rounding included,
@@ -261,6 +263,7 @@ def refine(bound: torch.Tensor, slack: torch.Tensor, nu: torch.Tensor, exact) ->
     return bound.index_put((idx,), exact(idx))
 
 
+@without_autocast
 def certified_token_ghost_sq(ids: torch.Tensor, g: torch.Tensor,
                              ng: torch.Tensor) -> Optional[torch.Tensor]:
     """A float64 upper bound ``(N,)`` of an embedding's ghost norm ``ν = Σ_{t,s} 1[x_t = x_s]·G_ts``
