@@ -19,7 +19,7 @@ Networks with Differential Privacy", Algorithm 1, "mixed ghost clipping"):
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -486,9 +486,9 @@ class PerSampleClipper:
 
     @without_autocast
     def clipped_sums_by_buffer(self, factors: torch.Tensor, keep: Optional[torch.Tensor],
-                               sink: Callable[[object, List[nn.Parameter], List[torch.Tensor]],
+                               sink: Callable[[object, List[torch.Tensor], List[torch.Tensor]],
                                               None],
-                               order: Callable[[object], object]) -> None:
+                               order: Callable[[object], Any]) -> None:
         """The clipped sums of :meth:`clipped_sums` formed one flat buffer at a time (book-keeping
         modes, with a ``buffer_group``: FSDP2, one buffer per unit and dtype): for each buffer, in
         the order of ``order((group key, device, dtype))`` (the same on every rank whatever its

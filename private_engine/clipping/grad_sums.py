@@ -18,7 +18,7 @@ leaves the engine (``.grad``, ``clipped_grad_sum``) are tensors of their own
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, cast
 
 import torch
 
@@ -134,13 +134,13 @@ class FlatLayout:
         return buffer, views
 
     def segment(
-        self, buffers: Sequence[torch.Tensor], params: Sequence[torch.Tensor]
-    ) -> Optional[torch.Tensor]:
+        self, buffers: Sequence[Optional[torch.Tensor]], params: Sequence[torch.Tensor]
+    ) -> Optional[torch.Tensor]:  # buffers not holding ``params`` may be None
         """The 1-D view of ``buffers`` holding ``params``' sums back to back, or None when they are
         not consecutive in one buffer."""
         if not params or any(id(p) not in self.slots for p in params):
             return None
-        views = self.segments(buffers, params)
+        views = self.segments(cast(Sequence[torch.Tensor], buffers), params)  # params' are set
         return views[0] if len(views) == 1 else None
 
     def segments(

@@ -87,7 +87,7 @@ def tensor_core_gamma(width: int) -> float:
 def _cpu_float32_is_ieee() -> bool:
     """Whether float32 matmuls on the CPU are plain IEEE float32 (no implicit bfloat16)."""
     try:
-        own = torch.backends.mkldnn.matmul.fp32_precision
+        own = getattr(torch.backends.mkldnn, "matmul").fp32_precision  # not in torch's stubs
         if own != "none":
             return own == "ieee"
         return torch.get_float32_matmul_precision() == "highest"

@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from typing import Dict, Iterator, List, Optional, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -440,7 +440,8 @@ class ShardedDataParallel(DataParallel):
         """Empty shard sums of ``params``: one slot per (unit, dtype), filled by
         :meth:`scatter_unit`."""
         layout = self._shard_layout(params)
-        return GradSums(grads=[None] * len(params), buffers=[None] * len(layout.keys),
+        return GradSums(grads=cast(List[torch.Tensor], [None] * len(params)),
+                        buffers=cast(List[torch.Tensor], [None] * len(layout.keys)),
                         layout=layout)
 
     def scatter_unit(self, sums: GradSums, i: int,
@@ -451,7 +452,7 @@ class ShardedDataParallel(DataParallel):
         parameter, its FSDP2 chunk q zero-padded to the padded chunk size — and reduced by one
         ``reduce_scatter(SUM)`` (summing and cutting into shards commute). The received rows
         become ``sums.buffers[i]``, the parameters' shard views ``sums.grads[k]``."""
-        layout: _ShardLayout = sums.layout
+        layout = cast(_ShardLayout, sums.layout)
         _, device, dtype, ks, sizes = layout.keys[i]
         W = self.world_size
         send = torch.zeros(W, sum(sizes), device=device, dtype=dtype)
@@ -483,7 +484,7 @@ class ShardedDataParallel(DataParallel):
         order (the same on every rank); ``full`` is consumed: each unit's full-size sums are
         dropped once reduced, their flat buffer when it is empty."""
         sums = self.new_shard_sums(params)
-        layout: _ShardLayout = sums.layout
+        layout = cast(_ShardLayout, sums.layout)
         grads = [g if g.dtype == accumulation_dtype(g) else g.to(accumulation_dtype(g))
                  for g in full.grads]
         buffer_of = {b.untyped_storage().data_ptr(): j for j, b in enumerate(full.buffers)
@@ -505,7 +506,7 @@ class ShardedDataParallel(DataParallel):
         """The ``sink`` of :meth:`PerSampleClipper.clipped_sums_by_buffer` that reduce-scatters
         each unit's full-size sums into ``sums`` as soon as they are formed, and its ``order``
         (the units' slot order, the same on every rank)."""
-        layout: _ShardLayout = sums.layout
+        layout = cast(_ShardLayout, sums.layout)
 
         def sink(key, unsharded, views):
             i = layout.slot_of(key[0], key[2])
@@ -540,7 +541,7 @@ class ShardedDataParallel(DataParallel):
         from torch.distributed.tensor import DTensor
 
         self.check_fsdp_state()
-        layout: _ShardLayout = sums.layout
+        layout = cast(_ShardLayout, sums.layout)
         if not isinstance(layout, _ShardLayout):
             raise RuntimeError("internal error: the FSDP2 release needs shard sums.")
         out: List[Optional[torch.Tensor]] = [None] * len(params)
