@@ -210,7 +210,9 @@ class DPTrainer(transformers.Trainer):
         """Logical batches: Poisson samples at rate ``q = B/n`` from an entropy-seeded generator
         (:func:`private_engine.data.poisson_loader`; ``len = int(1/q)`` per epoch, empty
         batches possible), or — ``poisson_sampling=False`` — shuffled batches of exactly B
-        (the last incomplete one dropped). Under torchrun each rank draws its own share: each
+        (the last incomplete one dropped). An empty Poisson batch is a batch of 0 rows (an
+        empty list before the first non-empty one): its step releases noise only. Under
+        torchrun each rank draws its own share: each
         index of its shard of the data set with probability q, the union of the ranks' batches
         being the Poisson logical batch. The loader is used as built (the Trainer's
         ``accelerator.prepare`` never re-shards or re-batches it)."""
@@ -222,8 +224,10 @@ class DPTrainer(transformers.Trainer):
                              "examples.")
         workers = dict(num_workers=self.args.dataloader_num_workers)
         if self.privacy_args.poisson_sampling:
-            return poisson_loader(dataset, B, collate_fn=collator,
-                                  distributed=self.world_size > 1, **workers)
+            loader = poisson_loader(dataset, B, collate_fn=collator,
+                                    distributed=self.world_size > 1, **workers)
+            _empty_first_batch_as_list(loader)
+            return loader
         return DataLoader(dataset, batch_size=B, shuffle=True, drop_last=True,
                           collate_fn=collator, generator=entropy_seeded_generator(), **workers)
 
@@ -388,6 +392,17 @@ class DPTrainer(transformers.Trainer):
         state = torch.load(path, map_location="cpu", weights_only=True)
         load_engine_state_dict(self.privacy_engine, state,
                                near=os.path.dirname(os.path.abspath(checkpoint)))
+
+
+def _empty_first_batch_as_list(loader: DataLoader) -> None:
+    """Opacus' loader collates an empty batch as the first non-empty one with 0 rows, or — when
+    the first batch drawn is empty — as zero tensors shaped like the data set's first sample,
+    which fails for samples that are not tensors (a dict of token lists). An empty list stands
+    for that batch instead; :meth:`DPTrainer.training_step` takes it as an empty batch."""
+    collate = loader.collate_fn
+    if hasattr(collate, "sample_empty_shapes") and hasattr(collate, "dtypes"):
+        collate.sample_empty_shapes = None
+        collate.dtypes = None
 
 
 def _check_data_parallel(args, privacy_args: PrivacyArguments) -> None:

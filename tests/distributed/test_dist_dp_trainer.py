@@ -7,6 +7,8 @@ the initialised process group.
   gradient, B = per_device_train_batch_size · gradient_accumulation_steps · world_size; both
   ranks end with identical parameters; the model is not wrapped in DistributedDataParallel.
 * ε is logged, the checkpoint holds the engine's state, the step ledger records the step.
+* A noisy run stopped after its checkpoint and resumed from it on both ranks counts every step
+  and keeps identical replicas.
 * Fixed batches (``poisson_sampling=False``) are refused with several processes.
 """
 from __future__ import annotations
@@ -86,6 +88,7 @@ def _one_step(rank, out_dir):
     (batch,) = trainer.seen
     state = torch.load(os.path.join(out_dir, "checkpoint-1", ENGINE_STATE_NAME),
                        weights_only=True)
+    resumed = _stop_and_resume(os.path.join(out_dir, "resume"), DPTrainer, PrivacyArguments)
     try:  # each rank would shuffle its own fixed batches: refused
         DPTrainer(model=_tiny_gpt2(), args=args, train_dataset=_texts(12),
                   data_collator=_pad_collator,
@@ -94,7 +97,7 @@ def _one_step(rank, out_dir):
     except ValueError as e:
         fixed_refused = "poisson_sampling" in str(e)
     return dict(world_size=trainer.args.world_size, batch=batch, before=before,
-                fixed_refused=fixed_refused,
+                fixed_refused=fixed_refused, resumed=resumed,
                 after=[p.detach().clone() for p in model.parameters()],
                 wrapped=type(trainer.model_wrapped).__name__,
                 logical_batch_size=trainer.logical_batch_size,
@@ -102,6 +105,30 @@ def _one_step(rank, out_dir):
                 logged_epsilon=any("epsilon" in h for h in trainer.state.log_history),
                 state_steps=len(state["accountant"]["history"]),
                 ledger=os.path.exists(os.path.join(out_dir, LEDGER_NAME)))
+
+
+def _stop_and_resume(out_dir, DPTrainer, PrivacyArguments):
+    """A noisy run of 6 steps stopped after its checkpoint at step 3, then resumed from it
+    (about one sample per rank and step: some ranks' batches are empty)."""
+
+    class StopAt3(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step == 3
+
+    args = transformers.TrainingArguments(
+        output_dir=out_dir, use_cpu=True, report_to=[], optim="sgd", learning_rate=0.1,
+        per_device_train_batch_size=1, gradient_accumulation_steps=1, max_steps=6,
+        save_strategy="steps", save_steps=3, logging_steps=1, disable_tqdm=True)
+    privacy = PrivacyArguments(target_epsilon=8.0, max_grad_norm=R)
+    steps = []
+    for resume, callbacks in ((None, [StopAt3()]), (os.path.join(out_dir, "checkpoint-3"), [])):
+        trainer = DPTrainer(model=_tiny_gpt2(), args=args, train_dataset=_texts(12),
+                            data_collator=_pad_collator, privacy_args=privacy,
+                            callbacks=callbacks)
+        trainer.train(resume_from_checkpoint=resume)
+        steps.append(trainer.privacy_report().steps)
+    return dict(steps=steps, epsilon=trainer.privacy_report().epsilon,
+                params=[p.detach().clone() for p in trainer.model.parameters()])
 
 
 def test_one_data_parallel_step_is_the_clipped_mean_over_both_ranks(tmp_path):
@@ -134,3 +161,7 @@ def test_one_data_parallel_step_is_the_clipped_mean_over_both_ranks(tmp_path):
     assert r0["steps"] == r1["steps"] == 1 and r0["logged_epsilon"]
     assert r0["state_steps"] == 1 and r0["ledger"]
     assert r0["fixed_refused"] and r1["fixed_refused"]
+    a, b = r0["resumed"], r1["resumed"]  # stopped at 3 of 6 steps, resumed on every rank
+    assert a["steps"] == b["steps"] == [3, 6] and a["epsilon"] == b["epsilon"] <= 8.0
+    for x, y in zip(a["params"], b["params"]):
+        assert torch.equal(x, y)
