@@ -12,9 +12,12 @@
 
 :class:`DPTrainer` is a ``transformers.Trainer`` whose training step is the engine's private step
 (:class:`private_engine.PrivacyEngine`): each logical batch is a Poisson sample of the training
-set at rate ``q = B/n`` (``B = per_device_train_batch_size · gradient_accumulation_steps``),
-processed in physical batches of ``per_device_train_batch_size`` whose per-sample losses are
-clipped and accumulated, then released once with Gaussian noise. The per-sample loss is computed
+set at rate ``q = B/n`` (``B = per_device_train_batch_size · gradient_accumulation_steps · W``,
+W the number of processes), processed in physical batches of ``per_device_train_batch_size``
+whose per-sample losses are clipped and accumulated, then released once with Gaussian noise.
+Under ``torchrun`` (W > 1) each rank draws its share of the Poisson batch and clips it; the
+engine, built on the bare model (no ``DistributedDataParallel``), sums the ranks' clipped
+gradients and adds the noise once. The per-sample loss is computed
 from the model's logits and the batch's labels (:mod:`private_engine.integrations.losses`: a
 causal language model's loss of sample i is the mean over sample i's own labelled tokens). The
 Trainer's own gradient clipping is off (the engine clips per sample), ε is logged with the
@@ -115,12 +118,23 @@ class DPTrainer(transformers.Trainer):
     Takes the Trainer's arguments plus ``privacy_args`` (:class:`PrivacyArguments`).
     ``TrainingArguments`` map as follows: ``per_device_train_batch_size`` is the physical batch
     (the most samples in one forward), ``per_device_train_batch_size ·
-    gradient_accumulation_steps`` the expected logical batch B (one private step, one noise
-    draw); the Trainer itself then runs one batch per step (its ``gradient_accumulation_steps``
-    is set to 1). ``max_grad_norm`` of ``TrainingArguments`` is set to 0: clipping is the
-    engine's, per sample, at ``privacy_args.max_grad_norm``. Training length
-    (``num_train_epochs`` or ``max_steps``) is the length σ is calibrated for. One process only;
-    float16 (``fp16=True``) is refused: use ``bf16=True`` or float32.
+    gradient_accumulation_steps · world_size`` the expected logical batch B (one private step,
+    one noise draw; what the accountant counts, ``q = B/n``); the Trainer itself then runs one
+    batch per step (its ``gradient_accumulation_steps`` is set to 1). ``max_grad_norm`` of
+    ``TrainingArguments`` is set to 0: clipping is the engine's, per sample, at
+    ``privacy_args.max_grad_norm``. Training length (``num_train_epochs`` or ``max_steps``) is
+    the length σ is calibrated for. float16 (``fp16=True``) is refused: use ``bf16=True`` or
+    float32.
+
+    Data-parallel (``torchrun``, ``world_size`` W > 1; NCCL on GPUs, gloo on CPUs): the engine
+    is built on the bare model under the process group (the Trainer's
+    ``DistributedDataParallel`` wrapping is skipped: it would all-reduce unclipped gradients);
+    each rank draws each index of its shard of the training set with probability q (about B/W
+    samples a step, the union of the ranks' batches being Poisson at rate q) and clips its
+    samples; the engine sums the ranks' clipped sums and rank 0 adds the noise, once, so every
+    rank applies the same update (docs/distributed.md). Rank 0 writes the engine's state with
+    the Trainer's checkpoint and records the step ledger. DeepSpeed, FSDP and
+    ``poisson_sampling=False`` are refused with several processes.
 
     ``per_sample_loss(model, inputs) -> (B,)`` may be given (or overridden) for a loss other than
     the model's own, computed from ``logits`` and ``labels``
@@ -139,19 +153,21 @@ class DPTrainer(transformers.Trainer):
             raise TypeError("DPTrainer needs args=TrainingArguments(...) (the physical batch "
                             "size, the training length and the optimizer).")
         self.privacy_args = privacy_args
-        self.physical_batch_size = int(training_args.per_device_train_batch_size)
-        self.logical_batch_size = self.physical_batch_size * int(
-            training_args.gradient_accumulation_steps)
         if training_args.fp16:
             raise ValueError("DPTrainer: fp16=True is not supported (the Trainer's GradScaler "
                              "scales a batch-mean loss); use bf16=True or float32.")
-        if training_args.world_size > 1:
-            raise ValueError("DPTrainer trains in one process; for data-parallel DP training use "
-                             "private_engine.PrivacyEngine under torch.distributed "
-                             "(docs/distributed.md).")
+        #: W, the data-parallel processes (torchrun's WORLD_SIZE; 1 in one process)
+        self.world_size = int(training_args.world_size)
+        if self.world_size > 1:
+            _check_data_parallel(training_args, privacy_args)
+        self.physical_batch_size = int(training_args.per_device_train_batch_size)
+        self.logical_batch_size = self.physical_batch_size * int(
+            training_args.gradient_accumulation_steps) * self.world_size
         training_args = copy.copy(training_args)
         training_args.gradient_accumulation_steps = 1  # one Poisson logical batch per step
         training_args.max_grad_norm = 0.0  # the engine clips per sample
+        # the engine reduces the ranks' clipped sums itself; the loss's token count is unused
+        training_args.average_tokens_across_devices = False
         if len(args) > 1:
             args = (args[0], training_args, *args[2:])
         else:
@@ -194,7 +210,12 @@ class DPTrainer(transformers.Trainer):
         """Logical batches: Poisson samples at rate ``q = B/n`` from an entropy-seeded generator
         (:func:`private_engine.data.poisson_loader`; ``len = int(1/q)`` per epoch, empty
         batches possible), or — ``poisson_sampling=False`` — shuffled batches of exactly B
-        (the last incomplete one dropped)."""
+        (the last incomplete one dropped). An empty Poisson batch is a batch of 0 rows (an
+        empty list before the first non-empty one): its step releases noise only. Under
+        torchrun each rank draws its own share: each
+        index of its shard of the data set with probability q, the union of the ranks' batches
+        being the Poisson logical batch. The loader is used as built (the Trainer's
+        ``accelerator.prepare`` never re-shards or re-batches it)."""
         dataset, collator = self._train_data()
         B = self.logical_batch_size
         if B > len(dataset):
@@ -203,7 +224,10 @@ class DPTrainer(transformers.Trainer):
                              "examples.")
         workers = dict(num_workers=self.args.dataloader_num_workers)
         if self.privacy_args.poisson_sampling:
-            return poisson_loader(dataset, B, collate_fn=collator, **workers)
+            loader = poisson_loader(dataset, B, collate_fn=collator,
+                                    distributed=self.world_size > 1, **workers)
+            _empty_first_batch_as_list(loader)
+            return loader
         return DataLoader(dataset, batch_size=B, shuffle=True, drop_last=True,
                           collate_fn=collator, generator=entropy_seeded_generator(), **workers)
 
@@ -226,7 +250,7 @@ class DPTrainer(transformers.Trainer):
             target_epsilon=pa.target_epsilon, target_delta=pa.target_delta,
             clipping_mode=pa.clipping_mode, clipping_fn=pa.clipping_fn,
             accountant=pa.accountant, secure_mode=pa.secure_mode,
-            check_sampling=bool(pa.poisson_sampling), **length)
+            check_sampling=bool(pa.poisson_sampling), distributed=self.world_size > 1, **length)
         # every step is recorded before its release from the first one on: a run killed before
         # its first checkpoint and started again into the same output_dir counts what it spent
         use_ledger(self.privacy_engine, os.path.join(args.output_dir, LEDGER_NAME))
@@ -234,6 +258,33 @@ class DPTrainer(transformers.Trainer):
         # the private step runs inside training_step; the Trainer's optimizer.step() is empty
         self._private_step = optimizer.step
         optimizer.step = _released_in_training_step
+
+    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        """The Trainer's preparation, the model left unwrapped under torchrun: accelerate would
+        wrap it in ``DistributedDataParallel``, whose reducer all-reduces the raw gradients; the
+        engine, built on the bare module, reduces the ranks' clipped sums itself. The model gets
+        accelerate's mixed precision only (``evaluation_mode=True``), no device placement: the
+        Trainer placed it on ``args.device`` before the engine was built on its parameters."""
+        if self.world_size <= 1:
+            return super()._prepare_for_training(max_steps, train_dataloader,
+                                                 resume_from_checkpoint)
+        accelerator = self.accelerator
+        prepare_model = accelerator.prepare_model
+
+        def without_ddp(model, device_placement=None, evaluation_mode=False):
+            return prepare_model(model, device_placement=False, evaluation_mode=True)
+
+        accelerator.prepare_model = without_ddp
+        try:
+            model, loader = super()._prepare_for_training(max_steps, train_dataloader,
+                                                          resume_from_checkpoint)
+        finally:
+            del accelerator.prepare_model
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            raise RuntimeError("DPTrainer: the Trainer wrapped the model in "
+                               "DistributedDataParallel, which would all-reduce unclipped "
+                               "gradients; the engine reduces the clipped sums itself.")
+        return model, loader
 
     def privacy_report(self) -> PrivacyReport:
         """The engine's :class:`private_engine.accounting.PrivacyReport` (ε spent, δ, σ, q,
@@ -322,8 +373,9 @@ class DPTrainer(transformers.Trainer):
         folder = os.path.join(run_dir, f"{transformers.trainer_utils.PREFIX_CHECKPOINT_DIR}-"
                                        f"{self.state.global_step}")
         if engine.ledger is None:
-            use_ledger(engine, os.path.join(run_dir, LEDGER_NAME))
-        atomic_save(engine.state_dict(), os.path.join(folder, ENGINE_STATE_NAME))
+            use_ledger(engine, os.path.join(run_dir, LEDGER_NAME))  # every rank (rank 0 writes)
+        if self.args.should_save:  # the process that writes the Trainer's checkpoint
+            atomic_save(engine.state_dict(), os.path.join(folder, ENGINE_STATE_NAME))
 
     def _load_optimizer_and_scheduler(self, checkpoint) -> None:
         """The Trainer's resume, then the engine's state: the accountant takes the step ledger's
@@ -340,6 +392,30 @@ class DPTrainer(transformers.Trainer):
         state = torch.load(path, map_location="cpu", weights_only=True)
         load_engine_state_dict(self.privacy_engine, state,
                                near=os.path.dirname(os.path.abspath(checkpoint)))
+
+
+def _empty_first_batch_as_list(loader: DataLoader) -> None:
+    """Opacus' loader collates an empty batch as the first non-empty one with 0 rows, or — when
+    the first batch drawn is empty — as zero tensors shaped like the data set's first sample,
+    which fails for samples that are not tensors (a dict of token lists). An empty list stands
+    for that batch instead; :meth:`DPTrainer.training_step` takes it as an empty batch."""
+    collate = loader.collate_fn
+    if hasattr(collate, "sample_empty_shapes") and hasattr(collate, "dtypes"):
+        collate.sample_empty_shapes = None
+        collate.dtypes = None
+
+
+def _check_data_parallel(args, privacy_args: PrivacyArguments) -> None:
+    """Refuse what DPTrainer cannot run data-parallel: DeepSpeed and FSDP (they wrap or shard the
+    model the engine clips), and fixed batches (each rank would shuffle on its own)."""
+    if getattr(args, "deepspeed", None) or getattr(args, "fsdp", None):
+        raise ValueError("DPTrainer runs data-parallel over torch.distributed (torchrun) only: "
+                         "DeepSpeed and FSDP are not supported. Remove deepspeed=/fsdp= from "
+                         "TrainingArguments.")
+    if not privacy_args.poisson_sampling:
+        raise ValueError("DPTrainer: poisson_sampling=False is not supported with several "
+                         "processes (each rank draws its share of a Poisson batch); keep "
+                         "poisson_sampling=True.")
 
 
 def _rows(inputs: Mapping) -> int:

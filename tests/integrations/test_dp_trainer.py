@@ -157,6 +157,23 @@ def test_peft_lora_trains_only_the_adapters(tmp_path):
     assert trainer.privacy_report().steps == 2
 
 
+def test_an_empty_first_poisson_batch_releases_noise_only(tmp_path):
+    """The first batch a Poisson loader draws may be empty (likelier with several processes,
+    each drawing its share): it is collated as an empty batch, not built from the data set's
+    first sample (a dict of token lists), and its step updates nothing with noise 0."""
+    model = tiny_gpt2()
+    trainer = DPTrainer(model=model, args=training_args(tmp_path), train_dataset=texts(8),
+                        data_collator=pad_collator,
+                        privacy_args=PrivacyArguments(noise_multiplier=0.0, max_grad_norm=1.0))
+    empty = trainer.get_train_dataloader().collate_fn([])
+    trainer.create_optimizer()
+    before = [p.detach().clone() for p in model.parameters()]
+    loss = trainer.training_step(model, empty)
+    assert float(loss) == 0.0 and trainer.privacy_engine.steps_taken == 1
+    for p, b in zip(model.parameters(), before):
+        assert torch.equal(p, b)
+
+
 def test_checkpoints_hold_the_engine_and_resume(tmp_path):
     args = training_args(tmp_path, max_steps=2, save_strategy="steps", save_steps=1)
     privacy = PrivacyArguments(noise_multiplier=1.0, max_grad_norm=1.0)
