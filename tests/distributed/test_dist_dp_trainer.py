@@ -17,49 +17,14 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from dist_spawn import run_ranks
+from tiny_lm import pad_collator, sample_loss, texts, tiny_gpt2
 
 transformers = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.slow
-VOCAB = 50
 R = 1.0
-
-
-def _tiny_gpt2():
-    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=16, n_layer=1,
-                                  n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                  bos_token_id=0, eos_token_id=0, pad_token_id=0)
-    torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(cfg).to(torch.float64)
-
-
-def _texts(n, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(3, 10, (n,), generator=g)
-    return [{"input_ids": torch.randint(1, VOCAB, (int(k),), generator=g).tolist()}
-            for k in lengths]
-
-
-def _pad_collator(features):
-    """Right padding: ``attention_mask``, and ``labels`` = the ids with −100 at the padding."""
-    T = max([len(f["input_ids"]) for f in features], default=1)
-    ids = torch.zeros(len(features), T, dtype=torch.long)
-    mask = torch.zeros(len(features), T, dtype=torch.long)
-    for i, f in enumerate(features):
-        ids[i, :len(f["input_ids"])] = torch.tensor(f["input_ids"])
-        mask[i, :len(f["input_ids"])] = 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
-
-
-def _sample_loss(model, ids, mask, labels):
-    """One padded sample's causal-LM loss: the mean over its own labelled next tokens."""
-    logits = model(input_ids=ids, attention_mask=mask).logits[0]
-    out = [F.cross_entropy(logits[t], labels[0, t + 1]) for t in range(ids.shape[1] - 1)
-           if labels[0, t + 1] != -100]
-    return torch.stack(out).mean().reshape(1)
 
 
 def _one_step(rank, out_dir):
@@ -79,10 +44,10 @@ def _one_step(rank, out_dir):
         per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=1,
         save_strategy="steps", save_steps=1, logging_steps=1, disable_tqdm=True,
         dataloader_num_workers=0)
-    model = _tiny_gpt2()
+    model = tiny_gpt2()
     before = [p.detach().clone() for p in model.parameters()]
-    trainer = Recording(model=model, args=args, train_dataset=_texts(12),
-                        data_collator=_pad_collator,
+    trainer = Recording(model=model, args=args, train_dataset=texts(12),
+                        data_collator=pad_collator,
                         privacy_args=PrivacyArguments(noise_multiplier=0.0, max_grad_norm=R))
     trainer.train()
     (batch,) = trainer.seen
@@ -90,8 +55,8 @@ def _one_step(rank, out_dir):
                        weights_only=True)
     resumed = _stop_and_resume(os.path.join(out_dir, "resume"), DPTrainer, PrivacyArguments)
     try:  # each rank would shuffle its own fixed batches: refused
-        DPTrainer(model=_tiny_gpt2(), args=args, train_dataset=_texts(12),
-                  data_collator=_pad_collator,
+        DPTrainer(model=tiny_gpt2(), args=args, train_dataset=texts(12),
+                  data_collator=pad_collator,
                   privacy_args=PrivacyArguments(noise_multiplier=0.0, poisson_sampling=False))
         fixed_refused = False
     except ValueError as e:
@@ -122,8 +87,8 @@ def _stop_and_resume(out_dir, DPTrainer, PrivacyArguments):
     privacy = PrivacyArguments(target_epsilon=8.0, max_grad_norm=R)
     steps = []
     for resume, callbacks in ((None, [StopAt3()]), (os.path.join(out_dir, "checkpoint-3"), [])):
-        trainer = DPTrainer(model=_tiny_gpt2(), args=args, train_dataset=_texts(12),
-                            data_collator=_pad_collator, privacy_args=privacy,
+        trainer = DPTrainer(model=tiny_gpt2(), args=args, train_dataset=texts(12),
+                            data_collator=pad_collator, privacy_args=privacy,
                             callbacks=callbacks)
         trainer.train(resume_from_checkpoint=resume)
         steps.append(trainer.privacy_report().steps)
@@ -150,8 +115,8 @@ def test_one_data_parallel_step_is_the_clipped_mean_over_both_ranks(tmp_path):
         if batch["input_ids"].shape[0] == 0:
             continue
         part, n = reference_clipped_sum(
-            _tiny_gpt2(), [batch["input_ids"], batch["attention_mask"], batch["labels"]],
-            _sample_loss, R, lambda n, r: torch.clamp(r / (n + 1e-6), max=1.0))
+            tiny_gpt2(), [batch["input_ids"], batch["attention_mask"], batch["labels"]],
+            sample_loss, R, lambda n, r: torch.clamp(r / (n + 1e-6), max=1.0))
         ref = [t + p for t, p in zip(ref, part)]
         norms.append(n)
     # every drawn sample's clip factor acts (norms ≈ 2.7 > R)

@@ -6,10 +6,10 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from private_engine import BudgetExceededError
 from reference import assert_close_rel, reference_clipped_sum
+from tiny_lm import VOCAB, pad_collator, sample_loss, texts, tiny_gpt2
 
 transformers = pytest.importorskip("transformers")
 from private_engine.integrations.transformers import (DPTrainer, FixedBatchesWarning,  # noqa: E402
@@ -17,37 +17,6 @@ from private_engine.integrations.transformers import (DPTrainer, FixedBatchesWar
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.filterwarnings("ignore::UserWarning:opacus")]
-VOCAB = 50
-
-
-def tiny_gpt2(dtype=torch.float64):
-    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=16, n_layer=1,
-                                  n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                  bos_token_id=0, eos_token_id=0, pad_token_id=0)
-    torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(cfg).to(dtype)
-
-
-def texts(n, seed=1):
-    """``n`` token sequences of lengths 3–9 (ids 1..VOCAB-1; 0 is the padding)."""
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(3, 10, (n,), generator=g)
-    return [{"input_ids": torch.randint(1, VOCAB, (int(k),), generator=g).tolist()}
-            for k in lengths]
-
-
-def pad_collator(features):
-    """Right padding to the longest sequence: ``attention_mask``, and ``labels`` = the ids with
-    −100 at the padding (what DataCollatorForLanguageModeling(mlm=False) builds)."""
-    T = max(len(f["input_ids"]) for f in features)
-    ids = torch.zeros(len(features), T, dtype=torch.long)
-    mask = torch.zeros(len(features), T, dtype=torch.long)
-    for i, f in enumerate(features):
-        ids[i, :len(f["input_ids"])] = torch.tensor(f["input_ids"])
-        mask[i, :len(f["input_ids"])] = 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
-
-
 def training_args(tmp_path, **kw):
     base = dict(output_dir=str(tmp_path), use_cpu=True, report_to=[], optim="sgd",
                 learning_rate=1.0, lr_scheduler_type="constant", warmup_steps=0,
@@ -64,17 +33,6 @@ class Recording(DPTrainer):
     def training_step(self, model, inputs, num_items_in_batch=None):
         self.seen = getattr(self, "seen", []) + [{k: v.clone() for k, v in inputs.items()}]
         return super().training_step(model, inputs, num_items_in_batch)
-
-
-def sample_loss(model, ids, mask, labels):
-    """One padded sample's causal-LM loss written out: the mean over its own labelled next
-    tokens, model called with its default position_ids."""
-    logits = model(input_ids=ids, attention_mask=mask).logits[0]
-    out = []
-    for t in range(ids.shape[1] - 1):
-        if labels[0, t + 1] != -100:
-            out.append(F.cross_entropy(logits[t], labels[0, t + 1]))
-    return torch.stack(out).mean().reshape(1)
 
 
 def lm_collator():
