@@ -106,6 +106,14 @@ def rules_without_weights() -> frozenset:
                       GroupNormRule, RMSNormRule, HFRMSNormRule, InstanceNormRule))
 
 
+def _sums_need_no_weights(clipper, rules) -> bool:
+    """Whether the clipped sums of ``clipper``'s batch, once the clip factors are known, read no
+    parameter's values: a book-keeping mode (no second backward) and only ``rules`` of
+    :func:`rules_without_weights`."""
+    return not clipper.strategy.retain_graph and all(
+        type(rule) in rules_without_weights() for rule in rules)
+
+
 class ShardedDataParallel(DataParallel):
     """The collectives of private training on an FSDP2-sharded model over the default process
     group (module docstring).
@@ -302,12 +310,8 @@ class ShardedDataParallel(DataParallel):
         whose layer rules read only their modules' shapes (:func:`rules_without_weights`), each
         layer's parameters in one unit and dtype. Fixed at construction, the same on every
         rank."""
-        if clipper.strategy.retain_graph:
-            return False
-        if any(type(layer.rule) not in rules_without_weights()
-               for layer in clipper.recorder.layers):
-            return False
-        return clipper.kept_layers_in_one_buffer()
+        return (_sums_need_no_weights(clipper, [layer.rule for layer in clipper.recorder.layers])
+                and clipper.kept_layers_in_one_buffer())
 
     def agree(self, probe: bool, failed: bool) -> tuple:
         """One ``all_gather`` of two flags per physical batch, before any backward:
@@ -390,9 +394,7 @@ class ShardedDataParallel(DataParallel):
         rules read only their modules' shapes (:func:`rules_without_weights`). Otherwise (a
         two-pass mode's second backward, another rule) nothing is freed. The clipped sums of a
         physical batch and the gathered parameters are then never held together."""
-        if clipper.strategy.retain_graph:
-            return
-        if any(type(rule) not in rules_without_weights() for _, rule, _ in clipper._kept_pairs):
+        if not _sums_need_no_weights(clipper, [rule for _, rule, _ in clipper._kept_pairs]):
             return
         for fp in self._fsdp.values():
             fp.free_unsharded_param()
