@@ -84,17 +84,6 @@ def tensor_core_gamma(width: int) -> float:
     return gamma(3 * width + 3, TENSOR_CORE_UNIT)
 
 
-def _cpu_float32_is_ieee() -> bool:
-    """Whether float32 matmuls on the CPU are plain IEEE float32 (no implicit bfloat16)."""
-    try:
-        own = getattr(torch.backends.mkldnn, "matmul").fp32_precision  # not in torch's stubs
-        if own != "none":
-            return own == "ieee"
-        return torch.get_float32_matmul_precision() == "highest"
-    except (AttributeError, RuntimeError):
-        return False
-
-
 def fast_gram_model(t: torch.Tensor) -> Optional[Tuple[bool, float]]:
     """``(tensor_core, η)`` of the fast Gram path for operands like ``t``, or None when there is
     none (float64 operands, TF32 or implicit bfloat16 float32 matmuls)."""
@@ -103,10 +92,7 @@ def fast_gram_model(t: torch.Tensor) -> Optional[Tuple[bool, float]]:
     if t.device.type == "cuda":
         if t.element_size() == 2:
             return True, ETA_TENSOR_CORE
-        return (False, ETA32) if operand_unit(torch.float32, t.device) == 0.0 else None
-    if t.device.type == "cpu" and not _cpu_float32_is_ieee():
-        return None
-    return False, ETA32
+    return (False, ETA32) if operand_unit(torch.float32, t.device) == 0.0 else None
 
 
 def _gram32(t: torch.Tensor) -> torch.Tensor:

@@ -54,13 +54,50 @@ def accumulator_unit(dtype: torch.dtype) -> float:
 
 
 def operand_unit(dtype: torch.dtype, device: torch.device, conv: bool = False) -> float:
-    """Relative rounding of one operand *inside* a matmul (``conv=False``) or convolution kernel:
-    TF32 rounds float32 operands to 10 mantissa bits on CUDA when allowed (torch's
-    ``backends.cuda.matmul.allow_tf32`` / ``backends.cudnn.allow_tf32``); 0 otherwise."""
-    if dtype != torch.float32 or device.type != "cuda":
+    """Relative rounding of one float32 operand *inside* a matmul (``conv=False``) or convolution
+    kernel, as torch's precision switches allow it: on CUDA TF32 (10 mantissa bits, ``u = 2⁻¹¹``)
+    under ``backends.cuda.matmul.allow_tf32`` / ``backends.cudnn.allow_tf32`` or
+    ``fp32_precision = "tf32"``; on the CPU oneDNN's
+    ``backends.mkldnn.{matmul,conv}.fp32_precision`` ("bf16": bfloat16 operands, ``u = 2⁻⁸``;
+    "tf32"), which ``torch.set_float32_matmul_precision`` ("medium", "high") also sets. 0 for
+    IEEE float32 and for every other dtype. Pessimistic: the coarsest rounding that any level of
+    the switch (operation, backend, global) allows, since a kernel may honour either. A legacy
+    ``allow_tf32`` flag torch refuses to read (its legacy and current APIs mixed) counts as set."""
+    if dtype != torch.float32:
         return 0.0
-    tf32 = torch.backends.cudnn.allow_tf32 if conv else torch.backends.cuda.matmul.allow_tf32
-    return TF32_UNIT if tf32 else 0.0
+    return max((_PRECISION_UNIT.get(p, TF32_UNIT) for p in _fp32_precisions(device.type, conv)),
+               default=0.0)
+
+
+#: relative operand rounding of each value of torch's ``fp32_precision`` switches
+_PRECISION_UNIT = {"none": 0.0, "ieee": 0.0, "tf32": TF32_UNIT, "bf16": 2.0 ** -8}
+
+
+def _fp32_precisions(device_type: str, conv: bool) -> Tuple[str, ...]:
+    """The values of the float32 precision switches that govern a matmul (or convolution) on
+    ``device_type``: the operation's, its backend's, the global one and, on CUDA, the legacy
+    ``allow_tf32`` flag ("tf32" when set); "unknown" where torch refuses to say."""
+    backends = torch.backends
+    if device_type == "cuda":
+        chain = ([backends.cudnn.conv, backends.cudnn] if conv else [backends.cuda.matmul])
+        legacy = (backends.cudnn, "allow_tf32") if conv else (backends.cuda.matmul, "allow_tf32")
+    elif device_type == "cpu":
+        chain = [backends.mkldnn.conv if conv else backends.mkldnn.matmul, backends.mkldnn]
+        legacy = None
+    else:
+        return ()
+    found = []
+    for switch in chain + [backends]:
+        try:
+            found.append(str(getattr(switch, "fp32_precision", "none")))
+        except RuntimeError:
+            found.append("unknown")
+    if legacy is not None:
+        try:
+            found.append("tf32" if getattr(*legacy) else "ieee")
+        except RuntimeError:
+            found.append("unknown")
+    return tuple(found)
 
 
 def release_coefficient(dtype: torch.dtype, device: torch.device, rows: int,

@@ -9,6 +9,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch.autograd.graph import get_gradient_edge
 
+from ...layers.rounding import operand_unit
 from .inputs import PendingForward
 
 
@@ -140,8 +141,8 @@ def graph_dtypes(nodes) -> set:
 
 
 def tf32_allowed(roots) -> bool:
-    """True when float32 matmuls or convolutions on CUDA may round their inputs to TF32 (a
-    rounding flip after a non-deterministic kernel then shows at float16-like precision)."""
-    if not any(t.is_cuda for t in roots):
-        return False
-    return bool(torch.backends.cuda.matmul.allow_tf32 or torch.backends.cudnn.allow_tf32)
+    """True when float32 matmuls or convolutions on the roots' devices may round their inputs
+    (TF32 on CUDA, bfloat16 or TF32 in oneDNN on the CPU: :func:`operand_unit`), so that a
+    rounding flip after a non-deterministic kernel shows at float16-like precision."""
+    devices = {t.device for t in roots}
+    return any(operand_unit(torch.float32, d, conv) > 0 for d in devices for conv in (False, True))
