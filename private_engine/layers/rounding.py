@@ -78,11 +78,14 @@ def _fp32_precisions(device_type: str, conv: bool) -> Tuple[str, ...]:
     ``device_type``: the operation's, its backend's, the global one and, on CUDA, the legacy
     ``allow_tf32`` flag ("tf32" when set); "unknown" where torch refuses to say."""
     backends = torch.backends
+    operation = "conv" if conv else "matmul"
+    chain: list
     if device_type == "cuda":
-        chain = ([backends.cudnn.conv, backends.cudnn] if conv else [backends.cuda.matmul])
+        chain = ([getattr(backends.cudnn, "conv"), backends.cudnn] if conv  # not in torch's stubs
+                 else [backends.cuda.matmul])
         legacy = (backends.cudnn, "allow_tf32") if conv else (backends.cuda.matmul, "allow_tf32")
     elif device_type == "cpu":
-        chain = [backends.mkldnn.conv if conv else backends.mkldnn.matmul, backends.mkldnn]
+        chain = [getattr(backends.mkldnn, operation), backends.mkldnn]
         legacy = None
     else:
         return ()
