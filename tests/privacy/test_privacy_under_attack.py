@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import os
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -234,10 +235,19 @@ def opacus_release(model: nn.Module, x: torch.Tensor, t: torch.Tensor, flow: str
 
 
 def ratio(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], batch: int = B) -> float:
-    """``batch·‖a − b‖ / R`` over all released tensors, in float64 (NaN if not finite)."""
+    """``batch·‖a − b‖ / R`` over all released tensors, in float64 (NaN if not finite).
+
+    With ``PE_ATTACK_RECORD=FILE`` in the environment each ratio is appended to FILE with the
+    test that measured it, so two checkouts' attack suites can be compared bit for bit
+    (``tests/privacy/compare_attack_records.py``)."""
     assert len(a) == len(b)
     sq = sum(float((u - v).pow(2).sum()) for u, v in zip(a, b))
-    return batch * math.sqrt(sq) / R if math.isfinite(sq) else math.nan
+    r = batch * math.sqrt(sq) / R if math.isfinite(sq) else math.nan
+    record = os.environ.get("PE_ATTACK_RECORD")
+    if record:
+        with open(record, "a") as f:
+            f.write(f"{os.environ.get('PYTEST_CURRENT_TEST', '?').split(' ')[0]}\t{r!r}\n")
+    return r
 
 
 def assert_bounded(with_run, without_run, *, bound: float = 1.0, tol: float = FP32_TOL,
