@@ -27,7 +27,7 @@ from torch import nn
 
 from ..clipping.batch import ClippedBatch
 from ..clipping.grad_sums import GradSums
-from ..layers.base import cast
+from ..foundation.dtypes import cast
 from ..step_metrics import BatchRecord
 from .distributed import DataParallel
 from .noise import add_gaussian_noise
