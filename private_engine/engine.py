@@ -36,10 +36,9 @@ from .guards.state import StepStateGuard
 from .foundation.randomness import SecretModelRandomness, keyed_by_state
 from .guards.model_check import check_no_batchnorm, clipped_layers, scan_model
 from .optim import noise as _noise
-from .optim.private_step import check_clipped_params
+from .optim.private_step import BatchRecord, check_clipped_params
 from .optim.sharded import ShardedDataParallel, fsdp1_names, fsdp2_modules
-from .step_metrics import (BatchRecord, EpsilonTracker, StepLogger, StepMetrics,
-                           StepMetricsRecorder)
+from .step_metrics import EpsilonTracker, StepLogger, StepMetrics, StepMetricsRecorder
 
 log = logging.getLogger(__name__)
 
