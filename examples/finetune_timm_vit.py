@@ -58,7 +58,7 @@ import private_engine as pe
 from private_engine.data import poisson_loader
 from private_engine.demo.image_data import SOURCES, load_image_data, model_data_config, num_classes
 from private_engine.demo.models import create_model
-from private_engine.randomness import entropy_seeded_generator
+from private_engine.foundation.randomness import entropy_seeded_generator
 from private_engine.training import accuracy, private_logical_step
 from private_engine.guards.model_check import batchnorm_modules, traced_parameters
 

@@ -23,8 +23,8 @@ What a checkpoint holds (:func:`save_checkpoint`: the model's and the optimizer'
   it (MT19937's transition can be run backwards; Philox is a counter), and a resumed run that
   restored it would draw the killed run's noise again on other batches, so that the difference of
   the two runs' iterates cancels the noise. A resumed run draws from the fresh
-  :func:`private_engine.randomness.entropy_seeded_generator` its engine was built with (secure
-  mode: from the OS generator, as always).
+  :func:`private_engine.foundation.randomness.entropy_seeded_generator` its engine was built with
+  (secure mode: from the OS generator, as always).
 * ``loss_scaling``: the GradScaler's ``state_dict()`` when the scale is fixed (the scale the user
   chose, public); None with ``dynamic_loss_scale`` (its scale moves with which private samples
   overflowed): the resumed run starts from the scaler it was built with. The engine's overflow
@@ -72,7 +72,7 @@ from typing import Any, Dict, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from .files import atomic_save
+from .foundation.files import atomic_save
 from .accounting.ledger import LEDGER_SUFFIX, LedgerContents, StepLedger, is_prefix, read_ledger
 
 #: format tag and version of :func:`engine_state_dict`

@@ -15,7 +15,7 @@ from opacus.utils.uniform_sampler import DistributedUniformWithReplacementSample
 from torch.utils.data import DataLoader
 
 from .optim.distributed import wants_distributed
-from .randomness import entropy_seeded_generator
+from .foundation.randomness import entropy_seeded_generator
 
 
 class LockstepPoissonSampler(DistributedUniformWithReplacementSampler):
@@ -56,9 +56,9 @@ def poisson_loader(dataset, batch_size: int, generator: Optional[torch.Generator
 
     Privacy amplification by subsampling assumes that the batch membership is secret, so by
     default (``generator=None``) the batches are drawn from
-    :func:`private_engine.randomness.entropy_seeded_generator` (a CPU generator whose state comes
-    from OS entropy), never from torch's global generator, which scripts seed publicly with
-    ``torch.manual_seed``. A ``generator`` given is used as is: a seeded one makes the batches
+    :func:`private_engine.foundation.randomness.entropy_seeded_generator` (a CPU generator whose
+    state comes from OS entropy), never from torch's global generator, which scripts seed publicly
+    with ``torch.manual_seed``. A ``generator`` given is used as is: a seeded one makes the batches
     reproducible, hence known to anyone who knows the seed (tests, debugging).
 
     ``distributed`` (None: on under an initialised ``torch.distributed`` group of W > 1 ranks;

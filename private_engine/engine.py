@@ -33,13 +33,12 @@ from .clipping.loss_scaling import LossScaling
 from .clipping.plan import DEFAULT_CLIPPING_MODE, LayerDecision, check_mode, is_book_keeping
 from .guards.buffers import BufferGuard
 from .guards.state import StepStateGuard
-from .randomness import SecretModelRandomness, keyed_by_state
+from .foundation.randomness import SecretModelRandomness, keyed_by_state
 from .guards.model_check import check_no_batchnorm, clipped_layers, scan_model
 from .optim import noise as _noise
-from .optim.private_step import check_clipped_params
+from .optim.private_step import BatchRecord, check_clipped_params
 from .optim.sharded import ShardedDataParallel, fsdp1_names, fsdp2_modules
-from .step_metrics import (BatchRecord, EpsilonTracker, StepLogger, StepMetrics,
-                           StepMetricsRecorder)
+from .step_metrics import EpsilonTracker, StepLogger, StepMetrics, StepMetricsRecorder
 
 log = logging.getLogger(__name__)
 
@@ -90,10 +89,10 @@ class PrivacyEngine:
             ``check_sampling``).
         noise_generator: optional ``torch.Generator`` for the noise. By default (None) the noise
             comes from a generator on the parameters' device whose state is drawn from OS entropy
-            (``private_engine.randomness.entropy_seeded_generator``), never from torch's global
-            one, so ``torch.manual_seed`` does not make it reproducible. A generator given here is
-            used as is and warns once (``ReproducibleNoiseWarning``): anyone who knows its seed can
-            subtract the noise.
+            (``private_engine.foundation.randomness.entropy_seeded_generator``), never from torch's
+            global one, so ``torch.manual_seed`` does not make it reproducible. A generator given
+            here is used as is and warns once (``ReproducibleNoiseWarning``): anyone who knows its
+            seed can subtract the noise.
         secure_mode: draw every noise coordinate from the OS cryptographic generator as
             ``(z₁ + z₂ + z₃ + z₄)/2``, ``z_k`` i.i.d. N(0, σ²R²), against floating-point attacks on
             the Gaussian sampler (Holohan & Braghin 2021, "Secure Random Sampling in Differential

@@ -30,9 +30,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    from .optim.private_step import BatchRecord
 
 log = logging.getLogger(__name__)
 
@@ -56,17 +59,6 @@ class StepMetrics:
     def as_dict(self) -> Dict[str, Any]:
         """The fields as a dict (e.g. for ``wandb.log(m.as_dict(), step=m.step)``)."""
         return asdict(self)
-
-
-@dataclass(frozen=True)
-class BatchRecord:
-    """What a physical batch leaves for the step's metrics: its certified norms (dropped samples
-    at 0), its per-sample losses (detached), its dropped count and size."""
-
-    norms: Optional[torch.Tensor]
-    loss: Optional[torch.Tensor]
-    dropped: int
-    size: int
 
 
 class EpsilonTracker:
@@ -113,9 +105,9 @@ class StepMetricsRecorder:
     """The engine's step metrics: the sinks, the ε tracker, and the metrics of a finished step.
 
     ``record(step, records, R)`` is called once per logical step, after the update and the
-    accounting, with the :class:`BatchRecord` of each of its physical batches; with no sink
-    attached (and ``logging`` below DEBUG for this module) it does nothing, so a run that logs
-    nothing pays nothing (no host synchronisation).
+    accounting, with the :class:`~private_engine.optim.private_step.BatchRecord` of each of its
+    physical batches; with no sink attached (and ``logging`` below DEBUG for this module) it does
+    nothing, so a run that logs nothing pays nothing (no host synchronisation).
     """
 
     def __init__(self, epsilon: EpsilonTracker):
@@ -208,5 +200,4 @@ def _fmt(value: Optional[float]) -> str:
     return "n/a" if value is None else f"{value:.4g}"
 
 
-__all__ = ["BatchRecord", "EpsilonTracker", "StepMetrics", "StepMetricsRecorder",
-           "TensorBoardSink", "summarise"]
+__all__ = ["EpsilonTracker", "StepMetrics", "StepMetricsRecorder", "TensorBoardSink", "summarise"]

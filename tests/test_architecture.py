@@ -1,5 +1,6 @@
-"""The shape of the package: no import circle between its modules (counting module-level and
-deferred imports alike), and every module opens with a docstring that says its job."""
+"""The shape of the package: its stages import one way only (a module imports from its own stage
+or earlier ones), no import circle between its modules (counting module-level and deferred imports
+alike), and every module opens with a docstring that says its job."""
 import ast
 from pathlib import Path
 
@@ -80,7 +81,8 @@ def _is_init_edge(a: str, b: str) -> bool:
 
 def test_the_engine_core_never_imports_the_demo_or_the_opacus_door():
     graph = _graph()
-    layers = {"capture", "layers", "clipping", "optim", "guards", "accounting", "engine"}
+    layers = {"foundation", "capture", "layers", "clipping", "optim", "guards", "accounting",
+              "engine"}
     core = [m for m in graph if m.split(".")[1:2] and m.split(".")[1] in layers]
     for m in core:
         bad = {n for n in graph[m] if n.split(".")[1:2] in (["demo"], ["opacus_compat"])}
@@ -88,7 +90,7 @@ def test_the_engine_core_never_imports_the_demo_or_the_opacus_door():
 
 
 #: the core packages: they never import Opacus (the Opacus door, opacus_compat, builds on them)
-CORE = ("layers", "capture", "guards", "clipping", "optim", "accounting", "engine")
+CORE = ("foundation", "layers", "capture", "guards", "clipping", "optim", "accounting", "engine")
 #: the one module of the core that is the door to Opacus' accountants
 OPACUS_BRIDGE = "private_engine.accounting.opacus_bridge"
 #: core modules allowed to import Opacus anyway, and why
@@ -150,3 +152,47 @@ def test_every_module_says_its_job():
     missing = [str(p.relative_to(PACKAGE.parent)) for p in PACKAGE.rglob("*.py")
                if not ast.get_docstring(ast.parse(p.read_text()))]
     assert not missing, missing
+
+
+#: the package's stages, bottom first: a module may import only from its own stage or earlier ones
+#: (a top-level module or subpackage of private_engine names its stage; the top package itself,
+#: which re-exports the public names, is above them all). So the foundation imports nothing else
+#: from the package.
+STAGES = (
+    ("foundation",),  # dtype and matmul helpers, the randomness policy, the atomic write
+    ("layers",),  # the layer rules: per-sample norms and clipped sums
+    ("capture",),  # recording (a, g) and per-sample gradients
+    ("guards",),  # what the engine checks and refuses
+    ("clipping",),  # the clipping core
+    ("optim",),  # the private step, noise, data-parallel and sharded training
+    ("accounting",),  # the accountants and the budget
+    ("engine", "checkpoint", "data", "training", "step_metrics"),  # the engine and around it
+    ("opacus_compat", "heads", "pretrain", "integrations", "demo"),  # built on the engine
+    ("audit",),  # privacy audits of the engine and of the Opacus door
+    ("commands", "cli"),  # the command line
+)
+#: imports against the stage order allowed anyway, ``(importer, imported): reason``
+STAGE_EXCEPTIONS: dict = {}
+
+
+def _stage(module: str) -> int:
+    """Index in :data:`STAGES` of the stage of ``module`` (``private_engine.<name>…``)."""
+    name = module.split(".")[1]
+    for i, names in enumerate(STAGES):
+        if name in names:
+            return i
+    raise AssertionError(f"{module} belongs to no stage: add private_engine.{name} to STAGES")
+
+
+def test_every_stage_imports_only_its_own_and_earlier_ones():
+    graph = _graph()
+    modules = [m for m in graph if m != "private_engine"]
+    against = {(m, n) for m in modules for n in graph[m]
+               if n != "private_engine" and _stage(n) > _stage(m)}
+    bad = against - set(STAGE_EXCEPTIONS)
+    assert not bad, "imports against the stage order (importer -> imported):\n" + "\n".join(
+        f"{m} (stage {STAGES[_stage(m)][0]}) -> {n} (stage {STAGES[_stage(n)][0]})"
+        for m, n in sorted(bad))
+    stale = set(STAGE_EXCEPTIONS) - against
+    assert not stale, f"allowed exceptions that no longer import against the order: {sorted(stale)}"
+

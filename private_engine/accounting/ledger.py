@@ -26,9 +26,10 @@ import contextlib
 import json
 import os
 import secrets
-import tempfile
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
+
+from ..foundation.files import atomic_create
 
 #: the header's format tag and version
 LEDGER_FORMAT = "private_engine.ledger"
@@ -159,26 +160,16 @@ class StepLedger:
                writer: bool = True) -> "StepLedger":
         """A new ledger at ``path`` whose header records ``history`` (the steps spent before it)
         and a fresh random run identifier; refuses (``FileExistsError``) to replace an existing
-        file. The header is written atomically (temporary file, ``fsync``, hard link to ``path``,
-        directory ``fsync``)."""
+        file. The header is written atomically
+        (:func:`private_engine.foundation.files.atomic_create`: temporary file, ``fsync``, hard
+        link to ``path``, directory ``fsync``)."""
         path = os.path.abspath(os.fspath(path))
         history = merge_history([], history)
         run = secrets.token_hex(16)
         header = {"format": LEDGER_FORMAT, "version": LEDGER_VERSION, "run": run,
                   "history": [list(e) for e in history]}
-        directory = os.path.dirname(path)
-        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
-                                   dir=directory)
-        try:
-            os.write(fd, (json.dumps(header) + "\n").encode())
-            os.fsync(fd)
-            os.close(fd)
-            os.chmod(tmp, 0o644)
-            os.link(tmp, path)  # fails if path exists: never replaces another run's ledger
-        finally:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-        _fsync_directory(directory)
+        # fails if path exists: never replaces another run's ledger
+        atomic_create((json.dumps(header) + "\n").encode(), path, mode=0o644)
         return cls.open(path, writer=writer)
 
     @classmethod
@@ -238,16 +229,6 @@ def _entry(e, path) -> Tuple[float, float, int]:
     except (ValueError, TypeError) as err:
         raise ValueError(f"step ledger {os.fspath(path)!r}: its header's history is damaged "
                          f"({e!r}).") from err
-
-
-def _fsync_directory(directory: str) -> None:
-    """``fsync`` a directory (so a new entry in it survives a crash) where the OS allows."""
-    with contextlib.suppress(OSError, AttributeError):
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 __all__ = ["LEDGER_FORMAT", "LEDGER_VERSION", "LedgerContents", "StepLedger", "is_prefix",

@@ -24,7 +24,7 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 from torch.func import functional_call, grad, vmap
 
-from ..layers.base import accumulation_dtype
+from ..foundation.dtypes import accumulation_dtype
 
 _REPLAYING = [False]
 

@@ -13,7 +13,7 @@ from typing import Callable, Dict, Optional
 import torch
 
 from ..capture.graph_walk import GraphWalk, outside_error
-from ..layers.base import accumulation_dtype
+from ..foundation.dtypes import accumulation_dtype
 from .checkpointing import explain_activation_checkpointing
 from .clipper import PerSampleClipper
 from .grad_sums import GradSums

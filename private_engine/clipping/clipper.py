@@ -30,7 +30,8 @@ from ..capture.setup import build_capture
 from ..guards.batch_flow import BatchFlow
 from ..guards.model_check import ruled_parameters
 from ..guards.separability import SeparabilityProbe
-from ..layers.base import sum_per_sample, weighted_sum_into
+from ..foundation.matmul import weighted_sum_into
+from ..layers.base import sum_per_sample
 from ..layers.linear import LinearRule
 from ..layers.rounding import gamma
 from ..layers.ruled import KeptPairs, RuledLayer
@@ -543,7 +544,7 @@ class PerSampleClipper:
         """Whether every recorded layer's trainable parameters fall in one flat buffer (one
         ``buffer_group`` key and accumulation dtype): what :meth:`clipped_sums_by_buffer`
         needs."""
-        from ..layers.base import accumulation_dtype
+        from ..foundation.dtypes import accumulation_dtype
 
         for layer in self.recorder.layers:
             keys = {(self.buffer_group(p) if self.buffer_group else None, p.device,

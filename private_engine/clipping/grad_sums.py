@@ -22,7 +22,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, cast
 
 import torch
 
-from ..layers.base import accumulation_dtype
+from ..foundation.dtypes import accumulation_dtype
 
 
 @dataclass

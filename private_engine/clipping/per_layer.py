@@ -12,7 +12,7 @@ from torch import nn
 
 from ..capture.recorder import RecordedLayer
 from ..layers.base import certified_kept
-from ..layers.rounding import cast_down
+from ..foundation.dtypes import cast_down
 from .functions import abadi_clip
 from .tied import PerParameter, add_per_parameter
 from ..layers.precision import without_autocast

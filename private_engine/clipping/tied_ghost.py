@@ -33,7 +33,8 @@ from typing import List, Sequence, Tuple
 import torch
 from torch import nn
 
-from ..layers.base import LayerDims, LayerRule, accumulation_dtype, release_dtype
+from ..foundation.dtypes import accumulation_dtype, release_dtype
+from ..layers.base import LayerDims, LayerRule
 from ..layers.embedding import EmbeddingRule
 from ..layers.linear import LinearRule
 from ..layers.rounding import (ETA64, gamma, ghost_underflow, gram_coefficient, pair_mass,

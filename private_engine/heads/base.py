@@ -49,11 +49,11 @@ ridge ``λI`` is added, so every matrix that is inverted has eigenvalues ≥ λ 
 
 Randomness
 ----------
-Every head draws its noise from :func:`private_engine.randomness.secret_generator` (the library's
-one randomness policy): ``random_state=None`` (default) gives a generator whose whole state comes
-from OS entropy (the 19,968-bit MT19937 state on the CPU); an int, a ``torch.Generator`` or a
-numpy ``Generator`` makes the noise reproducible (an int keys the whole state through SHAKE-256,
-all of its bits count) and warns with a ``ReproducibleRandomnessWarning``.
+Every head draws its noise from :func:`private_engine.foundation.randomness.secret_generator` (the
+library's one randomness policy): ``random_state=None`` (default) gives a generator whose whole
+state comes from OS entropy (the 19,968-bit MT19937 state on the CPU); an int, a ``torch.Generator``
+or a numpy ``Generator`` makes the noise reproducible (an int keys the whole state through
+SHAKE-256, all of its bits count) and warns with a ``ReproducibleRandomnessWarning``.
 
 Extreme records
 ---------------
@@ -75,7 +75,7 @@ import numpy as np
 import torch
 
 from ..accounting.zcdp import (CONVERSIONS, ZCDPLedger, epsilon_to_rho, rho_to_epsilon)
-from ..randomness import secret_generator
+from ..foundation.randomness import secret_generator
 
 __all__ = ["NotFittedError", "DPHeadBase", "to_tensor", "finite_records", "labels_array",
            "public_classes", "encode_labels", "row_scales", "row_norms", "rounding_margin",
@@ -482,11 +482,11 @@ class DPHeadBase:
     * ``noise_multiplier``: σ directly; ``epsilon_`` is then reported if ``delta`` is given.
 
     ``random_state``: None (default) draws the noise from a generator whose whole state comes
-    from OS entropy (:func:`~private_engine.randomness.entropy_seeded_generator`); an int, a
-    ``torch.Generator`` or a numpy ``Generator`` makes it reproducible — and known to whoever
+    from OS entropy (:func:`~private_engine.foundation.randomness.entropy_seeded_generator`); an
+    int, a ``torch.Generator`` or a numpy ``Generator`` makes it reproducible — and known to whoever
     knows the seed — with a ``ReproducibleRandomnessWarning``
-    (:func:`~private_engine.randomness.secret_generator`). ``dtype``: float64 (default) or
-    float32.
+    (:func:`~private_engine.foundation.randomness.secret_generator`). ``dtype``: float64 (default)
+    or float32.
 
     ``classes``: the label set, public (it is released as ``classes_``); required for a private
     fit, where it is never inferred from the private labels. Records whose label is not in it
@@ -666,8 +666,9 @@ class DPHeadBase:
         (``n_dropped_nonfinite_``, ``n_dropped_unknown_label_``: diagnostics, not released).
 
         The noise comes from ``secret_generator(random_state, device, ...)``
-        (:mod:`private_engine.randomness`): secret and full-entropy for ``random_state=None``,
-        reproducible (with a ``ReproducibleRandomnessWarning``) for an int or a generator.
+        (:mod:`private_engine.foundation.randomness`): secret and full-entropy for
+        ``random_state=None``, reproducible (with a ``ReproducibleRandomnessWarning``) for an int or
+        a generator.
         """
         sigma = self._resolve_noise_multiplier()
         if self.dtype not in (torch.float32, torch.float64):

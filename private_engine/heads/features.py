@@ -36,7 +36,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data._utils.collate import default_collate
 
-from ..files import atomic_save
+from ..foundation.files import atomic_save
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..randomness import seeded_generator
+from ..foundation.randomness import seeded_generator
 from .adam_head import DPAdamHead
 from .feature_covariance import DPFeatureCovariance
 from .least_squares import DPLeastSquares
@@ -72,10 +72,11 @@ def probe_sweep(X_train, y_train, X_test, y_test, methods: Sequence[str] = tuple
     """Fit every method at every ε ``seeds`` times; test accuracies in a :class:`ProbeResults`.
 
     Each fit draws its own noise: secret (``random_state=None``, a generator whose whole state
-    comes from OS entropy, :mod:`private_engine.randomness`) by default; with ``noise_seed`` all
-    fits draw in turn from one generator keyed by every bit of it
-    (:func:`~private_engine.randomness.seeded_generator`), so the sweep is reproducible — and its
-    noise known to whoever knows the seed (each fit warns: ``ReproducibleRandomnessWarning``).
+    comes from OS entropy, :mod:`private_engine.foundation.randomness`) by default; with
+    ``noise_seed`` all fits draw in turn from one generator keyed by every bit of it
+    (:func:`~private_engine.foundation.randomness.seeded_generator`), so the sweep is reproducible —
+    and its noise known to whoever knows the seed (each fit warns:
+    ``ReproducibleRandomnessWarning``).
 
     ``classes``: the public label set given to every head (a private fit releases it, so it is
     never read from ``y_train``; training records with another label are dropped). None takes

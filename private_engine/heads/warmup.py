@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 from torch import nn
 
-from ..randomness import entropy_seeded_generator, seeded_generator
+from ..foundation.randomness import entropy_seeded_generator, seeded_generator
 from ..clipping.plan import DEFAULT_CLIPPING_MODE
 
 log = logging.getLogger(__name__)
@@ -130,11 +130,11 @@ _KEY_WORDS = 8
 def _dp_generator(parent: Optional[torch.Generator], device) -> torch.Generator:
     """A generator on ``device`` for one of the warm-up's private draws.
 
-    Without ``parent``: :func:`~private_engine.randomness.entropy_seeded_generator` (its whole
-    state from OS entropy). With one: :func:`~private_engine.randomness.seeded_generator` of a
-    256-bit key drawn from ``parent`` — a full MT19937 state (SHAKE-256 of the key) on the CPU,
-    a 64-bit Philox key on CUDA — reproducible from the parent (which advances), and a separate
-    generator for each draw it keys.
+    Without ``parent``: :func:`~private_engine.foundation.randomness.entropy_seeded_generator` (its
+    whole state from OS entropy). With one:
+    :func:`~private_engine.foundation.randomness.seeded_generator` of a 256-bit key drawn from
+    ``parent`` — a full MT19937 state (SHAKE-256 of the key) on the CPU, a 64-bit Philox key on CUDA
+    — reproducible from the parent (which advances), and a separate generator for each draw it keys.
     """
     if parent is None:
         return entropy_seeded_generator(device)
@@ -192,9 +192,9 @@ def warmup_finetune(model: nn.Module, X: torch.Tensor, y: torch.Tensor, *, epsil
         eval_data: optional ``(X_test, y_test)`` evaluated after each epoch (recorded in history).
         generator: source of the three random draws that the privacy guarantee needs secret:
             the centres' Gaussian noise, the Poisson batches and DP-SGD's noise. None (default):
-            each comes from :func:`private_engine.randomness.entropy_seeded_generator` (state
-            from OS entropy), independent of ``torch.manual_seed``. A ``torch.Generator`` given
-            keys a separate full-state generator for each from 256 bits of its draws
+            each comes from :func:`private_engine.foundation.randomness.entropy_seeded_generator`
+            (state from OS entropy), independent of ``torch.manual_seed``. A ``torch.Generator``
+            given keys a separate full-state generator for each from 256 bits of its draws
             (:func:`_dp_generator`; the centres and the engine then warn:
             ``ReproducibleRandomnessWarning``, ``ReproducibleNoiseWarning``); a seeded one
             reproduces the run, and makes that randomness known to whoever knows the seed

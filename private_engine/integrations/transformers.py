@@ -43,7 +43,7 @@ from ..accounting import PrivacyReport
 from ..checkpoint import atomic_save, load_engine_state_dict, use_ledger
 from ..data import poisson_loader
 from ..engine import PrivacyEngine
-from ..randomness import entropy_seeded_generator
+from ..foundation.randomness import entropy_seeded_generator
 from .losses import per_sample_loss
 
 #: the engine's state inside each Trainer checkpoint folder, and its step ledger in output_dir

@@ -15,7 +15,8 @@ from typing import Dict
 import torch
 from torch import nn
 
-from .base import LayerDims, LayerRule, accumulation_dtype, cast, trainable
+from ..foundation.dtypes import accumulation_dtype, cast
+from .base import LayerDims, LayerRule, trainable
 from .registry import register_rule
 
 

@@ -25,8 +25,10 @@ from typing import Dict, Optional, Sequence, Tuple, Type
 import torch
 from torch import nn
 
-from .rounding import (accumulator_unit, cast_down, certified_instantiated, gamma, norm_sq64,
-                       operand_unit, unit_roundoff)
+from ..foundation.dtypes import cast, cast_down
+from ..foundation.matmul import put_into, wide_bmm
+from .rounding import (accumulator_unit, certified_instantiated, gamma, norm_sq64, operand_unit,
+                       unit_roundoff)
 
 
 @dataclass(frozen=True)
@@ -140,77 +142,6 @@ def trainable(module: nn.Module, name: str) -> bool:
     return isinstance(param, nn.Parameter) and param.requires_grad
 
 
-def accumulation_dtype(t: torch.Tensor) -> torch.dtype:
-    """Norms are accumulated in at least float32 (float64 stays float64)."""
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
-
-
-def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t`` in ``dtype``: ``t`` itself when it already is (no dispatch: on a GPU a ``.to()`` that
-    changes nothing still costs host time, and the rules call this a few times per layer per
-    step)."""
-    return t if t.dtype == dtype else t.to(dtype)
-
-
-def compute_dtype(t: torch.Tensor) -> torch.dtype:
-    """Operand dtype of a rule's matmuls for an output gradient ``t``: bfloat16 stays bfloat16
-    (mixed precision: the matmuls run as autocast ran the layer, accumulating in float32 inside the
-    kernel, and every norm is then accumulated in float32); float16 is widened to float32 (a
-    loss-scaled float16 gradient would overflow in a Gram matrix); float64 stays float64; anything
-    else is float32."""
-    return torch.bfloat16 if t.dtype == torch.bfloat16 else accumulation_dtype(t)
-
-
-def mm_into(out: Optional[torch.Tensor], a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` in ``out`` when given — written by the matmul itself when the dtypes agree, else
-    copied (a cast) — or else as a new tensor in ≥ float32; 16-bit products are accumulated and
-    returned in float32 (:func:`wide_mm`)."""
-    if out is None:
-        return cast(wide_mm(a, b), accumulation_dtype(a))
-    if out.dtype == a.dtype:
-        return torch.mm(a, b, out=out)
-    return out.copy_(wide_mm(a, b))
-
-
-def sum_into(out: Optional[torch.Tensor], t: torch.Tensor, dims) -> torch.Tensor:
-    """``t.sum(dims)`` accumulated in ≥ float32, in ``out`` when given (by the reduction itself
-    when it has that dtype)."""
-    acc = accumulation_dtype(t)
-    if out is None:
-        return t.sum(dims, dtype=acc)
-    if out.dtype == acc:
-        return torch.sum(t, dims, dtype=acc, out=out)
-    return out.copy_(t.sum(dims, dtype=acc))
-
-
-def scale_samples(t: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
-    """``diag(C)·t``: sample i's slice ``t[i]`` (dim 0) times ``C_i``, in ``t``'s dtype (a new
-    tensor); the factors are rounded toward zero to that dtype
-    (:func:`private_engine.layers.rounding.cast_down`), so the cast never raises a clip factor."""
-    return t * cast_down(factors, t.dtype).reshape(-1, *([1] * (t.dim() - 1)))
-
-
-def weighted_sum_into(out: Optional[torch.Tensor], rows: torch.Tensor,
-                      factors: torch.Tensor) -> torch.Tensor:
-    """``Σ_i C_i s_i`` of per-sample rows ``rows = [s_i]: (B, n)`` (one matrix-vector product
-    ``sᵀC``; factors rounded toward zero to ``rows``' dtype, 16-bit rows accumulated and returned in
-    float32), into ``out`` when given (by the product itself when it has that dtype)."""
-    f = cast_down(factors, rows.dtype)
-    if rows.element_size() == 2:
-        return put_into(out, wide_mm(f.reshape(1, -1), rows).reshape(-1))
-    if out is not None and out.dtype == rows.dtype:
-        return torch.mv(rows.t(), f, out=out)
-    return put_into(out, rows.t().mv(f))
-
-
-def put_into(out: Optional[torch.Tensor], value: torch.Tensor) -> torch.Tensor:
-    """``value`` copied into ``out`` when given, else ``value`` in ≥ float32 (itself when it
-    already is)."""
-    if out is None:
-        return cast(value, accumulation_dtype(value))
-    return out.copy_(value)
-
-
 def flatten_positions(t: torch.Tensor, features: int) -> torch.Tensor:
     """Reshape a batch-first tensor ``(B, *positions, features)`` to ``(B, T, features)``."""
     return t.reshape(t.shape[0], -1, features)
@@ -267,44 +198,6 @@ def gram_unit(t: torch.Tensor) -> float:
     if t.device.type == "cuda" and t.element_size() == 2:
         return unit_roundoff(torch.float32)
     return unit_roundoff(torch.float64)
-
-
-def release_dtype(t: torch.Tensor) -> torch.dtype:
-    """Operand dtype of a clipped sum formed from kept activations and gradients of dtype ``t``:
-    16-bit operands stay 16-bit on CUDA (tensor cores, float32 accumulation and result,
-    :func:`wide_mm`) and are widened to float32 on the CPU (where the 16-bit kernels are no faster
-    and round more: the factors are then applied in float32); float64 stays float64; anything else
-    is float32."""
-    dt = compute_dtype(t)
-    if dt == torch.bfloat16 and t.device.type != "cuda":
-        return torch.float32
-    return dt
-
-
-def wide_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` accumulated *and returned* in ≥ float32: 16-bit operands on CUDA by a matmul with a
-    float32 result (no rounding of the sum to 16 bits, which would be an error relative to the whole
-    batch's sum), elsewhere by widening the operands."""
-    if a.element_size() == 2 and a.is_floating_point():
-        if a.is_cuda:
-            try:
-                return torch.mm(a, b, out_dtype=torch.float32)
-            except (RuntimeError, TypeError):  # a torch without out_dtype
-                pass
-        return a.float().mm(b.float())
-    return a.mm(b)
-
-
-def wide_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Batched :func:`wide_mm`."""
-    if a.element_size() == 2 and a.is_floating_point():
-        if a.is_cuda:
-            try:
-                return torch.bmm(a, b, out_dtype=torch.float32)
-            except (RuntimeError, TypeError):
-                pass
-        return a.float().bmm(b.float())
-    return a.bmm(b)
 
 
 #: on CUDA, 16-bit batched matmuls whose row count T is not a multiple of this get padded

@@ -25,9 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import (LayerDims, LayerRule, accumulation_dtype, cast, certified_kept, compute_dtype,
-                   gram_inner, gram_unit, put_into, row_norm_sq, scale_samples, trainable,
-                   weighted_sum_into, zeros_like_batch)
+from ..foundation.dtypes import accumulation_dtype, cast, compute_dtype
+from ..foundation.matmul import put_into, scale_samples, weighted_sum_into
+from .base import (LayerDims, LayerRule, certified_kept, gram_inner, gram_unit, row_norm_sq,
+                   trainable, zeros_like_batch)
 from .gram import certified_ghost_sq
 from .registry import register_rule
 from .rounding import (ETA64, certified_ghost, certified_instantiated, gamma,

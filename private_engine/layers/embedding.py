@@ -14,8 +14,9 @@ from typing import Dict
 import torch
 from torch import nn
 
-from .base import (LayerDims, LayerRule, accumulation_dtype, cast, put_into, row_norm_sq,
-                   scale_samples, trainable, zeros_like_batch)
+from ..foundation.dtypes import accumulation_dtype, cast
+from ..foundation.matmul import put_into, scale_samples
+from .base import LayerDims, LayerRule, row_norm_sq, trainable, zeros_like_batch
 from .gram import certified_token_ghost_sq
 from .registry import register_rule
 from .rounding import (ETA64, certified_ghost, certified_instantiated, gamma, ghost_underflow,

@@ -98,7 +98,8 @@ def fast_gram_model(t: torch.Tensor) -> Optional[Tuple[bool, float]]:
 def _gram32(t: torch.Tensor) -> torch.Tensor:
     """``t tᵀ`` per sample as float32 ``(N, T, T)``: a float32 bmm, 16-bit operands accumulated in
     float32 (tensor cores on CUDA, with rows padded for their kernels; widened on the CPU)."""
-    from .base import aligned_positions, wide_bmm
+    from ..foundation.matmul import wide_bmm
+    from .base import aligned_positions
 
     T = t.shape[1]
     if t.element_size() == 2:

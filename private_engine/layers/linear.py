@@ -15,9 +15,10 @@ from typing import Dict
 import torch
 from torch import nn
 
-from .base import (LayerDims, LayerRule, accumulation_dtype, cast, certified_kept, compute_dtype,
-                   flatten_positions, gram_inner, gram_unit, mm_into, release_dtype, row_norm_sq,
-                   scale_samples, sum_into, trainable, weighted_sum_into, zeros_like_batch)
+from ..foundation.dtypes import accumulation_dtype, cast, compute_dtype, release_dtype
+from ..foundation.matmul import mm_into, scale_samples, sum_into, weighted_sum_into
+from .base import (LayerDims, LayerRule, certified_kept, flatten_positions, gram_inner, gram_unit,
+                   row_norm_sq, trainable, zeros_like_batch)
 from .gram import certified_ghost_sq
 from .registry import register_named_rule, register_rule
 from .rounding import (certified_ghost, certified_instantiated, ghost_may_underflow,
@@ -119,7 +120,8 @@ class LinearRule(LayerRule):
         ``Σ_i C_i Σ_t g_{i,t}``; into ``out`` when given (the matmul writes the engine's flat buffer
         directly). ``diag(C)`` scales the narrower of A (D wide) and G (p wide) —
         ``(diag(C)·G)ᵀA = Gᵀ(diag(C)·A)`` — so the scaled copy, the one temporary, has ``min(D, p)``
-        columns (an MLP's first layer: A, a quarter of G). Operands in :func:`release_dtype`."""
+        columns (an MLP's first layer: A, a quarter of G). Operands in
+        :func:`~private_engine.foundation.dtypes.release_dtype`."""
         A, G = self._views(module, calls, release_dtype(calls[0][1]) if calls else None)
         out = out or {}
         res = {}

@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import (LayerDims, LayerRule, accumulation_dtype, cast, trainable)
+from ..foundation.dtypes import accumulation_dtype, cast
+from .base import LayerDims, LayerRule, trainable
 from .registry import register_named_rule, register_rule
 
 

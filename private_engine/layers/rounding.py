@@ -297,15 +297,3 @@ def ghost_may_underflow(operand: torch.Tensor, gram_unit: float) -> bool:
     float32 or 16-bit values formed in float64 cannot (the smallest, ``(2⁻¹⁴⁹)² = 2⁻²⁹⁸``, and
     the inner product's ``2⁻⁵⁹⁶`` are normal float64 numbers)."""
     return operand.dtype == torch.float64 or gram_unit != unit_roundoff(torch.float64)
-
-
-def cast_down(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Non-negative factors ``t`` in ``dtype``, rounded toward zero: every factor after the cast is
-    ``≤`` the factor before, so a narrower dtype can only clip more, never less."""
-    if t.dtype == dtype:
-        return t
-    low = t.to(dtype)
-    if torch.finfo(dtype).bits >= torch.finfo(t.dtype).bits:
-        return low
-    up = low.to(t.dtype) > t
-    return torch.where(up, torch.nextafter(low, torch.zeros_like(low)), low)

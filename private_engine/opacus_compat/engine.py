@@ -14,9 +14,9 @@ seeds.
 One default differs: with ``secure_mode=False`` and no ``noise_generator``, Opacus draws the noise
 and the Poisson sampling from torch's global generator, which scripts seed publicly
 (``torch.manual_seed``); whoever knows that seed can subtract the noise and knows each batch.
-Here both come from :func:`~private_engine.randomness.entropy_seeded_generator` (state from OS
-entropy): the noise from one on the parameters' device, the sampling from one on the CPU unless
-the data loader has its own ``generator``. A ``noise_generator`` given makes the run Opacus'
+Here both come from :func:`~private_engine.foundation.randomness.entropy_seeded_generator` (state
+from OS entropy): the noise from one on the parameters' device, the sampling from one on the CPU
+unless the data loader has its own ``generator``. A ``noise_generator`` given makes the run Opacus'
 reproducible run: noise from it, sampling from the loader's generator or torch's global one (as
 the noise is then known, secret batches would add little).
 
@@ -73,7 +73,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..accounting.ledger import StepLedger
 from ..accounting.opacus_bridge import PRVAccountant
 from ..checkpoint import find_ledger
-from ..randomness import entropy_seeded_generator
+from ..foundation.randomness import entropy_seeded_generator
 from ..guards.model_check import check_no_batchnorm, clipped_layers, scan_model
 from .loss import PrivateLoss
 from .module import PrivateModule

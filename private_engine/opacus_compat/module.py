@@ -58,7 +58,7 @@ from ..guards.batch_flow import BatchFlow
 from ..guards.buffers import BufferGuard
 from ..guards.separability import SeparabilityProbe
 from ..guards.state import StepStateGuard
-from ..randomness import SecretModelRandomness
+from ..foundation.randomness import SecretModelRandomness
 from .forward_checks import ForwardChecks, is_dp_rnn, reject_packed_sequence
 from .layouts import layer_batch_dim, to_batch_first
 from .plain_backward import PlainBackward, add_grad

@@ -19,7 +19,8 @@ from typing import Dict
 import torch
 from opacus.layers.dp_multihead_attention import SequenceBias
 
-from ..layers.base import LayerDims, LayerRule, accumulation_dtype, trainable
+from ..foundation.dtypes import accumulation_dtype
+from ..layers.base import LayerDims, LayerRule, trainable
 from ..layers.registry import register_rule
 
 #: attribute make_private sets on SequenceBias modules for the duration of its validation only (the

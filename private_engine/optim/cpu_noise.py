@@ -11,8 +11,8 @@ Fast Space-Efficient Statistically Good Algorithms for Random Number Generation"
 ``Generator.standard_normal(out=..., dtype=...)`` filling the block in place (numpy releases the
 GIL while it fills). The sequence keeps all 256 bits (``pool_size=8``): the noise is as secret
 as the key, and the key as secret as the generator it is drawn from — the engine's is seeded from
-OS entropy (:func:`private_engine.randomness.entropy_seeded_generator`). Spawned children are
-independent streams by construction (their spawn keys differ), so no two blocks, and no two
+OS entropy (:func:`private_engine.foundation.randomness.entropy_seeded_generator`). Spawned children
+are independent streams by construction (their spawn keys differ), so no two blocks, and no two
 draws (each draws a fresh key), share noise. Every coordinate is N(0, std²) (the Gaussian
 mechanism's noise, Abadi et al. 2016; Bu, Mao & Xu 2022, Alg. 1), independent across
 coordinates, blocks and steps.

@@ -6,8 +6,8 @@ not: whoever re-runs the training on a neighbouring dataset with that seed draws
 and the difference of the two releases is the difference of the clipped gradients, noiseless. So
 
 * by default (``secure_mode=False``) the engine draws from
-  :func:`private_engine.randomness.entropy_seeded_generator` (the library's one randomness
-  policy, :mod:`private_engine.randomness`): a
+  :func:`private_engine.foundation.randomness.entropy_seeded_generator` (the library's one
+  randomness policy, :mod:`private_engine.foundation.randomness`): a
   ``torch.Generator`` on the parameters' device whose state comes from the operating system's
   entropy (``os.urandom``) — on the CPU the whole 19,968-bit MT19937 state, elsewhere the 64-bit
   seed the generator keeps (Philox on CUDA) — never from torch's global generator, which user
@@ -40,7 +40,7 @@ from typing import List, Optional, Sequence
 import torch
 from torch import nn
 
-from ..randomness import (ReproducibleRandomnessWarning, derived_generator,
+from ..foundation.randomness import (ReproducibleRandomnessWarning, derived_generator,
                           entropy_seeded_generator)
 from . import cpu_noise
 

@@ -27,10 +27,20 @@ from torch import nn
 
 from ..clipping.batch import ClippedBatch
 from ..clipping.grad_sums import GradSums
-from ..layers.base import cast
-from ..step_metrics import BatchRecord
+from ..foundation.dtypes import cast
 from .distributed import DataParallel
 from .noise import add_gaussian_noise
+
+
+@dataclass(frozen=True)
+class BatchRecord:
+    """What a physical batch leaves for the step's metrics: its certified norms (dropped samples
+    at 0), its per-sample losses (detached), its dropped count and size."""
+
+    norms: Optional[torch.Tensor]
+    loss: Optional[torch.Tensor]
+    dropped: int
+    size: int
 
 
 @dataclass
@@ -180,9 +190,9 @@ class PrivateStep:
     def noisy_gradients(self, loss) -> Tuple[List[torch.Tensor], int, BatchRecord]:
         """``((Σ_{logical batch} C_i g_i + σR·ξ) / B_expected per parameter, samples)``, with this
         physical batch's clipped sum included, ``samples`` the logical batch's count, and this
-        batch's :class:`~private_engine.step_metrics.BatchRecord`. Built in
-        place in this batch's fresh sums, so the running sums and the state stay untouched until
-        the step succeeds; ``pre_release`` sees the count before the noise is drawn.
+        batch's :class:`BatchRecord`. Built in place in this batch's fresh sums, so the running sums
+        and the state stay untouched until the step succeeds; ``pre_release`` sees the count before
+        the noise is drawn.
         Data-parallel: :meth:`_distributed_noisy_gradients`."""
         if self.reducer is not None:
             return self._distributed_noisy_gradients(loss)

@@ -64,7 +64,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..clipping.grad_sums import GradSums
-from ..layers.base import accumulation_dtype
+from ..foundation.dtypes import accumulation_dtype
 from .distributed import DataParallel, process_group_ready
 from .noise import add_gaussian_noise
 

@@ -25,7 +25,8 @@ that the masks of a batch can be reproduced one sample at a time. Private traini
 masks of :class:`private_engine.pretrain.masks.KeyedMasks` (each sample's mask a keyed function of
 the step and of its own content, whatever its place in the batch). Without masks, ``forward``
 draws them i.i.d. from a fresh secret generator
-(:func:`private_engine.randomness.entropy_seeded_generator`), never from torch's global one.
+(:func:`private_engine.foundation.randomness.entropy_seeded_generator`), never from torch's global
+one.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
-from ..randomness import entropy_seeded_generator
+from ..foundation.randomness import entropy_seeded_generator
 
 __all__ = ["MaskedAutoencoder", "build_mae", "sincos_pos_embed_2d", "patchify"]
 

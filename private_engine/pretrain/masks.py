@@ -30,8 +30,8 @@ Privacy. For a fixed key, π_{t,i} is a deterministic function of (t, x_i): the 
 augmentation, and the clipped sum changes by at most R when one sample is added or removed,
 wherever it lands in the batch and whatever the earlier batches held. This holds for any key,
 which makes the bound measurable with a fixed (user-given) key; by default the key is secret
-anyway (:func:`private_engine.randomness.secret_generator`: 256 bits drawn from a generator whose
-whole state comes from ``os.urandom``), so that nobody can predict the masks.
+anyway (:func:`private_engine.foundation.randomness.secret_generator`: 256 bits drawn from a
+generator whose whole state comes from ``os.urandom``), so that nobody can predict the masks.
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..randomness import secret_generator
+from ..foundation.randomness import secret_generator
 
 __all__ = ["KeyedMasks"]
 
@@ -56,7 +56,7 @@ class KeyedMasks:
         num_patches: L, the patches per image (``MaskedAutoencoder.num_patches``).
         seed: None (default): a secret 256-bit key from OS entropy. An int, a ``torch.Generator``
             or a numpy ``Generator``: the key is drawn from it (reproducible masks, with a
-            :class:`~private_engine.randomness.ReproducibleRandomnessWarning`).
+            :class:`~private_engine.foundation.randomness.ReproducibleRandomnessWarning`).
         generator: a generator already made by the caller (no further warning): the key is drawn
             from it; exclusive with ``seed``.
     """

@@ -19,8 +19,9 @@ Randomness. Step 2's masks are :class:`~private_engine.pretrain.masks.KeyedMasks
 mask at step t is a keyed pseudorandom function of (t, x_i) with a secret 256-bit key, so it does
 not depend on the other samples of the batch or of any earlier batch, and the clipped sum moves
 by at most R when one sample is added or removed. The Poisson batches and the noise draw from OS
-entropy (:mod:`private_engine.randomness`). Step 1's order and masks are secret by default too.
-A seed given for either step makes it reproducible, with a ``ReproducibleRandomnessWarning``.
+entropy (:mod:`private_engine.foundation.randomness`). Step 1's order and masks are secret by
+default too. A seed given for either step makes it reproducible, with a
+``ReproducibleRandomnessWarning``.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from typing import Any, Callable, List, Optional, Tuple
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from ..randomness import secret_generator
+from ..foundation.randomness import secret_generator
 from .mae import MaskedAutoencoder
 from .masks import KeyedMasks
 
@@ -104,8 +105,8 @@ def pretrain_synthetic(model: MaskedAutoencoder, data: Dataset,
     first and after every epoch and its values logged (``logging``, INFO, this module's logger).
 
     The order and the masks draw from one generator: ``seed`` None (default) a secret one
-    (:func:`private_engine.randomness.secret_generator`); an int or a generator makes the step
-    reproducible, with a ``ReproducibleRandomnessWarning``. Only public images are read here,
+    (:func:`private_engine.foundation.randomness.secret_generator`); an int or a generator makes the
+    step reproducible, with a ``ReproducibleRandomnessWarning``. Only public images are read here,
     so these masks need not be keyed per sample as step 2's are."""
     from tqdm.auto import tqdm
 

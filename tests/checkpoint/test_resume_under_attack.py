@@ -20,7 +20,7 @@ from torch.utils.data import TensorDataset
 
 import private_engine as pe
 from private_engine.data import poisson_loader
-from private_engine.randomness import is_mt19937
+from private_engine.foundation.randomness import is_mt19937
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

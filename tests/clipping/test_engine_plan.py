@@ -197,7 +197,7 @@ def test_host_side_caches_keep_decisions_and_dims_exact(monkeypatch):
     mode); a new shape gets new dims and a new decision; `cast` returns the tensor itself when the
     dtype already matches."""
     from private_engine.capture.recorder import LayerRecorder
-    from private_engine.layers.base import cast
+    from private_engine.foundation.dtypes import cast
     from private_engine.layers.linear import LinearRule
     from private_engine.clipping.plan import decide
 

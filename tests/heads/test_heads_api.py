@@ -12,7 +12,7 @@ from private_engine.heads import (DPAdamHead, DPFeatureCovariance, DPLeastSquare
 
 # fixed seeds make these checks reproducible (each such fit warns)
 pytestmark = pytest.mark.filterwarnings(
-    "ignore::private_engine.randomness.ReproducibleRandomnessWarning")
+    "ignore::private_engine.foundation.randomness.ReproducibleRandomnessWarning")
 
 ALL = [DPLeastSquares, DPNewton, DPFeatureCovariance, DPAdamHead, DPMeanEstimator]
 CLASSES = [0, 1, 2]  # the public label set of data()

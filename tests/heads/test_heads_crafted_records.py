@@ -250,7 +250,7 @@ NON_FINITE_CASES = [(head, dtype, rec) for head in HEADS for dtype in (torch.flo
                     for rec in non_finite_records()]
 
 
-@pytest.mark.filterwarnings("ignore::private_engine.randomness.ReproducibleRandomnessWarning")
+@pytest.mark.filterwarnings("ignore::private_engine.foundation.randomness.ReproducibleRandomnessWarning")
 @pytest.mark.parametrize("head,dtype,name", NON_FINITE_CASES,
                          ids=[f"{h}-{str(t)[6:]}-{r}" for h, t, r in NON_FINITE_CASES])
 def test_a_non_finite_record_is_dropped_and_moves_nothing(head, dtype, name):

@@ -16,7 +16,7 @@ from private_engine.heads.base import symmetric_noise
 
 # fixed seeds make these checks reproducible (each such fit warns)
 pytestmark = pytest.mark.filterwarnings(
-    "ignore::private_engine.randomness.ReproducibleRandomnessWarning")
+    "ignore::private_engine.foundation.randomness.ReproducibleRandomnessWarning")
 
 
 CLASSES = [0, 1, 2]  # the public label set of clustered()

@@ -1,5 +1,5 @@
 """Where the heads' noise comes from: the library's one randomness policy
-(private_engine.randomness). By default every head, the probe and the warm-up draw from a
+(private_engine.foundation.randomness). By default every head, the probe and the warm-up draw from a
 generator whose whole MT19937 state (624 words of 32 bits) comes from OS entropy — not a state
 that ``manual_seed`` of a 32-bit value produces, which an attacker who knows the other records
 could enumerate; integer seeds count with all their bits; reproducible randomness warns."""
@@ -15,7 +15,7 @@ from private_engine.heads import (DPAdamHead, DPFeatureCovariance, DPLeastSquare
 from private_engine.heads import base as heads_base
 from private_engine.heads.probe import probe_sweep
 from private_engine.heads.warmup import _dp_generator
-from private_engine.randomness import MT_N, ReproducibleRandomnessWarning, mt_init
+from private_engine.foundation.randomness import MT_N, ReproducibleRandomnessWarning, mt_init
 
 CLASSES = [0, 1, 2]  # the public label set of data()
 HEADS = {

@@ -11,7 +11,7 @@ from private_engine.commands.probe import synthetic_clusters as _synthetic
 
 # fixed seeds make these checks reproducible (each such fit warns)
 pytestmark = pytest.mark.filterwarnings(
-    "ignore::private_engine.randomness.ReproducibleRandomnessWarning")
+    "ignore::private_engine.foundation.randomness.ReproducibleRandomnessWarning")
 
 EPSILONS = [0.1, 0.5, 2.0, 10.0, 100.0, math.inf]
 

@@ -8,7 +8,8 @@ from torch import nn
 
 from private_engine.layers import conv as conv_rule
 from private_engine.layers import find_rule
-from private_engine.layers.rounding import cast_down, certified_ghost, gamma, unit_roundoff
+from private_engine.foundation.dtypes import cast_down
+from private_engine.layers.rounding import certified_ghost, gamma, unit_roundoff
 from engine_checks import gen_for
 
 pytestmark = pytest.mark.usefixtures("one_thread")

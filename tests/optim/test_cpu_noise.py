@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from private_engine import randomness
+from private_engine.foundation import randomness
 from private_engine.optim import cpu_noise
 from private_engine import optim as pe_optim
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import private_engine as pe
-from private_engine import randomness
+from private_engine.foundation import randomness
 from private_engine.optim import noise
 from private_engine.optim.noise import ReproducibleNoiseWarning
 

@@ -35,7 +35,7 @@ import private_engine.optim
 from engine_checks import MODES
 from private_engine.pretrain import (DPMAEConfig, KeyedMasks, SyntheticConfig, SyntheticImages,
                                      build_mae, dp_mae_train, pretrain_synthetic)
-from private_engine.randomness import ReproducibleRandomnessWarning
+from private_engine.foundation.randomness import ReproducibleRandomnessWarning
 
 
 R = 0.1  # max_grad_norm (the paper's C)
@@ -131,7 +131,7 @@ def ratio(a, b, max_grad_norm: float = R) -> float:
 
 
 # -- sensitivity ---------------------------------------------------------------------------------
-@pytest.mark.filterwarnings("ignore::private_engine.randomness.ReproducibleRandomnessWarning")
+@pytest.mark.filterwarnings("ignore::private_engine.foundation.randomness.ReproducibleRandomnessWarning")
 @pytest.mark.parametrize("mode,clip", [(m, "abadi") for m in MODES]
                          + [("bk_mixed", "automatic"), ("bk_mixed", "global")])
 def test_a_sample_at_the_front_moves_the_release_by_at_most_R(monkeypatch, mode, clip):
@@ -152,7 +152,7 @@ def test_a_sample_at_the_front_moves_the_release_by_at_most_R(monkeypatch, mode,
     assert r > 0.5, r  # the crafted sample counts
 
 
-@pytest.mark.filterwarnings("ignore::private_engine.randomness.ReproducibleRandomnessWarning")
+@pytest.mark.filterwarnings("ignore::private_engine.foundation.randomness.ReproducibleRandomnessWarning")
 def test_a_later_step_does_not_depend_on_earlier_batch_sizes(monkeypatch):
     """Step 0 on 0, 5 or 20 samples, then step 1 on the same 32 images at the same weights (lr
     0): the same release (masks from one seeded generator advanced by the earlier samples
@@ -166,7 +166,7 @@ def test_a_later_step_does_not_depend_on_earlier_batch_sizes(monkeypatch):
         assert ratio(run[1], runs[0][1]) <= TOL
 
 
-@pytest.mark.filterwarnings("ignore::private_engine.randomness.ReproducibleRandomnessWarning")
+@pytest.mark.filterwarnings("ignore::private_engine.foundation.randomness.ReproducibleRandomnessWarning")
 def test_the_masks_change_from_step_to_step(monkeypatch):
     """The same images at the same weights, two steps: other masks, another release (a mask
     fixed per image for the whole run would be private too, but a weaker MAE)."""
@@ -175,7 +175,7 @@ def test_the_masks_change_from_step_to_step(monkeypatch):
     assert ratio(run[0], run[1]) > 1e-3
 
 
-@pytest.mark.filterwarnings("ignore::private_engine.randomness.ReproducibleRandomnessWarning")
+@pytest.mark.filterwarnings("ignore::private_engine.foundation.randomness.ReproducibleRandomnessWarning")
 def test_a_resumed_run_keeps_its_masks(monkeypatch, tmp_path):
     """The key and the step count are restored: epoch 2 of a resumed run releases what epoch 2
     of an uninterrupted run releases (a fresh key would give other masks)."""
@@ -266,7 +266,7 @@ def test_default_key_is_full_entropy_from_the_os(monkeypatch):
 
 
 # -- the masks themselves -------------------------------------------------------------------------
-@pytest.mark.filterwarnings("ignore::private_engine.randomness.ReproducibleRandomnessWarning")
+@pytest.mark.filterwarnings("ignore::private_engine.foundation.randomness.ReproducibleRandomnessWarning")
 def test_a_sample_mask_reads_its_own_bytes_and_the_step_only():
     masks = KeyedMasks(16, seed=SEED)
     x = images(6, seed=7)
@@ -284,7 +284,7 @@ def test_a_sample_mask_reads_its_own_bytes_and_the_step_only():
         masks.ids(x, -1)
 
 
-@pytest.mark.filterwarnings("ignore::private_engine.randomness.ReproducibleRandomnessWarning")
+@pytest.mark.filterwarnings("ignore::private_engine.foundation.randomness.ReproducibleRandomnessWarning")
 def test_masks_are_uniform():
     """Each patch is visible in a fraction K/L = 1/4 of the masks (4,000 masks: binomial
     standard deviation 0.007 per patch), and the first visible patch is uniform."""

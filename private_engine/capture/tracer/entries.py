@@ -9,7 +9,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ...layers.base import accumulation_dtype
+from ...foundation.dtypes import accumulation_dtype
 
 
 @dataclass
