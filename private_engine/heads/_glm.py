@@ -13,8 +13,8 @@ is one matrix product. It is computed for every finite record, whatever its magn
 (entries ≤ 1, ``‖v_i‖ ≥ 1``), ``c_i r_i ⊗ [x_i; 1] = a_i r_i ⊗ v_i`` with
 ``a_i = min(t_i, C'/(‖r_i‖·‖v_i‖))``, ``C' = C·(1 − rounding_margin)`` — no square of x is
 formed, ``a_i‖r_i‖ ≤ C'`` is finite, and the computed clipped gradient has norm ≤ C. The
-logits are ``s_i·(W u_i) + b`` with ``u_i = x_i/s_i`` (:func:`~.base.row_scales`), clamped to
-``±finfo.max/4``: a record near the largest float saturates the link instead of giving
+logits are ``s_i·(W u_i) + b`` with ``u_i = x_i/s_i`` (:func:`~._row_clipping.row_scales`),
+clamped to ``±finfo.max/4``: a record near the largest float saturates the link instead of giving
 ``inf − inf = NaN``.
 """
 from __future__ import annotations
@@ -23,7 +23,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from .base import DPHeadBase, rounding_margin, row_scales
+from ._row_clipping import rounding_margin, row_scales
+from .base import DPHeadBase
 
 LOSSES = ("sigmoid", "softmax")
 
@@ -40,7 +41,7 @@ def probabilities(Z: torch.Tensor, loss: str) -> torch.Tensor:
 def logits(X: torch.Tensor, W: torch.Tensor, b: Optional[torch.Tensor],
            rows: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """``Z = X Wᵀ + b`` computed as ``s ⊙ (U Wᵀ) + b`` (``rows = (s, U)`` of
-    :func:`~.base.row_scales`, computed if not given) and clamped to ``±finfo.max/4``.
+    :func:`~._row_clipping.row_scales`, computed if not given) and clamped to ``±finfo.max/4``.
 
     ``U Wᵀ`` is finite for finite W, and ``s_i·(Wu_i)`` overflows only to an infinity of the
     right sign, which the clamp turns into a saturated (finite) logit: sigmoid and softmax then
