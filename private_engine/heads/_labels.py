@@ -8,12 +8,13 @@ record is dropped.
 """
 from __future__ import annotations
 
-from typing import Any, Tuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
-__all__ = ["labels_to_numpy", "labels_array", "public_classes", "encode_labels"]
+__all__ = ["labels_to_numpy", "labels_array", "public_classes", "EncodedLabels",
+           "encode_labels"]
 
 
 def labels_to_numpy(y: Any) -> np.ndarray:
@@ -56,9 +57,18 @@ def public_classes(classes: Any) -> np.ndarray:
 _EXACT_FLOAT_INT = 2.0 ** 53
 
 
-def encode_labels(y: Any, classes: Any = None) -> Tuple[np.ndarray, np.ndarray]:
-    """``(index, classes)``: ``index[i]`` is the position of label ``y_i`` in the sorted
-    ``classes``, or −1 for a label that is in none (a float that is not an integer — NaN,
+class EncodedLabels(NamedTuple):
+    """Each label's position in the sorted label set (:func:`encode_labels`)."""
+
+    #: ``positions[i]``: the position of label ``y_i`` in ``classes``, or −1 (int64, shape (n,))
+    positions: np.ndarray
+    #: the label set, sorted (int64)
+    classes: np.ndarray
+
+
+def encode_labels(y: Any, classes: Any = None) -> EncodedLabels:
+    """``EncodedLabels(positions, classes)``: ``positions[i]`` is the position of label ``y_i`` in
+    the sorted ``classes``, or −1 for a label that is in none (a float that is not an integer — NaN,
     ±inf, 0.5 — or an integer not in ``classes``). Never raises because of a label's value when
     ``classes`` is given: the caller drops the records with index −1.
 
@@ -85,4 +95,4 @@ def encode_labels(y: Any, classes: Any = None) -> Tuple[np.ndarray, np.ndarray]:
         classes = public_classes(classes)
     index = np.clip(np.searchsorted(classes, values), 0, len(classes) - 1)
     known = integral & (classes[index] == values)
-    return np.where(known, index, -1).astype(np.int64), classes
+    return EncodedLabels(np.where(known, index, -1).astype(np.int64), classes)

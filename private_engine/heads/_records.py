@@ -11,12 +11,12 @@ finite so that a fit drops them (see "Records that contribute nothing" in
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 import torch
 
-__all__ = ["to_tensor", "finite_records"]
+__all__ = ["to_tensor", "Records", "finite_records"]
 
 
 def _as_2d(X: Any, device: Optional[torch.device], name: str) -> torch.Tensor:
@@ -108,10 +108,19 @@ def to_tensor(X: Any, dtype: torch.dtype = torch.float64, device: Optional[torch
     return _saturating_cast(t, dtype)
 
 
+class Records(NamedTuple):
+    """The records of a fit as a tensor, and which of them are finite (:func:`finite_records`)."""
+
+    #: the records (n, d) in the fit's dtype; a record that is not all finite is zeros
+    values: torch.Tensor
+    #: ``finite[i]``: every value of record i is finite in the input, shape (n,), bool
+    finite: torch.Tensor
+
+
 def finite_records(X: Any, dtype: torch.dtype = torch.float64,
                    device: Optional[torch.device] = None,
-                   name: str = "X") -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(X', finite)``: the records of ``X`` as in :func:`to_tensor`, without refusing any.
+                   name: str = "X") -> Records:
+    """``Records(X', finite)``: the records of ``X`` as in :func:`to_tensor`, without refusing any.
 
     ``finite[i]`` says whether every value of row i is finite in the input (before the
     saturating cast, so ±inf is not mistaken for a saturated value); a row that is not has its
@@ -124,4 +133,4 @@ def finite_records(X: Any, dtype: torch.dtype = torch.float64,
         t = torch.where(finite[:, None], t, torch.zeros((), dtype=t.dtype, device=t.device))
     else:
         finite = torch.ones(t.shape[0], dtype=torch.bool, device=t.device)
-    return _saturating_cast(t, dtype), finite
+    return Records(_saturating_cast(t, dtype), finite)

@@ -10,16 +10,25 @@ norm is shrunk by a rounding margin ``(d + 16)·eps`` so that the computed clipp
 from __future__ import annotations
 
 import math
-from typing import Tuple
+from typing import NamedTuple
 
 import torch
 
-__all__ = ["row_scales", "row_norms", "rounding_margin", "clip_rows", "normalize_rows",
+__all__ = ["RowScales", "row_scales", "row_norms", "rounding_margin", "clip_rows", "normalize_rows",
            "check_clip_norm"]
 
 
-def row_scales(X: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(s, U)`` with ``s_i = max_j |x_ij|`` (1 for a zero row) and ``U = X / s`` row-wise.
+class RowScales(NamedTuple):
+    """Each row ``x_i`` of a matrix as ``s_i·u_i`` (:func:`row_scales`)."""
+
+    #: ``s_i = max_j |x_ij|`` (1 for a zero row), shape (n,)
+    scales: torch.Tensor
+    #: ``u_i = x_i / s_i``, entries in [−1, 1], shape (n, d)
+    unit: torch.Tensor
+
+
+def row_scales(X: torch.Tensor) -> RowScales:
+    """``RowScales(s, U)``: ``s_i = max_j |x_ij|`` (1 for a zero row) and ``U = X / s`` row-wise.
 
     Every ``|u_ij| ≤ 1`` and a nonzero row's largest is exactly 1, so ``1 ≤ ‖u_i‖₂ ≤ √d``: the
     squares in ``‖u_i‖`` neither overflow (rows near the largest float) nor all underflow
@@ -28,7 +37,7 @@ def row_scales(X: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """
     s = torch.amax(X.abs(), dim=1)
     s = torch.where(s > 0, s, torch.ones_like(s))
-    return s, X / s[:, None]
+    return RowScales(s, X / s[:, None])
 
 
 def row_norms(X: torch.Tensor) -> torch.Tensor:
