@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple, cast
 
 import numpy as np
 import torch
@@ -179,10 +179,11 @@ class DPHeadBase:
         self._check_privacy_args()
         if self.noise_multiplier is not None:
             return float(self.noise_multiplier)
-        eps = float(self.epsilon)
+        # _check_privacy_args: epsilon is given here, and delta too unless epsilon is infinite
+        eps = float(cast(float, self.epsilon))
         if math.isinf(eps):
             return 0.0
-        rho = epsilon_to_rho(eps, float(self.delta), self.accounting)
+        rho = epsilon_to_rho(eps, float(cast(float, self.delta)), self.accounting)
         return math.sqrt(self._rho_sigma2() / rho)
 
     def _finalize_privacy(self, sigma: float, ledger: ZCDPLedger) -> None:
@@ -191,7 +192,7 @@ class DPHeadBase:
         self.delta_ = None if self.delta is None else float(self.delta)
         if sigma == 0:
             self.rho_ = math.inf
-            self.epsilon_ = math.inf
+            self.epsilon_: Optional[float] = math.inf
             return
         rho = ledger.rho
         planned = self._rho_sigma2() / sigma ** 2
@@ -235,10 +236,10 @@ class DPHeadBase:
         Xt, finite = finite_records(X, self.dtype)
         if len(labels) != Xt.shape[0]:
             raise ValueError(f"X has {Xt.shape[0]} samples but y has {len(labels)}.")
-        idx, classes = encode_labels(labels, self.classes)
+        positions, classes = encode_labels(labels, self.classes)
         self.classes_ = classes
         self.n_features_in_ = Xt.shape[1]
-        idx = torch.as_tensor(idx, device=Xt.device)
+        idx = torch.as_tensor(positions, device=Xt.device)
         keep = self._records_kept(finite, idx >= 0)
         Xt, idx = Xt[keep], idx[keep]
         Y = torch.zeros(Xt.shape[0], len(classes), dtype=self.dtype, device=Xt.device)
