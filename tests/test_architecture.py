@@ -196,3 +196,48 @@ def test_every_stage_imports_only_its_own_and_earlier_ones():
     stale = set(STAGE_EXCEPTIONS) - against
     assert not stale, f"allowed exceptions that no longer import against the order: {sorted(stale)}"
 
+#: the longest a module may be without a reason (a line starting with "Length:" in its docstring)
+MAX_LINES = 400
+#: modules over MAX_LINES lines without a "Length:" line, and what keeps them long
+LONG_MODULES = {
+    "private_engine.engine": "PrivacyEngine is one class whose constructor checks and wires the "
+    "options of every stage (clipping, noise, accounting, guards, data parallel, FSDP2)",
+    "private_engine.checkpoint": "the engine's public state, its checks against the engine, the "
+    "step ledger's discovery and the one-file model + optimizer + engine checkpoint",
+    "private_engine.clipping.clipper": "PerSampleClipper: the norm pass, the clip factors and the "
+    "clipped sums' writer share one step's per-layer state",
+    "private_engine.optim.sharded": "ShardedDataParallel: the FSDP2 step (unsharded clipping, "
+    "reduce-scatter of each unit's sums, each shard's noise) over one class's state",
+    "private_engine.guards.batch_flow.rules": "one small rule per family of aten ops and the "
+    "table that registers them by op",
+    "private_engine.guards.batch_flow.mode": "BatchFlow, the TorchDispatchMode: dispatch, tags, "
+    "writes and the backward's roots share the mode's state",
+    "private_engine.opacus_compat.engine": "the opacus.PrivacyEngine subclass: each overridden "
+    "step of Opacus' make_private and checkpoints, with the checks of its arguments",
+    "private_engine.opacus_compat.module": "PrivateModule: Opacus' GradSampleModule face, the "
+    "hooks, the guards and the criterion and plain-backward flows over one module's state",
+}
+
+
+def _gives_length_reason(path: Path) -> bool:
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    return any(line.strip().startswith("Length:") for line in doc.splitlines())
+
+
+def test_long_modules_say_why():
+    """Every module is at most MAX_LINES lines, or says why in a docstring line starting with
+    "Length:", or is listed in LONG_MODULES with its reason; a listed module (or a "Length:"
+    line) that is no longer long is stale and must go."""
+    paths = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    lines = {m: len(p.read_text().splitlines()) for m, p in paths.items()}
+    reasoned = {m for m, p in paths.items() if _gives_length_reason(p)}
+    long_ = {m for m, n in lines.items() if n > MAX_LINES}
+    unexplained = sorted(long_ - reasoned - set(LONG_MODULES))
+    assert not unexplained, (
+        f"modules over {MAX_LINES} lines without a reason (split them, or give a line starting "
+        f"with 'Length:' in the docstring): {[(m, lines[m]) for m in unexplained]}")
+    stale = sorted((set(LONG_MODULES) | reasoned) - long_)
+    assert not stale, (f"length reasons for modules of at most {MAX_LINES} lines (or gone): "
+                       f"{[(m, lines.get(m)) for m in stale]}")
+    twice = sorted(set(LONG_MODULES) & reasoned)
+    assert not twice, f"modules with a 'Length:' line that LONG_MODULES also lists: {twice}"

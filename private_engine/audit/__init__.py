@@ -10,18 +10,20 @@ inputs. ``run_audit(AuditConfig(...))`` returns an :class:`AuditResult` with the
 of that path's canaries alone; docs/audit.md.
 
 Modules: ``bound`` (the theorem's p-value and the ε lower bound), ``canaries`` (inclusion,
-directions, data set), ``paths`` (a canary head and canaries per clipping path, ``paths_of``),
-``model`` (the audited MLP and its canary heads), ``training`` (the observed engine run),
+directions, data set), ``paths`` (a canary head and canaries per clipping path),
+``model_paths`` (``paths_of``: the paths a model uses), ``model`` (the audited MLP and its
+canary heads), ``training`` (the observed engine run),
 ``scores`` (scores and guesses), ``run`` (``run_audit``), ``report`` (tables and plots); the
 ``private-engine audit`` command is :mod:`private_engine.commands.audit`.
 """
 from .bound import best_bound, epsilon_ceiling, epsilon_lower_bound, p_value, union_bounds
 from .config import (CONTROLS, DIRECTIONS, DOORS, PATHS, SCORES, AuditConfig, AuditResult,
                      PathResult)
-from .paths import paths_of
+from .model_paths import ModelPaths, paths_of
 from .run import VERDICT_OK, VERDICT_VIOLATION, build_audit, run_audit
 
 __all__ = ["AuditConfig", "AuditResult", "PathResult", "run_audit", "build_audit", "paths_of",
+           "ModelPaths",
            "p_value", "epsilon_lower_bound", "epsilon_ceiling", "best_bound", "union_bounds",
            "CONTROLS", "SCORES", "DIRECTIONS", "DOORS", "PATHS", "VERDICT_OK",
            "VERDICT_VIOLATION"]

@@ -16,15 +16,15 @@ import argparse
 import json
 import math
 import time
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional
 
 import numpy as np
 import torch
 
 from ..heads.probe import METHODS, format_table, plot_results, probe_sweep
 
-__all__ = ["add_probe_arguments", "run_probe", "load_probe_data", "probe_classes", "main",
-           "synthetic_clusters"]
+__all__ = ["add_probe_arguments", "run_probe", "ProbeData", "load_probe_data", "probe_classes",
+           "main", "synthetic_clusters"]
 
 
 def _epsilon(text: str) -> float:
@@ -128,13 +128,24 @@ def probe_classes(args) -> np.ndarray:
     return np.arange(args.n_classes if args.dataset == "synthetic" else 10)
 
 
-def load_probe_data(args) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, str]:
-    """``(X_train, y_train, X_test, y_test, description)`` for the probe's options."""
+class ProbeData(NamedTuple):
+    """The probe's features and labels (:func:`load_probe_data`)."""
+
+    X_train: np.ndarray
+    y_train: np.ndarray
+    X_test: np.ndarray
+    y_test: np.ndarray
+    #: one line saying what the data and its features are
+    description: str
+
+
+def load_probe_data(args) -> ProbeData:
+    """``ProbeData(X_train, y_train, X_test, y_test, description)`` for the probe's options."""
     if args.dataset == "synthetic":
         X, y = synthetic_clusters(args.n_samples, args.dim, args.n_classes, args.seed)
         n_test = int(round(args.test_fraction * len(y)))
-        return X[n_test:], y[n_test:], X[:n_test], y[:n_test], (
-            f"synthetic clusters: n={len(y)}, d={args.dim}, {args.n_classes} classes")
+        return ProbeData(X[n_test:], y[n_test:], X[:n_test], y[:n_test],
+                         f"synthetic clusters: n={len(y)}, d={args.dim}, {args.n_classes} classes")
     from ..demo.digits import load_digits_images
 
     if args.features == "raw":
@@ -142,8 +153,8 @@ def load_probe_data(args) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
                                          test_fraction=args.test_fraction, seed=args.seed,
                                          normalize=False)
         (xtr, ytr), (xte, yte) = train.tensors, test.tensors
-        return (xtr.flatten(1).numpy(), ytr.numpy(), xte.flatten(1).numpy(), yte.numpy(),
-                "digits, raw 8x8 pixels (d=64)")
+        return ProbeData(xtr.flatten(1).numpy(), ytr.numpy(), xte.flatten(1).numpy(),
+                         yte.numpy(), "digits, raw 8x8 pixels (d=64)")
     from ..heads.features import extract_features
 
     train, test = load_digits_images(image_size=args.img_size, channels=3,
@@ -172,8 +183,8 @@ def load_probe_data(args) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
                    .float().cpu().numpy())
         Xtr, Xte = Xtr - ref, Xte - ref
     weights = "pretrained" if args.pretrained else "random-init"
-    return Xtr, ytr, Xte, yte, (f"digits → {args.model} ({weights}) at {args.img_size}px, "
-                                f"d={Xtr.shape[1]}, centre={center}")
+    return ProbeData(Xtr, ytr, Xte, yte, f"digits → {args.model} ({weights}) at "
+                                         f"{args.img_size}px, d={Xtr.shape[1]}, centre={center}")
 
 
 def run_probe(args) -> int:

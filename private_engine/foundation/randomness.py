@@ -44,7 +44,7 @@ _LEFT, _NEXT, _WORDS = 8, 16, 24  # byte offsets of `left`, `next` and the 624 u
 _NORMAL_VALID, _FLOAT_NORMAL_VALID = 5040, 5052  # cached Box–Muller samples: must read "not valid"
 #: the domain tag hashed with an integer seed (fixed bytes: a seed draws the same whatever the
 #: package layout)
-_SEED_DOMAIN = b"private_engine.randomness.seed"
+_SEED_DOMAIN = b"private_engine.foundation.randomness.seed"
 
 _lock = threading.Lock()
 _template: Optional[torch.Tensor] = None

@@ -18,7 +18,8 @@ from typing import Any, Optional, Tuple
 import torch
 
 from ._glm import LOSSES, GLMHead, clipped_gradient_sum
-from .base import NoiseSource, check_clip_norm, row_scales
+from ._noise import NoiseSource
+from ._row_clipping import check_clip_norm, row_scales
 
 __all__ = ["DPAdamHead"]
 

@@ -1,6 +1,6 @@
-"""Shared machinery of the DP feature heads: input conversion, label handling, clipping, noise
-(with a ledger of every Gaussian release), symmetric/PSD post-processing, σ calibration and the
-sklearn-style estimator surface (``fit``/``predict``/``decision_function``/``score``).
+"""The estimator base of the DP feature heads, :class:`DPHeadBase`: σ calibrated from (ε, δ),
+the records that contribute, the release ledger checked against the head's theorem, and the
+sklearn-style surface (``fit``/``predict``/``decision_function``/``score``, ``get_params``).
 
 Privacy conventions used by every head
 --------------------------------------
@@ -30,445 +30,36 @@ Privacy conventions used by every head
 * ``epsilon=inf`` (or ``noise_multiplier=0``) is the non-private reference: **no noise and no
   clipping** (Mehta et al., Table 1 caption), and ``rho_ = epsilon_ = inf``.
 
-Noisy symmetric matrices (Gram matrices, Hessians)
---------------------------------------------------
-Let ``vec_s(A) = (A_11, …, A_dd, √2·A_ij for i<j)``. It is an isometry from symmetric matrices
-with the Frobenius norm onto ``R^{d(d+1)/2}``, so the query ``vec_s(G(D))`` has the same L2
-sensitivity ``Δ`` as ``G`` in Frobenius norm (e.g. ``‖x xᵀ‖_F = ‖x‖² ≤ C²``). We add
-``N(0, (σΔ)²)`` to each coordinate of ``vec_s(G)`` and map back (post-processing), which gives
-``G̃ = G + E`` with ``E`` symmetric, ``E_ii ~ N(0, (σΔ)²)`` and ``E_ij = E_ji ~ N(0, (σΔ)²/2)``
-for i ≠ j — the same ρ = 1/(2σ²) as the paper's full i.i.d. d×d noise matrix (which has the same
-Frobenius sensitivity), but symmetric by construction and with half the off-diagonal variance.
-(Adding ``N(0, (σΔ)²)`` to the upper triangle and mirroring, without the √2, is also valid at the
-same σ since it only drops coordinates' weights, but it is noisier.) Equivalently ``E = (N+Nᵀ)/2``
-for the paper's i.i.d. matrix N, i.e. symmetrising the paper's release — pure post-processing.
-
-Positive definiteness is restored by post-processing only: eigenvalues of the noisy symmetric
-system matrix are floored at ``eig_floor`` (default 0: projection onto the PSD cone) before the
-ridge ``λI`` is added, so every matrix that is inverted has eigenvalues ≥ λ > 0.
-
-Randomness
-----------
-Every head draws its noise from :func:`private_engine.foundation.randomness.secret_generator` (the
-library's one randomness policy): ``random_state=None`` (default) gives a generator whose whole
-state comes from OS entropy (the 19,968-bit MT19937 state on the CPU); an int, a ``torch.Generator``
-or a numpy ``Generator`` makes the noise reproducible (an int keys the whole state through
-SHAKE-256, all of its bits count) and warns with a ``ReproducibleRandomnessWarning``.
-
-Extreme records
----------------
-Clipping and normalisation hold for every finite record, whatever its magnitude (subnormal,
-near the largest float, mixed): a row is first scaled by its largest magnitude,
-``u = x/max_j|x_j|`` (so ``1 ≤ ‖u‖ ≤ √d`` and no square under- or overflows), and the clipping
-norm is shrunk by a rounding margin ``(d + 16)·eps`` so that the computed clipped row has
-``‖x̃‖ ≤ C`` in floating point, not only in exact arithmetic (:func:`clip_rows`,
-:func:`normalize_rows`, :func:`row_scales`).
+The machinery the heads share lives beside this module: records and labels
+(:mod:`._records`, :mod:`._labels`), row clipping with its rounding margins
+(:mod:`._row_clipping`), the noise source and its ledger (:mod:`._noise`, which also says how
+symmetric matrices are noised and where the randomness comes from), and the small linear algebra
+with the PSD floor (:mod:`._linalg`).
 """
 from __future__ import annotations
 
-import contextlib
 import inspect
 import math
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple, cast
 
 import numpy as np
 import torch
 
 from ..accounting.zcdp import (CONVERSIONS, ZCDPLedger, epsilon_to_rho, rho_to_epsilon)
 from ..foundation.randomness import secret_generator
+from ._labels import encode_labels, labels_array, labels_to_numpy
+from ._linalg import small_lapack
+from ._noise import NoiseSource
+from ._records import finite_records, to_tensor
+from ._row_clipping import normalize_rows
 
-__all__ = ["NotFittedError", "DPHeadBase", "to_tensor", "finite_records", "labels_array",
-           "public_classes", "encode_labels", "row_scales", "row_norms", "rounding_margin",
-           "clip_rows", "normalize_rows", "check_clip_norm", "symmetric_noise", "psd_floor",
-           "sym_eigh", "solve", "NoiseSource"]
+__all__ = ["NotFittedError", "DPHeadBase"]
 
 
 class NotFittedError(ValueError, AttributeError):
     """Raised when ``predict``/``decision_function``/``score`` is called before ``fit``."""
 
 
-# ----------------------------------------------------------------------------- inputs
-def _as_2d(X: Any, device: Optional[torch.device], name: str) -> torch.Tensor:
-    """``X`` as a 2-D real tensor (numpy, torch or nested lists; a tensor keeps its device).
-
-    Raises for what does not depend on the values: a non-numeric or complex type, a rank other
-    than 2, an empty shape."""
-    if isinstance(X, torch.Tensor):
-        t = X.detach()
-        if device is not None:
-            t = t.to(device=device)
-    else:
-        try:
-            arr = np.asarray(X)
-        except Exception as exc:
-            bad = _malformed_record(X, name)
-            raise TypeError(bad or f"{name} must be a numpy array or torch tensor, "
-                                   f"got {type(X).__name__}.") from exc
-        if arr.dtype == object or not np.issubdtype(arr.dtype, np.number) and arr.dtype != bool:
-            bad = _malformed_record(X, name)
-            raise TypeError(bad or f"{name} must hold numbers, got dtype {arr.dtype}.")
-        t = torch.as_tensor(arr.astype(np.float64, copy=False), device=device)
-    if t.dim() != 2:
-        raise ValueError(f"{name} must be 2-D (n_samples, n_features), got shape {tuple(t.shape)}; "
-                         "reshape a single sample with X.reshape(1, -1).")
-    if t.shape[0] == 0 or t.shape[1] == 0:
-        raise ValueError(f"{name} is empty (shape {tuple(t.shape)}).")
-    if t.is_complex():
-        raise TypeError(f"{name} must hold real numbers, got dtype {t.dtype}.")
-    return t
-
-
-def _malformed_record(X: Any, name: str) -> Optional[str]:
-    """For records given as a sequence of rows: a message naming the first record (by position)
-    that is not a row of numbers as long as the first one — its position and the type found,
-    never a value — or ``None`` when every record is well formed."""
-    import numbers
-
-    try:
-        rows = list(X)
-    except TypeError:
-        return None
-    width = None
-    for i, row in enumerate(rows):
-        if isinstance(row, (str, bytes)) or not hasattr(row, "__len__"):
-            return (f"{name} record {i} is a {type(row).__name__}, not a row of numbers: give "
-                    "every record as a sequence of its features.")
-        if width is None:
-            width = len(row)
-        if len(row) != width:
-            return (f"{name} record {i} has {len(row)} features where record 0 has {width}: "
-                    "every record needs the same number of features (fix or drop that record).")
-        for j, v in enumerate(row):
-            scalar = isinstance(v, (torch.Tensor, np.ndarray)) and v.ndim == 0
-            if not (scalar or isinstance(v, (numbers.Real, np.number, np.bool_))):
-                return (f"{name} record {i}, feature {j} is a {type(v).__name__}, not a number: "
-                        "convert or drop that record.")
-    return None
-
-
-def _saturating_cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t`` in ``dtype``, a finite value beyond its range saturating at ``±finfo(dtype).max``."""
-    if t.is_floating_point():
-        top = torch.finfo(dtype).max
-        if torch.finfo(t.dtype).max > top:
-            t = t.clamp(-top, top)  # saturating cast: finite stays finite
-    return t.to(dtype=dtype)
-
-
-def to_tensor(X: Any, dtype: torch.dtype = torch.float64, device: Optional[torch.device] = None,
-              name: str = "X") -> torch.Tensor:
-    """2-D float tensor from a numpy array, torch tensor or nested list; keeps a tensor's device.
-
-    Raises a ValueError naming the problem for wrong rank, empty input or non-finite values (NaN
-    or ±inf in the input itself). A finite value beyond the range of ``dtype`` (e.g. 1e300 fitted
-    in float32) saturates at ``±finfo(dtype).max`` instead of becoming infinite: a fixed map
-    applied to each value on its own, so it costs no privacy, and every record stays finite (the
-    clipping that follows bounds its influence whatever its values).
-
-    For inputs that are not private (``predict``, ``score``): a fit reads its records with
-    :func:`finite_records`, which drops what this refuses.
-    """
-    t = _as_2d(X, device, name)
-    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-        bad = (~torch.isfinite(t).all(dim=1)).nonzero().flatten().tolist()
-        shown = ", ".join(map(str, bad[:5])) + (", …" if len(bad) > 5 else "")
-        raise ValueError(f"{name} contains NaN or infinite values in {len(bad)} record(s) "
-                         f"(rows {shown}); clean or drop those rows first.")
-    return _saturating_cast(t, dtype)
-
-
-def finite_records(X: Any, dtype: torch.dtype = torch.float64,
-                   device: Optional[torch.device] = None,
-                   name: str = "X") -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(X', finite)``: the records of ``X`` as in :func:`to_tensor`, without refusing any.
-
-    ``finite[i]`` says whether every value of row i is finite in the input (before the
-    saturating cast, so ±inf is not mistaken for a saturated value); a row that is not has its
-    values set to 0 in ``X'``. A fit drops those rows: refusing one would depend on one
-    record's values. Only what does not depend on the values (type, rank, empty shape) raises.
-    """
-    t = _as_2d(X, device, name)
-    if t.is_floating_point():
-        finite = torch.isfinite(t).all(dim=1)
-        t = torch.where(finite[:, None], t, torch.zeros((), dtype=t.dtype, device=t.device))
-    else:
-        finite = torch.ones(t.shape[0], dtype=torch.bool, device=t.device)
-    return _saturating_cast(t, dtype), finite
-
-
-def _labels_to_numpy(y: Any) -> np.ndarray:
-    if isinstance(y, torch.Tensor):
-        return y.detach().cpu().numpy()
-    return np.asarray(y)
-
-
-def labels_array(y: Any) -> np.ndarray:
-    """``y`` as a 1-D numpy array of integer labels (an integer dtype) or of floats.
-
-    Raises for what does not depend on the values: a rank other than 1, a type that cannot hold
-    integers (strings, objects, complex). Floats are kept as they are: whether a float label is
-    an integer is a property of the record, decided by :func:`encode_labels`.
-    """
-    arr = _labels_to_numpy(y)
-    if arr.ndim != 1:
-        raise ValueError(f"y must be 1-D (n_samples,) integer class labels, got shape {arr.shape}.")
-    if arr.dtype == bool:
-        return arr.astype(np.int64)
-    if not (np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)):
-        raise ValueError(  # the message names the type, never a value of the private labels
-            f"y must hold integer class labels, got dtype {arr.dtype}. Encode them first, e.g. "
-            "classes, y = np.unique(y, return_inverse=True), with classes public.")
-    return arr
-
-
-def public_classes(classes: Any) -> np.ndarray:
-    """``classes`` (a public label set: list, range, array) validated and sorted."""
-    arr = np.asarray(classes)
-    if (arr.ndim != 1 or len(arr) == 0 or len(np.unique(arr)) != len(arr)
-            or not np.issubdtype(arr.dtype, np.integer)):
-        raise ValueError("classes must be a non-empty 1-D list of distinct integer labels, "
-                         f"got {classes!r}.")
-    return np.sort(arr).astype(np.int64)
-
-
-#: a float label is an integer label only if it is one exactly (|y| ≤ 2^53: exact in float64)
-_EXACT_FLOAT_INT = 2.0 ** 53
-
-
-def encode_labels(y: Any, classes: Any = None) -> Tuple[np.ndarray, np.ndarray]:
-    """``(index, classes)``: ``index[i]`` is the position of label ``y_i`` in the sorted
-    ``classes``, or −1 for a label that is in none (a float that is not an integer — NaN,
-    ±inf, 0.5 — or an integer not in ``classes``). Never raises because of a label's value when
-    ``classes`` is given: the caller drops the records with index −1.
-
-    ``classes=None`` infers the label set, ``np.unique(y)``: for the non-private reference only
-    (the label set is released, see the module docstring). It raises if a float label is not an
-    integer, as there is then no label set to infer.
-    """
-    arr = labels_array(y)
-    if np.issubdtype(arr.dtype, np.floating):
-        integral = np.isfinite(arr) & (np.abs(arr) <= _EXACT_FLOAT_INT)
-        integral[integral] = arr[integral] == np.round(arr[integral])
-        values = np.where(integral, arr, 0).astype(np.int64)
-    else:
-        integral = np.ones(arr.shape, dtype=bool)
-        values = arr
-    if classes is None:
-        if not integral.all():
-            raise ValueError(
-                f"y must hold integer class labels, got dtype {arr.dtype} (e.g. "
-                f"{arr[~integral][:3].tolist()}). Encode them first, e.g. "
-                "classes, y = np.unique(y, return_inverse=True).")
-        classes = np.unique(values).astype(np.int64)
-    else:
-        classes = public_classes(classes)
-    index = np.clip(np.searchsorted(classes, values), 0, len(classes) - 1)
-    known = integral & (classes[index] == values)
-    return np.where(known, index, -1).astype(np.int64), classes
-
-
-# ----------------------------------------------------------------------------- clipping
-def row_scales(X: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(s, U)`` with ``s_i = max_j |x_ij|`` (1 for a zero row) and ``U = X / s`` row-wise.
-
-    Every ``|u_ij| ≤ 1`` and a nonzero row's largest is exactly 1, so ``1 ≤ ‖u_i‖₂ ≤ √d``: the
-    squares in ``‖u_i‖`` neither overflow (rows near the largest float) nor all underflow
-    (subnormal rows), and ``‖x_i‖ = s_i·‖u_i‖`` (the scaling of LAPACK's ``dnrm2``; Higham,
-    "Accuracy and Stability of Numerical Algorithms", §27.5). A zero row gives ``u_i = 0``.
-    """
-    s = torch.amax(X.abs(), dim=1)
-    s = torch.where(s > 0, s, torch.ones_like(s))
-    return s, X / s[:, None]
-
-
-def row_norms(X: torch.Tensor) -> torch.Tensor:
-    """``‖x_i‖₂`` for every row ``x_i`` of X, as ``s_i·‖u_i‖`` (:func:`row_scales`): exact to
-    rounding for every finite row; ``inf`` only where the norm itself exceeds the dtype's range."""
-    s, U = row_scales(X)
-    return s * torch.linalg.vector_norm(U, dim=1)
-
-
-def rounding_margin(k: int, dtype: torch.dtype) -> float:
-    """``(k + 16)·eps``: relative shrink of a clipping bound that absorbs the rounding of
-    clipping a vector of ``k`` entries in ``dtype``.
-
-    The computed ``‖u‖`` of :func:`row_scales`'s ``u`` has relative error at most about
-    ``(k/2 + 2)·u`` (squares, any summation order, square root; Higham, Lemma 3.1, with
-    ``u = eps/2`` the unit roundoff), and scaling by ``C/‖u‖`` adds two more roundings: a
-    computed clipped row is within ``(1 + (k/2 + 5)·u)`` of the bound. Shrinking the bound by
-    ``(k + 16)·eps`` (four times that, covering second-order terms) makes ``‖x̃‖ ≤ C`` hold
-    for the floating-point result. In float64 this is ≈ 1e-13 for k = 512. A margin above 1 %
-    (float32 with more than about 84,000 entries) is refused with a ValueError: fit in float64.
-    """
-    margin = (int(k) + 16) * torch.finfo(dtype).eps
-    if margin > 1e-2:
-        raise ValueError(f"{k} features are too many to clip exactly in {dtype} (rounding margin "
-                         f"{margin:.3g}); fit with dtype=torch.float64.")
-    return margin
-
-
-def clip_rows(X: torch.Tensor, C: float) -> torch.Tensor:
-    """``clip(x) = x·min(1, C/‖x‖₂)`` row-wise (Mehta et al., Alg. 1 line 1), for every finite x.
-
-    Computed on ``u = x/max|x|`` (:func:`row_scales`) against ``C' = C·(1 − m)``,
-    ``m = rounding_margin(d)``: a row with ``‖u‖ ≤ C'/s`` (``‖x‖ ≤ C'``) is returned unchanged,
-    any other becomes ``u·C'/‖u‖``, so the floating-point result has ``‖x̃‖ ≤ C`` whether x is
-    subnormal, near the largest float, or mixes both (no square is formed of x itself, so
-    nothing under- or overflows; ``C'/s`` is 0 or inf only where the answer is clear: ``s`` is
-    then far above C, resp. ``‖x‖ ≤ √d·s`` far below it). Zero rows stay zero.
-    """
-    s, U = row_scales(X)
-    nu = torch.linalg.vector_norm(U, dim=1)
-    bound = float(C) * (1.0 - rounding_margin(X.shape[1], X.dtype))
-    keep = nu <= bound / s
-    factor = bound / torch.where(nu > 0, nu, torch.ones_like(nu))
-    return torch.where(keep[:, None], X, U * factor[:, None])
-
-
-def normalize_rows(X: torch.Tensor) -> torch.Tensor:
-    """``φ(x) = x/‖x‖₂`` row-wise (zero rows stay zero): a per-example map, free of privacy cost.
-
-    Computed as ``u·(1 − m)/‖u‖`` with ``u = x/max|x|`` (:func:`row_scales`) and
-    ``m = rounding_margin(d)``, so ``1 − 2m ≤ ‖φ(x)‖ ≤ 1`` in floating point for every finite
-    nonzero x: subnormal rows (whose squares would underflow) and rows near the largest float
-    (whose squares would overflow) included.
-    """
-    _, U = row_scales(X)
-    nu = torch.linalg.vector_norm(U, dim=1)
-    scale = (1.0 - rounding_margin(X.shape[1], X.dtype)) / torch.where(nu > 0, nu,
-                                                                       torch.ones_like(nu))
-    return U * scale[:, None]
-
-
-def check_clip_norm(name: str, value: float, n: int, dtype: torch.dtype) -> float:
-    """``float(value)`` if it is a usable clipping norm C for ``n`` examples in ``dtype``, else a
-    ValueError naming it: ``C > 0`` finite, ``C²`` not below the smallest normal number (the
-    Gram sensitivity C² and its noise would lose their precision) and ``(n + 1)·C²`` finite (the
-    clipped sums stay finite)."""
-    try:
-        C = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a number > 0, got {value!r}.") from None
-    info = torch.finfo(dtype)
-    if not (C > 0 and math.isfinite(C)):
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}.")
-    if C * C < info.tiny or (n + 1) * C * C > info.max:
-        raise ValueError(
-            f"{name}={value!r} is out of range for {dtype} with {n} examples: C² must lie in "
-            f"[{info.tiny:.3g}, {info.max / (n + 1):.3g}]. Rescale the features (and C) or fit "
-            "in float64.")
-    return C
-
-
-# ----------------------------------------------------------------------------- noise
-class NoiseSource:
-    """Gaussian noise from one ``torch.Generator`` plus the ledger of releases it served.
-
-    ``release(name, value, sensitivity, noise_multiplier)`` returns ``value + N(0, (σΔ)²)``
-    (or the isometric symmetric noise of the module docstring with ``symmetric=True``) and records
-    ``(Δ, σΔ)`` in the ledger. ``count`` records several same-size mechanisms at once (e.g. the m
-    per-class gradients of DP-Newton). ``generator`` may be None only for releases without noise
-    (σ = 0).
-    """
-
-    def __init__(self, generator: Optional[torch.Generator],
-                 ledger: Optional[ZCDPLedger] = None):
-        self.generator = generator
-        self.ledger = ledger if ledger is not None else ZCDPLedger()
-
-    def _source(self) -> torch.Generator:
-        if self.generator is None:  # never fall back on torch's global (user-seeded) generator
-            raise RuntimeError("this NoiseSource has no generator: it serves releases with σ = 0 "
-                               "only.")
-        return self.generator
-
-    def gaussian(self, shape, std: float, like: torch.Tensor) -> torch.Tensor:
-        """i.i.d. ``N(0, std²)`` of ``shape`` with ``like``'s dtype and device (not recorded)."""
-        return torch.randn(shape, generator=self._source(), dtype=like.dtype,
-                           device=like.device) * std
-
-    def symmetric(self, d: int, std: float, like: torch.Tensor,
-                  batch: Tuple[int, ...] = ()) -> torch.Tensor:
-        """Symmetric d×d noise of :func:`symmetric_noise` (not recorded)."""
-        return symmetric_noise(d, std, self._source(), like.dtype, like.device, batch)
-
-    def release(self, name: str, value: torch.Tensor, sensitivity: float, noise_multiplier: float,
-                symmetric: bool = False, count: int = 1, record: bool = True) -> torch.Tensor:
-        """Gaussian mechanism: ``value + N(0, (σΔ)²)`` (isometric symmetric noise if ``symmetric``).
-
-        ``record=False`` is for the later chunks of a release already entered in the ledger.
-        """
-        std = float(noise_multiplier) * float(sensitivity)
-        if record:
-            self.ledger.add(name, sensitivity, std, count=count, shape=tuple(value.shape))
-        # the statistic is symmetric in exact arithmetic; make it so in floating point too
-        if symmetric:
-            value = 0.5 * (value + value.transpose(-1, -2))
-        if std == 0:
-            return value
-        if symmetric:
-            d = value.shape[-1]
-            return value + self.symmetric(d, std, value, tuple(value.shape[:-2]))
-        return value + self.gaussian(value.shape, std, value)
-
-
-def symmetric_noise(d: int, std: float, generator: torch.Generator, dtype=torch.float64,
-                    device=None, batch: Tuple[int, ...] = ()) -> torch.Tensor:
-    """Symmetric noise E with ``E_ii ~ N(0, std²)``, ``E_ij = E_ji ~ N(0, std²/2)`` (i ≠ j).
-
-    This is ``vec_s⁻¹(N(0, std² I))`` for the isometry ``vec_s`` of the module docstring, i.e. the
-    Gaussian mechanism on the upper triangle of a symmetric query with Frobenius sensitivity Δ when
-    ``std = σΔ`` (same ρ = 1/(2σ²) as the i.i.d. d×d noise of Mehta et al.), mirrored to the
-    lower triangle.
-    """
-    Z = torch.randn(*batch, d, d, generator=generator, dtype=dtype, device=device) * std
-    upper = torch.triu(Z, diagonal=1) / math.sqrt(2.0)
-    return upper + upper.transpose(-1, -2) + torch.diag_embed(torch.diagonal(Z, dim1=-2, dim2=-1))
-
-
-@contextlib.contextmanager
-def small_lapack(t: torch.Tensor, max_dim: int = 1024):
-    """Run CPU LAPACK calls on matrices of size ≤ ``max_dim`` single-threaded.
-
-    Multi-threaded MKL gains nothing on such matrices and, on a busy machine, its spinning
-    threads made 192×192 eigendecompositions take seconds instead of milliseconds (and print
-    spurious "DLASWP" errors). The previous thread count is restored on exit.
-    """
-    if t.device.type != "cpu" or t.shape[-1] > max_dim:
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-def sym_eigh(M: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``torch.linalg.eigh`` of the symmetric part of ``M`` (batched), see :func:`small_lapack`."""
-    M = 0.5 * (M + M.transpose(-1, -2))
-    with small_lapack(M):
-        return torch.linalg.eigh(M)
-
-
-def solve(M: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
-    """``torch.linalg.solve(M, rhs)`` (batched), see :func:`small_lapack`."""
-    with small_lapack(M):
-        return torch.linalg.solve(M, rhs)
-
-
-def psd_floor(M: torch.Tensor, floor: float = 0.0) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Eigen-decomposition of symmetric ``M`` (batched) with eigenvalues floored at ``floor``.
-
-    Returns ``(eigvals, eigvecs)`` with ``M_psd = V diag(max(Λ, floor)) Vᵀ``. Post-processing of
-    an already-released matrix: it costs no privacy.
-    """
-    evals, evecs = sym_eigh(M)
-    return torch.clamp(evals, min=floor), evecs
-
-
-# ----------------------------------------------------------------------------- estimator base
 class DPHeadBase:
     """Base class of the DP feature heads (sklearn-style estimator).
 
@@ -482,11 +73,12 @@ class DPHeadBase:
     * ``noise_multiplier``: σ directly; ``epsilon_`` is then reported if ``delta`` is given.
 
     ``random_state``: None (default) draws the noise from a generator whose whole state comes
-    from OS entropy (:func:`~private_engine.foundation.randomness.entropy_seeded_generator`); an
-    int, a ``torch.Generator`` or a numpy ``Generator`` makes it reproducible — and known to whoever
+    from OS entropy
+    (:func:`~private_engine.foundation.randomness.entropy_seeded_generator`); an int, a
+    ``torch.Generator`` or a numpy ``Generator`` makes it reproducible — and known to whoever
     knows the seed — with a ``ReproducibleRandomnessWarning``
-    (:func:`~private_engine.foundation.randomness.secret_generator`). ``dtype``: float64 (default)
-    or float32.
+    (:func:`~private_engine.foundation.randomness.secret_generator`). ``dtype``: float64
+    (default) or float32.
 
     ``classes``: the label set, public (it is released as ``classes_``); required for a private
     fit, where it is never inferred from the private labels. Records whose label is not in it
@@ -588,10 +180,11 @@ class DPHeadBase:
         self._check_privacy_args()
         if self.noise_multiplier is not None:
             return float(self.noise_multiplier)
-        eps = float(self.epsilon)
+        # _check_privacy_args: epsilon is given here, and delta too unless epsilon is infinite
+        eps = float(cast(float, self.epsilon))
         if math.isinf(eps):
             return 0.0
-        rho = epsilon_to_rho(eps, float(self.delta), self.accounting)
+        rho = epsilon_to_rho(eps, float(cast(float, self.delta)), self.accounting)
         return math.sqrt(self._rho_sigma2() / rho)
 
     def _finalize_privacy(self, sigma: float, ledger: ZCDPLedger) -> None:
@@ -600,7 +193,7 @@ class DPHeadBase:
         self.delta_ = None if self.delta is None else float(self.delta)
         if sigma == 0:
             self.rho_ = math.inf
-            self.epsilon_ = math.inf
+            self.epsilon_: Optional[float] = math.inf
             return
         rho = ledger.rho
         planned = self._rho_sigma2() / sigma ** 2
@@ -644,10 +237,10 @@ class DPHeadBase:
         Xt, finite = finite_records(X, self.dtype)
         if len(labels) != Xt.shape[0]:
             raise ValueError(f"X has {Xt.shape[0]} samples but y has {len(labels)}.")
-        idx, classes = encode_labels(labels, self.classes)
+        positions, classes = encode_labels(labels, self.classes)
         self.classes_ = classes
         self.n_features_in_ = Xt.shape[1]
-        idx = torch.as_tensor(idx, device=Xt.device)
+        idx = torch.as_tensor(positions, device=Xt.device)
         keep = self._records_kept(finite, idx >= 0)
         Xt, idx = Xt[keep], idx[keep]
         Y = torch.zeros(Xt.shape[0], len(classes), dtype=self.dtype, device=Xt.device)
@@ -667,8 +260,8 @@ class DPHeadBase:
 
         The noise comes from ``secret_generator(random_state, device, ...)``
         (:mod:`private_engine.foundation.randomness`): secret and full-entropy for
-        ``random_state=None``, reproducible (with a ``ReproducibleRandomnessWarning``) for an int or
-        a generator.
+        ``random_state=None``,
+        reproducible (with a ``ReproducibleRandomnessWarning``) for an int or a generator.
         """
         sigma = self._resolve_noise_multiplier()
         if self.dtype not in (torch.float32, torch.float64):
@@ -735,7 +328,7 @@ class DPHeadBase:
         """Accuracy of ``predict(X)`` against ``y``."""
         pred = self.predict(X)
         pred = pred.cpu().numpy() if isinstance(pred, torch.Tensor) else pred
-        truth = _labels_to_numpy(y)
+        truth = labels_to_numpy(y)
         if truth.shape != pred.shape:
             raise ValueError(f"y has shape {truth.shape}, predictions have shape {pred.shape}.")
         return float(np.mean(pred == truth))

@@ -5,7 +5,7 @@ Classification from Features").
 1. Clip features for the covariance, ``x̃_i = x_i·min(1, C_G/‖x_i‖)``, and release once
    ``G̃ = (1/n) Σ_i x̃_i x̃_iᵀ + N(0, (σ C_G²/n)²) + λI``                               (lines 1–3)
    (``‖Δ Σ x̃x̃ᵀ‖_F ≤ C_G²``: ``1/(2σ²)``-zCDP). The noise is symmetric (isometric upper-triangle
-   noise, see :mod:`~private_engine.heads.base`) and the noisy matrix is projected on the PSD cone
+   noise, see :mod:`~private_engine.heads._noise`) and the noisy matrix is projected on the PSD cone
    before adding λI, so ``G̃ ⪰ λI``.
 2. For t = 1..T (full batch):
    ``g̃_t = (1/n)(Σ_i clip_{C_g}(∇ℓ(θ_t; x_i, y_i)) + N(0, (σ C_g)²))``                  (lines 6–7)
@@ -25,8 +25,9 @@ from typing import Any, Optional
 import torch
 
 from ._glm import LOSSES, GLMHead, clipped_gradient_sum
-from .base import (NoiseSource, check_clip_norm, clip_rows, psd_floor, row_scales,
-                   sym_eigh)
+from ._linalg import psd_floor, sym_eigh
+from ._noise import NoiseSource
+from ._row_clipping import check_clip_norm, clip_rows, row_scales
 
 __all__ = ["DPFeatureCovariance"]
 

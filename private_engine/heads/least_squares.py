@@ -28,8 +28,11 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-from .base import (DPHeadBase, NoiseSource, check_clip_norm, clip_rows, finite_records,
-                   psd_floor, solve)
+from ._linalg import psd_floor, solve
+from ._noise import NoiseSource
+from ._records import finite_records
+from ._row_clipping import check_clip_norm, clip_rows
+from .base import DPHeadBase
 
 __all__ = ["DPLeastSquares"]
 

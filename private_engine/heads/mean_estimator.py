@@ -10,7 +10,7 @@ Training: features are mapped to the unit sphere, ``φ(x) = x/‖x‖`` (Zhu & Z
 Class centres are ``q_j = S̃_j / max(ñ_j, min_count)``; inference is the nearest centre in cosine
 similarity, ``argmax_j cos(φ(x), q_j)``.
 
-φ is :func:`~private_engine.heads.base.normalize_rows`: ``u·(1 − m)/‖u‖`` with
+φ is :func:`~private_engine.heads._row_clipping.normalize_rows`: ``u·(1 − m)/‖u‖`` with
 ``u = x/max_j|x_j|`` and a rounding margin m ≈ (d + 16)·eps, so ``‖φ(x)‖ ≤ 1`` holds for the
 floating-point result and every finite record — also one whose squared entries underflow
 (subnormal features, where ``x/sqrt(Σx²)`` can have norm up to √(d/2)) or overflow (features near
@@ -50,7 +50,9 @@ import torch
 
 from ..accounting.analytic_gaussian import analytic_gaussian_sigma, gaussian_epsilon
 from ..accounting.zcdp import ZCDPLedger
-from .base import DPHeadBase, NoiseSource, normalize_rows
+from ._noise import NoiseSource
+from ._row_clipping import normalize_rows
+from .base import DPHeadBase
 
 __all__ = ["DPMeanEstimator"]
 

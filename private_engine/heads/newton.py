@@ -25,7 +25,10 @@ from typing import Any, Optional
 
 import torch
 
-from .base import DPHeadBase, NoiseSource, check_clip_norm, clip_rows, psd_floor, solve
+from ._linalg import psd_floor, solve
+from ._noise import NoiseSource
+from ._row_clipping import check_clip_norm, clip_rows
+from .base import DPHeadBase
 
 __all__ = ["DPNewton"]
 

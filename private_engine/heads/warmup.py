@@ -38,7 +38,7 @@ from ..foundation.randomness import entropy_seeded_generator, seeded_generator
 from ..clipping.plan import DEFAULT_CLIPPING_MODE
 
 log = logging.getLogger(__name__)
-from .base import normalize_rows
+from ._row_clipping import normalize_rows
 from .features import penultimate_features, saturating_float32
 from .mean_estimator import DPMeanEstimator
 

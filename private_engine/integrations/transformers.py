@@ -32,7 +32,7 @@ import os
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 import transformers
@@ -41,9 +41,8 @@ from torch.utils.data import DataLoader
 
 from ..accounting import PrivacyReport
 from ..checkpoint import atomic_save, load_engine_state_dict, use_ledger
-from ..data import poisson_loader
 from ..engine import PrivacyEngine
-from ..foundation.randomness import entropy_seeded_generator
+from .logical_batches import batch_rows, logical_batch_loader, physical_batches
 from .losses import per_sample_loss
 
 #: the engine's state inside each Trainer checkpoint folder, and its step ledger in output_dir
@@ -207,14 +206,12 @@ class DPTrainer(transformers.Trainer):
         return dataset, collator
 
     def get_train_dataloader(self) -> DataLoader:
-        """Logical batches: Poisson samples at rate ``q = B/n`` from an entropy-seeded generator
-        (:func:`private_engine.data.poisson_loader`; ``len = int(1/q)`` per epoch, empty
-        batches possible), or — ``poisson_sampling=False`` — shuffled batches of exactly B
-        (the last incomplete one dropped). An empty Poisson batch is a batch of 0 rows (an
-        empty list before the first non-empty one): its step releases noise only. Under
-        torchrun each rank draws its own share: each
-        index of its shard of the data set with probability q, the union of the ranks' batches
-        being the Poisson logical batch. The loader is used as built (the Trainer's
+        """Logical batches: Poisson samples at rate ``q = B/n`` from an entropy-seeded generator,
+        or — ``poisson_sampling=False`` — shuffled batches of exactly B
+        (:func:`~private_engine.integrations.logical_batches.logical_batch_loader`). An empty
+        Poisson batch's step releases noise only. Under torchrun each rank draws its own share:
+        each index of its shard of the data set with probability q, the union of the ranks'
+        batches being the Poisson logical batch. The loader is used as built (the Trainer's
         ``accelerator.prepare`` never re-shards or re-batches it)."""
         dataset, collator = self._train_data()
         B = self.logical_batch_size
@@ -222,14 +219,10 @@ class DPTrainer(transformers.Trainer):
             raise ValueError(f"DPTrainer: the logical batch ({B} = per_device_train_batch_size · "
                              f"gradient_accumulation_steps) exceeds the {len(dataset)} training "
                              "examples.")
-        workers = dict(num_workers=self.args.dataloader_num_workers)
-        if self.privacy_args.poisson_sampling:
-            loader = poisson_loader(dataset, B, collate_fn=collator,
-                                    distributed=self.world_size > 1, **workers)
-            _empty_first_batch_as_list(loader)
-            return loader
-        return DataLoader(dataset, batch_size=B, shuffle=True, drop_last=True,
-                          collate_fn=collator, generator=entropy_seeded_generator(), **workers)
+        return logical_batch_loader(dataset, B, collator,
+                                    poisson=self.privacy_args.poisson_sampling,
+                                    distributed=self.world_size > 1,
+                                    num_workers=self.args.dataloader_num_workers)
 
     # -- the engine -------------------------------------------------------------------------
     def create_optimizer(self, model=None) -> torch.optim.Optimizer:
@@ -311,15 +304,6 @@ class DPTrainer(transformers.Trainer):
         logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]
         return per_sample_loss(logits, labels, causal=self._causal)
 
-    def _chunks(self, inputs: Mapping) -> List[Dict[str, Any]]:
-        """The logical batch split into physical batches of ``per_device_train_batch_size``
-        (every tensor of the batch's leading size is split; other values are shared)."""
-        n = _rows(inputs)
-        size = self.physical_batch_size
-        return [{k: (v[s:s + size] if isinstance(v, torch.Tensor) and v.dim() > 0
-                     and v.shape[0] == n else v) for k, v in inputs.items()}
-                for s in range(0, n, size)]
-
     def training_step(self, model: nn.Module, inputs, num_items_in_batch=None) -> torch.Tensor:
         """One private step on a logical batch: each physical batch's per-sample losses are
         clipped and accumulated (``virtual_step``), the last one releases the noisy sum and
@@ -327,11 +311,11 @@ class DPTrainer(transformers.Trainer):
         batch's mean per-sample loss (detached)."""
         model.train()
         device = self.args.device
-        if not isinstance(inputs, Mapping) or _rows(inputs) == 0:
+        if not isinstance(inputs, Mapping) or batch_rows(inputs) == 0:
             self._private_step(loss=torch.zeros(0, device=device))
             return torch.zeros((), device=device)
         inputs = self._prepare_inputs(inputs)
-        chunks = self._chunks(inputs)
+        chunks = physical_batches(inputs, self.physical_batch_size)
         total, count = torch.zeros((), device=device), 0
         optimizer = self.privacy_engine_optimizer
         for k, chunk in enumerate(chunks):
@@ -394,17 +378,6 @@ class DPTrainer(transformers.Trainer):
                                near=os.path.dirname(os.path.abspath(checkpoint)))
 
 
-def _empty_first_batch_as_list(loader: DataLoader) -> None:
-    """Opacus' loader collates an empty batch as the first non-empty one with 0 rows, or — when
-    the first batch drawn is empty — as zero tensors shaped like the data set's first sample,
-    which fails for samples that are not tensors (a dict of token lists). An empty list stands
-    for that batch instead; :meth:`DPTrainer.training_step` takes it as an empty batch."""
-    collate = loader.collate_fn
-    if hasattr(collate, "sample_empty_shapes") and hasattr(collate, "dtypes"):
-        collate.sample_empty_shapes = None
-        collate.dtypes = None
-
-
 def _check_data_parallel(args, privacy_args: PrivacyArguments) -> None:
     """Refuse what DPTrainer cannot run data-parallel: DeepSpeed and FSDP (they wrap or shard the
     model the engine clips), and fixed batches (each rank would shuffle on its own)."""
@@ -417,10 +390,3 @@ def _check_data_parallel(args, privacy_args: PrivacyArguments) -> None:
                          "processes (each rank draws its share of a Poisson batch); keep "
                          "poisson_sampling=True.")
 
-
-def _rows(inputs: Mapping) -> int:
-    """The batch's size: the leading size of its first tensor (0 if it holds none)."""
-    for v in inputs.values():
-        if isinstance(v, torch.Tensor) and v.dim() > 0:
-            return v.shape[0]
-    return 0

@@ -205,8 +205,7 @@ def dp_mae_train(model: MaskedAutoencoder, data: Dataset, config: DPMAEConfig = 
         start = int(extra["epoch"]) + 1
         result.losses = list(extra["losses"])
         result.evaluations = list(extra["evaluations"])
-        if "mask_key" in extra:
-            masks.load_state_dict({"key": extra["mask_key"]})
+        masks.load_state_dict(extra["masks"])
     say = log.info if rank == 0 else _quiet
     say(f"DP-MAE: n={len(data)}, B={config.batch_size} (physical "
         f"{config.physical_batch_size}), {steps} steps, σ={engine.noise_multiplier:.4f}, "
@@ -239,7 +238,7 @@ def dp_mae_train(model: MaskedAutoencoder, data: Dataset, config: DPMAEConfig = 
             save_checkpoint(checkpoint, model=model, optimizer=opt, engine=engine,
                             extra={"epoch": epoch, "losses": result.losses,
                                    "evaluations": result.evaluations,
-                                   "mask_key": masks.state_dict()["key"]})
+                                   "masks": masks.state_dict()})
     result.epsilon = engine.get_epsilon()
     result.steps = engine.steps_taken
     engine.detach()

@@ -216,10 +216,11 @@ def test_paths_of_names_the_paths_a_model_uses():
     assert paths_of(tokens, torch.zeros(2, 5, dtype=torch.long)) == (
         ("linear", "embedding", "layernorm", "traced", "fallback", "sequence"), [])
     tokens.head.weight.requires_grad_(False)
-    assert "linear" not in paths_of(tokens, torch.zeros(2, 5, dtype=torch.long))[0]
+    assert "linear" not in paths_of(tokens, torch.zeros(2, 5, dtype=torch.long)).paths
     biased = nn.Sequential(nn.Linear(4, 4), SequenceBias(4))
-    assert paths_of(biased, torch.zeros(2, 3, 4)) == (("linear_bias", "sequence"),
-                                                     ["1 (SequenceBias)"])
+    found = paths_of(biased, torch.zeros(2, 3, 4))
+    assert found == (("linear_bias", "sequence"), ["1 (SequenceBias)"])
+    assert (found.paths, found.uncovered) == (("linear_bias", "sequence"), ["1 (SequenceBias)"])
 
 
 def test_an_audit_of_some_paths_splits_its_canaries_over_them():

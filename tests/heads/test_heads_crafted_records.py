@@ -17,7 +17,9 @@ import torch
 
 from private_engine.heads import (DPAdamHead, DPFeatureCovariance, DPLeastSquares, DPMeanEstimator,
                                   DPNewton)
-from private_engine.heads import base as heads_base
+from private_engine.heads._noise import NoiseSource
+from private_engine.heads._records import to_tensor
+from private_engine.heads._row_clipping import clip_rows, normalize_rows, rounding_margin, row_norms
 
 N, D, M = 30, 32, 3
 CLASSES = list(range(M))  # the public label set
@@ -86,7 +88,7 @@ class Replay:
 
     def __init__(self, monkeypatch):
         self.calls, self.replay, self.scale = [], None, 1.0
-        original = heads_base.NoiseSource.release
+        original = NoiseSource.release
         replay = self
 
         def release(source, name, value, sensitivity, noise_multiplier, symmetric=False,
@@ -106,7 +108,7 @@ class Replay:
                                      after=out.detach().clone()))
             return out
 
-        monkeypatch.setattr(heads_base.NoiseSource, "release", release)
+        monkeypatch.setattr(NoiseSource, "release", release)
 
     def run(self, make, X, y, replay=None, scale=1.0):
         self.calls, self.replay, self.scale = [], replay, scale
@@ -289,28 +291,28 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
 def test_row_helpers_hold_on_every_crafted_record(dtype, device):
     recs = records(dtype)
-    X = heads_base.to_tensor(np.stack(list(recs.values())), dtype, device=torch.device(device))
+    X = to_tensor(np.stack(list(recs.values())), dtype, device=torch.device(device))
     assert torch.isfinite(X).all()  # beyond-range values saturate instead of becoming inf
     rows = X.double().cpu().numpy()
     exact = np.array([exact_norm(r) for r in rows])
-    norms = heads_base.row_norms(X).double().cpu().numpy()
+    norms = row_norms(X).double().cpu().numpy()
     finite = exact <= torch.finfo(dtype).max
     eps, sub = torch.finfo(dtype).eps, 2.0 ** (-1074 if dtype == torch.float64 else -149)
     # relative accuracy, up to the absolute spacing of subnormal results
     np.testing.assert_allclose(norms[finite], exact[finite], rtol=10 * eps, atol=8 * sub)
     assert np.all(np.isinf(norms[~finite]))
     for C in (1e-3, 1.0, 1e6):
-        clipped = heads_base.clip_rows(X, C).double().cpu().numpy()
+        clipped = clip_rows(X, C).double().cpu().numpy()
         got = np.array([exact_norm(r) for r in clipped])
         assert np.all(got <= C), (C, got.max() / C)  # in floating point, with no tolerance
         big = exact > C
-        np.testing.assert_allclose(got[big], C, rtol=2 * heads_base.rounding_margin(D, dtype))
+        np.testing.assert_allclose(got[big], C, rtol=2 * rounding_margin(D, dtype))
         np.testing.assert_array_equal(clipped[~big], rows[~big])  # small rows unchanged
-    phi = heads_base.normalize_rows(X).double().cpu().numpy()
+    phi = normalize_rows(X).double().cpu().numpy()
     got = np.array([exact_norm(r) for r in phi])
     nonzero = exact > 0
     assert np.all(got <= 1.0)
-    np.testing.assert_allclose(got[nonzero], 1.0, rtol=2 * heads_base.rounding_margin(D, dtype))
+    np.testing.assert_allclose(got[nonzero], 1.0, rtol=2 * rounding_margin(D, dtype))
     assert not np.any(phi[~nonzero])
     # the direction is kept: φ(x) is a positive multiple of x
     for r, p in zip(rows[nonzero], phi[nonzero]):

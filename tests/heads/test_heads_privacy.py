@@ -11,8 +11,7 @@ from scipy import stats
 
 from private_engine.heads import (DPAdamHead, DPFeatureCovariance, DPLeastSquares, DPMeanEstimator,
                                   DPNewton)
-from private_engine.heads import base as heads_base
-from private_engine.heads.base import symmetric_noise
+from private_engine.heads._noise import NoiseSource, symmetric_noise
 
 # fixed seeds make these checks reproducible (each such fit warns)
 pytestmark = pytest.mark.filterwarnings(
@@ -34,7 +33,7 @@ def spy(monkeypatch):
     """Record every Gaussian release: (name, value before noise, value after, sensitivity, σ,
     symmetric)."""
     calls = []
-    original = heads_base.NoiseSource.release
+    original = NoiseSource.release
 
     def release(self, name, value, sensitivity, noise_multiplier, symmetric=False, count=1,
                 record=True):
@@ -45,7 +44,7 @@ def spy(monkeypatch):
                           symmetric=symmetric))
         return out
 
-    monkeypatch.setattr(heads_base.NoiseSource, "release", release)
+    monkeypatch.setattr(NoiseSource, "release", release)
     return calls
 
 

@@ -6,7 +6,8 @@ import math
 import numpy as np
 import pytest
 
-from private_engine.commands.probe import add_probe_arguments, probe_classes, run_probe
+from private_engine.commands.probe import (add_probe_arguments, load_probe_data, probe_classes,
+                                           run_probe)
 from private_engine.commands.probe import synthetic_clusters as _synthetic
 from private_engine.heads.probe import METHODS, format_table, probe_sweep
 from private_engine.foundation.randomness import ReproducibleRandomnessWarning
@@ -25,6 +26,15 @@ def test_arguments_and_defaults():
     assert parse(["--epsilons", "0.5", "inf"]).epsilons == [0.5, math.inf]
     with pytest.raises(SystemExit):
         parse(["--epsilons", "-1"])
+
+
+def test_probe_data_names_its_parts():
+    args = parse(["--dataset", "synthetic", "--n-samples", "100", "--n-classes", "3", "--dim", "4",
+                  "--test-fraction", "0.2"])
+    data = load_probe_data(args)
+    assert data.X_train.shape == (80, 4) and data.y_train.shape == (80,)
+    assert data.X_test.shape == (20, 4) and data.y_test.shape == (20,)
+    assert data.description.startswith("synthetic clusters: n=100, d=4")
 
 
 def test_sweep_and_table():

@@ -12,7 +12,7 @@ import torch
 
 from private_engine.heads import (DPAdamHead, DPFeatureCovariance, DPLeastSquares, DPMeanEstimator,
                                   DPNewton)
-from private_engine.heads import base as heads_base
+from private_engine.heads._noise import NoiseSource
 from private_engine.heads.probe import probe_sweep
 from private_engine.heads.warmup import _dp_generator
 from private_engine.foundation.randomness import MT_N, ReproducibleRandomnessWarning, mt_init
@@ -48,13 +48,13 @@ def from_32_bit_seed(state: torch.Tensor) -> bool:
 def generator_states(monkeypatch):
     """The state of every generator a head's NoiseSource is built with, before any draw."""
     states = []
-    original = heads_base.NoiseSource.__init__
+    original = NoiseSource.__init__
 
     def init(self, generator, ledger=None):
         states.append(None if generator is None else generator.get_state().clone())
         original(self, generator, ledger)
 
-    monkeypatch.setattr(heads_base.NoiseSource, "__init__", init)
+    monkeypatch.setattr(NoiseSource, "__init__", init)
     return states
 
 

@@ -190,8 +190,9 @@ def test_a_resumed_run_keeps_its_masks(monkeypatch, tmp_path):
                          resume=True)  # mask_seed None: the checkpoint's key is used
     assert len(straight) == 2 and len(resumed) == 1
     assert ratio(resumed[0], straight[1]) <= TOL
-    key = torch.load(ckpt, weights_only=True)["extra"]["mask_key"]
-    assert torch.equal(key, KeyedMasks(16, seed=SEED).state_dict()["key"])
+    saved = torch.load(ckpt, weights_only=True)["extra"]["masks"]
+    assert saved.keys() == KeyedMasks(16, seed=SEED).state_dict().keys()
+    assert torch.equal(saved["key"], KeyedMasks(16, seed=SEED).state_dict()["key"])
 
 
 # -- secrecy ---------------------------------------------------------------------------------------
