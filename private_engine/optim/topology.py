@@ -29,7 +29,8 @@ from torch import nn
 from ..clipping.batch import ClippedBatch, check_batch
 from ..clipping.grad_sums import GradSums
 from ..layers.base import cast
-from .distributed import DataParallel, StepCounts, wants_distributed
+from ..process_group import wants_distributed
+from .distributed import DataParallel, StepCounts
 from .noise import NoiseSpec, add_gaussian_noise
 from .sharded import ShardedDataParallel, fsdp1_names, fsdp2_modules
 
@@ -418,7 +419,8 @@ def choose_topology(model: nn.Module, distributed: Optional[bool], check_replica
                     device: torch.device, sharded: bool) -> Topology:
     """The topology of an engine on ``model``: :class:`Sharded` for an FSDP2 model (``sharded``;
     ``distributed`` must not be False and ``check_replicas`` must be off), :class:`Replicated`
-    when :func:`.distributed.wants_distributed` says so, else :class:`SingleProcess`."""
+    when :func:`private_engine.process_group.wants_distributed` says so, else
+    :class:`SingleProcess`."""
     if sharded:
         if distributed is False:
             raise ValueError(
