@@ -66,10 +66,12 @@ class Topology:
     # -- who this process is ---------------------------------------------------------------------
     @property
     def rank(self) -> int:
+        """This process's rank in the default process group (0 for one process)."""
         return 0 if self.collectives is None else self.collectives.rank
 
     @property
     def world_size(self) -> int:
+        """W, the number of ranks (1 for one process)."""
         return 1 if self.collectives is None else self.collectives.world_size
 
     @property
