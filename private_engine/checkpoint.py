@@ -99,7 +99,7 @@ _PARAMETERS = (
     ("sample_size", lambda e: int(e.sample_size)),
     ("target_epsilon", lambda e: _optional_float(e.target_epsilon)),
     ("target_delta", lambda e: float(e.target_delta)),
-    ("steps", lambda e: None if getattr(e, "steps", None) is None else int(e.steps)),
+    ("steps", lambda e: None if e.steps is None else int(e.steps)),
     ("accountant", lambda e: str(e.accountant_name)),
     ("secure_mode", lambda e: bool(e.secure_mode)),
     ("grad_scaler", lambda e: bool(e.loss_scaling.enabled)),
@@ -126,22 +126,21 @@ def engine_state_dict(engine) -> Dict[str, Any]:
     """
     _refuse_accumulation(engine)
     generator = engine.noise_generator
-    given = generator is not None and getattr(engine, "noise_generator_given", False)
-    ledger = getattr(engine, "ledger", None)
-    return {
+    given = generator is not None and engine.noise_generator_given
+    state = {
         "format": ENGINE_FORMAT,
         "version": VERSION,
         "privacy": {key: read(engine) for key, read in _PARAMETERS},
-        "accountant": {
-            "name": str(engine.accountant_name),
-            "history": [(float(s), float(q), int(n)) for s, q, n in engine.accountant.history],
-        },
-        "ledger": None if ledger is None else {"run": ledger.run, "path": ledger.path},
+        **engine.accounting.state_dict(),  # "accountant", "ledger"
         "noise_generator": generator.get_state() if given else None,
         "noise_generator_device": generator.device.type if given else None,
         "loss_scaling": engine.loss_scaling.state_dict(),
         "clipping_mode": str(engine.clipping_mode),
     }
+    tag = engine.topology.state_tag()
+    if tag is not None:  # FSDP2: each rank's own generator, loaded on the rank that wrote it
+        state["shard"] = tag
+    return state
 
 
 def check_engine_state_dict(engine, state: Dict[str, Any], *, ledger: LedgerArg = None,
@@ -188,9 +187,9 @@ def check_engine_state_dict(engine, state: Dict[str, Any], *, ledger: LedgerArg 
             "the checkpoint was written under other privacy parameters than this engine's: "
             + "; ".join(diffs) + ". Its accountant history is only valid under its own; build "
             "the engine with the checkpoint's parameters" + hint + ".")
-    if version == VERSION and state["noise_generator"] is not None and _draws_noise(engine):
+    if version == VERSION and state["noise_generator"] is not None and engine.draws_noise:
         generator = engine.noise_generator
-        if generator is None or not getattr(engine, "noise_generator_given", False):
+        if generator is None or not engine.noise_generator_given:
             raise ValueError(
                 "the checkpoint holds the state of a noise generator the user gave (a "
                 "reproducible run) but this engine draws secret noise: build it with a "
@@ -218,14 +217,13 @@ def load_engine_state_dict(engine, state: Dict[str, Any], *, ledger: LedgerArg =
     ``dropped_samples`` and the loss-scaling counters keep their values (not in the state)."""
     found = check_engine_state_dict(engine, state, ledger=ledger, near=near)
     if found is None:
-        engine.accountant.history = [(float(s), float(q), int(n))
-                                     for s, q, n in state["accountant"]["history"]]
+        engine.accounting.load_state_dict(state)
     else:
         path, contents = found
-        _set_ledger(engine, StepLedger.open(path, writer=_records(engine)))
+        engine.accounting.use_ledger(StepLedger.open(path, writer=engine.topology.records))
         engine.accountant.history = list(engine.ledger.history)
     if state.get("version") == VERSION:
-        if state["noise_generator"] is not None and _draws_noise(engine):
+        if state["noise_generator"] is not None and engine.draws_noise:
             engine.noise_generator.set_state(state["noise_generator"].cpu())
         engine.loss_scaling.load_state_dict(state["loss_scaling"])
 
@@ -244,19 +242,16 @@ def use_ledger(engine, path) -> StepLedger:
     Data-parallel (also FSDP2): every rank calls it; rank 0 writes the file, then all ranks meet
     at a barrier and the others read it (it must be on a file system they share)."""
     path = os.path.abspath(os.fspath(path))
-    current = getattr(engine, "ledger", None)
+    current = engine.ledger
     if current is not None and current.path == path:
         return current
-    records = _records(engine)
+    records = engine.topology.records
     if records:
         if os.path.exists(path):
             ledger = StepLedger.open(path)
         else:
             ledger = StepLedger.create(path, engine.accountant.history)
-    if _distributed(engine):
-        import torch.distributed as dist
-
-        dist.barrier()  # rank 0's file exists
+    engine.topology.barrier()  # rank 0's file exists
     if not records:
         ledger = StepLedger.open(path, writer=False)
     if not is_prefix(engine.accountant.history, ledger.history):
@@ -265,7 +260,7 @@ def use_ledger(engine, path) -> StepLedger:
             f"the step ledger {path!r} does not begin with this engine's history "
             f"({engine.steps_taken} steps): it records another run. Give another path, or "
             "resume that run from its checkpoint (load_checkpoint).")
-    _set_ledger(engine, ledger)
+    engine.accounting.use_ledger(ledger)
     engine.accountant.history = list(ledger.history)
     return ledger
 
@@ -326,30 +321,6 @@ def _check_old_state(state: Dict[str, Any], ledger: LedgerArg) -> None:
             "resumed noise is fresh).")
 
 
-def _set_ledger(engine, ledger: StepLedger) -> None:
-    current = getattr(engine, "ledger", None)
-    if current is not None and current is not ledger:
-        current.close()
-    engine.ledger = ledger
-
-
-def _distributed(engine) -> bool:
-    """Whether ``engine`` trains data-parallel or sharded (:mod:`private_engine.optim`)."""
-    return getattr(engine, "distributed", None) is not None
-
-
-def _draws_noise(engine) -> bool:
-    """Whether ``engine``'s process draws noise (one process, rank 0, or any FSDP2 rank): only
-    there does a given generator's state belong."""
-    return getattr(engine, "draws_noise", True)
-
-
-def _records(engine) -> bool:
-    """Whether ``engine``'s process writes the ledger and the checkpoint file: one process, or
-    rank 0."""
-    return not _distributed(engine) or engine.distributed.rank == 0
-
-
 def _refuse_accumulation(engine) -> None:
     """Refuse to save in the middle of a logical batch: its sums are clipped but not noised."""
     if any(s.accumulating for s in engine.attached_steps):
@@ -384,14 +355,14 @@ def save_checkpoint(path, *, model: nn.Module, optimizer: torch.optim.Optimizer,
     others check that they hold no accumulation in progress and return). Call
     ``torch.distributed.barrier()`` before other ranks read the file.
     """
-    _refuse_sharded(engine)
+    engine.topology.check_whole_states("save_checkpoint / load_checkpoint")  # FSDP2: refused
     _check_attached(engine, optimizer)
     _check_model(engine, model)
     _refuse_accumulation(engine)
-    if _distributed(engine) and not _records(engine):
+    if not engine.topology.records:
         return  # rank 0 writes
-    if getattr(engine, "ledger", None) is None:
-        _set_ledger(engine, StepLedger.beside(path, engine.accountant.history))
+    if engine.ledger is None:
+        engine.accounting.use_ledger(StepLedger.beside(path, engine.accountant.history))
     checkpoint = {
         "format": CHECKPOINT_FORMAT,
         "version": VERSION,
@@ -424,7 +395,7 @@ def load_checkpoint(path, *, model: nn.Module, optimizer: torch.optim.Optimizer,
     mid-batch) raises ``ValueError`` before anything changes. Data-parallel: every rank loads
     rank 0's file and reads the same ledger; rank 0 records in it.
     """
-    _refuse_sharded(engine)
+    engine.topology.check_whole_states("save_checkpoint / load_checkpoint")  # FSDP2: refused
     _check_attached(engine, optimizer)
     _check_model(engine, model)
     checkpoint = torch.load(path, map_location="cpu", weights_only=True)
@@ -443,22 +414,6 @@ def load_checkpoint(path, *, model: nn.Module, optimizer: torch.optim.Optimizer,
     log.info("checkpoint %s loaded: %d steps taken (ε=%.4g)", os.fspath(path),
              engine.steps_taken, engine.get_epsilon())
     return checkpoint["extra"]
-
-
-def _refuse_sharded(engine) -> None:
-    """Refuse an engine on an FSDP2 (``fully_shard``) model: its model and optimizer states are
-    ``DTensor`` shards, one part per rank, so one file written by rank 0 would hold a fraction of
-    the model. Save the shards with ``torch.distributed.checkpoint`` and the engine as
-    :class:`EngineStateful` on every rank instead."""
-    if getattr(engine, "sharded", False):
-        raise ValueError(
-            "save_checkpoint / load_checkpoint do not handle FSDP2 (fully_shard) models: the "
-            "model and optimizer states are shards, one part per rank. Save model and optimizer "
-            "with torch.distributed.checkpoint (get_model_state_dict / "
-            "get_optimizer_state_dict) and the engine as "
-            "private_engine.checkpoint.EngineStateful(engine) in the same dcp.save / dcp.load, "
-            "after private_engine.checkpoint.use_ledger(engine, path) on every rank "
-            "(docs/distributed.md, \"FSDP2\").")
 
 
 def _check_attached(engine, optimizer) -> None:
@@ -491,8 +446,7 @@ class EngineStateful:
         self.engine = engine
 
     def _key(self) -> str:
-        distributed = getattr(self.engine, "distributed", None)
-        return f"rank{distributed.rank if distributed is not None else 0}"
+        return f"rank{self.engine.topology.rank}"
 
     def state_dict(self) -> Dict[str, Any]:
         """``{"rank{r}": bytes of engine.state_dict()}``."""

@@ -14,7 +14,7 @@ import torch
 from opacus.utils.uniform_sampler import DistributedUniformWithReplacementSampler
 from torch.utils.data import DataLoader
 
-from .optim.distributed import wants_distributed
+from .process_group import wants_distributed
 from .foundation.randomness import entropy_seeded_generator
 
 

@@ -10,13 +10,14 @@
 
 The Opacus API (``make_private``) is :class:`private_engine.opacus_compat.PrivacyEngine`
 (docs/migrating-from-opacus.md). Under an initialised ``torch.distributed`` process group the
-engine trains data-parallel (:mod:`private_engine.optim.distributed`, docs/distributed.md).
+engine trains data-parallel or on FSDP2 shards (:mod:`private_engine.optim.topology`,
+docs/distributed.md). The arguments are checked by :class:`private_engine.engine_config.
+EngineConfig`; a step's path is :class:`private_engine.optim.PrivateStep` (docs/architecture.md,
+"One step's path").
 """
 from __future__ import annotations
 
-import contextlib
 import logging
-import math
 import warnings
 from typing import Callable, List, Optional, Sequence, Union
 
@@ -24,20 +25,20 @@ import torch
 from torch import nn
 
 from . import optim as _optim
-from .accounting import (PrivacyBudget, PrivacyReport, SamplingRateCheck,
-                         calibrate_noise_multiplier, check_loader, make_accountant, steps_for)
-from .clipping.batch import ClippedBatch, check_batch, clip_batch
+from .accounting import PrivacyReport, StepAccountant, check_loader
+from .clipping.batch import ClippedBatch, clip_batch
 from .clipping.clipper import PerSampleClipper
 from .clipping.functions import ClipFn
 from .clipping.loss_scaling import LossScaling
-from .clipping.plan import DEFAULT_CLIPPING_MODE, LayerDecision, check_mode, is_book_keeping
+from .clipping.plan import DEFAULT_CLIPPING_MODE, LayerDecision
+from .engine_config import EngineConfig, check_max_grad_norm
 from .guards.buffers import BufferGuard
 from .guards.state import StepStateGuard
 from .foundation.randomness import SecretModelRandomness, keyed_by_state
 from .guards.model_check import check_no_batchnorm, clipped_layers, scan_model
 from .optim import noise as _noise
-from .optim.private_step import BatchRecord, check_clipped_params
-from .optim.sharded import ShardedDataParallel, fsdp1_names, fsdp2_modules
+from .optim.private_step import check_clipped_params
+from .optim.topology import Topology, check_model_wrappers, choose_topology
 from .step_metrics import EpsilonTracker, StepLogger, StepMetrics, StepMetricsRecorder
 
 log = logging.getLogger(__name__)
@@ -160,85 +161,55 @@ class PrivacyEngine:
             )
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}.")
-        _refuse_data_parallel_wrapper(model)
-        _refuse_fsdp1(model)
-        sharded = bool(fsdp2_modules(model))
-        if not (isinstance(batch_size, int) and batch_size > 0):
-            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}.")
-        if not (isinstance(sample_size, int) and sample_size >= batch_size):
-            raise ValueError(
-                f"sample_size must be an integer ≥ batch_size ({batch_size}), got {sample_size!r}."
-            )
-        if (noise_multiplier is None) == (target_epsilon is None):
-            raise ValueError("give exactly one of noise_multiplier or target_epsilon.")
+        sharded = check_model_wrappers(model)
+        #: the checked arguments (:class:`private_engine.engine_config.EngineConfig`)
+        self.config = c = EngineConfig(
+            batch_size=batch_size, sample_size=sample_size, max_grad_norm=max_grad_norm,
+            epochs=epochs, steps=steps, noise_multiplier=noise_multiplier,
+            target_epsilon=target_epsilon, target_delta=target_delta,
+            clipping_mode=clipping_mode, clipping_fn=clipping_fn, accountant=accountant,
+            noise_generator=noise_generator, secure_mode=secure_mode,
+            data_free_buffers=data_free_buffers, grad_scaler=grad_scaler,
+            dynamic_loss_scale=dynamic_loss_scale, allow_overrun=allow_overrun,
+            distributed=distributed, check_replicas=check_replicas,
+            check_sampling=check_sampling, data_loader=data_loader, step_logger=step_logger)
         if data_loader is not None:
             check_loader(data_loader, batch_size, sample_size, poisson=bool(check_sampling))
         if not check_sampling:
             warnings.warn(
                 "check_sampling=False: logical batches are not checked against Poisson sampling "
-                f"at q={batch_size / sample_size:.4g}, and the ε reported assumes it; it is not a "
+                f"at q={c.sample_rate:.4g}, and the ε reported assumes it; it is not a "
                 "privacy guarantee for fixed-size or shuffled batches.", UserWarning,
                 stacklevel=2)
-        check_mode(clipping_mode)
         self.loss_scaling = LossScaling(grad_scaler, dynamic=dynamic_loss_scale)
-        if self.loss_scaling.enabled and not is_book_keeping(clipping_mode):
-            raise ValueError(
-                "grad_scaler needs a book-keeping clipping_mode ('bk', 'bk_mixed' or "
-                f"'bk_mixopt'), not "
-                f"{clipping_mode!r}: the two-pass modes would backpropagate a float16 graph in "
-                "which samples overflowed twice; book-keeping runs one backward and drops each "
-                "overflowing sample alone."
-            )
         self.model = model
         self.sample_size = sample_size
-        self.sample_rate = batch_size / sample_size
-        if not (isinstance(max_grad_norm, (int, float)) and 0 < max_grad_norm < math.inf):
-            raise ValueError(f"max_grad_norm must be a finite number > 0, got {max_grad_norm!r}.")
-        self.target_delta = (
-            float(target_delta) if target_delta is not None else 1.0 / (2 * sample_size)
-        )
+        self.sample_rate = c.sample_rate
+        self.target_delta = c.delta
         self.target_epsilon = target_epsilon
         self.accountant_name = accountant
-        self.accountant = make_accountant(accountant)
         self.clipping_mode = clipping_mode
-        #: the collectives of data-parallel training (None: one process); a
-        #: :class:`ShardedDataParallel` on an FSDP2 model
-        self.distributed: Optional[_optim.DataParallel] = (
-            _sharded(model, distributed, check_replicas) if sharded else
-            _optim.data_parallel(distributed, _noise.parameters_device(model)))
+        #: where the steps run: one process, data-parallel replicas or FSDP2 shards
+        #: (:mod:`private_engine.optim.topology`), chosen once here
+        self.topology: Topology = choose_topology(model, distributed, check_replicas,
+                                                  _noise.parameters_device(model), sharded)
         self.check_replicas = bool(check_replicas)
         generator = _noise.engine_noise_generator(model, noise_generator, secure_mode,
                                                   draws=self.draws_noise)
-        if self.sharded:
-            self.distributed.check_generators(generator)
-        if target_epsilon is not None:
-            self.steps = steps_for(epochs, steps, self.sample_rate)
-            sigma = calibrate_noise_multiplier(
-                target_epsilon, self.target_delta, self.sample_rate, self.steps, accountant
-            )
-        else:
-            if noise_multiplier < 0 or not math.isfinite(noise_multiplier):
-                raise ValueError(
-                    f"noise_multiplier must be a finite number ≥ 0, got {noise_multiplier}."
-                )
-            sigma = float(noise_multiplier)
-            self.steps = steps_for(epochs, steps, self.sample_rate) if (epochs or steps) else None
-
+        self.topology.check_generator(generator)
+        sigma, self.steps = c.noise()
         #: σ, the expected batch size and the generator of the private steps' noise
         self.noise = _optim.NoiseSpec(sigma, batch_size, generator, bool(secure_mode))
         #: whether the user gave the noise generator (reproducible: checkpoints keep its state)
         self.noise_generator_given = noise_generator is not None
-        #: the step ledger every step is recorded in before its release
-        #: (:mod:`private_engine.accounting.ledger`; set by ``save_checkpoint`` or ``use_ledger``)
-        self.ledger = None
-        #: the target (ε, δ) and the guard that refuses a step beyond it
-        self.budget = PrivacyBudget(noise_multiplier=sigma, sample_rate=self.sample_rate,
-                                    delta=self.target_delta, accountant=accountant,
-                                    planned_steps=self.steps, target_epsilon=target_epsilon,
-                                    allow_overrun=allow_overrun)
-        #: the samples of released logical batches against the declared batch_size
-        self.sampling_check = SamplingRateCheck(batch_size, sample_size,
-                                                enabled=bool(check_sampling))
+        #: the accountant, the budget guard, the sampling-rate check, the step ledger and the
+        #: step metrics: what every private step asks before and after its release
+        self.accounting = StepAccountant.build(
+            accountant, noise_multiplier=sigma, batch_size=batch_size, sample_size=sample_size,
+            delta=self.target_delta, planned_steps=self.steps, target_epsilon=target_epsilon,
+            allow_overrun=allow_overrun, check_sampling=check_sampling)
+        self.accounting.step_metrics = StepMetricsRecorder(
+            EpsilonTracker(lambda: self.accounting.accountant, self.target_delta))
 
         check_no_batchnorm(model)
         #: refuses a training forward that changes a buffer from the data (a release without noise)
@@ -249,21 +220,13 @@ class PrivacyEngine:
             raise ValueError("the model has no trainable parameters (requires_grad=True).")
         # FSDP2: the clipping core is built on the unsharded parameters, the tensors the modules
         # hold while they compute (the modules hold them inside unsharded())
-        with self._unsharded():
+        with self.topology.unsharded():
             scan = scan_model(model)
             layers = clipped_layers(model, strict=True, scan=scan)
-            clip_params = (self.distributed.unsharded_params(self.params) if self.sharded
-                           else self.params)
-            if self.sharded and scan.fallbacks:
-                raise ValueError(
-                    "PrivacyEngine on an FSDP2 (fully_shard) model: the torch.func fallback is "
-                    f"not supported ({[n for n, _ in scan.fallbacks]}): it replays modules "
-                    "functionally on parameters that FSDP2 swaps between shards and gathered "
-                    "tensors. Register a layer rule for these modules, or train them unsharded "
-                    "(docs/distributed.md, \"FSDP2\").")
+            clip_params = self.topology.clip_params(self.params)
+            self.topology.check_scan(scan)
             self._names = self.parameter_names()
-            if self.distributed is not None:
-                self.distributed.broadcast_module(model)  # the replicas start identical
+            self.topology.prepare_model(model)  # the replicas start identical
             self.clipper = PerSampleClipper(
                 layers,
                 clip_params,
@@ -274,11 +237,7 @@ class PrivacyEngine:
                 traced=scan.traced,
                 fallbacks=scan.fallbacks,
             )
-            if self.sharded:  # one flat buffer per FSDP2 unit, freed once reduce-scattered
-                self.clipper.buffer_group = self.distributed.unit_of
-        #: FSDP2: whether physical batches are clipped with FSDP2's per-unit all-gathers
-        #: (:meth:`_clip_sharded`)
-        self._streamed = self.sharded and self.distributed.can_stream(self.clipper)
+        self.topology.bind(self.clipper)  # FSDP2: one buffer per unit; streamed or gathered
         #: the randomness of training forwards (dropout) from a secret generator, not torch's
         #: publicly seeded global one (keyed from the user's noise_generator when one is given)
         self.model_randomness = SecretModelRandomness(
@@ -296,9 +255,6 @@ class PrivacyEngine:
         #: construction (a diagnostic for the analyst: it depends on the data and is not part of the
         #: private release)
         self.dropped_samples = 0
-        #: the metrics of every logical step, sent to the step loggers (:meth:`add_step_logger`)
-        self.step_metrics = StepMetricsRecorder(
-            EpsilonTracker(lambda: self.accountant, self.target_delta))
         if step_logger is not None:
             self.add_step_logger(step_logger)
         log.info("PrivacyEngine: σ=%.4g, q=%.4g (B=%d, n=%d), R=%.4g, δ=%.3g, mode=%s, "
@@ -323,17 +279,17 @@ class PrivacyEngine:
         """Whether this process draws the noise: one process, or rank 0 of a data-parallel
         group (the others add none: the all-reduced sum carries rank 0's one draw), or every
         rank of an FSDP2 model (each draws the noise of the rows it owns)."""
-        return self.distributed is None or self.distributed.adds_noise
+        return self.topology.adds_noise
+
+    @property
+    def distributed(self) -> Optional[_optim.DataParallel]:
+        """The collectives of data-parallel or FSDP2 training (None: one process)."""
+        return self.topology.collectives
 
     @property
     def sharded(self) -> bool:
         """Whether the model is sharded by FSDP2 (:mod:`private_engine.optim.sharded`)."""
-        return isinstance(self.distributed, ShardedDataParallel)
-
-    def _unsharded(self):
-        """FSDP2: every module holds its unsharded parameters inside
-        (:meth:`ShardedDataParallel.unsharded`); otherwise nothing."""
-        return self.distributed.unsharded() if self.sharded else contextlib.nullcontext()
+        return self.topology.sharded
 
     @property
     def secure_mode(self) -> bool:
@@ -345,6 +301,21 @@ class PrivacyEngine:
         """B, the expected logical batch size: the divisor of the noisy sum (fixed at
         construction, as the sampling rate the accountant uses is)."""
         return self.noise.expected_batch_size
+
+    # -- the accounting's parts, by their names ------------------------------------------------
+    accountant = property(lambda self: self.accounting.accountant,
+                          lambda self, value: setattr(self.accounting, "accountant", value),
+                          doc="The accountant of the private steps.")
+    budget = property(lambda self: self.accounting.budget,
+                      doc="The target (ε, δ) and the guard that refuses a step beyond it.")
+    sampling_check = property(lambda self: self.accounting.sampling_check,
+                              doc="The samples of released logical batches against batch_size.")
+    step_metrics = property(lambda self: self.accounting.step_metrics,
+                            doc="The metrics of every logical step, sent to the step loggers.")
+    ledger = property(lambda self: self.accounting.ledger,
+                      lambda self, value: setattr(self.accounting, "ledger", value),
+                      doc="The step ledger every step is recorded in before its release "
+                          "(set by save_checkpoint or use_ledger), or None.")
 
     # -- optimizer ---------------------------------------------------------------------------
     def attach(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -360,20 +331,15 @@ class PrivacyEngine:
         if any(s.optimizer is optimizer and s.attached for s in self._attached):
             raise RuntimeError("this optimizer is already attached to the engine.")
         self.clipper.install()  # hooks removed by detach() come back
-        if self.sharded:
-            self.distributed.take_over_fsdp()
+        self.topology.attach()
         self.buffer_guard.install()
         self.state_guard.install()
         self.state_guard.arm()
         self.model_randomness.install()
-        state = _optim.PrivateStep(optimizer, self.params, self.clip_batch,
-                                   lambda: self.clipper.max_grad_norm, self.noise,
-                                   self.parameter_names, step_hook=self._account_step,
-                                   pre_step=self._check_budget,
-                                   pre_release=self._pre_release,
-                                   reducer=self.distributed,
-                                   post_step=self._check_replicas if self.check_replicas else None,
-                                   on_step=self._record_step_metrics)
+        state = _optim.PrivateStep(optimizer, self.params, self, self.noise,
+                                   topology=self.topology, accounting=self.accounting)
+        # after the update: the next step's state starts here
+        state.register_step_post_hook(_ArmGuard(self.state_guard))
         self._attached.append(_optim.attach(state))
         return optimizer
 
@@ -393,8 +359,7 @@ class PrivacyEngine:
         self.buffer_guard.remove()
         self.state_guard.remove()
         self.model_randomness.remove()
-        if self.sharded:  # FSDP2 reduces its own gradients again
-            self.distributed.restore_fsdp()
+        self.topology.detach()
 
     # -- clipping ------------------------------------------------------------------------------
     def clipped_grad_sum(self, loss: torch.Tensor):
@@ -416,18 +381,24 @@ class PrivacyEngine:
 
     def clip_batch(self, loss: torch.Tensor) -> ClippedBatch:
         """One physical batch through the clipping core
-        (:func:`private_engine.clipping.batch.clip_batch`), with this engine's loss scaling; the
-        norms and dropped samples are recorded for :attr:`last_norms` / :attr:`dropped_samples`."""
-        if self.sharded:
-            return self._clip_sharded(loss)
+        (:func:`private_engine.clipping.batch.clip_batch`) as the topology runs it
+        (:meth:`private_engine.optim.topology.Topology.clip`; FSDP2: reduce-scattered into this
+        rank's shard sums), with this engine's loss scaling; checked by the state guard before
+        anything is released; the norms and dropped samples are recorded for
+        :attr:`last_norms` / :attr:`dropped_samples`."""
+        self.topology.check_ready()
         self.model_randomness.end()  # the step's forward and loss are over
         try:
-            batch = self._clip(loss)
-            self._check_state()
+            batch = self.topology.clip(loss, clipper=self.clipper, clip=self._clip,
+                                       check=self._check_state, names=self._names,
+                                       params=self.params)
         except BaseException:
             self.state_guard.disarm()
             raise
-        return self._recorded(batch)
+        if batch.norms is not None:
+            self.last_norms = batch.norms
+        self.dropped_samples += batch.dropped
+        return batch
 
     def _clip(self, loss: torch.Tensor, **kwargs) -> ClippedBatch:
         return clip_batch(self.clipper, loss, loss_scaling=self.loss_scaling, names=self._names,
@@ -441,64 +412,6 @@ class PrivacyEngine:
         self.state_guard.check(self.clipper.batch_flow.written_storages)
         self.state_guard.arm()
 
-    def _recorded(self, batch: ClippedBatch) -> ClippedBatch:
-        if batch.norms is not None:
-            self.last_norms = batch.norms
-        self.dropped_samples += batch.dropped
-        return batch
-
-    def _clip_sharded(self, loss: torch.Tensor) -> ClippedBatch:
-        """:meth:`clip_batch` on an FSDP2 model: this rank's clipped sums reduce-scattered into
-        its shard sums (:mod:`private_engine.optim.sharded`). The ranks first agree (one small
-        all-gather) on how every rank runs the batch: with FSDP2's per-unit all-gathers in the
-        one backward of a book-keeping mode (each unit's sums formed and reduce-scattered in
-        turn after the clip factors; a rank with an empty batch runs the same backward on its
-        zero-row graph), or, for the two-pass modes, rules that read weights, and batches on
-        which some rank runs the separability probe, with the whole model gathered; a rank
-        whose checks failed makes every rank raise before the backward."""
-        d = self.distributed
-        d.check_fsdp_state()
-        self.model_randomness.end()  # the step's forward and loss are over
-        error, walk = None, None
-        try:
-            walk = check_batch(self.clipper, loss, self._names)
-        except Exception as e:
-            error = e
-        probe = self.clipper.probe is not None and self.clipper.probe.pending
-        graphless = error is None and loss.numel() == 0 and loss.grad_fn is None  # no backward
-        gather, failed = d.agree(error is None and (probe and loss.numel() > 0 or graphless),
-                                 error is not None)
-        if error is not None:
-            self.state_guard.disarm()
-            raise error
-        if failed:
-            self.clipper.release()
-            self.state_guard.disarm()
-            raise RuntimeError(f"rank(s) {failed} could not clip their batch (see their error): "
-                               "this step is refused on every rank; nothing was updated.")
-        try:
-            if self._streamed and not gather:
-                sums = d.new_shard_sums(self.params)
-                with d.streaming():
-                    if loss.numel() == 0:
-                        d.empty_backward(self.clipper, loss)
-                        batch = ClippedBatch(sums, 0, None, 0)
-                    else:
-                        batch = self._clip(loss, walk=walk, sums_by_buffer=d.sums_sink(sums))
-                        batch.sums = sums
-                d.fill_missing(sums)
-            else:
-                with d.unsharded():  # one all-gather of every unit, the same on every rank
-                    batch = self._clip(loss, walk=walk, before_sums=d.free_gathered)
-                batch.sums = d.scatter(batch.sums, self.params)
-            self._check_state()
-        except BaseException:
-            self.state_guard.disarm()
-            raise
-        finally:
-            d.end_batch()
-        return self._recorded(batch)
-
     @property
     def max_grad_norm(self) -> float:
         """R: the clipping threshold and the noise's scale (one value, the clipper's: the two never
@@ -507,8 +420,7 @@ class PrivacyEngine:
 
     @max_grad_norm.setter
     def max_grad_norm(self, value: float) -> None:
-        if not (isinstance(value, (int, float)) and 0 < value < math.inf):
-            raise ValueError(f"max_grad_norm must be a finite number > 0, got {value!r}.")
+        check_max_grad_norm(value)
         if float(value) != self.clipper.max_grad_norm and any(
             s.attached and s.grad_sums is not None for s in self._attached
         ):
@@ -525,25 +437,6 @@ class PrivacyEngine:
         return self.clipper.last_plan
 
     # -- accounting ----------------------------------------------------------------------------
-    def _check_budget(self) -> None:
-        """Before every private step: refuse it if it would exceed the budget
-        (:class:`private_engine.accounting.BudgetExceededError`)."""
-        self.budget.check_step(self.steps_taken)
-
-    def _pre_release(self, samples: int) -> None:
-        """Before a logical batch's noise: the sampling-rate check, then the step's line in the
-        ledger, on disk before the update is applied (a step the run may release is counted)."""
-        self.sampling_check.check(samples)
-        if self.ledger is not None:
-            self.ledger.record(self.noise_multiplier, self.sample_rate)
-
-    def _account_step(self, samples: int) -> None:
-        """The step hook of every attached optimizer: one Poisson-subsampled Gaussian release of a
-        logical batch of ``samples`` samples."""
-        self.accountant.step(noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate)
-        self.sampling_check.commit(samples)
-        self.state_guard.arm()  # after the update: the next step's state starts here
-
     def add_step_logger(self, sink: StepLogger, *,
                         epsilon_every: Optional[int] = None) -> Callable[[StepMetrics], None]:
         """Send the metrics of every logical step to ``sink``: a TensorBoard ``SummaryWriter``
@@ -565,35 +458,17 @@ class PrivacyEngine:
         """Stop sending step metrics to ``fn`` (what :meth:`add_step_logger` returned)."""
         self.step_metrics.remove(fn)
 
-    def _record_step_metrics(self, records: List[BatchRecord]) -> None:
-        """After every successful step: its metrics to the step loggers."""
-        self.step_metrics.record(self.steps_taken, records, self.clipper.max_grad_norm)
-
-    def _check_replicas(self) -> None:
-        """After a data-parallel step (``check_replicas=True``): the float64 checksums
-        ``(Σθ, Σθ²)`` of every rank's parameters must be equal
-        (:meth:`private_engine.optim.DataParallel.check_replicas`)."""
-        if self.distributed is not None:
-            self.distributed.check_replicas(self.params)
-
     def privacy_report(self) -> PrivacyReport:
         """ε spent, steps, σ, q, δ, the budget and what remains of it, and the mean logical batch
         actually clipped (:class:`private_engine.accounting.PrivacyReport`; ``str()`` gives one
         line)."""
-        return self.budget.report(self.get_epsilon(), self.steps_taken,
-                                  self.sampling_check.mean_batch_size, self.batch_size,
-                                  sampling_checked=self.sampling_check.enabled)
+        return self.accounting.privacy_report(self.batch_size)
 
     def parameter_names(self) -> dict:
         """``{id(parameter): qualified name}`` of the model as it is now (FSDP2: of its
         ``DTensor`` shards and of the unsharded parameters the clipper holds)."""
         names = {id(p): n for n, p in self.model.named_parameters()}
-        if self.sharded:
-            for p in self.params:
-                if id(p) in names:
-                    u = self.distributed.unsharded_params([p])[0]
-                    names[id(u)] = names[id(p)]
-        return names
+        return self.topology.parameter_names(names, self.params)
 
     # -- copies ------------------------------------------------------------------------------
     def _refuse_copy(self, *args):
@@ -607,17 +482,13 @@ class PrivacyEngine:
 
     @property
     def steps_taken(self) -> int:
-        return sum(n for _, _, n in self.accountant.history)
+        return self.accounting.steps_taken
 
     def get_epsilon(self, delta: Optional[float] = None) -> float:
         """ε spent so far at ``delta`` (default ``target_delta``) by the engine's accountant (with
         the RDP accountant, from one-step RDP curves cached per (σ, q): the accountant's value, in
         a fraction of a millisecond, :class:`private_engine.step_metrics.EpsilonTracker`)."""
-        if not self.accountant.history:
-            return 0.0
-        delta = self.target_delta if delta is None else delta
-        eps = self.step_metrics.epsilon.exact(delta)
-        return eps if eps is not None else float(self.accountant.get_epsilon(delta=delta))
+        return self.accounting.get_epsilon(delta)
 
     # -- checkpoints -----------------------------------------------------------------------------
     @property
@@ -632,70 +503,27 @@ class PrivacyEngine:
         middle of a logical batch (take it right after ``optimizer.step()``)."""
         from .checkpoint import engine_state_dict
 
-        state = engine_state_dict(self)
-        if self.sharded:  # each rank's own generator: a state is loaded on the rank that wrote it
-            state["shard"] = {"rank": self.distributed.rank,
-                              "world_size": self.distributed.world_size}
-        return state
+        return engine_state_dict(self)
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`: the accountant takes the history of the state's step ledger
         (steps released after the state count); a state written under other privacy parameters,
         or whose ledger is missing, raises ``ValueError``, with nothing changed
-        (:func:`private_engine.checkpoint.load_engine_state_dict`)."""
+        (:func:`private_engine.checkpoint.load_engine_state_dict`; FSDP2: only on the rank that
+        wrote it)."""
         from .checkpoint import load_engine_state_dict
 
-        if self.sharded:
-            mine = {"rank": self.distributed.rank, "world_size": self.distributed.world_size}
-            if not isinstance(state, dict) or state.get("shard") != mine:
-                raise ValueError(
-                    f"this FSDP2 engine (rank {mine['rank']} of {mine['world_size']}) loads only "
-                    f"the state its own rank wrote (engine.state_dict() on rank {mine['rank']}); "
-                    f"this one is {state.get('shard') if isinstance(state, dict) else None}: "
-                    "each rank draws the noise of its own rows from its own generator, and "
-                    "two ranks restoring one state would repeat their noise.")
+        self.topology.check_state_tag(state)
         load_engine_state_dict(self, state)
         self.state_guard.arm()  # the loaded state is where the next step starts
 
 
-def _refuse_data_parallel_wrapper(model: nn.Module) -> None:
-    """Refuse a model wrapped in ``DistributedDataParallel`` (or Opacus' DPDDP): the engine forms
-    no ``.grad`` by autograd (it clips per sample in its own backward), so the wrapper's gradient
-    all-reduce would never carry the clipped sums; the engine reduces those itself."""
-    wrapped = isinstance(model, nn.parallel.DistributedDataParallel) or (
-        type(model).__name__ == "DifferentiallyPrivateDistributedDataParallel")
-    if wrapped:
-        raise ValueError(
-            f"PrivacyEngine got a {type(model).__name__}: pass the bare module "
-            "(ddp_model.module). The engine clips each sample's gradient in its own backward, "
-            "which forms no .grad for DDP's reducer to all-reduce, and sums the ranks' clipped "
-            "gradients itself (noise once, on rank 0) under an initialised process group "
-            "(distributed=None detects it).")
+class _ArmGuard:
+    """The step post hook that records the model's state after each update
+    (:class:`private_engine.guards.state.StepStateGuard`): the next step is watched from there."""
 
+    def __init__(self, guard: StepStateGuard):
+        self.guard = guard
 
-def _refuse_fsdp1(model: nn.Module) -> None:
-    """Refuse a model wrapped by FSDP1 (``FullyShardedDataParallel``): it flattens parameters into
-    one flat parameter per unit, so no layer owns its own weight and no per-sample gradient can be
-    formed per layer. FSDP2 (``fully_shard``) keeps each parameter and is supported."""
-    names = fsdp1_names(model)
-    if names:
-        raise ValueError(
-            f"PrivacyEngine got a model wrapped by FSDP1 ({names[:3]}): its flat parameters hide "
-            "the layers' own weights, which per-sample clipping needs. Shard it with FSDP2 "
-            "instead (torch.distributed.fsdp.fully_shard), which the engine supports "
-            "(docs/distributed.md, \"FSDP2\").")
-
-
-def _sharded(model: nn.Module, distributed: Optional[bool],
-             check_replicas: bool) -> ShardedDataParallel:
-    """The :class:`ShardedDataParallel` of an FSDP2 model: ``distributed`` must not be False (the
-    shards are one model only together) and ``check_replicas`` must be off (no replicas)."""
-    if distributed is False:
-        raise ValueError(
-            "PrivacyEngine got an FSDP2 (fully_shard) model with distributed=False: its "
-            "parameters are shards of one model held by all the ranks; leave distributed=None.")
-    if check_replicas:
-        raise ValueError(
-            "check_replicas=True compares replicas; under FSDP2 the ranks hold different shards "
-            "of the parameters, not replicas.")
-    return ShardedDataParallel(model, _noise.parameters_device(model))
+    def __call__(self, step, samples: int) -> None:
+        self.guard.arm()

@@ -164,9 +164,10 @@ STAGES = (
     ("capture",),  # recording (a, g) and per-sample gradients
     ("guards",),  # what the engine checks and refuses
     ("clipping",),  # the clipping core
-    ("optim",),  # the private step, noise, data-parallel and sharded training
+    ("optim", "process_group"),  # the private step, noise, data-parallel and sharded training
     ("accounting",),  # the accountants and the budget
-    ("engine", "checkpoint", "data", "training", "step_metrics"),  # the engine and around it
+    # the engine and around it
+    ("engine", "engine_config", "checkpoint", "data", "training", "step_metrics"),
     ("opacus_compat", "heads", "pretrain", "integrations", "demo"),  # built on the engine
     ("audit",),  # privacy audits of the engine and of the Opacus door
     ("commands", "cli"),  # the command line
@@ -206,6 +207,8 @@ LONG_MODULES = {
     "step ledger's discovery and the one-file model + optimizer + engine checkpoint",
     "private_engine.clipping.clipper": "PerSampleClipper: the norm pass, the clip factors and the "
     "clipped sums' writer share one step's per-layer state",
+    "private_engine.optim.topology": "the three topologies behind one interface; the sharded one "
+    "routes FSDP2's clipping (the ranks' agreement, the per-unit streamed backward)",
     "private_engine.optim.sharded": "ShardedDataParallel: the FSDP2 step (unsharded clipping, "
     "reduce-scatter of each unit's sums, each shard's noise) over one class's state",
     "private_engine.guards.batch_flow.rules": "one small rule per family of aten ops and the "

@@ -46,6 +46,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..clipping.grad_sums import FlatLayout, GradSums
+from ..process_group import process_group_ready, wants_distributed
 
 
 class ReplicaMismatchError(RuntimeError):
@@ -62,28 +63,6 @@ class StepCounts:
     same_layout: bool
     #: ranks whose clipping of this step raised
     failed: List[int]
-
-
-def process_group_ready() -> bool:
-    """``torch.distributed.is_available() and torch.distributed.is_initialized()``."""
-    return dist.is_available() and dist.is_initialized()
-
-
-def wants_distributed(distributed: Optional[bool], what: str = "the engine") -> bool:
-    """Resolve a ``distributed`` argument: None → an initialised default process group of world
-    size W > 1; True → an initialised one is required (``ValueError`` otherwise); False → one
-    process."""
-    if distributed is not None and not isinstance(distributed, bool):
-        raise TypeError(f"distributed must be None, True or False, got {distributed!r}.")
-    ready = process_group_ready()
-    if distributed is None:
-        return ready and dist.get_world_size() > 1
-    if distributed and not ready:
-        raise ValueError(
-            f"distributed=True: {what} needs an initialised default process group "
-            "(torch.distributed.init_process_group(...) on every rank, e.g. under torchrun) "
-            "before it is built; none is. Leave distributed=None to detect one, or pass False.")
-    return distributed
 
 
 class DataParallel:

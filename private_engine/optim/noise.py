@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
+from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 import torch
@@ -52,6 +53,18 @@ SECURE_DRAWS = 4
 _URANDOM_WORDS = 1 << 17
 
 
+
+
+@dataclass
+class NoiseSpec:
+    """The noise of a private step: ``N(0, σ²R²I)`` once per logical batch, divided by the
+    expected batch size. ``R`` is the clipper's (the clip threshold and the noise scale never
+    drift apart)."""
+
+    noise_multiplier: float
+    expected_batch_size: int
+    generator: Optional[torch.Generator] = None
+    secure_mode: bool = False
 
 
 class ReproducibleNoiseWarning(ReproducibleRandomnessWarning):
@@ -182,8 +195,9 @@ def _os_random_words(n: int) -> torch.Tensor:
     return out
 
 
-__all__ = ["ReproducibleNoiseWarning", "entropy_seeded_generator", "engine_noise_generator",
-           "gaussian_noise_", "secure_normal_", "generator_on", "parameters_device"]
+__all__ = ["NoiseSpec", "ReproducibleNoiseWarning", "entropy_seeded_generator",
+           "engine_noise_generator", "gaussian_noise_", "secure_normal_", "generator_on",
+           "parameters_device"]
 
 
 #: elements drawn by one ``normal_`` call in ``add_gaussian_noise`` (64 MiB of float32)

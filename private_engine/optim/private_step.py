@@ -9,27 +9,28 @@ noise drawn once per logical batch (Abadi et al. 2016, "Deep Learning with Diffe
 Bu, Mao & Xu 2022, Appendix E). ``B_expected`` is the declared (expected) logical batch size.
 DP-SGD, DP-Adam and DP-AdamW are the torch optimizers with this gradient.
 
-The stages are named as in Opacus' ``DPOptimizer``: :meth:`PrivateStep.clip_and_accumulate`,
-:meth:`PrivateStep.add_noise`, :meth:`PrivateStep.scale_grad`, then the wrapped optimizer's own
-step, and the ``step_hook`` (the accountant) after a step that succeeded. Data-parallel
-(:mod:`.distributed`): each rank accumulates its own samples' sums, and
-:meth:`PrivateStep.reduce_sums` replaces ``add_noise``: the noise on rank 0 only, then one
-``all_reduce(SUM)`` per flat buffer, so the union of the ranks' batches is the logical batch and
-the noise is drawn once.
+The data path is one function, :func:`release_gradient` (noise, reduction over the ranks and
+scaling, by the step's :class:`.topology.Topology`), in the spirit of torch.optim's functional
+``sgd()``; :class:`PrivateStep` is the thin stateful part: the sums accumulated by
+``virtual_step``, the clipping of each physical batch (:meth:`PrivateStep.clip_and_accumulate`),
+the accounting object asked before and after each release (:class:`StepAccounting`), the wrapped
+optimizer's own step, and hooks registered with removable handles
+(:meth:`PrivateStep.register_step_post_hook`).
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from ..clipping.batch import ClippedBatch
 from ..clipping.grad_sums import GradSums
-from ..foundation.dtypes import cast
-from .distributed import DataParallel
-from .noise import add_gaussian_noise
+from .noise import NoiseSpec, add_gaussian_noise
+from .topology import SingleProcess, Topology
 
 
 @dataclass(frozen=True)
@@ -43,16 +44,34 @@ class BatchRecord:
     size: int
 
 
-@dataclass
-class NoiseSpec:
-    """The noise of a private step: ``N(0, σ²R²I)`` once per logical batch, divided by the
-    expected batch size. ``R`` is the clipper's (the clip threshold and the noise scale never
-    drift apart)."""
+class BatchClipping(Protocol):
+    """What a private step asks of the clipping side (the engine)."""
 
-    noise_multiplier: float
-    expected_batch_size: int
-    generator: Optional[torch.Generator] = None
-    secure_mode: bool = False
+    max_grad_norm: float
+
+    def clip_batch(self, loss: torch.Tensor) -> ClippedBatch:
+        """Clip one physical batch of per-sample losses."""
+
+    def parameter_names(self) -> Dict[int, str]:
+        """``{id(param): name}`` of the model as it is now, for messages."""
+
+
+class StepAccounting(Protocol):
+    """What a private step asks of the accounting side
+    (:class:`private_engine.accounting.StepAccountant`)."""
+
+    def check_step(self) -> None:
+        """Before anything else in a step (the budget guard); raising refuses the step."""
+
+    def check_release(self, samples: int) -> None:
+        """Once the logical batch of ``samples`` samples is clipped, before the noise (the
+        sampling-rate check, the ledger line); raising refuses the step, nothing changed."""
+
+    def commit(self, samples: int) -> None:
+        """After the update: the release is accounted."""
+
+    def report(self, records: List[BatchRecord], max_grad_norm: float) -> None:
+        """After the step and its hooks: the step's metrics."""
 
 
 def check_clipped_params(optimizer: torch.optim.Optimizer, clipped_ids,
@@ -74,57 +93,65 @@ def check_clipped_params(optimizer: torch.optim.Optimizer, clipped_ids,
             "optimizer from model.parameters(). Nothing was updated.")
 
 
+def release_gradient(sums: GradSums, params: Sequence[nn.Parameter], noise: NoiseSpec,
+                     max_grad_norm: float, topology: Topology,
+                     same_layout: bool = True) -> List[torch.Tensor]:
+    """The private gradient of a logical batch from this rank's clipped sums
+    ``s_r = Σ_{i ∈ S_r} C_i g_i``:
+
+        ĝ = (Σ_r s_r + σR·ξ) / B,    ξ ~ N(0, I), drawn once over the ranks,
+
+    one tensor per parameter of ``params`` (σ, B and the generator from ``noise``, R =
+    ``max_grad_norm``). The topology adds the noise (one process: locally; replicas: on rank 0
+    before the all-reduce; FSDP2 shards: each rank on the rows it owns) and divides by B
+    (:meth:`.topology.Topology.release`). ``sums`` is consumed. ``same_layout``: every rank holds
+    its sums in the same flat layout (:meth:`.topology.Topology.exchange`)."""
+    std = noise.noise_multiplier * max_grad_norm
+    return topology.release(sums, params, std, noise, same_layout)
+
+
+class _NoAccounting:
+    """Accounting of a step that nothing accounts (a bare :class:`PrivateStep`)."""
+
+    def check_step(self) -> None:
+        pass
+
+    def check_release(self, samples: int) -> None:
+        pass
+
+    def commit(self, samples: int) -> None:
+        pass
+
+    def report(self, records: List[BatchRecord], max_grad_norm: float) -> None:
+        pass
+
+
 class PrivateStep:
     """A privatised optimizer's state and stages: the clipped-gradient sums of the current logical
-    batch, the noise, the scaling and the step.
+    batch, the release (:func:`release_gradient`) and the step.
 
     Args:
         optimizer: the torch optimizer whose ``step`` is replaced.
-        params: the clipped parameters, in the order of the clipped sums.
-        clip: clips one physical batch of per-sample losses
-            (:func:`private_engine.clipping.batch.clip_batch` bound to a clipper).
-        max_grad_norm: the current R (the clipper's).
+        params: the clipped parameters, in the order of the clipped sums (FSDP2: the ``DTensor``
+            shards the optimizer updates).
+        clipping: clips each physical batch and holds the current R (:class:`BatchClipping`).
         noise: σ, the expected batch size, the generator.
-        names: returns ``{id(param): name}`` of the model as it is now, for messages.
-        step_hook: called with the logical batch's sample count after each successful step
-            (accounting).
-        pre_step: called before anything else in a step (the budget guard); raising refuses the
-            step.
-        pre_release: called with the logical batch's sample count once it is clipped, before the
-            noise (the sampling-rate check); raising refuses the step, nothing changed.
-        reducer: data-parallel training (:class:`.distributed.DataParallel`): the sample counts
-            (``pre_release``, ``step_hook``) and the released sums are the ranks' totals, the
-            noise is drawn on rank 0 only (:meth:`reduce_sums`); on an FSDP2 model
-            (:class:`.sharded.ShardedDataParallel`, ``params`` its ``DTensor`` shards), each rank
-            noises the rows it owns. None: one process.
-        post_step: called after a step succeeded and was accounted (the replica check).
-        on_step: called after ``step_hook`` with the :class:`~private_engine.step_metrics.
-            BatchRecord` of each physical batch of the logical batch just released (the step's
-            metrics).
+        topology: where the step runs (:mod:`.topology`): the sample counts the accounting sees
+            and the released sums are the ranks' totals.
+        accounting: asked before and after each release (:class:`StepAccounting`).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter],
-                 clip: Callable[[torch.Tensor], ClippedBatch], max_grad_norm: Callable[[], float],
-                 noise: NoiseSpec, names: Callable[[], Dict[int, str]],
-                 step_hook: Optional[Callable[[int], None]] = None,
-                 pre_step: Optional[Callable[[], None]] = None,
-                 pre_release: Optional[Callable[[int], None]] = None,
-                 reducer: Optional[DataParallel] = None,
-                 post_step: Optional[Callable[[], None]] = None,
-                 on_step: Optional[Callable[[List[BatchRecord]], None]] = None):
+                 clipping: BatchClipping, noise: NoiseSpec, topology: Optional[Topology] = None,
+                 accounting: Optional[StepAccounting] = None):
         self.optimizer = optimizer
         self.params = list(params)
         self._param_ids = frozenset(id(p) for p in self.params)
-        self.clip = clip
-        self.max_grad_norm = max_grad_norm
+        self.clipping = clipping
         self.noise = noise
-        self.names = names
-        self.step_hook = step_hook
-        self.pre_step = pre_step
-        self.pre_release = pre_release
-        self.reducer = reducer
-        self.post_step = post_step
-        self.on_step = on_step
+        self.topology = topology if topology is not None else SingleProcess()
+        self.accounting = accounting if accounting is not None else _NoAccounting()
+        self._post_hooks: Dict[int, Callable[["PrivateStep", int], None]] = OrderedDict()
         self.original_step = optimizer.step
         self.grad_sums: Optional[GradSums] = None
         self.samples = 0
@@ -138,15 +165,23 @@ class PrivateStep:
         that are not yet noised)."""
         return self.grad_sums is not None or bool(self.samples)
 
+    def register_step_post_hook(self, hook: Callable[["PrivateStep", int], None]
+                                ) -> RemovableHandle:
+        """Call ``hook(step, samples)`` after every step that succeeded and was accounted, before
+        the topology's check and the step's metrics; ``handle.remove()`` removes it."""
+        handle = RemovableHandle(self._post_hooks)
+        self._post_hooks[handle.id] = hook
+        return handle
+
     # -- stages ------------------------------------------------------------------------------
     def check_params(self) -> None:
         """:func:`check_clipped_params` for this optimizer."""
-        check_clipped_params(self.optimizer, self._param_ids, self.names)
+        check_clipped_params(self.optimizer, self._param_ids, self.clipping.parameter_names)
 
     def clip_and_accumulate(self, loss) -> None:
         """Clip this physical batch and add ``Σ_i C_i g_i`` to the running sums (no parameter
         change)."""
-        batch = self.clip(loss)
+        batch = self.clipping.clip_batch(loss)
         if self.grad_sums is None:
             self.grad_sums = batch.sums
         else:
@@ -154,98 +189,39 @@ class PrivateStep:
         self.samples += batch.size
         self.records.append(_record(batch))
 
-    def add_noise(self, sums: GradSums) -> None:
-        """``sums ← sums + σR·ξ``, ξ ~ N(0, I) over every coordinate, drawn once per logical
-        batch."""
-        if self.reducer is not None and not self.reducer.adds_noise:
-            raise RuntimeError("only rank 0 draws the noise of a data-parallel step.")
-        std = self.noise.noise_multiplier * self.max_grad_norm()
-        if std > 0:
-            add_gaussian_noise(sums.buffers, std, self.noise.generator, self.noise.secure_mode)
-
-    def reduce_sums(self, sums: GradSums, same_layout: bool = False) -> GradSums:
-        """Data-parallel release of the ranks' local sums ``s_r = Σ_{i ∈ S_r} C_i g_i``: rank 0
-        adds ``σR·ξ`` (:meth:`add_noise`) to its local sums, then every buffer is all-reduced, so
-        every rank returns ``Σ_r s_r + σR·ξ`` — one Gaussian draw in total, before any sum leaves
-        a rank.
-
-        Private as one process is: the result is the deterministic, sensitivity-R function
-        ``Σ_r s_r`` of the clipped gradients (one sample lies on one rank and moves its ``s_r`` by
-        at most R) plus one draw of N(0, σ²R²I); the other ranks see rank 0's contribution only
-        inside that noisy sum. The buffers are ``sums``' own when every rank holds the same flat
-        layout (``same_layout``), else a canonical copy
-        (:meth:`.distributed.DataParallel.reduction_sums`), so the collectives match."""
-        target = self.reducer.reduction_sums(sums, self.params, same_layout)
-        if self.reducer.adds_noise:
-            self.add_noise(target)
-        self.reducer.all_reduce_(target.buffers)
-        return target
-
-    def scale_grad(self, sums: GradSums) -> List[torch.Tensor]:
-        """``sums / B_expected`` per parameter, each a tensor of its own in the parameter's
-        dtype (one multi-tensor division out of the flat buffers)."""
-        grads = sums.own_grads(float(self.noise.expected_batch_size))
-        return [cast(g, p.dtype) for p, g in zip(self.params, grads)]
-
     def noisy_gradients(self, loss) -> Tuple[List[torch.Tensor], int, BatchRecord]:
         """``((Σ_{logical batch} C_i g_i + σR·ξ) / B_expected per parameter, samples)``, with this
-        physical batch's clipped sum included, ``samples`` the logical batch's count, and this
-        batch's :class:`BatchRecord`. Built in place in this batch's fresh sums, so the running sums
-        and the state stay untouched until the step succeeds; ``pre_release`` sees the count before
-        the noise is drawn.
-        Data-parallel: :meth:`_distributed_noisy_gradients`."""
-        if self.reducer is not None:
-            return self._distributed_noisy_gradients(loss)
-        batch = self.clip(loss)  # validates and clips; raises before anything changes
-        samples = self.samples + batch.size
-        if self.pre_release is not None:
-            self.pre_release(samples)
-        sums = batch.sums
-        if self.grad_sums is not None:
-            sums.add_(self.grad_sums)
-        self.add_noise(sums)
-        return self.scale_grad(sums), samples, _record(batch)
-
-    def _distributed_noisy_gradients(self, loss
-                                     ) -> Tuple[List[torch.Tensor], int, BatchRecord]:
-        """:meth:`noisy_gradients` over the ranks: clip the local batch, add the local running
-        sums, exchange the counts (the global count ``Σ_r samples_r`` goes to ``pre_release``;
-        a rank whose clipping raised makes every rank raise), then :meth:`reduce_sums` and the
-        division by the global expected batch size B. On an FSDP2 model
-        (:class:`.sharded.ShardedDataParallel`) the sums are reduce-scattered instead, each rank
-        noises the rows it owns and the gradients are the parameters' ``DTensor`` shards."""
+        physical batch's clipped sum included, ``samples`` the logical batch's count over the
+        ranks, and this batch's :class:`~private_engine.step_metrics.BatchRecord`. Built in
+        place in this batch's fresh sums, so the running sums and the state stay untouched until
+        the step succeeds; the accounting sees the count before the noise is drawn. Over ranks,
+        a rank whose clipping raised makes every rank raise."""
         try:
-            batch = self.clip(loss)
+            batch = self.clipping.clip_batch(loss)  # validates and clips; raises before changes
         except Exception:
-            self.reducer.exchange(0, 0, failed=True)  # the other ranks raise instead of waiting
+            self.topology.clip_failed()
             raise
         sums = batch.sums
         if self.grad_sums is not None:
             sums.add_(self.grad_sums)
-        counts = self.reducer.exchange(self.samples + batch.size,
-                                       self.reducer.layout_code(sums, self.params))
+        counts = self.topology.exchange(self.samples + batch.size, sums, self.params)
         if counts.failed:
             raise RuntimeError(
                 f"rank(s) {counts.failed} could not clip their batch (see their error): this "
                 "data-parallel step is refused on every rank; nothing was updated.")
-        if self.pre_release is not None:
-            self.pre_release(counts.samples)
-        if getattr(self.reducer, "sharded", False):  # FSDP2: reduce-scatter, noise per shard
-            std = self.noise.noise_multiplier * self.max_grad_norm()
-            grads = self.reducer.release(sums, self.params, std, self.noise.expected_batch_size,
-                                         self.noise.generator, self.noise.secure_mode)
-            return grads, counts.samples, _record(batch)
-        return (self.scale_grad(self.reduce_sums(sums, counts.same_layout)), counts.samples,
-                _record(batch))
+        self.accounting.check_release(counts.samples)
+        grads = release_gradient(sums, self.params, self.noise, self.clipping.max_grad_norm,
+                                 self.topology, counts.same_layout)
+        return grads, counts.samples, _record(batch)
 
     def step(self, loss):
         """Clip ``loss`` (per-sample), add noise once, average, and update the parameters with
-        the wrapped optimizer; then the step hook. A parameter frozen since the engine was built
-        (``requires_grad=False``) is left alone: its gradient is not formed by the norm pass, its
-        share of the noisy sum is not released and its ``.grad`` is None for the step."""
+        the wrapped optimizer; then the accounting, the hooks, the topology's check and the
+        step's metrics. A parameter frozen since the engine was built (``requires_grad=False``)
+        is left alone: its gradient is not formed by the norm pass, its share of the noisy sum
+        is not released and its ``.grad`` is None for the step."""
         self.check_params()  # every parameter it updates must be clipped
-        if self.pre_step is not None:
-            self.pre_step()
+        self.accounting.check_step()
         noisy, samples, last = self.noisy_gradients(loss)  # state untouched on error
         # a frozen parameter gets no gradient (a stale .grad would move it again)
         released = [(p, g if p.requires_grad else None) for p, g in zip(self.params, noisy)]
@@ -260,12 +236,11 @@ class PrivateStep:
             raise
         records = self.records + [last]
         self.reset()  # the accumulation is spent, whatever the hooks do
-        if self.step_hook is not None:
-            self.step_hook(samples)
-        if self.post_step is not None:
-            self.post_step()
-        if self.on_step is not None:
-            self.on_step(records)
+        self.accounting.commit(samples)
+        for hook in list(self._post_hooks.values()):
+            hook(self, samples)
+        self.topology.after_step(self.params)
+        self.accounting.report(records, self.clipping.max_grad_norm)
         return result
 
     def reset(self) -> None:
@@ -354,12 +329,16 @@ DPAdam = _dp_optimizer(torch.optim.Adam, "Adam moments m, v of ĝ; θ ← θ −
 DPAdamW = _dp_optimizer(torch.optim.AdamW, "Adam on ĝ with decoupled weight decay θ ← θ − ηλθ.")
 
 __all__ = [
+    "BatchClipping",
     "DPSGD",
     "DPAdam",
     "DPAdamW",
     "NoiseSpec",
     "PrivateStep",
+    "StepAccounting",
     "add_gaussian_noise",
     "attach",
+    "check_clipped_params",
     "detach",
+    "release_gradient",
 ]

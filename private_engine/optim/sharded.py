@@ -131,9 +131,6 @@ class ShardedDataParallel(DataParallel):
     within one unit they are clipped together, as on an unsharded model).
     """
 
-    #: every rank holds shards and steps on its own rows
-    sharded = True
-
     def __init__(self, model: nn.Module, device: torch.device = torch.device("cpu")):
         if not process_group_ready():
             raise ValueError("an FSDP2 (fully_shard) model needs an initialised default process "
