@@ -27,13 +27,11 @@ from . import optim as _optim
 from .accounting import (PrivacyBudget, PrivacyReport, SamplingRateCheck,
                          calibrate_noise_multiplier, check_loader, make_accountant, steps_for)
 from .clipping.batch import ClippedBatch, check_batch, clip_batch
-from .clipping.clipper import PerSampleClipper
+from .clipping.assembly import assemble_clipping_core
 from .clipping.functions import ClipFn
 from .clipping.loss_scaling import LossScaling
 from .clipping.plan import DEFAULT_CLIPPING_MODE, LayerDecision, check_mode, is_book_keeping
-from .guards.buffers import BufferGuard
-from .guards.state import StepStateGuard
-from .randomness import SecretModelRandomness, keyed_by_state
+from .randomness import keyed_by_state
 from .guards.model_check import check_no_batchnorm, clipped_layers, scan_model
 from .optim import noise as _noise
 from .optim.private_step import check_clipped_params
@@ -242,8 +240,6 @@ class PrivacyEngine:
                                                 enabled=bool(check_sampling))
 
         check_no_batchnorm(model)
-        #: refuses a training forward that changes a buffer from the data (a release without noise)
-        self.buffer_guard = BufferGuard(model, allow=data_free_buffers).install()
         #: the trainable parameters the optimizer updates (FSDP2: the DTensor shards)
         self.params: List[nn.Parameter] = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
@@ -265,30 +261,29 @@ class PrivacyEngine:
             self._names = self.parameter_names()
             if self.distributed is not None:
                 self.distributed.broadcast_module(model)  # the replicas start identical
-            self.clipper = PerSampleClipper(
-                layers,
-                clip_params,
-                mode=clipping_mode,
-                clipping_fn=clipping_fn,
-                max_grad_norm=max_grad_norm,
-                model=model,
-                traced=scan.traced,
-                fallbacks=scan.fallbacks,
-            )
+            #: the capture, the clipper and the guards of a step (the clipper runs the
+            #: separability probe and the batch flow on the per-sample losses)
+            self.core = assemble_clipping_core(
+                model, layers, clip_params, traced=scan.traced, fallbacks=scan.fallbacks,
+                mode=clipping_mode, clipping_fn=clipping_fn, max_grad_norm=max_grad_norm,
+                data_free_buffers=data_free_buffers, compare_identity=not sharded,
+                # dropout keyed from the user's noise_generator when one is given
+                randomness_generator=None if noise_generator is None else
+                keyed_by_state(noise_generator))
+            self.clipper = self.core.clipper
             if self.sharded:  # one flat buffer per FSDP2 unit, freed once reduce-scattered
                 self.clipper.buffer_group = self.distributed.unit_of
         #: FSDP2: whether physical batches are clipped with FSDP2's per-unit all-gathers
         #: (:meth:`_clip_sharded`)
         self._streamed = self.sharded and self.distributed.can_stream(self.clipper)
+        #: refuses a training forward that changes a buffer from the data (a release without noise)
+        self.buffer_guard = self.core.buffer_guard
         #: the randomness of training forwards (dropout) from a secret generator, not torch's
-        #: publicly seeded global one (keyed from the user's noise_generator when one is given)
-        self.model_randomness = SecretModelRandomness(
-            model, generator=None if noise_generator is None else
-            keyed_by_state(noise_generator)).install()
+        #: publicly seeded global one
+        self.model_randomness = self.core.model_randomness
         #: refuses a step during which a parameter or buffer changed outside the optimizer (in the
         #: forward, the loss or a backward hook): checked before every release
-        self.state_guard = StepStateGuard(model, allow=data_free_buffers,
-                                          compare_identity=not sharded).install()
+        self.state_guard = self.core.state_guard
         self._attached: List[_optim.PrivateStep] = []
         #: certified per-sample gradient norms ‖g_i‖ of the last clipped physical batch (None before
         #: the first)
