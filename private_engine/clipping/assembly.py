@@ -104,7 +104,9 @@ def assemble_clipping_core(
         data_free_buffers: Sequence[str] = (),
         compare_identity: bool = True,
         randomness_generator: Optional[torch.Generator] = None) -> ClippingCore:
-    """Build and install the clipping core of ``model`` and the guards of its steps.
+    """Build and install the clipping core of ``model`` and the guards of its steps; when a piece
+    refuses (a bad argument, a model it cannot follow), the hooks already installed are removed
+    before the error propagates.
 
     The hooks go on in this order: buffer guard, capture (recorder, tracer, fallbacks),
     separability probe, batch flow, secret randomness, step state guard (each guard's forward
@@ -134,24 +136,36 @@ def assemble_clipping_core(
         randomness_generator: the generator the secret randomness of training forwards is drawn
             from (None: one seeded from OS entropy).
     """
-    buffer_guard = BufferGuard(model, allow=data_free_buffers).install()
-    route = LayerRoute()
-    recorder = build_capture(layers, model, traced, fallbacks, on_layer_ready=route)
-    probe = SeparabilityProbe(model, batch_dim=0 if layer_batch_dim is None else None)
-    probe.install()
-    openers = None if layer_batch_dim is None else {
-        layer.module: layer_batch_dim(layer) for layer in recorder.layers}
-    batch_flow = BatchFlow(model, openers=openers).install()
-    recorder.batch_flow = batch_flow
-    clipper = PerSampleClipper(layers, params, mode=mode, clipping_fn=clipping_fn,
-                               max_grad_norm=max_grad_norm, recorder=recorder, route=route,
-                               probe=probe if clipper_runs_checks else None,
-                               batch_flow=batch_flow if clipper_runs_checks else None)
-    route.connect(on_layer_ready if on_layer_ready is not None else
-                  lambda layer: clipper.on_layer_ready(layer))
-    model_randomness = SecretModelRandomness(model, generator=randomness_generator).install()
-    state_guard = StepStateGuard(model, allow=data_free_buffers,
-                                 compare_identity=compare_identity).install()
+    installed: list = []  # removed again if a later piece refuses the model or an argument
+    try:
+        buffer_guard = BufferGuard(model, allow=data_free_buffers).install()
+        installed.append(buffer_guard)
+        route = LayerRoute()
+        recorder = build_capture(layers, model, traced, fallbacks, on_layer_ready=route)
+        installed.append(recorder)
+        probe = SeparabilityProbe(model, batch_dim=0 if layer_batch_dim is None else None)
+        probe.install()
+        installed.append(probe)
+        openers = None if layer_batch_dim is None else {
+            layer.module: layer_batch_dim(layer) for layer in recorder.layers}
+        batch_flow = BatchFlow(model, openers=openers).install()
+        installed.append(batch_flow)
+        recorder.batch_flow = batch_flow
+        clipper = PerSampleClipper(layers, params, mode=mode, clipping_fn=clipping_fn,
+                                   max_grad_norm=max_grad_norm, recorder=recorder, route=route,
+                                   probe=probe if clipper_runs_checks else None,
+                                   batch_flow=batch_flow if clipper_runs_checks else None)
+        route.connect(on_layer_ready if on_layer_ready is not None else
+                      lambda layer: clipper.on_layer_ready(layer))
+        model_randomness = SecretModelRandomness(model, generator=randomness_generator).install()
+        installed.append(model_randomness)
+        state_guard = StepStateGuard(model, allow=data_free_buffers,
+                                     compare_identity=compare_identity).install()
+        installed.append(state_guard)
+    except BaseException:
+        for piece in reversed(installed):
+            piece.remove()
+        raise
     return ClippingCore(recorder=recorder, route=route, clipper=clipper, tracer=clipper.tracer,
                         fallbacks=clipper.fallbacks, buffer_guard=buffer_guard, probe=probe,
                         batch_flow=batch_flow, model_randomness=model_randomness,

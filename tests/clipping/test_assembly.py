@@ -160,3 +160,18 @@ def test_layer_route_connects_once_and_diversions_end():
             raise KeyError
     route(2)
     assert seen == [("diverted", 1), ("connected", 2)]
+
+
+def test_a_refused_assembly_leaves_no_hook():
+    """A piece that refuses (here the clipper, on an unknown clipping function) after others
+    were installed: every hook installed so far is removed before the error propagates."""
+    from private_engine.clipping.assembly import assemble_clipping_core
+    from private_engine.guards.model_check import clipped_layers, scan_model
+
+    model = TracedMLP()
+    scan = scan_model(model)
+    layers = clipped_layers(model, strict=True, scan=scan)
+    with pytest.raises(ValueError, match="clipping_fn"):
+        assemble_clipping_core(model, layers, list(model.parameters()), traced=scan.traced,
+                               fallbacks=scan.fallbacks, clipping_fn="clamp")
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
