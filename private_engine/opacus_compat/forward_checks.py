@@ -46,12 +46,11 @@ class ForwardChecks:
             len(m.tracer.entries) if m.tracer is not None else 0,
             [len(fb.calls) for fb in m.fallbacks])
 
-    def drop_eval_records(self) -> None:
+    def drop_eval_records(self, marks: EvalMarks) -> None:
         """A forward in eval mode is not recorded (as in Opacus): its calls (and tracer entries,
         fallback calls) are dropped right away, so evaluating without ``torch.no_grad()`` does not
         pile up activations."""
         m = self.module
-        marks = self.eval_marks
         for layer, mark in zip(m.recorder.layers, marks.layer_calls):
             for c in layer.calls[mark:]:
                 c.activation = c.grad = c.edge = c.input_node = None
@@ -66,7 +65,7 @@ class ForwardChecks:
         """Forward hook: the checks of the forward's end (module doc)."""
         m = self.module
         if self.eval_marks is not None:
-            self.drop_eval_records()
+            self.drop_eval_records(self.eval_marks)
             m.batch_flow.end()
             return
         if torch.is_grad_enabled() and sixteen_bit_forward(out, m._params):
