@@ -175,3 +175,13 @@ def test_a_refused_assembly_leaves_no_hook():
         assemble_clipping_core(model, layers, list(model.parameters()), traced=scan.traced,
                                fallbacks=scan.fallbacks, clipping_fn="clamp")
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def test_core_remove_and_install_keep_the_assembly_order():
+    model, engine, _ = _native()
+    order = _guard_order(model)
+    engine.core.remove()
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    engine.core.install()
+    assert _guard_order(model) == order
+    assert all(layer.module._forward_hooks for layer in engine.core.recorder.layers)
