@@ -26,16 +26,15 @@ from torch import nn
 
 from . import optim as _optim
 from .accounting import PrivacyReport, StepAccountant, check_loader
+from .clipping.assembly import assemble_clipping_core
 from .clipping.batch import ClippedBatch, clip_batch
-from .clipping.clipper import PerSampleClipper
 from .clipping.functions import ClipFn
 from .clipping.loss_scaling import LossScaling
 from .clipping.plan import DEFAULT_CLIPPING_MODE, LayerDecision
 from .engine_config import EngineConfig, check_max_grad_norm
-from .guards.buffers import BufferGuard
-from .guards.state import StepStateGuard
-from .foundation.randomness import SecretModelRandomness, keyed_by_state
+from .foundation.randomness import keyed_by_state
 from .guards.model_check import check_no_batchnorm, clipped_layers, scan_model
+from .guards.state import StepStateGuard
 from .optim import noise as _noise
 from .optim.private_step import check_clipped_params
 from .optim.topology import Topology, check_model_wrappers, choose_topology
@@ -212,8 +211,6 @@ class PrivacyEngine:
             EpsilonTracker(lambda: self.accounting.accountant, self.target_delta))
 
         check_no_batchnorm(model)
-        #: refuses a training forward that changes a buffer from the data (a release without noise)
-        self.buffer_guard = BufferGuard(model, allow=data_free_buffers).install()
         #: the trainable parameters the optimizer updates (FSDP2: the DTensor shards)
         self.params: List[nn.Parameter] = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
@@ -227,26 +224,25 @@ class PrivacyEngine:
             self.topology.check_scan(scan)
             self._names = self.parameter_names()
             self.topology.prepare_model(model)  # the replicas start identical
-            self.clipper = PerSampleClipper(
-                layers,
-                clip_params,
-                mode=clipping_mode,
-                clipping_fn=clipping_fn,
-                max_grad_norm=max_grad_norm,
-                model=model,
-                traced=scan.traced,
-                fallbacks=scan.fallbacks,
-            )
+            #: the capture, the clipper and the guards of a step (the clipper runs the
+            #: separability probe and the batch flow on the per-sample losses)
+            self.core = assemble_clipping_core(
+                model, layers, clip_params, traced=scan.traced, fallbacks=scan.fallbacks,
+                mode=clipping_mode, clipping_fn=clipping_fn, max_grad_norm=max_grad_norm,
+                data_free_buffers=data_free_buffers, compare_identity=not sharded,
+                # dropout keyed from the user's noise_generator when one is given
+                randomness_generator=None if noise_generator is None else
+                keyed_by_state(noise_generator))
+            self.clipper = self.core.clipper
         self.topology.bind(self.clipper)  # FSDP2: one buffer per unit; streamed or gathered
+        #: refuses a training forward that changes a buffer from the data (a release without noise)
+        self.buffer_guard = self.core.buffer_guard
         #: the randomness of training forwards (dropout) from a secret generator, not torch's
-        #: publicly seeded global one (keyed from the user's noise_generator when one is given)
-        self.model_randomness = SecretModelRandomness(
-            model, generator=None if noise_generator is None else
-            keyed_by_state(noise_generator)).install()
+        #: publicly seeded global one
+        self.model_randomness = self.core.model_randomness
         #: refuses a step during which a parameter or buffer changed outside the optimizer (in the
         #: forward, the loss or a backward hook): checked before every release
-        self.state_guard = StepStateGuard(model, allow=data_free_buffers,
-                                          compare_identity=not sharded).install()
+        self.state_guard = self.core.state_guard
         self._attached: List[_optim.PrivateStep] = []
         #: certified per-sample gradient norms ‖g_i‖ of the last clipped physical batch (None before
         #: the first)
@@ -330,12 +326,9 @@ class PrivacyEngine:
         self.check_optimizer(optimizer)
         if any(s.optimizer is optimizer and s.attached for s in self._attached):
             raise RuntimeError("this optimizer is already attached to the engine.")
-        self.clipper.install()  # hooks removed by detach() come back
+        self.core.install()  # hooks removed by detach() come back, in the assembly's order
         self.topology.attach()
-        self.buffer_guard.install()
-        self.state_guard.install()
         self.state_guard.arm()
-        self.model_randomness.install()
         state = _optim.PrivateStep(optimizer, self.params, self, self.noise,
                                    topology=self.topology, accounting=self.accounting)
         # after the update: the next step's state starts here
@@ -355,10 +348,7 @@ class PrivacyEngine:
         for state in self._attached:
             _optim.detach(state)
         self._attached = []
-        self.clipper.remove()
-        self.buffer_guard.remove()
-        self.state_guard.remove()
-        self.model_randomness.remove()
+        self.core.remove()
         self.topology.detach()
 
     # -- clipping ------------------------------------------------------------------------------

@@ -215,10 +215,6 @@ LONG_MODULES = {
     "table that registers them by op",
     "private_engine.guards.batch_flow.mode": "BatchFlow, the TorchDispatchMode: dispatch, tags, "
     "writes and the backward's roots share the mode's state",
-    "private_engine.opacus_compat.engine": "the opacus.PrivacyEngine subclass: each overridden "
-    "step of Opacus' make_private and checkpoints, with the checks of its arguments",
-    "private_engine.opacus_compat.module": "PrivateModule: Opacus' GradSampleModule face, the "
-    "hooks, the guards and the criterion and plain-backward flows over one module's state",
 }
 
 

@@ -26,7 +26,7 @@ from torch import nn
 
 from ..capture.graph_walk import GraphWalk
 from ..capture.recorder import LayerRecorder, RecordedLayer
-from ..capture.setup import build_capture
+from ..capture.setup import LayerRoute
 from ..guards.batch_flow import BatchFlow
 from ..guards.model_check import ruled_parameters
 from ..guards.separability import SeparabilityProbe
@@ -55,17 +55,21 @@ class PerSampleClipper:
         mode: the clipping mode (:data:`private_engine.clipping.plan.CLIPPING_MODES`).
         clipping_fn: a name or a callable ``(norms, R) -> factors`` (:mod:`.functions`).
         max_grad_norm: R.
-        model: the model, for the separability probe, the parameter tracer and the fallbacks.
-        traced / fallbacks: parameters clipped by the tracer and modules clipped by ``torch.func``
-            (:func:`private_engine.guards.model_check.scan_model`).
+        recorder: the capture of ``layers`` (with the parameter-entry tracer and fallback modules
+            among its extras) whose recorded layers reach :meth:`on_layer_ready`.
+        route: the recorder's layer-ready route (a pass may divert it, :mod:`.release`).
+        probe / batch_flow: the separability probe and the batch flow this clipper checks at the
+            norm pass and on the loss, or None when the door runs them itself.
+
+    Built by :func:`private_engine.clipping.assembly.assemble_clipping_core`.
     """
 
     def __init__(self, layers: Sequence[RuledLayer],
                  params: Sequence[nn.Parameter], *, mode: str = DEFAULT_CLIPPING_MODE,
                  clipping_fn: Union[str, ClipFn] = "abadi", max_grad_norm: float = 1.0,
-                 model: Optional[nn.Module] = None,
-                 traced: Sequence[Tuple[str, nn.Parameter]] = (),
-                 fallbacks: Sequence[Tuple[str, nn.Module]] = ()):
+                 recorder: LayerRecorder, route: LayerRoute,
+                 probe: Optional[SeparabilityProbe] = None,
+                 batch_flow: Optional[BatchFlow] = None):
         self.mode = check_mode(mode)
         self.clip_fn, self.user_clip_fn = resolve_clipping_fn(clipping_fn)
         if not 0 < max_grad_norm < float("inf"):
@@ -80,23 +84,18 @@ class PerSampleClipper:
         self._ruled_ids = {id(p) for _, _, _, p in self._ruled}
         #: ruled modules the tracer also follows in the running norm pass (:meth:`_find_handed`)
         self._handed: set = set()
-        self.recorder: LayerRecorder = build_capture(layers, model, traced, fallbacks,
-                                                     on_layer_ready=self.on_layer_ready)
+        self.recorder = recorder
+        self.route = route
         #: the parameter-entry tracer and the torch.func fallback modules (None / empty when the
         #: layer rules cover every parameter)
         self.tracer = self.recorder.tracer
         self.fallbacks = [e for e in self.recorder.extras if e is not self.tracer]
         #: checks that the model and loss are sample-separable at the first step of each input
         #: signature
-        self.probe: Optional[SeparabilityProbe] = None
+        self.probe = probe
         #: follows the batch through every op of each step's forward and loss (checked when the
         #: loss arrives: :meth:`check_loss`)
-        self.batch_flow: Optional[BatchFlow] = None
-        if model is not None:
-            self.probe = SeparabilityProbe(model)
-            self.probe.install()
-            self.batch_flow = BatchFlow(model).install()
-            self.recorder.batch_flow = self.batch_flow
+        self.batch_flow = batch_flow
         #: book-keeping (one backward) or two passes (:mod:`.release`)
         self.book_keeping = is_book_keeping(self.mode)
         self.strategy = strategy_for(self.mode, self.book_keeping)

@@ -209,20 +209,18 @@ class TwoPass:
         """Backpropagate ``Σ_i L_i`` again, activation gradients only, and write each recorded
         layer's clipped sum from ``(a, g)`` as its output gradient arrives."""
         recorder = clipper.recorder
-        saved = recorder.on_layer_ready
-        recorder.on_layer_ready = self._on_layer_released
         self._second = SecondPass(clipper, factors, write)
         recorder.rearm()
         recorder.capturing = True
         try:
-            if self.leading:
-                if loss is None:
-                    raise RuntimeError("internal error: the second pass needs the loss.")
-                torch.autograd.grad(loss.sum(), inputs=self.leading, allow_unused=True)
-            recorder.finish_unfired()
+            with clipper.route.diverted(self._on_layer_released):
+                if self.leading:
+                    if loss is None:
+                        raise RuntimeError("internal error: the second pass needs the loss.")
+                    torch.autograd.grad(loss.sum(), inputs=self.leading, allow_unused=True)
+                recorder.finish_unfired()
         finally:
             recorder.capturing = False
-            recorder.on_layer_ready = saved
             self._second = None
 
     def _on_layer_released(self, layer: RecordedLayer) -> None:

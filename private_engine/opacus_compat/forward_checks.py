@@ -6,6 +6,7 @@ call of its layer. Also the forward pre-hooks that refuse what the door cannot c
 ``PackedSequence`` given to Opacus' DP RNNs)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 import torch
@@ -13,6 +14,16 @@ from torch import nn
 
 from ..capture.graph_walk import outside_error
 from .plain_backward import SIXTEEN_BIT
+
+
+@dataclass
+class EvalMarks:
+    """How many records there were when an eval-mode forward began: calls per recorded layer,
+    tracer entries, calls per fallback module (those after them are the forward's, dropped)."""
+
+    layer_calls: List[int]
+    tracer_entries: int
+    fallback_calls: List[int]
 
 
 class ForwardChecks:
@@ -23,32 +34,30 @@ class ForwardChecks:
         self.module = module
         #: layer call counts at the start of an eval-mode forward (its records are dropped at its
         #: end)
-        self.eval_marks: Optional[List[int]] = None
+        self.eval_marks: Optional[EvalMarks] = None
         #: the graph check (:meth:`check_graph`) passed on a forward with grad
         self.graph_checked = False
 
     def eval_snapshot(self, model, inputs) -> None:
         """Forward pre-hook: in eval mode, the record counts to go back to at the forward's end."""
         m = self.module
-        self.eval_marks = (None if model.training else
-                           [len(layer.calls) for layer in m.recorder.layers]
-                           + [len(m.tracer.entries) if m.tracer is not None else 0]
-                           + [len(fb.calls) for fb in m.fallbacks])
+        self.eval_marks = None if model.training else EvalMarks(
+            [len(layer.calls) for layer in m.recorder.layers],
+            len(m.tracer.entries) if m.tracer is not None else 0,
+            [len(fb.calls) for fb in m.fallbacks])
 
-    def drop_eval_records(self) -> None:
+    def drop_eval_records(self, marks: EvalMarks) -> None:
         """A forward in eval mode is not recorded (as in Opacus): its calls (and tracer entries,
         fallback calls) are dropped right away, so evaluating without ``torch.no_grad()`` does not
         pile up activations."""
         m = self.module
-        marks = self.eval_marks
-        n = len(m.recorder.layers)
-        for layer, mark in zip(m.recorder.layers, marks[:n]):
+        for layer, mark in zip(m.recorder.layers, marks.layer_calls):
             for c in layer.calls[mark:]:
                 c.activation = c.grad = c.edge = c.input_node = None
             del layer.calls[mark:]
         if m.tracer is not None:
-            m.tracer.drop_entries(marks[n])
-        for fb, mark in zip(m.fallbacks, marks[n + 1:]):
+            m.tracer.drop_entries(marks.tracer_entries)
+        for fb, mark in zip(m.fallbacks, marks.fallback_calls):
             del fb.calls[mark:]
         self.eval_marks = None
 
@@ -56,7 +65,7 @@ class ForwardChecks:
         """Forward hook: the checks of the forward's end (module doc)."""
         m = self.module
         if self.eval_marks is not None:
-            self.drop_eval_records()
+            self.drop_eval_records(self.eval_marks)
             m.batch_flow.end()
             return
         if torch.is_grad_enabled() and sixteen_bit_forward(out, m._params):

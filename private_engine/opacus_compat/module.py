@@ -36,32 +36,37 @@ Two flows fill ``p.grad``:
 ``clipping="per_layer"``: one threshold R_k per parameter tensor (Opacus' definition), clip
 factor ``C_{i,k} = min(1, R_k / (‖∂L_i/∂θ_k‖ + 1e-6))`` from instantiated per-sample gradients.
 
-The parts: this module wires the guards and the clipping core to the model and keeps Opacus'
-``GradSampleModule`` face and the criterion flow; :mod:`.plain_backward` runs the plain backward
-flow; :mod:`.forward_checks` the checks at the end of each forward; :mod:`.release_state` keeps
-the clipped sums' ledger that the optimizer reads before it releases them; :mod:`.layouts` says
-where Opacus' layers see the batch.
+The parts: this module keeps Opacus' ``GradSampleModule`` face and wires the clipping core and
+the guards of a step (one assembly with the native engine's,
+:func:`private_engine.clipping.assembly.assemble_clipping_core`) to the model;
+:mod:`.plain_backward` runs the plain backward flow; :mod:`.criterion_flow` the criterion flow;
+:mod:`.forward_checks` the checks at the end of each forward; :mod:`.release_state` keeps the
+clipped sums' ledger that the optimizer reads before it releases them; :mod:`.layouts` says where
+Opacus' layers see the batch; :mod:`.ddp` turns torch DDP's backward all-reduce off.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ..capture.recorder import RecordedLayer
-from ..clipping.batch import check_per_sample_loss, clip_batch
+from ..capture.fallback import FallbackModule
+from ..capture.recorder import LayerRecorder, RecordedLayer
+from ..capture.tracer import ParamTracer
+from ..clipping.assembly import assemble_clipping_core
 from ..clipping.clipper import PerSampleClipper
 from ..clipping.plan import is_book_keeping
 from ..guards.batch_flow import BatchFlow
-from ..guards.buffers import BufferGuard
 from ..guards.separability import SeparabilityProbe
 from ..guards.state import StepStateGuard
 from ..foundation.randomness import SecretModelRandomness
+from .criterion_flow import CriterionFlow
+from .ddp import DDPGradSync
 from .forward_checks import ForwardChecks, is_dp_rnn, reject_packed_sequence
 from .layouts import layer_batch_dim, to_batch_first
-from .plain_backward import PlainBackward, add_grad
+from .plain_backward import PlainBackward
 from .release_state import ReleaseState
 
 
@@ -117,23 +122,15 @@ class PrivateModule(nn.Module):
                 "tracer or the torch.func fallback, which need batch-first inputs (the batch in "
                 "dimension 0). Use batch_first=True with batch-first inputs, or freeze them "
                 "(requires_grad_(False)).")
-        extra = dict(model=module, traced=traced, fallbacks=fallbacks) if (traced or fallbacks) \
-            else {}
-        self.clipper = PerSampleClipper(layers, self._params, mode=mode,
-                                        max_grad_norm=1.0 if self.per_layer else self.max_grad_norm,
-                                        **extra)
-        if self.clipper.probe is not None:  # this module runs its own probe (from the outputs)
-            self.clipper.probe.remove()
-            self.clipper.probe = None
-        if self.clipper.batch_flow is not None:  # and its own batch flow (ending with the forward)
-            self.clipper.batch_flow.remove()
-            self.clipper.batch_flow = None
-        self.recorder = self.clipper.recorder
-        self.recorder.on_layer_ready = self._on_layer_ready_plain
-        #: the parameter-entry tracer (None when the layer rules cover every parameter) and the
-        #: torch.func fallback modules
-        self.tracer = self.clipper.tracer
-        self.fallbacks = self.clipper.fallbacks
+        #: the clipping core and the guards of a step; this module runs the separability probe
+        #: (from the outputs) and the batch flow (ending with the forward) itself, and hands the
+        #: finished layers of a plain backward to its flow (:meth:`_on_layer_ready_plain`)
+        self.core = assemble_clipping_core(
+            module, layers, self._params, traced=traced, fallbacks=fallbacks, mode=mode,
+            max_grad_norm=1.0 if self.per_layer else self.max_grad_norm,
+            clipper_runs_checks=False,
+            layer_batch_dim=None if batch_first else self._layer_batch_dim,
+            on_layer_ready=self._on_layer_ready_plain)
         self._set_capturing(True)
         self._norms_by_param: Dict[int, float] = {}
         self._dp_optimizer = None
@@ -143,15 +140,15 @@ class PrivateModule(nn.Module):
         self.plain_backward = PlainBackward(self)
         #: the checks at the end of each forward (eval records, batch flow, probe, graph)
         self.forward_checks = ForwardChecks(self)
+        #: the criterion flow (grad_sample_mode="ghost": per-sample losses, one backward)
+        self.criterion_flow = CriterionFlow(self)
         self._hooks_enabled = True
-        #: inside criterion_backward: its own backward passes leave the parameter gradients alone
-        self._in_criterion = False
         self._hook_model(module)
-        self._install_guards(module)
-        #: torch DDP: its require_backward_grad_sync before make_private (restored by remove_hooks)
-        self._ddp_grad_sync: Optional[bool] = None
-        if isinstance(wrapper, DistributedDataParallel):
-            self._stop_ddp_grad_sync(wrapper)
+        self.state_guard.arm()  # the state the first step starts from
+        #: torch DDP: its backward all-reduce of raw gradients turned off (restored by
+        #: remove_hooks)
+        self._ddp_grad_sync: Optional[DDPGradSync] = (
+            DDPGradSync(wrapper) if isinstance(wrapper, DistributedDataParallel) else None)
 
     def _hook_model(self, module: nn.Module) -> None:
         """The hooks of the clipping: each parameter's raw gradient is discarded, each forward is
@@ -166,36 +163,51 @@ class PrivateModule(nn.Module):
         self._param_handles += [m.register_forward_pre_hook(reject_packed_sequence)
                                 for m in module.modules() if is_dp_rnn(m)]
 
-    def _install_guards(self, module: nn.Module) -> None:
-        """The guards on the wrapped model (buffers, separability, batch flow, state between
-        steps) and the secret randomness of its training forwards."""
-        #: refuses a training forward that changes a buffer from the data (a release without noise)
-        self.buffer_guard = BufferGuard(module).install()
-        #: checks, at the first forward of each input signature, that the model is sample-separable
-        self.probe = SeparabilityProbe(module, batch_dim=0 if self.batch_first else None)
-        self.probe.install()
-        #: follows the batch through every op of every forward and loss: the outputs are checked at
-        #: the forward's end, the loss when the backward starts. With batch_first=False the model's
-        #: inputs may hold the batch in dim 0 or 1: the first recorded layer, whose convention is
-        #: known, opens the step's region
-        self.batch_flow = BatchFlow(module, openers=None if self.batch_first else {
-            layer.module: self._layer_batch_dim(layer) for layer in self.recorder.layers}
-        ).install()
-        self.recorder.batch_flow = self.batch_flow
-        #: refuses a step during which a parameter or buffer changed outside the optimizer (recorded
-        #: now and after every optimizer step)
-        self.state_guard = StepStateGuard(module).install()
-        self.state_guard.arm()
-        #: the randomness of training forwards (dropout) from a secret generator
-        self.model_randomness = SecretModelRandomness(module).install()
+    # -- the clipping core (:func:`private_engine.clipping.assembly.assemble_clipping_core`) ----
+    @property
+    def clipper(self) -> PerSampleClipper:
+        """Certified per-sample norms, clip factors and clipped sums."""
+        return self.core.clipper
 
-    def _stop_ddp_grad_sync(self, wrapper: DistributedDataParallel) -> None:
-        """Torch DDP: no all-reduce of raw gradients in its backward (the DP optimizer
-        all-reduces the clipped sums)."""
-        self._ddp_grad_sync = wrapper.require_backward_grad_sync
-        _no_ddp_grad_sync(wrapper, ())
-        # before every forward (no_sync() restores the flag it found, a user may set it)
-        self._param_handles.append(wrapper.register_forward_pre_hook(_no_ddp_grad_sync))
+    @property
+    def recorder(self) -> LayerRecorder:
+        """The layer recorder (its finished layers go through ``core.route``)."""
+        return self.core.recorder
+
+    @property
+    def tracer(self) -> Optional[ParamTracer]:
+        """The parameter-entry tracer (None when the layer rules cover every parameter)."""
+        return self.core.tracer
+
+    @property
+    def fallbacks(self) -> List[FallbackModule]:
+        """The torch.func fallback modules."""
+        return self.core.fallbacks
+
+    @property
+    def probe(self) -> SeparabilityProbe:
+        """Checks, at the first forward of each input signature, that the model is
+        sample-separable (from its outputs: :mod:`.forward_checks`)."""
+        return self.core.probe
+
+    @property
+    def batch_flow(self) -> BatchFlow:
+        """Follows the batch through every op of every forward and loss: the outputs are checked
+        at the forward's end, the loss when the backward starts. With batch_first=False the
+        model's inputs may hold the batch in dim 0 or 1: the first recorded layer, whose
+        convention is known, opens the step's region."""
+        return self.core.batch_flow
+
+    @property
+    def state_guard(self) -> StepStateGuard:
+        """Refuses a step during which a parameter or buffer changed outside the optimizer
+        (recorded at make_private and after every optimizer step)."""
+        return self.core.state_guard
+
+    @property
+    def model_randomness(self) -> SecretModelRandomness:
+        """The randomness of training forwards (dropout) from a secret generator."""
+        return self.core.model_randomness
 
     # -- opacus GradSampleModule face ---------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -260,14 +272,9 @@ class PrivateModule(nn.Module):
         self._param_handles = []
         self.release.hooks_removed = True
         if self._ddp_grad_sync is not None:
-            self._module.require_backward_grad_sync = self._ddp_grad_sync
+            self._ddp_grad_sync.restore()
             self._ddp_grad_sync = None
-        self.clipper.remove()
-        self.buffer_guard.remove()
-        self.probe.remove()
-        self.batch_flow.remove()
-        self.state_guard.remove()
-        self.model_randomness.remove()
+        self.core.remove()
 
     cleanup = remove_hooks
 
@@ -352,7 +359,7 @@ class PrivateModule(nn.Module):
     def _discard_raw_grad(self, grad: torch.Tensor):
         """Tensor hook on each parameter: its unclipped gradient is replaced by zeros (the clipped
         sum is added at the end of the backward)."""
-        if self._in_criterion:  # the criterion flow's own backward passes
+        if self.criterion_flow.running:  # the criterion flow's own backward passes
             return None
         if self.tracer is not None and self.tracer.in_vjp:  # the tracer's per-sample vjp
             return None
@@ -366,58 +373,10 @@ class PrivateModule(nn.Module):
     def _to_batch_first(self, layer: RecordedLayer) -> None:
         to_batch_first(layer, self.batch_first)
 
-    def _on_layer_ready_criterion(self, layer: RecordedLayer) -> None:
-        self._to_batch_first(layer)
-        self.clipper.on_layer_ready(layer)
-
     def _on_layer_ready_plain(self, layer: RecordedLayer) -> None:
         self.plain_backward.on_layer_ready(layer)
 
     # -- criterion flow ---------------------------------------------------------------------------
     def criterion_backward(self, loss_per_sample: torch.Tensor) -> None:
-        """``p.grad += Σ_i C_i ∂L_i/∂p`` from per-sample losses: one physical batch through the
-        clipping core (:func:`private_engine.clipping.batch.clip_batch`; book-keeping, one
-        backward)."""
-        self.model_randomness.end()
-        self.plain_backward.sixteen_bit = False  # the criterion flow's losses have no 1/n
-        try:
-            self.batch_flow.check_loss(loss_per_sample)
-            check_per_sample_loss(loss_per_sample, name="the per-sample loss")
-            fresh = self.release.start_backward()
-            self._check_trainable(self._module.parameters())
-            if self.per_layer:
-                raise ValueError("clipping='per_layer' is not supported with "
-                                 "grad_sample_mode='ghost' (as in Opacus).")
-        except BaseException:
-            self.recorder.reset()
-            raise
-        if not fresh:  # refused at the next step; nothing is clipped into the stale p.grad
-            self.recorder.reset()
-            return
-        self.recorder.on_layer_ready = self._on_layer_ready_criterion
-        self.clipper.max_grad_norm = self.current_max_grad_norm()
-        capturing = self.recorder.capturing  # False after disable_hooks(): restored as left
-        self._in_criterion = True
-        try:
-            batch = clip_batch(self.clipper, loss_per_sample, names=self._names)
-        finally:
-            self.recorder.on_layer_ready = self._on_layer_ready_plain
-            self._set_capturing(capturing)
-            self._in_criterion = False
-        if batch.size:
-            self.release.clipped_at.add(self.clipper.max_grad_norm)
-            self.release.last_norms = batch.norms
-            # dropped samples have norm 0 here: their factor 1 is taken off the count
-            self.release.count_unclipped(self.clipper.clip_factors(batch.norms), batch.dropped)
-            for p, g in zip(self._params, batch.sums.own_grads()):
-                add_grad(p, g)
-        self.release.backward_passes += 1
-
-
-def _no_ddp_grad_sync(ddp: DistributedDataParallel, inputs) -> None:
-    """Forward pre-hook on a torch DDP wrapper: no reducer work in the coming backward (DDP's
-    ``no_sync()`` state). The reducer would all-reduce the raw gradients, which our hooks replace
-    by zeros, and at the end of the backward copy that average over our clipped sums in ``p.grad``.
-    The DP optimizer's step all-reduces the clipped sums instead."""
-    ddp.require_backward_grad_sync = False
-
+        """``p.grad += Σ_i C_i ∂L_i/∂p`` from per-sample losses (:mod:`.criterion_flow`)."""
+        self.criterion_flow.backward(loss_per_sample)

@@ -18,8 +18,10 @@ from typing import Dict
 
 import torch
 from opacus.layers.dp_multihead_attention import SequenceBias
+from torch import nn
 
 from ..foundation.dtypes import accumulation_dtype
+from ..guards.model_check import clipped_layers
 from ..layers.base import LayerDims, LayerRule, trainable
 from ..layers.registry import register_rule
 
@@ -53,3 +55,20 @@ class SequenceBiasRule(LayerRule):
 
 
 register_rule(SequenceBiasRule())
+
+
+def clipped_layers_for_door(module: nn.Module, scan):
+    """``clipped_layers(module, strict=True)`` (rules check their modules; shared parameters
+    refused), with Opacus' ``SequenceBias`` accepted: ``PrivateModule`` moves its recorded tensors
+    to batch-first. The mark that :class:`SequenceBiasRule` checks is set for this
+    check only, so the native engine still refuses these modules afterwards (it does not move
+    them)."""
+    marked = [m for m in module.modules()
+              if isinstance(m, SequenceBias) and PREPARED not in m.__dict__]
+    for m in marked:
+        setattr(m, PREPARED, True)
+    try:
+        return clipped_layers(module, strict=True, scan=scan)
+    finally:
+        for m in marked:
+            delattr(m, PREPARED)
