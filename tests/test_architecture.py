@@ -240,3 +240,27 @@ def test_long_modules_say_why():
                        f"{[(m, lines.get(m)) for m in stale]}")
     twice = sorted(set(LONG_MODULES) & reasoned)
     assert not twice, f"modules with a 'Length:' line that LONG_MODULES also lists: {twice}"
+
+
+def test_every_import_of_the_package_names_a_module_of_it():
+    """``from ..x import y`` and ``import private_engine.x`` name modules or packages that exist in
+    this tree (an editable install elsewhere could otherwise hide a moved module)."""
+    paths = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    missing = []
+    for name, path in paths.items():
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("private_"):
+                target = node.module
+            else:
+                continue
+            if not target.startswith("private_engine") or target in paths:
+                continue
+            # ``from package import module`` names the module as one of the imported names
+            if not node.module and all(f"{target}.{a.name}" in paths for a in node.names):
+                continue
+            missing.append(f"{name}: {target}")
+    assert not missing, "imports of modules that do not exist:\n" + "\n".join(missing)

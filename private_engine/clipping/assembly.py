@@ -33,7 +33,7 @@ from ..guards.buffers import BufferGuard
 from ..guards.separability import SeparabilityProbe
 from ..guards.state import StepStateGuard
 from ..layers.ruled import RuledLayer
-from ..randomness import SecretModelRandomness
+from ..foundation.randomness import SecretModelRandomness
 from .clipper import PerSampleClipper
 from .functions import ClipFn
 from .plan import DEFAULT_CLIPPING_MODE
