@@ -30,7 +30,8 @@ from ..capture.setup import build_capture
 from ..guards.batch_flow import BatchFlow
 from ..guards.model_check import ruled_parameters
 from ..guards.separability import SeparabilityProbe
-from ..layers.base import sum_per_sample, weighted_sum_into
+from ..layers.base import cast, sum_per_sample, weighted_sum_into
+from ..layers.ghost_stack import GhostBoundStack
 from ..layers.linear import LinearRule
 from ..layers.rounding import gamma
 from ..layers.ruled import KeptPairs, RuledLayer
@@ -103,6 +104,8 @@ class PerSampleClipper:
         self.batch_size = 0
         #: per-layer (B,) certified squared norms (float64) of the running norm pass
         self._norm_terms: List[torch.Tensor] = []
+        #: ghost bounds of Linear layers formed together at the end of the norm pass
+        self.ghost_bounds = GhostBoundStack()
         self._plan: List[LayerDecision] = []
         #: kept by the norm pass for the clipped sums: [(module, rule, [(a, g)])] and
         #: [(parameter, G (B, *shape))], then the latter side by side: [([parameters], (B, n))]
@@ -126,6 +129,7 @@ class PerSampleClipper:
         self._handed = self._find_handed()
         self.batch_size = batch_size
         self._norm_terms = []
+        self.ghost_bounds.clear()
         self._plan = []
         self._kept_pairs, self._kept_grads, self._kept_groups = [], [], []
         self.tied.reset()
@@ -334,6 +338,7 @@ class PerSampleClipper:
             self._set_capturing(False)
             if not ok:
                 self._kept_pairs, self._kept_grads, self._kept_groups = [], [], []
+                self.ghost_bounds.clear()
                 self.tied.reset()
             self.strategy.norm_pass_done(self, inputs, ok)
         return norms
@@ -369,10 +374,17 @@ class PerSampleClipper:
         self._norm_terms.extend(terms)
         self.last_plan = list(reversed(self._plan))
         B = self.batch_size
-        if not self._norm_terms:
+        blocks = self.ghost_bounds.take()
+        if not self._norm_terms and not blocks:
             return torch.zeros(B, dtype=torch.float64, device=device)
         terms, self._norm_terms = self._norm_terms, []
-        norm_sq = sum_per_sample(terms, terms[0]) * (1 + gamma(len(terms) + 2, 2.0 ** -53))
+        count = len(terms) + sum(b.shape[0] for b in blocks)
+        if blocks:  # (L, B) blocks and (B,) terms: one reduction over all of them
+            rows = blocks + [cast(t, torch.float64).unsqueeze(0) for t in terms]
+            norm_sq = (rows[0] if len(rows) == 1 else torch.cat(rows)).sum(0)
+        else:
+            norm_sq = sum_per_sample(terms, terms[0])
+        norm_sq = norm_sq * (1 + gamma(count + 2, 2.0 ** -53))
         return norm_sq.sqrt() * (1 + 2.0 ** -51)
 
     def _set_capturing(self, on: bool) -> None:
@@ -573,6 +585,7 @@ class PerSampleClipper:
     def release(self) -> None:
         """Drop every record and everything a norm pass kept (after an error, or when done)."""
         self._kept_pairs, self._kept_grads, self._kept_groups = [], [], []
+        self.ghost_bounds.clear()
         self.tied.reset()
         self.strategy.reset()
         self.recorder.reset()

@@ -42,8 +42,9 @@ class NormedLayer(NamedTuple):
 
     #: ghost norm or instantiation, and why
     decision: LayerDecision
-    #: the certified ``‖∂L_i/∂θ‖²`` (float64, ``(B,)``); None when the per-sample gradients were
-    #: kept and are normed at the end of the pass with the other kept gradients
+    #: the certified ``‖∂L_i/∂θ‖²`` (float64, ``(B,)``); None when it is formed at the end of the
+    #: pass: kept per-sample gradients (normed with the other kept gradients) or a ghost bound
+    #: handed to the clipper's ``ghost_bounds`` (formed with those of the other layers)
     norm_sq: Optional[torch.Tensor]
     #: keep the layer's recorded calls for a second backward
     keep_calls: bool
@@ -138,6 +139,9 @@ class BookKeeping:
         decision = decide(layer.name, module, dims, self.mode)
         if decision.use_ghost:
             clipper.keep_pairs(module, rule, pairs)
+            defer = getattr(rule, "defer_ghost_norm_sq", None)
+            if defer is not None and defer(module, pairs, clipper.ghost_bounds):
+                return NormedLayer(decision, None, False)  # formed at the end of the pass
             return NormedLayer(decision, rule.certified_norm_sq(module, pairs, True), False)
         grads = rule.per_sample_grads(module, pairs)
         grad_size = sum(per_sample_numel(g) for g in grads.values())

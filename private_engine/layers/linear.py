@@ -114,6 +114,23 @@ class LinearRule(LayerRule):
         terms = d_out * (d_in + 1)
         return certified_instantiated(norm_sq, mass, c_inst, c_rel, terms)
 
+    def defer_ghost_norm_sq(self, module, calls, stack) -> bool:
+        """Hand the ghost-norm bound of :meth:`certified_norm_sq` (``use_ghost``) to ``stack``
+        (:class:`private_engine.layers.ghost_stack.GhostBoundStack`), which forms it with those of
+        the other layers at the end of the norm pass, by the same formulas. False (nothing handed
+        over; the caller forms the bound now) for a rule that overrides the certificate, a
+        layer whose weight is frozen, several calls or operands that a cast would copy (the
+        stack holds views of kept tensors only), and operands with no fast Gram path."""
+        if type(self).certified_norm_sq is not LinearRule.certified_norm_sq or \
+                not trainable(module, "weight") or len(calls) != 1:
+            return False
+        a, g = calls[0]
+        if not (a.dtype == g.dtype == compute_dtype(g)):
+            return False
+        A, G = self._views(module, calls)
+        c_rel = release_coefficient(release_dtype(G), G.device, A.shape[0] * A.shape[1])
+        return stack.add(A, G, trainable(module, "bias"), c_rel)
+
     def weighted_grads(self, module, calls, factors, out=None) -> Dict[str, torch.Tensor]:
         """``Σ_i C_i G_i = Gᵀ·diag(C)·A`` over all positions (one matmul), bias
         ``Σ_i C_i Σ_t g_{i,t}``; into ``out`` when given (the matmul writes the engine's flat buffer
