@@ -30,10 +30,10 @@ from ..capture.setup import build_capture
 from ..guards.batch_flow import BatchFlow
 from ..guards.model_check import ruled_parameters
 from ..guards.separability import SeparabilityProbe
-from ..layers.base import cast, sum_per_sample, weighted_sum_into
+from ..layers.base import accumulation_dtype, cast, sum_per_sample, weighted_sum_into
 from ..layers.ghost_stack import GhostBoundStack
 from ..layers.linear import LinearRule
-from ..layers.rounding import gamma
+from ..layers.rounding import cast_down, gamma
 from ..layers.ruled import KeptPairs, RuledLayer
 from .functions import ClipFn, clip_factors, resolve_clipping_fn
 from .grad_sums import FlatLayout, GradSums
@@ -555,7 +555,6 @@ class PerSampleClipper:
         """Whether every recorded layer's trainable parameters fall in one flat buffer (one
         ``buffer_group`` key and accumulation dtype): what :meth:`clipped_sums_by_buffer`
         needs."""
-        from ..layers.base import accumulation_dtype
 
         for layer in self.recorder.layers:
             keys = {(self.buffer_group(p) if self.buffer_group else None, p.device,
@@ -637,6 +636,19 @@ class _SumWriter:
         self.factors = factors
         self.keep = keep
         self.written: set = set()
+        #: the factors rounded toward zero to each accumulation dtype, formed once
+        self._cast: Dict[torch.dtype, torch.Tensor] = {}
+
+    def factors_like(self, t: torch.Tensor) -> torch.Tensor:
+        """The clip factors rounded toward zero (:func:`private_engine.layers.rounding.cast_down`)
+        to the accumulation dtype of ``t`` (float64 stays float64, else float32), once per step and
+        dtype: a rule that needs a narrower dtype rounds them again toward zero, which gives the
+        same factors as one rounding (each grid is a subset of the wider one)."""
+        dtype = accumulation_dtype(t)
+        found = self._cast.get(dtype)
+        if found is None:
+            found = self._cast[dtype] = cast_down(self.factors, dtype)
+        return found
 
     def put(self, p, g) -> None:
         """A term computed outside the buffer, written or added into ``p``'s view."""
@@ -652,11 +664,12 @@ class _SumWriter:
         segment, None when they are not one) when none was written yet, else through ``put``."""
         if self.keep is not None:
             mat = rows_kept(mat, self.keep)
+        factors = self.factors_like(mat)
         if seg is not None and not any(id(p) in self.written for p in params):
-            weighted_sum_into(seg, mat, self.factors)
+            weighted_sum_into(seg, mat, factors)
             self.written.update(id(p) for p in params)
             return
-        sums = weighted_sum_into(None, mat, self.factors)
+        sums = weighted_sum_into(None, mat, factors)
         offset = 0
         for p in params:
             self.put(p, sums[offset:offset + p.numel()])
@@ -669,6 +682,8 @@ class _SumWriter:
     def pair_weighted(self, module, rule, pairs, weights) -> None:
         """``gᵀ·diag(w)·a`` of a layer (the release strategy's second pass passes its own
         weights)."""
+        if weights is self.factors and pairs:
+            weights = self.factors_like(pairs[0][1])
         if self.keep is not None:
             pairs = [(rows_kept(a, self.keep), rows_kept(g, self.keep)) for a, g in pairs]
         targets = {}
