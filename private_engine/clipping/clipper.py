@@ -32,6 +32,7 @@ from ..guards.model_check import ruled_parameters
 from ..guards.separability import SeparabilityProbe
 from ..layers.base import accumulation_dtype, cast, sum_per_sample, weighted_sum_into
 from ..layers.ghost_stack import GhostBoundStack
+from ..layers.norm_stack import LayerNormGradStack
 from ..layers.linear import LinearRule
 from ..layers.rounding import cast_down, gamma
 from ..layers.ruled import KeptPairs, RuledLayer
@@ -106,6 +107,8 @@ class PerSampleClipper:
         self._norm_terms: List[torch.Tensor] = []
         #: ghost bounds of Linear layers formed together at the end of the norm pass
         self.ghost_bounds = GhostBoundStack()
+        #: LayerNorms' per-sample gradients instantiated together at the end of the norm pass
+        self.norm_grads = LayerNormGradStack()
         self._plan: List[LayerDecision] = []
         #: kept by the norm pass for the clipped sums: [(module, rule, [(a, g)])] and
         #: [(parameter, G (B, *shape))], then the latter side by side: [([parameters], (B, n))]
@@ -130,6 +133,7 @@ class PerSampleClipper:
         self.batch_size = batch_size
         self._norm_terms = []
         self.ghost_bounds.clear()
+        self.norm_grads.clear()
         self._plan = []
         self._kept_pairs, self._kept_grads, self._kept_groups = [], [], []
         self.tied.reset()
@@ -339,6 +343,7 @@ class PerSampleClipper:
             if not ok:
                 self._kept_pairs, self._kept_grads, self._kept_groups = [], [], []
                 self.ghost_bounds.clear()
+                self.norm_grads.clear()
                 self.tied.reset()
             self.strategy.norm_pass_done(self, inputs, ok)
         return norms
@@ -365,6 +370,8 @@ class PerSampleClipper:
         traced parameters' and fallback modules' norms, the kept per-sample gradients grouped, and
         ``‖g_i‖ = (Σ_l N_l²)^{1/2}``: the sum in float64 raised by ``γ^{(64)}_{L+2}`` (L terms, any
         order), the square root by one more ulp."""
+        for module, grads in self.norm_grads.take():
+            self.keep_grads(module, grads)
         self._keep_extra_grads()
         self._kept_grads.extend(self.tied.take())
         self._norm_terms.extend(self.tied.joint_norms())
@@ -585,6 +592,7 @@ class PerSampleClipper:
         """Drop every record and everything a norm pass kept (after an error, or when done)."""
         self._kept_pairs, self._kept_grads, self._kept_groups = [], [], []
         self.ghost_bounds.clear()
+        self.norm_grads.clear()
         self.tied.reset()
         self.strategy.reset()
         self.recorder.reset()

@@ -143,6 +143,9 @@ class BookKeeping:
             if defer is not None and defer(module, pairs, clipper.ghost_bounds):
                 return NormedLayer(decision, None, False)  # formed at the end of the pass
             return NormedLayer(decision, rule.certified_norm_sq(module, pairs, True), False)
+        defer = getattr(rule, "defer_per_sample_grads", None)
+        if defer is not None and defer(module, pairs, clipper.norm_grads):
+            return NormedLayer(decision, None, False)  # kept at the end of the pass
         grads = rule.per_sample_grads(module, pairs)
         grad_size = sum(per_sample_numel(g) for g in grads.values())
         pair_size = sum(per_sample_numel(a) + per_sample_numel(g) for a, g in pairs)

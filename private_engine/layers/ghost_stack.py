@@ -119,9 +119,9 @@ class GhostBoundStack:
         bound = (nu + slack).mul_(1 + 2.0 ** -50)
         if bound.device.type != "cuda":
             _refine(bound, slack, nu, layers, na, ng)
-        # certified_ghost with c_ν = 0: (√(max(ν⁺, 0) + 0·M²) + c_r M)²
-        base = bound.clamp(min=0) + mass.mul(0.0).mul_(mass)
-        return (base.sqrt() + c["c_rel"] * mass).square()
+        # certified_ghost with c_ν = 0: (√max(ν⁺, 0) + c_r M)² (an infinite or NaN M gives a
+        # non-finite bound either way: the sample is dropped)
+        return (bound.clamp_(min=0).sqrt_() + c["c_rel"] * mass).square()
 
     def _constants_for(self, layers: Sequence[_Pending]) -> Dict[str, torch.Tensor]:
         """Each layer's constants as ``(L, 1[, 1])`` float64 tensors (formed once per set of

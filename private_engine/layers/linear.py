@@ -10,7 +10,7 @@ gradient is the transpose ``a_iᵀ g_i``: the same norms, the same rounding, the
 """
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Tuple
 
 import torch
 from torch import nn
@@ -23,6 +23,25 @@ from .registry import register_named_rule, register_rule
 from .rounding import (certified_ghost, certified_instantiated, ghost_may_underflow,
                        ghost_underflow, gram_coefficient, gram_eta, instantiation_coefficient,
                        mass_of, pair_norms, release_coefficient)
+
+
+#: the last clip factors repeated per position, per number of positions T:
+#: ``{T: (factors, factors._version, C ⊗ 1_T)}`` (the factors are the same for every layer of a
+#: step: one repetition per step and T)
+_ROW_FACTORS: Dict[int, Tuple[torch.Tensor, int, torch.Tensor]] = {}
+
+
+def row_factors(factors: torch.Tensor, T: int) -> torch.Tensor:
+    """``C ⊗ 1_T``: each sample's factor repeated for its ``T`` rows, ``(B,) -> (B·T,)``, formed
+    once per factors tensor and T."""
+    hit = _ROW_FACTORS.get(T)
+    if hit is not None and hit[0] is factors and hit[1] == factors._version:
+        return hit[2]
+    rows = factors.repeat_interleave(T)
+    if len(_ROW_FACTORS) > 8:
+        _ROW_FACTORS.clear()
+    _ROW_FACTORS[T] = (factors, factors._version, rows)
+    return rows
 
 
 class LinearRule(LayerRule):
@@ -152,9 +171,9 @@ class LinearRule(LayerRule):
         if trainable(module, "bias"):
             if scaled_g is not None:
                 res["bias"] = sum_into(out.get("bias"), scaled_g, (0, 1))
-            else:  # per-sample bias gradients Σ_t g_{i,t}, then Σ_i C_i ·
-                res["bias"] = weighted_sum_into(out.get("bias"),
-                                                G.sum(1, dtype=accumulation_dtype(G)), factors)
+            else:  # Σ_{i,t} C_i g_{i,t}: one product of the B·T rows with C ⊗ 1_T
+                res["bias"] = weighted_sum_into(out.get("bias"), G.reshape(-1, G.shape[-1]),
+                                                row_factors(factors, G.shape[1]))
         return res
 
 
