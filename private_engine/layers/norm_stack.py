@@ -28,7 +28,7 @@ HELD_ELEMENTS = 1 << 24
 
 
 class _Pending(NamedTuple):
-    module: nn.Module
+    module: nn.LayerNorm
     a: torch.Tensor
     g: torch.Tensor
     names: Tuple[str, ...]
@@ -51,7 +51,7 @@ class LayerNormGradStack:
     def __len__(self) -> int:
         return len(self._pending)
 
-    def add(self, module: nn.Module, a: torch.Tensor, g: torch.Tensor,
+    def add(self, module: nn.LayerNorm, a: torch.Tensor, g: torch.Tensor,
             names: Tuple[str, ...]) -> bool:
         """Keep one LayerNorm call's input ``a`` and output gradient ``g`` (batch-first, ending
         with ``normalized_shape``) for the gradients of the parameters ``names``; False (nothing
@@ -86,7 +86,7 @@ class LayerNormGradStack:
         return out
 
 
-def _instantiate(module: nn.Module, As: List[torch.Tensor], Gs: List[torch.Tensor],
+def _instantiate(module: nn.LayerNorm, As: List[torch.Tensor], Gs: List[torch.Tensor],
                  names: Tuple[str, ...]) -> Dict[str, torch.Tensor]:
     """``{name: (L, B, *normalized_shape)}``: ``Σ_t g ⊙ x̂`` (weight) and ``Σ_t g`` (bias) of L
     LayerNorm calls of one shape, from their stacked inputs and output gradients (in ≥ float32)."""
