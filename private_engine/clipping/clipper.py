@@ -31,7 +31,7 @@ from ..guards.batch_flow import BatchFlow
 from ..guards.model_check import ruled_parameters
 from ..guards.separability import SeparabilityProbe
 from ..layers.base import cast, sum_per_sample
-from ..layers.ghost_stack import GhostBoundStack
+from ..layers.ghost_stack import HELD_GRADIENTS, GhostBoundStack
 from ..layers.norm_stack import LayerNormGradStack
 from ..layers.precision import without_autocast
 from ..layers.rounding import gamma
@@ -108,8 +108,9 @@ class PerSampleClipper:
         self.batch_size = 0
         #: per-layer (B,) certified squared norms (float64) of the running norm pass
         self._norm_terms: List[torch.Tensor] = []
-        #: ghost bounds of Linear layers formed together at the end of the norm pass
-        self.ghost_bounds = GhostBoundStack()
+        #: ghost bounds of Linear layers formed together at the end of the norm pass (two-pass
+        #: modes: while the output gradients held for them stay within ``HELD_GRADIENTS``)
+        self.ghost_bounds = GhostBoundStack(None if self.book_keeping else HELD_GRADIENTS)
         #: LayerNorms' per-sample gradients instantiated together at the end of the norm pass
         self.norm_grads = LayerNormGradStack()
         self._plan: List[LayerDecision] = []

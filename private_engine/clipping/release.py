@@ -186,13 +186,26 @@ class TwoPass:
         self.leading: list = []
         #: while the second pass runs: what it writes with
         self._second: Optional[SecondPass] = None
+        #: records of the layers whose bound the clipper's ``ghost_bounds`` forms, in order
+        self._deferred: List[FirstPass] = []
 
     def start(self) -> None:
-        self.first, self.leading = {}, []
+        self.first, self.leading, self._deferred = {}, [], []
 
     def layer_norm(self, clipper: "PerSampleClipper", layer: RecordedLayer,
                    pairs: Sequence[Call], dims: Sequence[LayerDims], merged: int) -> NormedLayer:
+        """``(decision, certified ‖∂L_i/∂θ‖², keep the calls)``; a ghost Linear's bound is handed
+        to the clipper's ``ghost_bounds`` (formed with the other layers' at the end of the pass,
+        while the output gradients held for it stay within the stack's limit) and its record
+        completed then (:meth:`norm_pass_done`)."""
         decision = decide(layer.name, layer.module, dims, self.mode)
+        defer = getattr(layer.rule, "defer_ghost_norm_sq", None)
+        if decision.use_ghost and defer is not None and \
+                defer(layer.module, pairs, clipper.ghost_bounds):
+            first = FirstPass(True, merged, fingerprints(pairs), None)
+            self.first[id(layer)] = first
+            self._deferred.append(first)
+            return NormedLayer(decision, None, True)
         contrib = layer.rule.certified_norm_sq(layer.module, pairs, decision.use_ghost)
         self.first[id(layer)] = FirstPass(decision.use_ghost, merged, fingerprints(pairs),
                                           contrib)
@@ -204,6 +217,12 @@ class TwoPass:
 
     def norm_pass_done(self, clipper: "PerSampleClipper", inputs: list, ok: bool) -> None:
         if ok:
+            rows = clipper.ghost_bounds.rows
+            if len(rows) != len(self._deferred):
+                raise RuntimeError("internal error: a deferred ghost bound is missing.")
+            for first, row in zip(self._deferred, rows):
+                first.bound = row
+            self._deferred = []
             self.leading = inputs
             for extra in clipper.recorder.extras:  # their per-sample gradients are kept
                 extra.reset()
@@ -261,7 +280,7 @@ class TwoPass:
             layer.release()
 
     def reset(self) -> None:
-        self.first, self.leading = {}, []
+        self.first, self.leading, self._deferred = {}, [], []
 
 
 def strategy_for(mode: str, book_keeping: bool) -> ReleaseStrategy:

@@ -34,6 +34,9 @@ from .rounding import ETA32, ETA64, gamma, unit_roundoff
 
 #: the most elements the operands stacked for one batched Gram may have (a copy of them is made)
 STACK_ELEMENTS = 1 << 24
+#: the most output-gradient elements a two-pass norm pass holds for deferred bounds (64 MiB of
+#: float32): beyond it, each layer's bound is formed at once and its gradient freed
+HELD_GRADIENTS = 1 << 24
 
 
 class _Pending(NamedTuple):
@@ -55,10 +58,19 @@ class _Pending(NamedTuple):
 
 class GhostBoundStack:
     """Deferred certified ghost bounds ``(√ν⁺ + c_r M)²`` of Linear layers (weight trained, fast
-    float32 Grams): :meth:`add` per layer during the norm pass, :meth:`take` at its end."""
+    float32 Grams): :meth:`add` per layer during the norm pass, :meth:`take` at its end.
 
-    def __init__(self) -> None:
+    ``held_limit``: None when the operands are kept for the clipped sums anyway (book-keeping);
+    else the most output-gradient elements held only for the bounds (two-pass modes, which would
+    free each output gradient at once): a layer beyond it gets its bound at once."""
+
+    def __init__(self, held_limit: Optional[int] = None) -> None:
+        self.held_limit = held_limit
+        self._held = 0
         self._pending: List[_Pending] = []
+        #: after :meth:`take`: each layer's ``(N,)`` bound (a row of its block), in the order
+        #: the layers were added
+        self.rows: List[torch.Tensor] = []
         #: per-layer constants as tensors, keyed by the layers' keys and device
         self._constants: Dict[tuple, Dict[str, torch.Tensor]] = {}
 
@@ -72,23 +84,36 @@ class GhostBoundStack:
         model = fast_gram_model(a)
         if model is None or a.shape[1] == 1 or g.dtype != a.dtype:
             return False
+        if self.held_limit is not None:
+            if self._held + g.numel() > self.held_limit:
+                return False
+            self._held += g.numel()
         self._pending.append(_Pending(a, g, bias, model, c_rel))
         return True
 
     def clear(self) -> None:
-        """Drop what was kept (a failed norm pass)."""
-        self._pending = []
+        """Drop what was kept (a failed norm pass) and the last bounds."""
+        self._pending, self._held, self.rows = [], 0, []
 
     @without_autocast
     def take(self) -> List[torch.Tensor]:
         """The certified squared norms of every kept layer, as float64 ``(L_k, N)`` blocks (one
         per number of positions and device; rows in the order the layers were added), and forget
         the layers."""
-        pending, self._pending = self._pending, []
-        groups: Dict[tuple, List[_Pending]] = {}
-        for p in pending:
-            groups.setdefault((p.a.shape[0], p.a.shape[1], p.a.device), []).append(p)
-        return [self._bounds(layers) for layers in groups.values()]
+        pending = self._pending
+        self.clear()
+        groups: Dict[tuple, List[int]] = {}
+        for i, p in enumerate(pending):
+            groups.setdefault((p.a.shape[0], p.a.shape[1], p.a.device), []).append(i)
+        rows: List[Optional[torch.Tensor]] = [None] * len(pending)
+        blocks = []
+        for idx in groups.values():
+            block = self._bounds([pending[i] for i in idx])
+            blocks.append(block)
+            for j, i in enumerate(idx):
+                rows[i] = block[j]
+        self.rows = rows  # type: ignore[assignment]
+        return blocks
 
     # -- per group of layers with N samples and T positions -------------------------------------
     def _bounds(self, layers: Sequence[_Pending]) -> torch.Tensor:
