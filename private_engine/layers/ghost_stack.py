@@ -11,8 +11,9 @@ forms every layer's bound at the end of the norm pass:
   have one shape by one batched matmul and one reduction per shape (their operands stacked,
   in groups of at most ``STACK_ELEMENTS`` elements);
 * the rest of the arithmetic once over ``(L, N, T, T)`` stacks of the layers with ``T``
-  positions, each layer's constants (``γ_a``, ``γ_g``, widths, release coefficient) a
-  ``(L, 1, 1)`` float64 tensor (formed once per set of layers and kept).
+  positions (in chunks of at most ``BOUND_ELEMENTS`` elements), each layer's constants
+  (``γ_a``, ``γ_g``, widths, release coefficient) a ``(L, 1, 1)`` float64 tensor (formed once per
+  set of layers and kept).
 
 The formulas are those of the per-layer path term for term — the same float32 Grams with the same
 error model (Higham 2002, §3.1; Fasi, Higham, Mikaitis & Pranesh 2021 for tensor cores), the same
@@ -34,6 +35,9 @@ from .rounding import ETA32, ETA64, gamma, unit_roundoff
 
 #: the most elements the operands stacked for one batched Gram may have (a copy of them is made)
 STACK_ELEMENTS = 1 << 24
+#: the most elements of one ``(L, N, T, T)`` float64 stack of Grams (32 MiB): the layers of one
+#: group are bounded in chunks of at most this size (a few temporaries of it live at once)
+BOUND_ELEMENTS = 1 << 22
 #: the most output-gradient elements a two-pass norm pass holds for deferred bounds (64 MiB of
 #: float32): beyond it, each layer's bound is formed at once and its gradient freed
 HELD_GRADIENTS = 1 << 24
@@ -97,9 +101,9 @@ class GhostBoundStack:
 
     @without_autocast
     def take(self) -> List[torch.Tensor]:
-        """The certified squared norms of every kept layer, as float64 ``(L_k, N)`` blocks (one
-        per number of positions and device; rows in the order the layers were added), and forget
-        the layers."""
+        """The certified squared norms of every kept layer, as float64 ``(L_k, N)`` blocks (per
+        number of positions and device, in chunks of at most ``BOUND_ELEMENTS`` Gram elements;
+        each layer's row also in :attr:`rows`), and forget the layers."""
         pending = self._pending
         self.clear()
         groups: Dict[tuple, List[int]] = {}
@@ -107,11 +111,14 @@ class GhostBoundStack:
             groups.setdefault((p.a.shape[0], p.a.shape[1], p.a.device), []).append(i)
         rows: List[Optional[torch.Tensor]] = [None] * len(pending)
         blocks = []
-        for idx in groups.values():
-            block = self._bounds([pending[i] for i in idx])
-            blocks.append(block)
-            for j, i in enumerate(idx):
-                rows[i] = block[j]
+        for (N, T, _), idx in groups.items():
+            per = max(1, BOUND_ELEMENTS // max(1, N * T * T))
+            for s in range(0, len(idx), per):
+                part = idx[s:s + per]
+                block = self._bounds([pending[i] for i in part])
+                blocks.append(block)
+                for j, i in enumerate(part):
+                    rows[i] = block[j]
         self.rows = rows  # type: ignore[assignment]
         return blocks
 

@@ -89,3 +89,21 @@ def test_layers_without_a_stacked_bound_are_formed_at_once(case):
     stack = GhostBoundStack()
     assert not rule.defer_ghost_norm_sq(m, calls, stack)
     assert len(stack) == 0
+
+
+def test_large_groups_are_bounded_in_chunks_with_the_same_bounds(monkeypatch):
+    import private_engine.layers.ghost_stack as ghost_stack
+
+    rule = LinearRule()
+    layers = _layers()
+    stack = GhostBoundStack()
+    for m, a, g in layers:
+        rule.defer_ghost_norm_sq(m, [(a, g)], stack)
+    whole = stack.take()[0]
+    monkeypatch.setattr(ghost_stack, "BOUND_ELEMENTS", 2 * 3 * 5 * 5)  # two layers per chunk
+    for m, a, g in layers:
+        rule.defer_ghost_norm_sq(m, [(a, g)], stack)
+    blocks = stack.take()
+    assert [b.shape[0] for b in blocks] == [2, 2, 2]
+    assert torch.equal(torch.cat(blocks), whole)
+    assert torch.equal(torch.stack(stack.rows), whole)
