@@ -107,3 +107,14 @@ def test_large_groups_are_bounded_in_chunks_with_the_same_bounds(monkeypatch):
     assert [b.shape[0] for b in blocks] == [2, 2, 2]
     assert torch.equal(torch.cat(blocks), whole)
     assert torch.equal(torch.stack(stack.rows), whole)
+
+
+def test_bfloat16_operands_give_the_per_layer_bounds_bit_for_bit():
+    rule = LinearRule()
+    layers = [(m.to(torch.bfloat16), a.bfloat16(), g.bfloat16()) for m, a, g in _layers()]
+    stack = GhostBoundStack()
+    for m, a, g in layers:
+        assert rule.defer_ghost_norm_sq(m, [(a, g)], stack)
+    stack.take()
+    for row, (m, a, g) in zip(stack.rows, layers):
+        assert torch.equal(row, rule.certified_norm_sq(m, [(a, g)], True))
