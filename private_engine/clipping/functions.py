@@ -112,3 +112,21 @@ def clip_factors(
                 "would exceed max_grad_norm and the privacy guarantee would not hold."
             )
     return factors
+
+
+def finite_factors(factors_of: Callable[[torch.Tensor], torch.Tensor], norms: torch.Tensor,
+                   loss: Optional[torch.Tensor] = None):
+    """``(norms, factors, keep, dropped)``: clip factors ``factors_of(norms)`` for certified
+    ``norms``, with every sample whose norm (or loss) is not finite dropped — ``C_i = 0``, and
+    ``keep`` (bool ``(B,)``, None when nothing was dropped) tells the clipped sums to zero its
+    rows. A per-sample decision: one sample (a crafted value that overflows the forward, a float16
+    overflow) never makes the step fail. ``dropped`` is a Python int (one host sync)."""
+    ok = torch.isfinite(norms)
+    if loss is not None:
+        ok = ok & torch.isfinite(loss.detach())
+    dropped = int((~ok).sum())
+    if not dropped:
+        return norms, factors_of(norms), None, 0
+    norms = torch.where(ok, norms, torch.zeros_like(norms))
+    factors = torch.where(ok, factors_of(norms), torch.zeros_like(norms))
+    return norms, factors, ok, dropped

@@ -42,8 +42,9 @@ class NormedLayer(NamedTuple):
 
     #: ghost norm or instantiation, and why
     decision: LayerDecision
-    #: the certified ``‖∂L_i/∂θ‖²`` (float64, ``(B,)``); None when the per-sample gradients were
-    #: kept and are normed at the end of the pass with the other kept gradients
+    #: the certified ``‖∂L_i/∂θ‖²`` (float64, ``(B,)``); None when it is formed at the end of the
+    #: pass: kept per-sample gradients (normed with the other kept gradients) or a ghost bound
+    #: handed to the clipper's ``ghost_bounds`` (formed with those of the other layers)
     norm_sq: Optional[torch.Tensor]
     #: keep the layer's recorded calls for a second backward
     keep_calls: bool
@@ -138,7 +139,13 @@ class BookKeeping:
         decision = decide(layer.name, module, dims, self.mode)
         if decision.use_ghost:
             clipper.keep_pairs(module, rule, pairs)
+            defer = getattr(rule, "defer_ghost_norm_sq", None)
+            if defer is not None and defer(module, pairs, clipper.ghost_bounds):
+                return NormedLayer(decision, None, False)  # formed at the end of the pass
             return NormedLayer(decision, rule.certified_norm_sq(module, pairs, True), False)
+        defer = getattr(rule, "defer_per_sample_grads", None)
+        if defer is not None and defer(module, pairs, clipper.norm_grads):
+            return NormedLayer(decision, None, False)  # kept at the end of the pass
         grads = rule.per_sample_grads(module, pairs)
         grad_size = sum(per_sample_numel(g) for g in grads.values())
         pair_size = sum(per_sample_numel(a) + per_sample_numel(g) for a, g in pairs)
@@ -179,13 +186,26 @@ class TwoPass:
         self.leading: list = []
         #: while the second pass runs: what it writes with
         self._second: Optional[SecondPass] = None
+        #: records of the layers whose bound the clipper's ``ghost_bounds`` forms, in order
+        self._deferred: List[FirstPass] = []
 
     def start(self) -> None:
-        self.first, self.leading = {}, []
+        self.first, self.leading, self._deferred = {}, [], []
 
     def layer_norm(self, clipper: "PerSampleClipper", layer: RecordedLayer,
                    pairs: Sequence[Call], dims: Sequence[LayerDims], merged: int) -> NormedLayer:
+        """``(decision, certified ‖∂L_i/∂θ‖², keep the calls)``; a ghost Linear's bound is handed
+        to the clipper's ``ghost_bounds`` (formed with the other layers' at the end of the pass,
+        while the output gradients held for it stay within the stack's limit) and its record
+        completed then (:meth:`norm_pass_done`)."""
         decision = decide(layer.name, layer.module, dims, self.mode)
+        defer = getattr(layer.rule, "defer_ghost_norm_sq", None)
+        if decision.use_ghost and defer is not None and \
+                defer(layer.module, pairs, clipper.ghost_bounds):
+            first = FirstPass(True, merged, fingerprints(pairs), None)
+            self.first[id(layer)] = first
+            self._deferred.append(first)
+            return NormedLayer(decision, None, True)
         contrib = layer.rule.certified_norm_sq(layer.module, pairs, decision.use_ghost)
         self.first[id(layer)] = FirstPass(decision.use_ghost, merged, fingerprints(pairs),
                                           contrib)
@@ -197,6 +217,12 @@ class TwoPass:
 
     def norm_pass_done(self, clipper: "PerSampleClipper", inputs: list, ok: bool) -> None:
         if ok:
+            rows = clipper.ghost_bounds.rows
+            if len(rows) != len(self._deferred):
+                raise RuntimeError("internal error: a deferred ghost bound is missing.")
+            for first, row in zip(self._deferred, rows):
+                first.bound = row
+            self._deferred = []
             self.leading = inputs
             for extra in clipper.recorder.extras:  # their per-sample gradients are kept
                 extra.reset()
@@ -252,7 +278,7 @@ class TwoPass:
             layer.release()
 
     def reset(self) -> None:
-        self.first, self.leading = {}, []
+        self.first, self.leading, self._deferred = {}, [], []
 
 
 def strategy_for(mode: str, book_keeping: bool) -> ReleaseStrategy:

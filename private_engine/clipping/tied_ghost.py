@@ -28,7 +28,7 @@ sums are added into the parameter's buffer (``γ_K`` of the accumulator on their
 """
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import List, Sequence, Set, Tuple
 
 import torch
 from torch import nn
@@ -39,6 +39,7 @@ from ..layers.embedding import EmbeddingRule
 from ..layers.linear import LinearRule
 from ..layers.rounding import (ETA64, gamma, ghost_underflow, gram_coefficient, pair_mass,
                                release_coefficient, row_norms64, unit_roundoff)
+from .plan import use_ghost
 
 Member = Tuple[nn.Module, object, list]  # (module, rule, [(a, g)])
 
@@ -75,6 +76,25 @@ def joint_dims(members: Sequence[Tuple[nn.Module, LayerRule, Sequence[LayerDims]
               and m.bias.requires_grad}
     io = sum(d.io_size for _, _, dims in members for d in dims)
     return LayerDims(T=T, D=d + len(biases), p=V, io_size=io)
+
+
+def joint_ghost_chosen(group, layers: Sequence, batch_size: int, mode: str,
+                       handed: Set[int]) -> bool:
+    """Whether a tied group (book-keeping modes) is normed by its joint ghost norm: Embeddings and
+    Linears sharing one weight (``group.ghost_capable``), none of them also followed by the tracer
+    (``handed``: ids of such modules), every recorded call of ``layers`` (the recorder's) with one
+    row per sample, and the mode's rule picking the ghost norm for the stacked rows
+    (:func:`joint_dims`)."""
+    if not group.ghost_capable or any(id(m) in handed for _, m, _ in group.members):
+        return False
+    ids = {id(m) for _, m, _ in group.members}
+    recs = [r for r in layers if id(r.module) in ids]
+    calls = [c for r in recs for c in r.calls]
+    if not calls or not all(c.activation is not None and c.activation.shape[0] == batch_size
+                            for c in calls):
+        return False
+    return use_ghost(joint_dims([(r.module, r.rule, [c.dims for c in r.calls]) for r in recs]),
+                     mode)
 
 
 def certified_joint_norm_sq(members: Sequence[Member]) -> torch.Tensor:

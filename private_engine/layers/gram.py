@@ -220,20 +220,28 @@ def certified_ghost_sq(a: torch.Tensor, g: torch.Tensor, bias: bool, na: torch.T
     if model is None or a.shape[1] == 1:
         return None
     bound, slack, nu = fast_ghost_bound(a, g, bias, na, ng, *model)
+    return refine(bound, slack, nu, lambda idx: second_try(a, g, bias, na, ng, model, idx))
 
-    def exact(idx: torch.Tensor) -> torch.Tensor:
-        mass = (na[idx] * ng[idx]).sum(1) * (1 + gamma(na.shape[1] + 4,
-                                                         unit_roundoff(torch.float64)))
-        return float64_ghost_bound(a[idx], g[idx], bias, mass)
 
-    def chunked(idx: torch.Tensor) -> torch.Tensor:
-        if max(a.shape[2], g.shape[2]) < 2 * CHUNK:
-            return exact(idx)
-        b2, s2, n2 = fast_ghost_bound(a[idx], g[idx], bias, na[idx], ng[idx], *model,
-                                      chunk=CHUNK)
-        return refine(b2, s2, n2, lambda j: exact(idx[j]))
+def exact_ghost_bound(a: torch.Tensor, g: torch.Tensor, bias: bool, na: torch.Tensor,
+                      ng: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """:func:`float64_ghost_bound` of the samples ``idx``, with their mass
+    ``M_i = Σ_t n_t m_t·(1 + γ^{(64)}_{T+4})`` from the row-norm bounds ``na``, ``ng``."""
+    mass = (na[idx] * ng[idx]).sum(1) * (1 + gamma(na.shape[1] + 4,
+                                                     unit_roundoff(torch.float64)))
+    return float64_ghost_bound(a[idx], g[idx], bias, mass)
 
-    return refine(bound, slack, nu, chunked)
+
+def second_try(a: torch.Tensor, g: torch.Tensor, bias: bool, na: torch.Tensor,
+               ng: torch.Tensor, model: Tuple[bool, float], idx: torch.Tensor) -> torch.Tensor:
+    """The bounds of the samples ``idx`` whose fast bound was loose or not finite: Grams in blocks
+    of ``CHUNK`` columns (:func:`fast_ghost_bound` with ``chunk``), then float64 Grams
+    (:func:`exact_ghost_bound`) for those still loose; float64 Grams at once for operands
+    narrower than two blocks."""
+    if max(a.shape[2], g.shape[2]) < 2 * CHUNK:
+        return exact_ghost_bound(a, g, bias, na, ng, idx)
+    b2, s2, n2 = fast_ghost_bound(a[idx], g[idx], bias, na[idx], ng[idx], *model, chunk=CHUNK)
+    return refine(b2, s2, n2, lambda j: exact_ghost_bound(a, g, bias, na, ng, idx[j]))
 
 
 def refine(bound: torch.Tensor, slack: torch.Tensor, nu: torch.Tensor, exact) -> torch.Tensor:

@@ -10,7 +10,7 @@ gradient is the transpose ``a_iᵀ g_i``: the same norms, the same rounding, the
 """
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Tuple
 
 import torch
 from torch import nn
@@ -24,6 +24,25 @@ from .registry import register_named_rule, register_rule
 from .rounding import (certified_ghost, certified_instantiated, ghost_may_underflow,
                        ghost_underflow, gram_coefficient, gram_eta, instantiation_coefficient,
                        mass_of, pair_norms, release_coefficient)
+
+
+#: the last clip factors repeated per position, per number of positions T:
+#: ``{T: (factors, factors._version, C ⊗ 1_T)}`` (the factors are the same for every layer of a
+#: step: one repetition per step and T)
+_ROW_FACTORS: Dict[int, Tuple[torch.Tensor, int, torch.Tensor]] = {}
+
+
+def row_factors(factors: torch.Tensor, T: int) -> torch.Tensor:
+    """``C ⊗ 1_T``: each sample's factor repeated for its ``T`` rows, ``(B,) -> (B·T,)``, formed
+    once per factors tensor and T."""
+    hit = _ROW_FACTORS.get(T)
+    if hit is not None and hit[0] is factors and hit[1] == factors._version:
+        return hit[2]
+    rows = factors.repeat_interleave(T)
+    if len(_ROW_FACTORS) > 8:
+        _ROW_FACTORS.clear()
+    _ROW_FACTORS[T] = (factors, factors._version, rows)
+    return rows
 
 
 class LinearRule(LayerRule):
@@ -115,6 +134,23 @@ class LinearRule(LayerRule):
         terms = d_out * (d_in + 1)
         return certified_instantiated(norm_sq, mass, c_inst, c_rel, terms)
 
+    def defer_ghost_norm_sq(self, module, calls, stack) -> bool:
+        """Hand the ghost-norm bound of :meth:`certified_norm_sq` (``use_ghost``) to ``stack``
+        (:class:`private_engine.layers.ghost_stack.GhostBoundStack`), which forms it with those of
+        the other layers at the end of the norm pass, by the same formulas. False (nothing handed
+        over; the caller forms the bound now) for a rule that overrides the certificate, a
+        layer whose weight is frozen, several calls or operands that a cast would copy (the
+        stack holds views of kept tensors only), and operands with no fast Gram path."""
+        if type(self).certified_norm_sq is not LinearRule.certified_norm_sq or \
+                not trainable(module, "weight") or len(calls) != 1:
+            return False
+        a, g = calls[0]
+        if not (a.dtype == g.dtype == compute_dtype(g)):
+            return False
+        A, G = self._views(module, calls)
+        c_rel = release_coefficient(release_dtype(G), G.device, A.shape[0] * A.shape[1])
+        return stack.add(A, G, trainable(module, "bias"), c_rel)
+
     def weighted_grads(self, module, calls, factors, out=None) -> Dict[str, torch.Tensor]:
         """``Σ_i C_i G_i = Gᵀ·diag(C)·A`` over all positions (one matmul), bias
         ``Σ_i C_i Σ_t g_{i,t}``; into ``out`` when given (the matmul writes the engine's flat buffer
@@ -137,9 +173,9 @@ class LinearRule(LayerRule):
         if trainable(module, "bias"):
             if scaled_g is not None:
                 res["bias"] = sum_into(out.get("bias"), scaled_g, (0, 1))
-            else:  # per-sample bias gradients Σ_t g_{i,t}, then Σ_i C_i ·
-                res["bias"] = weighted_sum_into(out.get("bias"),
-                                                G.sum(1, dtype=accumulation_dtype(G)), factors)
+            else:  # Σ_{i,t} C_i g_{i,t}: one product of the B·T rows with C ⊗ 1_T
+                res["bias"] = weighted_sum_into(out.get("bias"), G.reshape(-1, G.shape[-1]),
+                                                row_factors(factors, G.shape[1]))
         return res
 
 

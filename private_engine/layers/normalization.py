@@ -77,9 +77,7 @@ class LayerNormRule(_AffineNormRule):
     module_types = (nn.LayerNorm,)
 
     def _normalized(self, module, a):
-        _check_normalized_shape(module, a, "; a LayerNorm subclass that normalises other "
-                                "dimensions needs its own rule "
-                                "(private_engine.layers.register_rule)")
+        self._normalized_shape_ok(module, a)
         # x̂ = (x − mean) / √(var + eps) over the normalised dims, in one fused kernel (γ = 1: see
         # unit_weight)
         x = cast(a, accumulation_dtype(a))
@@ -90,6 +88,24 @@ class LayerNormRule(_AffineNormRule):
         p = math.prod(module.normalized_shape)
         T = output.numel() // (output.shape[0] * p) if output.shape[0] else 1
         return LayerDims(T=T, D=1, p=p, ghost_capable=False)
+
+    def defer_per_sample_grads(self, module, calls, stack) -> bool:
+        """Hand one call's ``(a, g)`` to ``stack``
+        (:class:`private_engine.layers.norm_stack.LayerNormGradStack`), which instantiates
+        :meth:`per_sample_grads` with those of the other LayerNorms of its shape at the end of the
+        norm pass; False (nothing handed over) for subclasses, several calls, frozen affine
+        parameters or a full stack."""
+        if type(self) is not LayerNormRule or len(calls) != 1:
+            return False
+        a, g = calls[0]
+        self._normalized_shape_ok(module, a)
+        names = tuple(n for n in ("weight", "bias") if trainable(module, n))
+        return bool(names) and stack.add(module, a, g, names)
+
+    def _normalized_shape_ok(self, module, a) -> None:
+        _check_normalized_shape(module, a, "; a LayerNorm subclass that normalises other "
+                                "dimensions needs its own rule "
+                                "(private_engine.layers.register_rule)")
 
     def _grads_one_call(self, module, a, g):
         B = g.shape[0]

@@ -238,14 +238,17 @@ def norm_sq64(t: torch.Tensor) -> torch.Tensor:
     if flat.dtype == torch.float64:
         return torch.linalg.vector_norm(flat, dim=1).square() + n * ETA64
     m = n // SQUARE_BLOCK
-    total = torch.zeros(B, dtype=torch.float64, device=t.device)
+    total: Optional[torch.Tensor] = None  # the sum of the parts below (0 + x is x: no zeros)
     if m:
         if flat.stride(1) != 1:
             flat = flat.contiguous()
         blocks = flat.as_strided((B, m, SQUARE_BLOCK), (flat.stride(0), SQUARE_BLOCK, 1))
-        total = total + _norms32(blocks, 2).square().sum(1)
+        total = _norms32(blocks, 2).square().sum(1)
     if n > m * SQUARE_BLOCK:
-        total = total + _norms32(flat[:, m * SQUARE_BLOCK:], 1).square()
+        tail = _norms32(flat[:, m * SQUARE_BLOCK:], 1).square()
+        total = tail if total is None else total + tail
+    if total is None:
+        total = torch.zeros(B, dtype=torch.float64, device=t.device)
     u = unit_roundoff(torch.float32)
     factor = (1 + gamma(SQUARE_BLOCK, u)) * (1 + u) ** 2
     return total * factor + n * _UNDERFLOW

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from private_engine.clipping import clipper as clipper_module
+from private_engine.clipping import sums as sums_module
 from private_engine.layers.registry import REGISTRY
 
 #: the paths, in the order of ``private_engine.audit.paths.PATHS``
@@ -75,7 +76,7 @@ def unclipped(path: str):
     saved = {name: getattr(cls, name)
              for name in ("on_layer_ready", "keep_grads", "_keep_extra", "clip_factors")}
     saved_group = clipper_module.group_kept_grads
-    saved_sum = clipper_module.weighted_sum_into
+    saved_sum = sums_module.weighted_sum_into
     rules = list(dict.fromkeys(list(REGISTRY.rules.values()) +
                                list(REGISTRY.named_rules.values())))
 
@@ -142,7 +143,7 @@ def unclipped(path: str):
         cls._keep_extra = keep_extra
         cls.clip_factors = clip_factors
         clipper_module.group_kept_grads = group_kept_grads
-        clipper_module.weighted_sum_into = weighted_sum_into
+        sums_module.weighted_sum_into = weighted_sum_into
         for rule in rules:
             rule.weighted_grads = wrap(rule)
         yield
@@ -150,6 +151,6 @@ def unclipped(path: str):
         for name, fn in saved.items():
             setattr(cls, name, fn)
         clipper_module.group_kept_grads = saved_group
-        clipper_module.weighted_sum_into = saved_sum
+        sums_module.weighted_sum_into = saved_sum
         for rule in rules:
             vars(rule).pop("weighted_grads", None)

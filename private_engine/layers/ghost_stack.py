@@ -1,0 +1,248 @@
+"""Certified ghost-norm bounds of many Linear layers, formed together at the end of a norm pass.
+
+Layer by layer, the fast certified ghost norm of a Linear (:func:`.gram.fast_ghost_bound`, then
+:func:`.rounding.certified_ghost`) is about forty element-wise operations on ``(N,)``-, ``(N, T)``-
+and ``(N, T, T)``-sized tensors besides its two Grams: on a GPU, forty kernel launches that cost
+more host time than their arithmetic. :class:`GhostBoundStack` keeps each layer's operands (views
+of the activations and output gradients that book-keeping keeps for the clipped sum anyway) and
+forms every layer's bound at the end of the norm pass:
+
+* the Grams ``ã ãᵀ``, ``g gᵀ`` and the row norms ``‖a_t‖``, ``‖g_t‖`` of layers whose operands
+  have one shape by one batched matmul and one reduction per shape (their operands stacked,
+  in groups of at most ``STACK_ELEMENTS`` elements);
+* the rest of the arithmetic once over ``(L, N, T, T)`` stacks of the layers with ``T``
+  positions (in chunks of at most ``BOUND_ELEMENTS`` elements), each layer's constants
+  (``γ_a``, ``γ_g``, widths, release coefficient) a ``(L, 1, 1)`` float64 tensor (formed once per
+  set of layers and kept).
+
+The formulas are those of the per-layer path term for term — the same float32 Grams with the same
+error model (Higham 2002, §3.1; Fasi, Higham, Mikaitis & Pranesh 2021 for tensor cores), the same
+float64 slack, the same second try for a loose sample (:func:`.gram.second_try`, one host
+synchronisation per step off CUDA instead of one per layer) — so each layer's bound is an upper
+bound of its released per-sample norm², rounding included, as before.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+
+from .gram import (LOOSE, NEGLIGIBLE, _gram32, _margin, fast_gram_model, gram_gamma,
+                   second_try)
+from .precision import without_autocast
+from .rounding import ETA32, ETA64, gamma, unit_roundoff
+
+#: the most elements the operands stacked for one batched Gram may have (a copy of them is made)
+STACK_ELEMENTS = 1 << 24
+#: the most elements of one ``(L, N, T, T)`` float64 stack of Grams (32 MiB): the layers of one
+#: group are bounded in chunks of at most this size (a few temporaries of it live at once)
+BOUND_ELEMENTS = 1 << 22
+#: the most output-gradient elements a two-pass norm pass holds for deferred bounds (64 MiB of
+#: float32): beyond it, each layer's bound is formed at once and its gradient freed
+HELD_GRADIENTS = 1 << 24
+
+
+class _Pending(NamedTuple):
+    """One layer whose bound is formed later: ``a: (N, T, D)``, ``g: (N, T, p)`` (views of the
+    kept operands), a trained bias, the fast-Gram model ``(tensor_core, η)`` and the release
+    coefficient ``c_r`` (:func:`.rounding.release_coefficient`)."""
+
+    a: torch.Tensor
+    g: torch.Tensor
+    bias: bool
+    model: Tuple[bool, float]
+    c_rel: float
+
+    def key(self) -> tuple:
+        """What the layer's constants depend on."""
+        return (self.a.shape[2], self.g.shape[2], self.a.shape[1], self.bias, self.model,
+                self.c_rel)
+
+
+class GhostBoundStack:
+    """Deferred certified ghost bounds ``(√ν⁺ + c_r M)²`` of Linear layers (weight trained, fast
+    float32 Grams): :meth:`add` per layer during the norm pass, :meth:`take` at its end.
+
+    ``held_limit``: None when the operands are kept for the clipped sums anyway (book-keeping);
+    else the most output-gradient elements held only for the bounds (two-pass modes, which would
+    free each output gradient at once): a layer beyond it gets its bound at once."""
+
+    def __init__(self, held_limit: Optional[int] = None) -> None:
+        self.held_limit = held_limit
+        self._held = 0
+        self._pending: List[_Pending] = []
+        #: after :meth:`take`: each layer's ``(N,)`` bound (a row of its block), in the order
+        #: the layers were added
+        self.rows: List[torch.Tensor] = []
+        #: per-layer constants as tensors, keyed by the layers' keys and device
+        self._constants: Dict[tuple, Dict[str, torch.Tensor]] = {}
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def add(self, a: torch.Tensor, g: torch.Tensor, bias: bool, c_rel: float) -> bool:
+        """Keep a layer's ``a: (N, T, D)``, ``g: (N, T, p)`` for its bound; False (nothing kept)
+        when its operands have no fast Gram path or a single position (the caller forms the
+        bound now)."""
+        model = fast_gram_model(a)
+        if model is None or a.shape[1] == 1 or g.dtype != a.dtype:
+            return False
+        if self.held_limit is not None:
+            if self._held + g.numel() > self.held_limit:
+                return False
+            self._held += g.numel()
+        self._pending.append(_Pending(a, g, bias, model, c_rel))
+        return True
+
+    def clear(self) -> None:
+        """Drop what was kept (a failed norm pass) and the last bounds."""
+        self._pending, self._held, self.rows = [], 0, []
+
+    @without_autocast
+    def take(self) -> List[torch.Tensor]:
+        """The certified squared norms of every kept layer, as float64 ``(L_k, N)`` blocks (per
+        number of positions and device, in chunks of at most ``BOUND_ELEMENTS`` Gram elements;
+        each layer's row also in :attr:`rows`), and forget the layers."""
+        pending = self._pending
+        self.clear()
+        groups: Dict[tuple, List[int]] = {}
+        for i, p in enumerate(pending):
+            groups.setdefault((p.a.shape[0], p.a.shape[1], p.a.device), []).append(i)
+        rows: List[Optional[torch.Tensor]] = [None] * len(pending)
+        blocks = []
+        for (N, T, _), idx in groups.items():
+            per = max(1, BOUND_ELEMENTS // max(1, N * T * T))
+            for s in range(0, len(idx), per):
+                part = idx[s:s + per]
+                block = self._bounds([pending[i] for i in part])
+                blocks.append(block)
+                for j, i in enumerate(part):
+                    rows[i] = block[j]
+        self.rows = rows  # type: ignore[assignment]
+        return blocks
+
+    # -- per group of layers with N samples and T positions -------------------------------------
+    def _bounds(self, layers: Sequence[_Pending]) -> torch.Tensor:
+        """``(L, N)`` certified squared norms of ``layers`` (one N, T and device)."""
+        c = self._constants_for(layers)
+        T = layers[0].a.shape[1]
+        aat, na32 = _grams_and_norms([p.a for p in layers])
+        ggt, ng32 = _grams_and_norms([p.g for p in layers])
+        if c["any_bias"]:
+            aat.add_(c["bias32"])  # the w_a-th term of the sum (+0: exact for layers without)
+        A, G = aat.double(), ggt.double()
+        del aat, ggt
+        # row norms raised for their rounding (row_norms64), the bias column (pair_norms)
+        na = na32.double().mul_(c["fa"]).add_(c["ca"])
+        if c["any_bias"]:
+            na = torch.where(c["bias"], (na.square() + 1).sqrt(), na)
+        ng = ng32.double().mul_(c["fg"]).add_(c["cg"])
+        # M_i = Σ_t ‖ã_t‖‖g_t‖ raised for its rounding and underflow (mass_of)
+        mass = (na * ng).sum(2).mul_(c["mass_slack"]).add_(T * ETA64)
+        # fast_ghost_bound, over all layers at once
+        nu = (A * G).sum((2, 3)).clamp_(min=0)
+        n2 = (na + c["floor_a"]).mul_(c["scale_a"])
+        m2 = (ng + c["floor_g"]).mul_(c["scale_g"])
+        weighted = _outer(n2).mul_(G.abs_()).addcmul_(_outer(m2), A.abs_()).sum((2, 3))
+        del A, G
+        cross = (n2 * m2).sum(2)
+        slack = weighted.add_(cross.mul(c["inner"]).mul_(cross)).add_(4.0 * T * T * ETA64)
+        bound = (nu + slack).mul_(1 + 2.0 ** -50)
+        if bound.device.type != "cuda":
+            _refine(bound, slack, nu, layers, na, ng)
+        # certified_ghost with c_ν = 0: (√max(ν⁺, 0) + c_r M)² (an infinite or NaN M gives a
+        # non-finite bound either way: the sample is dropped)
+        return (bound.clamp_(min=0).sqrt_() + c["c_rel"] * mass).square()
+
+    def _constants_for(self, layers: Sequence[_Pending]) -> Dict[str, torch.Tensor]:
+        """Each layer's constants as ``(L, 1[, 1])`` float64 tensors (formed once per set of
+        layers and device)."""
+        device = layers[0].a.device
+        key = (device, tuple(p.key() for p in layers))
+        found = self._constants.get(key)
+        if found is not None:
+            return found
+        if len(self._constants) > 16:
+            self._constants.clear()
+        u32, u64 = unit_roundoff(torch.float32), unit_roundoff(torch.float64)
+        T = layers[0].a.shape[1]
+        rows: Dict[str, list] = {k: [] for k in (
+            "fa", "ca", "fg", "cg", "mass_slack", "floor_a", "scale_a", "floor_g", "scale_g",
+            "inner", "c_rel")}
+        for p in layers:
+            D, P = p.a.shape[2], p.g.shape[2]
+            tensor_core, eta = p.model
+            wa, wg = D + p.bias, P
+            ga, gg = gram_gamma(wa, tensor_core), gram_gamma(wg, tensor_core)
+            margin = _margin(T)
+            rows["fa"].append(1 + gamma(D + 2, u32))
+            rows["ca"].append((D * ETA32) ** 0.5)
+            rows["fg"].append(1 + gamma(P + 2, u32))
+            rows["cg"].append((P * ETA32) ** 0.5)
+            rows["mass_slack"].append(1 + gamma(T + D + 4, u64))
+            rows["floor_a"].append(math.sqrt(2 * wa * eta / ga))
+            rows["scale_a"].append(math.sqrt(ga * margin))
+            rows["floor_g"].append(math.sqrt(2 * wg * eta / gg))
+            rows["scale_g"].append(math.sqrt(gg * margin))
+            inner = gamma(T * T + 2, u64) * (1 + ga) * (1 + gg)
+            rows["inner"].append(1 + inner / (ga * gg))
+            rows["c_rel"].append(p.c_rel)
+        out = {k: torch.tensor(v, dtype=torch.float64, device=device).reshape(-1, 1, 1)
+               for k, v in rows.items() if k in ("fa", "ca", "fg", "cg", "floor_a", "scale_a",
+                                                 "floor_g", "scale_g")}
+        out.update({k: torch.tensor(rows[k], dtype=torch.float64, device=device).reshape(-1, 1)
+                    for k in ("mass_slack", "inner", "c_rel")})
+        bias = [p.bias for p in layers]
+        out["any_bias"] = any(bias)  # type: ignore[assignment]
+        out["bias"] = torch.tensor(bias, device=device).reshape(-1, 1, 1)
+        out["bias32"] = torch.tensor(bias, dtype=torch.float32,
+                                     device=device).reshape(-1, 1, 1, 1)
+        self._constants[key] = out
+        return out
+
+
+def _grams_and_norms(ts: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(L, N, T, T)`` float32 Grams ``t tᵀ`` (:func:`.gram._gram32`) and ``(L, N, T)`` float32
+    row norms of ``ts`` (each ``(N, T, w)``): operands of one shape and dtype stacked for one
+    batched matmul and one reduction (at most ``STACK_ELEMENTS`` elements at a time)."""
+    grams: List[Optional[torch.Tensor]] = [None] * len(ts)
+    norms: List[Optional[torch.Tensor]] = [None] * len(ts)
+    shapes: Dict[tuple, List[int]] = {}
+    for i, t in enumerate(ts):
+        shapes.setdefault((t.shape, t.dtype), []).append(i)
+    for (shape, _), idx in shapes.items():
+        per = max(1, STACK_ELEMENTS // max(1, math.prod(shape)))
+        for s in range(0, len(idx), per):
+            part = idx[s:s + per]
+            x = ts[part[0]] if len(part) == 1 else torch.stack([ts[i] for i in part])
+            x = x.reshape(-1, shape[1], shape[2])
+            gram = _gram32(x).reshape(len(part), shape[0], shape[1], shape[1])
+            dtype = None if x.dtype == torch.float32 else torch.float32
+            norm = torch.linalg.vector_norm(x, dim=-1, dtype=dtype)
+            norm = norm.reshape(len(part), shape[0], shape[1])
+            for j, i in enumerate(part):
+                grams[i], norms[i] = gram[j], norm[j]
+    if len(ts) == 1:
+        return grams[0].unsqueeze(0), norms[0].unsqueeze(0)  # type: ignore[union-attr]
+    return torch.stack(grams), torch.stack(norms)  # type: ignore[arg-type]
+
+
+def _outer(v: torch.Tensor) -> torch.Tensor:
+    """``v vᵀ`` per layer and sample, element-wise: ``(L, N, T) -> (L, N, T, T)``."""
+    return v.unsqueeze(3) * v.unsqueeze(2)
+
+
+def _refine(bound: torch.Tensor, slack: torch.Tensor, nu: torch.Tensor,
+            layers: Sequence[_Pending], na: torch.Tensor, ng: torch.Tensor) -> None:
+    """:func:`.gram.refine` over all layers at once (one host synchronisation): the samples whose
+    fast bound is not finite or loose get the second try (:func:`.gram.second_try`) of their
+    layer, written into ``bound``."""
+    ok = slack <= (LOOSE * nu).clamp_(min=NEGLIGIBLE)  # False for NaN and inf slacks
+    if bool(ok.all()):
+        return
+    for layer in (~ok).any(1).nonzero().squeeze(1).tolist():
+        p = layers[layer]
+        idx = (~ok[layer]).nonzero().squeeze(1)
+        bound[layer].index_put_((idx,), second_try(p.a, p.g, p.bias, na[layer], ng[layer],
+                                                   p.model, idx))

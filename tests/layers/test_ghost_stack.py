@@ -1,0 +1,120 @@
+"""The ghost bounds formed together at the end of a norm pass (GhostBoundStack) are, layer by
+layer, the very bounds of the per-layer path (LinearRule.certified_norm_sq), bit for bit —
+including samples built to cancel, whose fast bound is loose and gets the second try."""
+import pytest
+import torch
+from torch import nn
+
+from private_engine.layers.ghost_stack import GhostBoundStack
+from private_engine.layers.linear import LinearRule
+
+
+def _layers():
+    """(module, a, g): equal shapes (stacked Grams), other widths, bias or not, 1-D positions."""
+    torch.manual_seed(0)
+    N, T = 3, 5
+    specs = [(8, 12, True), (8, 12, True), (8, 12, False), (16, 8, True), (130, 140, True),
+             (8, 12, True)]
+    out = []
+    for d_in, d_out, bias in specs:
+        m = nn.Linear(d_in, d_out, bias=bias)
+        out.append((m, torch.randn(N, T, d_in), torch.randn(N, T, d_out)))
+    # crafted: sample 0 of layer 1 cancels (a_t alternating, g_t equal: ν = 0, M large), sample 2
+    # of the wide layer too (second try with blocked Grams, then float64 Grams)
+    m, a, g = out[1]
+    a[0] = torch.tensor([1.0, -1.0, 1.0, -1.0, 1.0]).unsqueeze(1) * 1e3
+    a[0, 4] = 0.0
+    a[0, :, 0] += 1e-3
+    g[0] = 1e3
+    m, a, g = out[4]
+    a[2, 1] = -a[2, 0]
+    g[2, 1] = g[2, 0]
+    a[2, 2:] = 0
+    return out
+
+
+def test_stacked_bounds_equal_the_per_layer_bounds_bit_for_bit(monkeypatch):
+    import private_engine.layers.ghost_stack as ghost_stack
+
+    tried = []
+    second_try = ghost_stack.second_try
+    monkeypatch.setattr(ghost_stack, "second_try",
+                        lambda a, *rest: tried.append(a.shape) or second_try(a, *rest))
+    rule = LinearRule()
+    layers = _layers()
+    stack = GhostBoundStack()
+    for m, a, g in layers:
+        assert rule.defer_ghost_norm_sq(m, [(a, g)], stack)
+    blocks = stack.take()
+    assert tried == [(3, 5, 8), (3, 5, 130)]  # the two crafted samples' layers got a second try
+    assert len(blocks) == 1 and blocks[0].shape == (len(layers), 3)
+    assert len(stack) == 0
+    for k, (m, a, g) in enumerate(layers):
+        expected = rule.certified_norm_sq(m, [(a, g)], True)
+        assert torch.equal(blocks[0][k], expected), (k, blocks[0][k], expected)
+    # a second step (constants kept) gives the same bounds
+    for m, a, g in layers:
+        rule.defer_ghost_norm_sq(m, [(a, g)], stack)
+    assert torch.equal(stack.take()[0], blocks[0])
+
+
+def test_crafted_sample_stays_bounded_by_its_exact_norm():
+    """The cancelling sample's bound is at least its exact per-sample gradient norm² (float64)."""
+    rule = LinearRule()
+    m, a, g = _layers()[1]
+    stack = GhostBoundStack()
+    assert rule.defer_ghost_norm_sq(m, [(a, g)], stack)
+    bound = stack.take()[0][0]
+    a64, g64 = a.double(), g.double()
+    exact = (torch.einsum("ntp,ntd->npd", g64, a64).pow(2).sum((1, 2))
+             + g64.sum(1).pow(2).sum(1))
+    assert bool((bound >= exact).all())
+
+
+@pytest.mark.parametrize("case", ["frozen", "t1", "float64", "two_calls"])
+def test_layers_without_a_stacked_bound_are_formed_at_once(case):
+    rule = LinearRule()
+    m = nn.Linear(4, 6)
+    a, g = torch.randn(2, 3, 4), torch.randn(2, 3, 6)
+    calls = [(a, g)]
+    if case == "frozen":
+        m.weight.requires_grad_(False)
+    elif case == "t1":
+        calls = [(a[:, :1], g[:, :1])]
+    elif case == "float64":
+        m = m.double()
+        calls = [(a.double(), g.double())]
+    else:
+        calls = [(a, g), (a, g)]
+    stack = GhostBoundStack()
+    assert not rule.defer_ghost_norm_sq(m, calls, stack)
+    assert len(stack) == 0
+
+
+def test_large_groups_are_bounded_in_chunks_with_the_same_bounds(monkeypatch):
+    import private_engine.layers.ghost_stack as ghost_stack
+
+    rule = LinearRule()
+    layers = _layers()
+    stack = GhostBoundStack()
+    for m, a, g in layers:
+        rule.defer_ghost_norm_sq(m, [(a, g)], stack)
+    whole = stack.take()[0]
+    monkeypatch.setattr(ghost_stack, "BOUND_ELEMENTS", 2 * 3 * 5 * 5)  # two layers per chunk
+    for m, a, g in layers:
+        rule.defer_ghost_norm_sq(m, [(a, g)], stack)
+    blocks = stack.take()
+    assert [b.shape[0] for b in blocks] == [2, 2, 2]
+    assert torch.equal(torch.cat(blocks), whole)
+    assert torch.equal(torch.stack(stack.rows), whole)
+
+
+def test_bfloat16_operands_give_the_per_layer_bounds_bit_for_bit():
+    rule = LinearRule()
+    layers = [(m.to(torch.bfloat16), a.bfloat16(), g.bfloat16()) for m, a, g in _layers()]
+    stack = GhostBoundStack()
+    for m, a, g in layers:
+        assert rule.defer_ghost_norm_sq(m, [(a, g)], stack)
+    stack.take()
+    for row, (m, a, g) in zip(stack.rows, layers):
+        assert torch.equal(row, rule.certified_norm_sq(m, [(a, g)], True))
