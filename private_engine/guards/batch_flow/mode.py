@@ -2,7 +2,9 @@
 engine takes the step's loss, tagging every tensor an aten op produces."""
 from __future__ import annotations
 
+import contextlib
 import sys
+import warnings
 import weakref
 from typing import Any, Dict, List, NamedTuple, Optional, Set, Tuple
 
@@ -33,6 +35,10 @@ _STALE = Mixed("a value computed from an earlier batch and kept (state carried a
 _UNSEEN = "a differentiable value computed out of the batch flow's sight"
 _REWRITTEN = ("a view or alias of a tensor that was rewritten in place with other samples' "
               "rows")
+
+
+class CompiledStepWarning(UserWarning):
+    """A private step of a ``torch.compile``'d model runs eagerly (exact, not faster)."""
 
 
 class _Entry(NamedTuple):
@@ -88,6 +94,7 @@ class BatchFlow(TorchDispatchMode):
         self._state_storages: Set[int] = set()
         self._modules = list(model.modules())
         self._handles: list = []
+        self._warned_compiled = False
         #: storages (data pointers) written in place during the region: the step state guard
         #: reads them (a write through ``.data`` moves no version counter)
         self.written_storages: Set[int] = set()
@@ -193,7 +200,16 @@ class BatchFlow(TorchDispatchMode):
                                 for t in (*m._parameters.values(), *m._buffers.values())
                                 if t is not None}
         if not any(m is self for m in _get_current_dispatch_mode_stack()):
-            self.__enter__()
+            with _through_compiled_call() as compiled:
+                self.__enter__()
+            if compiled and not self._warned_compiled:
+                self._warned_compiled = True
+                warnings.warn(
+                    "the training forward of a torch.compile'd model runs eagerly during "
+                    "private steps: the batch flow follows every op of the step, and "
+                    "torch.compile compiles no code while it does (forwards under "
+                    "torch.no_grad() stay compiled). The update is the uncompiled model's.",
+                    CompiledStepWarning, stacklevel=2)
         self.pushed = True
 
     def end(self) -> None:
@@ -603,8 +619,36 @@ def _tidy() -> None:
         top = _get_current_dispatch_mode()
         if not (isinstance(top, BatchFlow) and not top.active):
             return
-        top.__exit__(None, None, None)
+        with _through_compiled_call():
+            top.__exit__(None, None, None)
         top.pushed = False
+
+
+@contextlib.contextmanager
+def _through_compiled_call():
+    """Make a push or pop of the mode outlast the ``torch.compile`` call it happens in; yields
+    whether such a call is running.
+
+    A compiled call (``torch.compile(model)(x)``) saves the thread's dispatch keys when it starts
+    and restores them when it returns. A mode pushed inside it — by the model's forward pre-hook,
+    which opens the step's region — would stay on the mode stack with its dispatch key switched
+    off: every op after the call (the user's loss) would run unseen, and the step be refused.
+    Inside such a call the saved keys are taken back, the mode pushed or popped, and the keys
+    saved again with the change. Only the innermost compiled call's keys are rewritten: a
+    region opened inside nested compiled calls is lost to the outer one (its loss is then
+    refused as unseen, never passed)."""
+    if "torch._dynamo" not in sys.modules:  # nothing compiled in this process
+        yield False
+        return
+    try:
+        torch._C._dynamo_restore_local_dispatch_key_set()
+    except RuntimeError:  # nothing saved: no compiled call is running
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        torch._C._dynamo_save_local_dispatch_key_set()
 
 
 _BACKWARD = None
