@@ -230,7 +230,7 @@ def test_forwards_without_grad_stay_compiled():
         return run
 
     torch.manual_seed(0)
-    model = SmallViT().eval()
+    model = SmallResNet()
     engine = pe.PrivacyEngine(model, batch_size=B, sample_size=10 * B, max_grad_norm=R,
                               noise_multiplier=0.0)
     opt = CapturingSGD(model.parameters())
@@ -268,3 +268,78 @@ def test_dropout_of_a_compiled_step_is_drawn_from_the_secret_generator():
     after = torch.rand(3)  # the user's generator continues as if the step drew nothing
     torch.manual_seed(123)
     torch.testing.assert_close(after, torch.rand(3))
+
+
+def test_a_timm_vit_compiled_trains_as_the_eager_one():
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=3,
+                              img_size=16, patch_size=8, depth=1, embed_dim=24, num_heads=2)
+    model.eval()  # the same dropout (none) in both runs
+    g = torch.Generator().manual_seed(0)
+    x, t = torch.randn(4, 3, 16, 16, generator=g), torch.randn(4, 3, generator=g)
+    _, eager, _ = step(model, x, t, compiled=False)
+    _, compiled, opt = step(model, x, t, compiled=True)
+    assert opt.steps == 1
+    for a, b in zip(eager, compiled):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_the_default_backend_trains_as_the_eager_model():
+    # torch.compile(model) as users write it: Inductor compiles the forwards without grad
+    torch.manual_seed(0)
+    model = SmallResNet()
+    x, t = data(4)
+    _, eager, _ = step(model, x, t, compiled=False, steps=2)
+    _, compiled, opt = step(model, x, t, compiled=True, steps=2, backend="inductor")
+    assert opt.steps == 2
+    for a, b in zip(eager, compiled):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_compiled_loss_function_around_the_compiled_model_trains_exactly():
+    torch.manual_seed(0)
+    model = SmallResNet()
+    x, t = data(4)
+    _, eager, _ = step(model, x, t, compiled=False, steps=2)
+    model = copy.deepcopy(model)
+    engine = pe.PrivacyEngine(model, batch_size=B, sample_size=10 * B, max_grad_norm=R,
+                              noise_multiplier=0.0)
+    opt = CapturingSGD(model.parameters())
+    engine.attach(opt)
+    inner = torch.compile(model, backend="aot_eager")
+    losses = torch.compile(lambda a, b: mse(inner(a), b), backend="aot_eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CompiledStepWarning)
+        for _ in range(2):
+            opt.step(loss=losses(x, t))
+    assert opt.steps == 2
+    for a, b in zip(eager, model.parameters()):
+        torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_the_opacus_door_sees_a_loss_that_mixes_samples_after_a_compiled_forward():
+    # the loss is computed after the compiled call returns: the batch flow must still see it
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from private_engine import opacus_compat
+
+    torch.manual_seed(0)
+    model = SmallResNet()
+    x, t = data(4)
+    opt = CapturingSGD(model.parameters())
+    engine = opacus_compat.PrivacyEngine(accountant="rdp")
+    loader = DataLoader(TensorDataset(torch.zeros(10 * B, 1)), batch_size=B)
+    handle, optimizer, _ = engine.make_private(
+        module=model, optimizer=opt, data_loader=loader, noise_multiplier=0.0,
+        max_grad_norm=R, poisson_sampling=False)
+    compiled = torch.compile(handle, backend="aot_eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CompiledStepWarning)
+        y = compiled(x)
+        centred = y - y.mean(0)  # couples every sample's loss to the others'
+        with pytest.raises(ValueError, match="mixes samples"):
+            mse(centred, t).mean().backward()
+            optimizer.step()
+    assert opt.steps == 0

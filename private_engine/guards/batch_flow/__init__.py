@@ -24,6 +24,11 @@ model's parameters and buffers excepted. A value computed in an earlier region a
 :meth:`BatchFlow.check_outputs` (Opacus door) raise :class:`BatchMixingError` before anything is
 computed from a mixed value.
 
+A ``torch.compile``'d model's step is followed the same way: TorchDynamo compiles no frame, and
+runs none it compiled, while the mode is on the dispatch stack, so the step's forward runs op by
+op; a region opened inside a compiled call keeps the mode's dispatch key on after the call
+returns (docs/compile.md).
+
 Limits: a coupling through Python numbers (``n = int(mask.sum())`` used later, a Python ``if``
 on a batch statistic) leaves the tensors and is not seen; gradient-only mixing (a custom
 ``autograd.Function``'s backward, a tensor hook) is the separability probe's, once per input

@@ -569,11 +569,13 @@ def _refuse_unseen(tag, what: str) -> None:
     if isinstance(tag, Mixed) and tag.why == _UNSEEN:
         raise BatchMixingError(
             f"the batch flow could not follow the step: the {what} depends on a differentiable "
-            "value computed where the tracker does not see the ops (a torch.compile'd model or "
-            "submodule, code that bypasses torch's dispatcher, or a value computed with grad "
-            "before the step's forward), so whether it mixes samples cannot be checked; "
-            "nothing was released. Train the model uncompiled and compute everything that "
-            "depends on the batch inside the step's forward and loss.")
+            "value computed where the tracker does not see the ops (code that bypasses torch's "
+            "dispatcher; a loss computed after a torch.compile'd function returned the output "
+            "of a compiled model called inside it; a value computed with grad before the "
+            "step's forward), so whether it mixes samples cannot be checked; nothing was "
+            "released. Compute everything that depends on the batch inside the step's forward "
+            "and loss (with torch.compile: compile the model alone, or compute the per-sample "
+            "loss inside the compiled function).")
 
 
 def advice(why: str) -> str:
