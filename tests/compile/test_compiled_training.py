@@ -343,3 +343,59 @@ def test_the_opacus_door_sees_a_loss_that_mixes_samples_after_a_compiled_forward
             mse(centred, t).mean().backward()
             optimizer.step()
     assert opt.steps == 0
+
+
+def test_a_loss_after_nested_compiled_calls_is_followed():
+    # a compiled function returns a compiled model's output; the loss is computed after both
+    # calls returned
+    torch.manual_seed(0)
+    model = SmallResNet()
+    x, t = data(4)
+    _, eager, _ = step(model, x, t, compiled=False, steps=2)
+
+    def nested(centre: bool):
+        m = copy.deepcopy(model)
+        engine = pe.PrivacyEngine(m, batch_size=B, sample_size=10 * B, max_grad_norm=R,
+                                  noise_multiplier=0.0)
+        opt = CapturingSGD(m.parameters())
+        engine.attach(opt)
+        inner = torch.compile(m, backend="aot_eager")
+        outer = torch.compile(lambda a: inner(a) * 1.0, backend="aot_eager")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", CompiledStepWarning)
+            for _ in range(2):
+                y = outer(x)
+                opt.step(loss=mse(y - y.mean(0) if centre else y, t))
+        return m, opt
+
+    m, opt = nested(centre=False)
+    assert opt.steps == 2
+    for a, b in zip(eager, m.parameters()):
+        torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-6)
+    with pytest.raises(pe.BatchMixingError, match=r"mixes samples.*mean over the batch"):
+        nested(centre=True)
+
+
+def test_the_opacus_door_sees_a_loss_after_nested_compiled_calls():
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from private_engine import opacus_compat
+
+    torch.manual_seed(0)
+    model = SmallResNet()
+    x, t = data(4)
+    opt = CapturingSGD(model.parameters())
+    engine = opacus_compat.PrivacyEngine(accountant="rdp")
+    loader = DataLoader(TensorDataset(torch.zeros(10 * B, 1)), batch_size=B)
+    handle, optimizer, _ = engine.make_private(
+        module=model, optimizer=opt, data_loader=loader, noise_multiplier=0.0,
+        max_grad_norm=R, poisson_sampling=False)
+    inner = torch.compile(handle, backend="aot_eager")
+    outer = torch.compile(lambda a: inner(a) * 1.0, backend="aot_eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CompiledStepWarning)
+        y = outer(x)
+        with pytest.raises(ValueError, match="mixes samples"):
+            mse(y - y.mean(0), t).mean().backward()
+            optimizer.step()
+    assert opt.steps == 0

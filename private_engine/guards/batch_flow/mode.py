@@ -570,12 +570,9 @@ def _refuse_unseen(tag, what: str) -> None:
         raise BatchMixingError(
             f"the batch flow could not follow the step: the {what} depends on a differentiable "
             "value computed where the tracker does not see the ops (code that bypasses torch's "
-            "dispatcher; a loss computed after a torch.compile'd function returned the output "
-            "of a compiled model called inside it; a value computed with grad before the "
-            "step's forward), so whether it mixes samples cannot be checked; nothing was "
-            "released. Compute everything that depends on the batch inside the step's forward "
-            "and loss (with torch.compile: compile the model alone, or compute the per-sample "
-            "loss inside the compiled function).")
+            "dispatcher, or a value computed with grad before the step's forward), so whether "
+            "it mixes samples cannot be checked; nothing was released. Compute everything that "
+            "depends on the batch inside the step's forward and loss.")
 
 
 def advice(why: str) -> str:
@@ -626,31 +623,54 @@ def _tidy() -> None:
         top.pushed = False
 
 
+_MODE_KEYS = (torch._C.DispatchKey.Python, torch._C.DispatchKey.PythonTLSSnapshot)
+
+
 @contextlib.contextmanager
 def _through_compiled_call():
-    """Make a push or pop of the mode outlast the ``torch.compile`` call it happens in; yields
+    """Make a push or pop of the mode outlast the ``torch.compile`` calls it happens in; yields
     whether such a call is running.
 
     A compiled call (``torch.compile(model)(x)``) saves the thread's dispatch keys when it starts
     and restores them when it returns. A mode pushed inside it — by the model's forward pre-hook,
     which opens the step's region — would stay on the mode stack with its dispatch key switched
-    off: every op after the call (the user's loss) would run unseen, and the step be refused.
-    Inside such a call the saved keys are taken back, the mode pushed or popped, and the keys
-    saved again with the change. Only the innermost compiled call's keys are rewritten: a
-    region opened inside nested compiled calls is lost to the outer one (its loss is then
-    refused as unseen, never passed)."""
-    if "torch._dynamo" not in sys.modules:  # nothing compiled in this process
+    off: every op after the call (the user's loss) would run unseen. So the keys each running
+    compiled call saved (one per nesting level) are taken back, the change is made, and every
+    level is saved again as it was but for the mode's keys, which are set as the change left
+    them."""
+    restore = getattr(torch._C, "_dynamo_restore_local_dispatch_key_set", None)
+    if restore is None or "torch._dynamo" not in sys.modules:  # nothing compiled in this process
         yield False
         return
-    try:
-        torch._C._dynamo_restore_local_dispatch_key_set()
-    except RuntimeError:  # nothing saved: no compiled call is running
+    levels = []
+    while True:
+        now = (torch._C._dispatch_tls_local_include_set(),
+               torch._C._dispatch_tls_local_exclude_set())
+        try:
+            restore()
+        except RuntimeError:  # nothing (more) saved
+            break
+        levels.append((torch._C._dispatch_tls_local_include_set(),
+                       torch._C._dispatch_tls_local_exclude_set()))
+        if len(levels) == 1:
+            current = now
+    if not levels:  # no compiled call is running
         yield False
         return
+    want = [torch._C._dispatch_tls_is_dispatch_key_included(k) for k in _MODE_KEYS]
     try:
-        yield True
+        with torch._C._ForceDispatchKeyGuard(*current):
+            try:
+                yield True
+            finally:
+                want = [torch._C._dispatch_tls_is_dispatch_key_included(k) for k in _MODE_KEYS]
     finally:
-        torch._C._dynamo_save_local_dispatch_key_set()
+        for include, exclude in [*reversed(levels), current]:  # outermost first, then ours
+            with torch._C._ForceDispatchKeyGuard(include, exclude):
+                for key, on in zip(_MODE_KEYS, want):
+                    torch._C._dispatch_tls_set_dispatch_key_included(key, on)
+                torch._C._dynamo_save_local_dispatch_key_set()
+        restore()  # the thread's keys, with the mode's as the change left them
 
 
 _BACKWARD = None
