@@ -399,3 +399,32 @@ def test_the_opacus_door_sees_a_loss_after_nested_compiled_calls():
             mse(y - y.mean(0), t).mean().backward()
             optimizer.step()
     assert opt.steps == 0
+
+
+class SeesDynamo(SmallResNet):
+    """Records whether TorchDynamo inspects the frames of its forward (its frame callback)."""
+
+    def forward(self, x):
+        self.callback = torch._C._dynamo.eval_frame.get_eval_frame_callback()
+        return super().forward(x)
+
+
+def test_dynamo_leaves_the_frames_of_a_step_alone():
+    # the step's forward runs eagerly: Dynamo's frame callback, which would only inspect each
+    # frame to skip it, is off until the compiled call returns
+    torch.manual_seed(0)
+    model = SeesDynamo()
+    engine = pe.PrivacyEngine(model, batch_size=B, sample_size=10 * B, max_grad_norm=R,
+                              noise_multiplier=0.0)
+    opt = CapturingSGD(model.parameters())
+    engine.attach(opt)
+    compiled = torch.compile(model, backend="aot_eager")
+    x, t = data(4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CompiledStepWarning)
+        opt.step(loss=mse(compiled(x), t))
+    assert model.callback is None
+    with torch.no_grad():
+        compiled(x)
+    assert model.callback is not None  # traced by Dynamo
+    assert torch._C._dynamo.eval_frame.get_eval_frame_callback() is None

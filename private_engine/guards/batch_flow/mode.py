@@ -202,6 +202,10 @@ class BatchFlow(TorchDispatchMode):
         if not any(m is self for m in _get_current_dispatch_mode_stack()):
             with _through_compiled_call() as compiled:
                 self.__enter__()
+            if compiled:
+                # Dynamo runs nothing compiled while the mode is on the stack; without this it
+                # would still inspect every Python frame of the forward, to skip it
+                torch._C._dynamo.eval_frame.set_eval_frame(None)
             if compiled and not self._warned_compiled:
                 self._warned_compiled = True
                 warnings.warn(
