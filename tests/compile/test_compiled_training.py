@@ -270,14 +270,16 @@ def test_dropout_of_a_compiled_step_is_drawn_from_the_secret_generator():
     torch.testing.assert_close(after, torch.rand(3))
 
 
-def test_a_timm_vit_compiled_trains_as_the_eager_one():
+@pytest.mark.parametrize("n", [1, 4], ids=["one_sample", "four_samples"])
+def test_a_timm_vit_compiled_trains_as_the_eager_one(n):
+    # a batch of one sample opens no batch-flow region: the forward still runs eagerly
     timm = pytest.importorskip("timm")
     torch.manual_seed(0)
     model = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=3,
                               img_size=16, patch_size=8, depth=1, embed_dim=24, num_heads=2)
     model.eval()  # the same dropout (none) in both runs
     g = torch.Generator().manual_seed(0)
-    x, t = torch.randn(4, 3, 16, 16, generator=g), torch.randn(4, 3, generator=g)
+    x, t = torch.randn(n, 3, 16, 16, generator=g), torch.randn(n, 3, generator=g)
     _, eager, _ = step(model, x, t, compiled=False)
     _, compiled, opt = step(model, x, t, compiled=True)
     assert opt.steps == 1

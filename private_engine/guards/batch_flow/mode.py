@@ -137,6 +137,7 @@ class BatchFlow(TorchDispatchMode):
         if not torch.is_grad_enabled():
             self.end()  # an evaluation forward: a step's region does not span it
             return None
+        _eager_for_the_rest_of_a_compiled_call()
         if self.openers is not None:
             self.end()  # a new forward: its first layer opens the next region
             return None
@@ -202,10 +203,6 @@ class BatchFlow(TorchDispatchMode):
         if not any(m is self for m in _get_current_dispatch_mode_stack()):
             with _through_compiled_call() as compiled:
                 self.__enter__()
-            if compiled:
-                # Dynamo runs nothing compiled while the mode is on the stack; without this it
-                # would still inspect every Python frame of the forward, to skip it
-                torch._C._dynamo.eval_frame.set_eval_frame(None)
             if compiled and not self._warned_compiled:
                 self._warned_compiled = True
                 warnings.warn(
@@ -625,6 +622,22 @@ def _tidy() -> None:
         with _through_compiled_call():
             top.__exit__(None, None, None)
         top.pushed = False
+
+
+def _eager_for_the_rest_of_a_compiled_call() -> None:
+    """Inside a ``torch.compile`` call, switch Dynamo's frame callback off until the call
+    returns (the call puts back the callback it found): a training forward runs eagerly.
+
+    With the batch flow's mode on the stack Dynamo compiles nothing and runs nothing compiled,
+    but would still inspect every Python frame of the forward to skip it (the cost of the whole
+    step again on a small ViT); on a batch of one sample (no region, no mode) it would trace the
+    engine's own capture code between the layers."""
+    if "torch._dynamo" not in sys.modules:
+        return
+    with _through_compiled_call() as compiled:
+        pass
+    if compiled:
+        torch._C._dynamo.eval_frame.set_eval_frame(None)
 
 
 _MODE_KEYS = (torch._C.DispatchKey.Python, torch._C.DispatchKey.PythonTLSSnapshot)
