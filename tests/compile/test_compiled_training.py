@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import private_engine as pe
-from private_engine.guards.batch_flow.mode import CompiledStepWarning
+from private_engine.guards.batch_flow import CompiledStepWarning
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -35,7 +35,8 @@ on a batch statistic) leaves the tensors and is not seen; gradient-only mixing (
 signature; values computed from the data before the forward (in the data loader) are the batch's
 rows when their leading size is the batch's, constants otherwise.
 """
-from .mode import BatchFlow, advice
+from .mode import BatchFlow, CompiledStepWarning, advice
 from .tags import Iota, Mixed, Rows, join, reshape_rows
 
-__all__ = ["BatchFlow", "Rows", "Iota", "Mixed", "join", "reshape_rows", "advice"]
+__all__ = ["BatchFlow", "CompiledStepWarning", "Rows", "Iota", "Mixed", "join", "reshape_rows",
+           "advice"]
