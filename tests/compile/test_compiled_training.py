@@ -430,3 +430,24 @@ def test_dynamo_leaves_the_frames_of_a_step_alone():
         compiled(x)
     assert model.callback is not None  # traced by Dynamo
     assert torch._C._dynamo.eval_frame.get_eval_frame_callback() is None
+
+
+def test_module_compile_trains_as_the_eager_model():
+    # nn.Module.compile compiles the module in place: model(x) is the compiled call
+    torch.manual_seed(0)
+    model = SmallResNet()
+    x, t = data(4)
+    _, eager, _ = step(model, x, t, compiled=False, steps=2)
+    model = copy.deepcopy(model)
+    engine = pe.PrivacyEngine(model, batch_size=B, sample_size=10 * B, max_grad_norm=R,
+                              noise_multiplier=0.0)
+    opt = CapturingSGD(model.parameters())
+    engine.attach(opt)
+    model.compile(backend="aot_eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CompiledStepWarning)
+        for _ in range(2):
+            opt.step(loss=mse(model(x), t))
+    assert opt.steps == 2
+    for a, b in zip(eager, model.parameters()):
+        torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-6)
