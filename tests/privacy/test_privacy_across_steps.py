@@ -412,9 +412,10 @@ def test_a_forward_out_of_the_batch_flow_s_sight_is_refused(door, how):
     assert "could not follow" in str(pair[0].error)
 
 
-def test_a_compiled_model_is_refused_not_trained_unchecked():
-    # torch.compile's kernels bypass the dispatcher: the dormant coupling of honest data (the
-    # clamp inactive, no gradient through it) would train unseen; the step is refused instead
+def test_a_compiled_model_is_followed_op_by_op():
+    # the training forward of a torch.compile'd model runs eagerly under the batch flow: the
+    # dormant coupling of honest data (the clamp inactive, no gradient through it) is seen and
+    # refused, naming the op
     torch.manual_seed(0)
     model = DormantClamp()
     engine = pe.PrivacyEngine(model, batch_size=B, sample_size=10 * B, max_grad_norm=R,
@@ -423,6 +424,6 @@ def test_a_compiled_model_is_refused_not_trained_unchecked():
     engine.attach(opt)
     compiled = torch.compile(model, backend="eager")
     x = 0.1 * torch.randn(B, 8)
-    with pytest.raises(ValueError, match="could not follow the step.*torch.compile"):
+    with pytest.raises(ValueError, match="mixes samples.*aten.amax reduces over the batch"):
         opt.step(loss=F.mse_loss(compiled(x), torch.zeros(B, 4), reduction="none").sum(1))
     assert opt.steps == 0 and engine.steps_taken == 0

@@ -24,13 +24,19 @@ model's parameters and buffers excepted. A value computed in an earlier region a
 :meth:`BatchFlow.check_outputs` (Opacus door) raise :class:`BatchMixingError` before anything is
 computed from a mixed value.
 
+A ``torch.compile``'d model's step is followed the same way: TorchDynamo compiles no frame, and
+runs none it compiled, while the mode is on the dispatch stack, so the step's forward runs op by
+op; a region opened inside a compiled call keeps the mode's dispatch key on after the call
+returns (docs/compile.md).
+
 Limits: a coupling through Python numbers (``n = int(mask.sum())`` used later, a Python ``if``
 on a batch statistic) leaves the tensors and is not seen; gradient-only mixing (a custom
 ``autograd.Function``'s backward, a tensor hook) is the separability probe's, once per input
 signature; values computed from the data before the forward (in the data loader) are the batch's
 rows when their leading size is the batch's, constants otherwise.
 """
-from .mode import BatchFlow, advice
+from .mode import BatchFlow, CompiledStepWarning, advice
 from .tags import Iota, Mixed, Rows, join, reshape_rows
 
-__all__ = ["BatchFlow", "Rows", "Iota", "Mixed", "join", "reshape_rows", "advice"]
+__all__ = ["BatchFlow", "CompiledStepWarning", "Rows", "Iota", "Mixed", "join", "reshape_rows",
+           "advice"]

@@ -2,7 +2,9 @@
 engine takes the step's loss, tagging every tensor an aten op produces."""
 from __future__ import annotations
 
+import contextlib
 import sys
+import warnings
 import weakref
 from typing import Any, Dict, List, NamedTuple, Optional, Set, Tuple
 
@@ -33,6 +35,10 @@ _STALE = Mixed("a value computed from an earlier batch and kept (state carried a
 _UNSEEN = "a differentiable value computed out of the batch flow's sight"
 _REWRITTEN = ("a view or alias of a tensor that was rewritten in place with other samples' "
               "rows")
+
+
+class CompiledStepWarning(UserWarning):
+    """A private step of a ``torch.compile``'d model runs eagerly (exact, not faster)."""
 
 
 class _Entry(NamedTuple):
@@ -88,6 +94,7 @@ class BatchFlow(TorchDispatchMode):
         self._state_storages: Set[int] = set()
         self._modules = list(model.modules())
         self._handles: list = []
+        self._warned_compiled = False
         #: storages (data pointers) written in place during the region: the step state guard
         #: reads them (a write through ``.data`` moves no version counter)
         self.written_storages: Set[int] = set()
@@ -130,6 +137,7 @@ class BatchFlow(TorchDispatchMode):
         if not torch.is_grad_enabled():
             self.end()  # an evaluation forward: a step's region does not span it
             return None
+        _eager_for_the_rest_of_a_compiled_call()
         if self.openers is not None:
             self.end()  # a new forward: its first layer opens the next region
             return None
@@ -193,7 +201,16 @@ class BatchFlow(TorchDispatchMode):
                                 for t in (*m._parameters.values(), *m._buffers.values())
                                 if t is not None}
         if not any(m is self for m in _get_current_dispatch_mode_stack()):
-            self.__enter__()
+            with _through_compiled_call() as compiled:
+                self.__enter__()
+            if compiled and not self._warned_compiled:
+                self._warned_compiled = True
+                warnings.warn(
+                    "the training forward of a torch.compile'd model runs eagerly during "
+                    "private steps: the batch flow follows every op of the step, and "
+                    "torch.compile compiles no code while it does (forwards under "
+                    "torch.no_grad() stay compiled). The update is the uncompiled model's.",
+                    CompiledStepWarning, stacklevel=2)
         self.pushed = True
 
     def end(self) -> None:
@@ -553,10 +570,9 @@ def _refuse_unseen(tag, what: str) -> None:
     if isinstance(tag, Mixed) and tag.why == _UNSEEN:
         raise BatchMixingError(
             f"the batch flow could not follow the step: the {what} depends on a differentiable "
-            "value computed where the tracker does not see the ops (a torch.compile'd model or "
-            "submodule, code that bypasses torch's dispatcher, or a value computed with grad "
-            "before the step's forward), so whether it mixes samples cannot be checked; "
-            "nothing was released. Train the model uncompiled and compute everything that "
+            "value computed where the tracker does not see the ops (code that bypasses torch's "
+            "dispatcher, or a value computed with grad before the step's forward), so whether "
+            "it mixes samples cannot be checked; nothing was released. Compute everything that "
             "depends on the batch inside the step's forward and loss.")
 
 
@@ -603,8 +619,75 @@ def _tidy() -> None:
         top = _get_current_dispatch_mode()
         if not (isinstance(top, BatchFlow) and not top.active):
             return
-        top.__exit__(None, None, None)
+        with _through_compiled_call():
+            top.__exit__(None, None, None)
         top.pushed = False
+
+
+def _eager_for_the_rest_of_a_compiled_call() -> None:
+    """Inside a ``torch.compile`` call, switch Dynamo's frame callback off until the call
+    returns (the call puts back the callback it found): a training forward runs eagerly.
+
+    With the batch flow's mode on the stack Dynamo compiles nothing and runs nothing compiled,
+    but would still inspect every Python frame of the forward to skip it (the cost of the whole
+    step again on a small ViT); on a batch of one sample (no region, no mode) it would trace the
+    engine's own capture code between the layers."""
+    if "torch._dynamo" not in sys.modules:
+        return
+    with _through_compiled_call() as compiled:
+        pass
+    if compiled:
+        torch._C._dynamo.eval_frame.set_eval_frame(None)
+
+
+_MODE_KEYS = (torch._C.DispatchKey.Python, torch._C.DispatchKey.PythonTLSSnapshot)
+
+
+@contextlib.contextmanager
+def _through_compiled_call():
+    """Make a push or pop of the mode outlast the ``torch.compile`` calls it happens in; yields
+    whether such a call is running.
+
+    A compiled call (``torch.compile(model)(x)``) saves the thread's dispatch keys when it starts
+    and restores them when it returns. A mode pushed inside it — by the model's forward pre-hook,
+    which opens the step's region — would stay on the mode stack with its dispatch key switched
+    off: every op after the call (the user's loss) would run unseen. So the keys each running
+    compiled call saved (one per nesting level) are taken back, the change is made, and every
+    level is saved again as it was but for the mode's keys, which are set as the change left
+    them."""
+    restore = getattr(torch._C, "_dynamo_restore_local_dispatch_key_set", None)
+    if restore is None or "torch._dynamo" not in sys.modules:  # nothing compiled in this process
+        yield False
+        return
+    levels = []
+    while True:
+        now = (torch._C._dispatch_tls_local_include_set(),
+               torch._C._dispatch_tls_local_exclude_set())
+        try:
+            restore()
+        except RuntimeError:  # nothing (more) saved
+            break
+        levels.append((torch._C._dispatch_tls_local_include_set(),
+                       torch._C._dispatch_tls_local_exclude_set()))
+        if len(levels) == 1:
+            current = now
+    if not levels:  # no compiled call is running
+        yield False
+        return
+    want = [torch._C._dispatch_tls_is_dispatch_key_included(k) for k in _MODE_KEYS]
+    try:
+        with torch._C._ForceDispatchKeyGuard(*current):
+            try:
+                yield True
+            finally:
+                want = [torch._C._dispatch_tls_is_dispatch_key_included(k) for k in _MODE_KEYS]
+    finally:
+        for include, exclude in [*reversed(levels), current]:  # outermost first, then ours
+            with torch._C._ForceDispatchKeyGuard(include, exclude):
+                for key, on in zip(_MODE_KEYS, want):
+                    torch._C._dispatch_tls_set_dispatch_key_included(key, on)
+                torch._C._dynamo_save_local_dispatch_key_set()
+        restore()  # the thread's keys, with the mode's as the change left them
 
 
 _BACKWARD = None
