@@ -24,8 +24,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from private_engine.optim import cpu_noise  # noqa: E402
 from private_engine.foundation.randomness import entropy_seeded_generator  # noqa: E402
+from private_engine.optim import cpu_noise  # noqa: E402
 
 
 def load_revision(rev: str):

@@ -58,9 +58,18 @@ from torch.utils.data import Subset
 
 from private_engine.checkpoint import atomic_save
 from private_engine.demo.image_data import SOURCES, load_image_data, model_data_config
-from private_engine.pretrain import (DPMAEConfig, SyntheticConfig, SyntheticImages, build_mae,
-                                     dp_mae_train, format_comparison, plot_comparison,
-                                     pretrain_synthetic, probe_encoder, reconstruction_loss)
+from private_engine.pretrain import (
+    DPMAEConfig,
+    SyntheticConfig,
+    SyntheticImages,
+    build_mae,
+    dp_mae_train,
+    format_comparison,
+    plot_comparison,
+    pretrain_synthetic,
+    probe_encoder,
+    reconstruction_loss,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -59,8 +59,8 @@ from private_engine.data import poisson_loader
 from private_engine.demo.image_data import SOURCES, load_image_data, model_data_config, num_classes
 from private_engine.demo.models import create_model
 from private_engine.foundation.randomness import entropy_seeded_generator
-from private_engine.training import accuracy, private_logical_step
 from private_engine.guards.model_check import batchnorm_modules, traced_parameters
+from private_engine.training import accuracy, private_logical_step
 
 VIT_PREFIXES = ("vit_", "deit_", "deit3_")
 #: the demo's small ViT for the 8×8 digits (``--data digits`` without ``--pretrained``)

@@ -8,11 +8,16 @@ import logging as _logging
 
 _logging.getLogger(__name__).addHandler(_logging.NullHandler())
 from . import layers, optim
-from .clipping.functions import abadi_clip, automatic_clip, global_clip
-from .clipping.plan import (CLIPPING_MODES, DEFAULT_CLIPPING_MODE, LayerDecision, format_plan,
-                            layer_plan)
 from .accounting import BudgetExceededError, SamplingRateError
 from .checkpoint import load_checkpoint, save_checkpoint
+from .clipping.functions import abadi_clip, automatic_clip, global_clip
+from .clipping.plan import (
+    CLIPPING_MODES,
+    DEFAULT_CLIPPING_MODE,
+    LayerDecision,
+    format_plan,
+    layer_plan,
+)
 from .engine import PrivacyEngine
 from .guards.buffers import BufferGuard
 from .guards.model_check import fix_batchnorm

@@ -72,8 +72,8 @@ from typing import Any, Dict, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from .foundation.files import atomic_save
 from .accounting.ledger import LEDGER_SUFFIX, LedgerContents, StepLedger, is_prefix, read_ledger
+from .foundation.files import atomic_save
 
 #: format tag and version of :func:`engine_state_dict`
 log = logging.getLogger(__name__)

@@ -71,8 +71,12 @@ def cmd_plan(args) -> int:
     (2022), "Scalable and Efficient Training of Large Convolutional Neural Networks with
     Differential Privacy" (mixed ghost clipping), as applied by ``--mode``."""
     from .clipping.plan import format_plan, layer_plan
-    from .guards.model_check import (batchnorm_modules, fallback_modules, fix_batchnorm,
-                                     traced_parameters)
+    from .guards.model_check import (
+        batchnorm_modules,
+        fallback_modules,
+        fix_batchnorm,
+        traced_parameters,
+    )
 
     if args.batch_size < 1:
         raise UsageError(f"--batch-size must be at least 1, got {args.batch_size}")

@@ -14,8 +14,8 @@ import torch
 from opacus.utils.uniform_sampler import DistributedUniformWithReplacementSampler
 from torch.utils.data import DataLoader
 
-from .process_group import wants_distributed
 from .foundation.randomness import entropy_seeded_generator
+from .process_group import wants_distributed
 
 
 class LockstepPoissonSampler(DistributedUniformWithReplacementSampler):

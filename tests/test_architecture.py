@@ -211,6 +211,8 @@ LONG_MODULES = {
     "routes FSDP2's clipping (the ranks' agreement, the per-unit streamed backward)",
     "private_engine.optim.sharded": "ShardedDataParallel: the FSDP2 step (unsharded clipping, "
     "reduce-scatter of each unit's sums, each shard's noise) over one class's state",
+    "private_engine.layers.conv": "ConvRule: one layer rule with all its maths (ghost norm, the "
+    "im2col and grouped-convolution per-sample gradients, clipped sums, their certified bounds)",
     "private_engine.guards.batch_flow.rules": "one small rule per family of aten ops and the "
     "table that registers them by op",
     "private_engine.guards.batch_flow.mode": "BatchFlow, the TorchDispatchMode: dispatch, tags, "

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import private_engine as pe
-from engine_checks import MODES, REF_CLIP, ENGINE_CLIP, CLIPS, gen_for, pick_threshold, ref_abadi
+from engine_checks import CLIPS, ENGINE_CLIP, MODES, REF_CLIP, gen_for, pick_threshold, ref_abadi
 from reference import assert_close_rel, reference_clipped_sum
 
 pytestmark = [pytest.mark.cuda,

@@ -8,8 +8,17 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from .config import (AMP_DTYPES, CORE_METHODS, DEFAULT_METHODS, DEFAULT_MODELS, FROZEN,
-                     METHOD_SETS, METHODS, TEXT_MODEL, TOKEN_PARAMS)
+from .config import (
+    AMP_DTYPES,
+    CORE_METHODS,
+    DEFAULT_METHODS,
+    DEFAULT_MODELS,
+    FROZEN,
+    METHOD_SETS,
+    METHODS,
+    TEXT_MODEL,
+    TOKEN_PARAMS,
+)
 
 #: the script every child process runs (with ``--only METHOD``), as the parent was run
 SCRIPT = Path(__file__).resolve().parents[1] / "bench_clipping.py"

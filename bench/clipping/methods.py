@@ -73,6 +73,7 @@ def backward_and_step(loss, opt, scaler) -> None:
 def setup_ours(mode: str):
     def setup(model, x, y, args) -> Runner:
         import torch.nn.functional as F
+
         import private_engine
 
         opt = sgd(model, args)

@@ -6,8 +6,15 @@ from __future__ import annotations
 import fnmatch
 from typing import List, Optional
 
-from .config import FROZEN, TEXT_DEPTH, TEXT_DIM, TEXT_HEADS, TEXT_MODEL, TEXT_VOCAB
-from .config import TORCHVISION_MODELS
+from .config import (
+    FROZEN,
+    TEXT_DEPTH,
+    TEXT_DIM,
+    TEXT_HEADS,
+    TEXT_MODEL,
+    TEXT_VOCAB,
+    TORCHVISION_MODELS,
+)
 
 
 class Skip(Exception):
@@ -24,10 +31,14 @@ def build_model(args, method: str = "nondp"):
     that method then fails and the table shows its error.
     """
     import torch
+
     import private_engine
     from private_engine.demo.models import create_model
-    from private_engine.guards.model_check import (batchnorm_modules, fallback_modules,
-                                                   traced_parameters)
+    from private_engine.guards.model_check import (
+        batchnorm_modules,
+        fallback_modules,
+        traced_parameters,
+    )
 
     torch.manual_seed(args.seed)
     model = _create(create_model, args)

@@ -6,8 +6,7 @@ import datetime
 from pathlib import Path
 from typing import Dict
 
-from .config import (MAX_BATCH_TARGET_RATIO, MEMORY_TARGET_RATIO, METHODS, SKIPPED,
-                     TIME_TARGET_RATIO)
+from .config import MAX_BATCH_TARGET_RATIO, MEMORY_TARGET_RATIO, METHODS, SKIPPED, TIME_TARGET_RATIO
 from .tables import time_vs_nondp
 
 

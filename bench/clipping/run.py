@@ -11,8 +11,15 @@ from .cli import parse_args
 from .config import METHODS
 from .measure import run_child
 from .plot import write_plot
-from .report import (engine_revision, machine_info, markdown_section, section_key, setup_lines,
-                     title, write_markdown)
+from .report import (
+    engine_revision,
+    machine_info,
+    markdown_section,
+    section_key,
+    setup_lines,
+    title,
+    write_markdown,
+)
 from .schedule import run_all
 from .tables import format_text, results_table, versus_opacus_table
 

@@ -5,8 +5,15 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-from .config import (MAX_BATCH_TARGET_RATIO, MEMORY_TARGET_RATIO, OPACUS, OURS, FROZEN, SKIPPED,
-                     TIME_TARGET_RATIO)
+from .config import (
+    FROZEN,
+    MAX_BATCH_TARGET_RATIO,
+    MEMORY_TARGET_RATIO,
+    OPACUS,
+    OURS,
+    SKIPPED,
+    TIME_TARGET_RATIO,
+)
 
 
 def ratio(a: Optional[float], b: Optional[float]) -> str:

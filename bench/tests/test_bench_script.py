@@ -6,8 +6,18 @@ from pathlib import Path
 
 import pytest
 
-from bench.clipping import (cli, config, maxbatch, measure, methods, models, plot, report,
-                            schedule, tables)
+from bench.clipping import (
+    cli,
+    config,
+    maxbatch,
+    measure,
+    methods,
+    models,
+    plot,
+    report,
+    schedule,
+    tables,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -368,9 +378,9 @@ def test_float64_flops_counts_a_step_by_dtype(capsys):
 
 
 def test_host_ab_runs_against_a_checkout(capsys, tmp_path):
-    from bench.investigate import host_ab as module
-
     import torch
+
+    from bench.investigate import host_ab as module
 
     # the proxy runs on one thread: restored for the tests after this one
     threads = torch.get_num_threads()
@@ -513,9 +523,9 @@ def test_tied_lm_runs(capsys):
 
 
 def test_mae_step_runs(capsys):
-    from bench.investigate import mae_step as module
-
     import torch
+
+    from bench.investigate import mae_step as module
 
     threads = torch.get_num_threads()
     try:

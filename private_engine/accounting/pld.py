@@ -64,8 +64,7 @@ def pld_noise_multiplier(target_epsilon: float, target_delta: float, sample_rate
     spend at most ``target_epsilon`` at ``target_delta`` by the PLD accountant:
     ``dp_accounting.mechanism_calibration.calibrate_dp_mechanism`` (Brent's method, the answer
     on the private side of the target), bracketed here."""
-    from dp_accounting.mechanism_calibration import (ExplicitBracketInterval,
-                                                     calibrate_dp_mechanism)
+    from dp_accounting.mechanism_calibration import ExplicitBracketInterval, calibrate_dp_mechanism
     from dp_accounting.pld import PLDAccountant as _DpAccountingPLD
 
     def fresh():

@@ -17,8 +17,7 @@ canary heads), ``training`` (the observed engine run),
 ``private-engine audit`` command is :mod:`private_engine.commands.audit`.
 """
 from .bound import best_bound, epsilon_ceiling, epsilon_lower_bound, p_value, union_bounds
-from .config import (CONTROLS, DIRECTIONS, DOORS, PATHS, SCORES, AuditConfig, AuditResult,
-                     PathResult)
+from .config import CONTROLS, DIRECTIONS, DOORS, PATHS, SCORES, AuditConfig, AuditResult, PathResult
 from .model_paths import ModelPaths, paths_of
 from .run import VERDICT_OK, VERDICT_VIOLATION, build_audit, run_audit
 

@@ -28,12 +28,12 @@ from ..capture.fallback import FallbackModule
 from ..capture.recorder import LayerRecorder, RecordedLayer
 from ..capture.setup import LayerHandler, LayerRoute, build_capture
 from ..capture.tracer import ParamTracer
+from ..foundation.randomness import SecretModelRandomness
 from ..guards.batch_flow import BatchFlow
 from ..guards.buffers import BufferGuard
 from ..guards.separability import SeparabilityProbe
 from ..guards.state import StepStateGuard
 from ..layers.ruled import RuledLayer
-from ..foundation.randomness import SecretModelRandomness
 from .clipper import PerSampleClipper
 from .functions import ClipFn
 from .plan import DEFAULT_CLIPPING_MODE

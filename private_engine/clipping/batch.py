@@ -14,12 +14,11 @@ import torch
 
 from ..capture.graph_walk import GraphWalk, outside_error
 from ..foundation.dtypes import accumulation_dtype
+from ..layers.precision import without_autocast
 from .checkpointing import explain_activation_checkpointing
 from .clipper import PerSampleClipper
 from .grad_sums import GradSums
 from .loss_scaling import LossScaling
-from ..layers.precision import without_autocast
-
 
 log = logging.getLogger(__name__)
 

@@ -27,19 +27,19 @@ from torch import nn
 from ..capture.graph_walk import GraphWalk
 from ..capture.recorder import LayerRecorder, RecordedLayer
 from ..capture.setup import LayerRoute
+from ..foundation.dtypes import cast
 from ..guards.batch_flow import BatchFlow
 from ..guards.model_check import ruled_parameters
 from ..guards.separability import SeparabilityProbe
-from ..foundation.dtypes import cast
 from ..layers.base import sum_per_sample
 from ..layers.ghost_stack import HELD_GRADIENTS, GhostBoundStack
 from ..layers.norm_stack import LayerNormGradStack
 from ..layers.precision import without_autocast
 from ..layers.rounding import gamma
 from ..layers.ruled import KeptPairs, RuledLayer
+from .extras import ExtraGrads, extra_grads
 from .functions import ClipFn, clip_factors, finite_factors, resolve_clipping_fn
 from .grad_sums import GradSums
-from .extras import ExtraGrads, extra_grads
 from .kept import group_kept_grads
 from .ownership import check_unmoved, handed_modules
 from .plan import DEFAULT_CLIPPING_MODE, LayerDecision, check_mode, decide, is_book_keeping

@@ -11,11 +11,11 @@ import torch
 from torch import nn
 
 from ..capture.recorder import RecordedLayer
-from ..layers.base import certified_kept
 from ..foundation.dtypes import cast_down
+from ..layers.base import certified_kept
+from ..layers.precision import without_autocast
 from .functions import abadi_clip
 from .tied import PerParameter, add_per_parameter
-from ..layers.precision import without_autocast
 
 
 @without_autocast

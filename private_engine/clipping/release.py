@@ -19,8 +19,7 @@ drives; :meth:`ReleaseStrategy.layer_norm` answers with a :class:`NormedLayer`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import (TYPE_CHECKING, Callable, Dict, List, NamedTuple, Optional, Protocol,
-                    Sequence)
+from typing import TYPE_CHECKING, Callable, Dict, List, NamedTuple, Optional, Protocol, Sequence
 
 import torch
 from torch import nn

@@ -27,7 +27,6 @@ from ..guards.model_check import tied_layers
 from ..layers.ruled import RuledLayer
 from .tied_ghost import certified_joint_norm_sq, ghost_capable
 
-
 PerParameter = Dict[int, Tuple[nn.Parameter, torch.Tensor]]
 
 

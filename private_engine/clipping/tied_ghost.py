@@ -37,8 +37,16 @@ from ..foundation.dtypes import accumulation_dtype, release_dtype
 from ..layers.base import LayerDims, LayerRule
 from ..layers.embedding import EmbeddingRule
 from ..layers.linear import LinearRule
-from ..layers.rounding import (ETA64, gamma, ghost_underflow, gram_coefficient, pair_mass,
-                               release_coefficient, row_norms64, unit_roundoff)
+from ..layers.rounding import (
+    ETA64,
+    gamma,
+    ghost_underflow,
+    gram_coefficient,
+    pair_mass,
+    release_coefficient,
+    row_norms64,
+    unit_roundoff,
+)
 from .plan import use_ghost
 
 Member = Tuple[nn.Module, object, list]  # (module, rule, [(a, g)])

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import argparse
 
-from ..clipping.plan import CLIPPING_MODES
 from ..audit.config import CONTROLS, DIRECTIONS, DOORS, PATHS, SCORES, AuditConfig
+from ..clipping.plan import CLIPPING_MODES
 
 __all__ = ["add_audit_arguments", "config_from_args", "run_audit_command"]
 

@@ -10,11 +10,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from torch import nn
 
-from .buffers import check_no_running_stats, drop_running_stats
 from ..layers.base import LayerRule
-from ..layers.ruled import RuledLayer
 from ..layers.recurrent import check_no_recurrent
 from ..layers.registry import find_rule, overrides_ruled_class, uses_fallback
+from ..layers.ruled import RuledLayer
+from .buffers import check_no_running_stats, drop_running_stats
 
 
 def batchnorm_modules(model: nn.Module) -> List[str]:

@@ -45,7 +45,7 @@ from typing import Any, Dict, Optional, Tuple, cast
 import numpy as np
 import torch
 
-from ..accounting.zcdp import (CONVERSIONS, ZCDPLedger, epsilon_to_rho, rho_to_epsilon)
+from ..accounting.zcdp import CONVERSIONS, ZCDPLedger, epsilon_to_rho, rho_to_epsilon
 from ..foundation.randomness import secret_generator
 from ._labels import encode_labels, labels_array, labels_to_numpy
 from ._linalg import small_lapack

@@ -34,8 +34,8 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 from torch import nn
 
-from ..foundation.randomness import entropy_seeded_generator, seeded_generator
 from ..clipping.plan import DEFAULT_CLIPPING_MODE
+from ..foundation.randomness import entropy_seeded_generator, seeded_generator
 
 log = logging.getLogger(__name__)
 from ._row_clipping import normalize_rows
@@ -208,6 +208,7 @@ def warmup_finetune(model: nn.Module, X: torch.Tensor, y: torch.Tensor, *, epsil
     from tqdm.auto import tqdm
 
     import private_engine as pe
+
     from ..data import poisson_loader
     from ..training import private_logical_step
 

@@ -4,8 +4,8 @@ from . import activation, conv, conv_transpose, embedding, linear, normalization
 from .base import LayerDims, LayerRule
 from .conv import unfold_conv_input
 from .recurrent import check_no_recurrent, fix_recurrent
-from .ruled import KeptPairs, RuledLayer
 from .registry import REGISTRY, find_rule, register_fallback, register_rule, unregister
+from .ruled import KeptPairs, RuledLayer
 
 __all__ = ["LayerDims", "LayerRule", "RuledLayer", "KeptPairs", "REGISTRY", "find_rule",
            "register_rule", "register_fallback", "unregister", "unfold_conv_input",

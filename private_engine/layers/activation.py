@@ -10,6 +10,7 @@ It is as small as the slope vector, so it is always instantiated (``LayerDims.gh
 False``); the clipped sum is ``Σ_i C_i ∂L_i/∂w`` of these very gradients.
 """
 from __future__ import annotations
+
 from typing import Dict
 
 import torch

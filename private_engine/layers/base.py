@@ -27,8 +27,14 @@ from torch import nn
 
 from ..foundation.dtypes import cast, cast_down
 from ..foundation.matmul import put_into, wide_bmm
-from .rounding import (accumulator_unit, certified_instantiated, gamma, norm_sq64, operand_unit,
-                       unit_roundoff)
+from .rounding import (
+    accumulator_unit,
+    certified_instantiated,
+    gamma,
+    norm_sq64,
+    operand_unit,
+    unit_roundoff,
+)
 
 
 @dataclass(frozen=True)

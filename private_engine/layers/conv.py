@@ -27,13 +27,32 @@ from torch import nn
 
 from ..foundation.dtypes import accumulation_dtype, cast, compute_dtype
 from ..foundation.matmul import put_into, scale_samples, weighted_sum_into
-from .base import (LayerDims, LayerRule, certified_kept, gram_inner, gram_unit, row_norm_sq,
-                   trainable, zeros_like_batch)
+from .base import (
+    LayerDims,
+    LayerRule,
+    certified_kept,
+    gram_inner,
+    gram_unit,
+    row_norm_sq,
+    trainable,
+    zeros_like_batch,
+)
 from .gram import certified_ghost_sq
 from .registry import register_rule
-from .rounding import (ETA64, certified_ghost, certified_instantiated, gamma,
-                       ghost_may_underflow, ghost_underflow, gram_coefficient, gram_eta,
-                       instantiation_coefficient, release_coefficient, row_norms64, unit_roundoff)
+from .rounding import (
+    ETA64,
+    certified_ghost,
+    certified_instantiated,
+    gamma,
+    ghost_may_underflow,
+    ghost_underflow,
+    gram_coefficient,
+    gram_eta,
+    instantiation_coefficient,
+    release_coefficient,
+    row_norms64,
+    unit_roundoff,
+)
 
 
 def unfold_conv_input(module: nn.modules.conv._ConvNd, a: torch.Tensor) -> torch.Tensor:

@@ -19,9 +19,18 @@ from ..foundation.matmul import put_into, scale_samples
 from .base import LayerDims, LayerRule, row_norm_sq, trainable, zeros_like_batch
 from .gram import certified_token_ghost_sq
 from .registry import register_rule
-from .rounding import (ETA64, certified_ghost, certified_instantiated, gamma, ghost_underflow,
-                       gram_coefficient, instantiation_coefficient, release_coefficient,
-                       row_norms64, unit_roundoff)
+from .rounding import (
+    ETA64,
+    certified_ghost,
+    certified_instantiated,
+    gamma,
+    ghost_underflow,
+    gram_coefficient,
+    instantiation_coefficient,
+    release_coefficient,
+    row_norms64,
+    unit_roundoff,
+)
 
 
 class EmbeddingRule(LayerRule):

@@ -28,8 +28,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from .gram import (LOOSE, NEGLIGIBLE, _gram32, _margin, fast_gram_model, gram_gamma,
-                   second_try)
+from .gram import LOOSE, NEGLIGIBLE, _gram32, _margin, fast_gram_model, gram_gamma, second_try
 from .precision import without_autocast
 from .rounding import ETA32, ETA64, gamma, unit_roundoff
 

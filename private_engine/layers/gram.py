@@ -61,8 +61,15 @@ from typing import Optional, Tuple
 import torch
 
 from .precision import without_autocast
-from .rounding import (ETA32, ETA64, ETA_TENSOR_CORE, gamma, gram_coefficient, operand_unit,
-                       unit_roundoff)
+from .rounding import (
+    ETA32,
+    ETA64,
+    ETA_TENSOR_CORE,
+    gamma,
+    gram_coefficient,
+    operand_unit,
+    unit_roundoff,
+)
 
 #: the slack above which a fast bound is computed again (blocked Grams, then float64 Grams): 2⁻¹⁰
 #: of ``ν`` (a squared norm), so a kept fast bound is within 5·10⁻⁴ of the norm

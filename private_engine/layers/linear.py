@@ -17,14 +17,31 @@ from torch import nn
 
 from ..foundation.dtypes import accumulation_dtype, cast, compute_dtype, release_dtype
 from ..foundation.matmul import mm_into, scale_samples, sum_into, weighted_sum_into
-from .base import (LayerDims, LayerRule, certified_kept, flatten_positions, gram_inner, gram_unit,
-                   row_norm_sq, trainable, zeros_like_batch)
+from .base import (
+    LayerDims,
+    LayerRule,
+    certified_kept,
+    flatten_positions,
+    gram_inner,
+    gram_unit,
+    row_norm_sq,
+    trainable,
+    zeros_like_batch,
+)
 from .gram import certified_ghost_sq
 from .registry import register_named_rule, register_rule
-from .rounding import (certified_ghost, certified_instantiated, ghost_may_underflow,
-                       ghost_underflow, gram_coefficient, gram_eta, instantiation_coefficient,
-                       mass_of, pair_norms, release_coefficient)
-
+from .rounding import (
+    certified_ghost,
+    certified_instantiated,
+    ghost_may_underflow,
+    ghost_underflow,
+    gram_coefficient,
+    gram_eta,
+    instantiation_coefficient,
+    mass_of,
+    pair_norms,
+    release_coefficient,
+)
 
 #: the last clip factors repeated per position, per number of positions T:
 #: ``{T: (factors, factors._version, C ⊗ 1_T)}`` (the factors are the same for every layer of a

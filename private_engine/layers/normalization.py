@@ -30,7 +30,6 @@ from ..foundation.dtypes import accumulation_dtype, cast
 from .base import LayerDims, LayerRule, trainable
 from .registry import register_named_rule, register_rule
 
-
 _UNIT_WEIGHTS: Dict[Tuple[Tuple[int, ...], torch.dtype, torch.device], torch.Tensor] = {}
 
 

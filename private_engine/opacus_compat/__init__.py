@@ -4,8 +4,12 @@ from .arguments import GRAD_SAMPLE_MODES
 from .engine import PrivacyEngine
 from .loss import PrivateLoss, PrivateLossTensor
 from .module import PrivateModule
-from .optimizer import (ClippedSumOptimizer, DistributedClippedSumOptimizer,
-                        DistributedPerLayerClippedSumOptimizer, PerLayerClippedSumOptimizer)
+from .optimizer import (
+                        ClippedSumOptimizer,
+                        DistributedClippedSumOptimizer,
+                        DistributedPerLayerClippedSumOptimizer,
+                        PerLayerClippedSumOptimizer,
+)
 
 __all__ = ["PrivacyEngine", "PrivateModule", "PrivateLoss", "PrivateLossTensor",
            "ClippedSumOptimizer", "PerLayerClippedSumOptimizer", "DistributedClippedSumOptimizer",

@@ -76,10 +76,15 @@ from ..guards.model_check import check_no_batchnorm, scan_model
 from .arguments import check_arguments, check_attention_layout, is_data_parallel
 from .loss import PrivateLoss
 from .module import PrivateModule
-from .optimizer import (AdaptiveClippedSumOptimizer, ClippedSumOptimizer,
-                        DistributedClippedSumOptimizer, DistributedPerLayerClippedSumOptimizer,
-                        PerLayerClippedSumOptimizer)
+from .optimizer import (
+    AdaptiveClippedSumOptimizer,
+    ClippedSumOptimizer,
+    DistributedClippedSumOptimizer,
+    DistributedPerLayerClippedSumOptimizer,
+    PerLayerClippedSumOptimizer,
+)
 from .sequence_bias import clipped_layers_for_door
+
 
 class PrivacyEngine(opacus.PrivacyEngine):
     """Drop-in for ``opacus.PrivacyEngine``: same constructor, ``make_private``,

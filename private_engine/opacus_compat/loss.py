@@ -11,8 +11,10 @@ second backward.
 """
 from __future__ import annotations
 
-from opacus.utils.fast_gradient_clipping_utils import (DPLossFastGradientClipping,
-                                                        DPTensorFastGradientClipping)
+from opacus.utils.fast_gradient_clipping_utils import (
+    DPLossFastGradientClipping,
+    DPTensorFastGradientClipping,
+)
 
 
 class PrivateLossTensor(DPTensorFastGradientClipping):

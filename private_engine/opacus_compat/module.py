@@ -58,10 +58,10 @@ from ..capture.tracer import ParamTracer
 from ..clipping.assembly import assemble_clipping_core
 from ..clipping.clipper import PerSampleClipper
 from ..clipping.plan import is_book_keeping
+from ..foundation.randomness import SecretModelRandomness
 from ..guards.batch_flow import BatchFlow
 from ..guards.separability import SeparabilityProbe
 from ..guards.state import StepStateGuard
-from ..foundation.randomness import SecretModelRandomness
 from .criterion_flow import CriterionFlow
 from .ddp import DDPGradSync
 from .forward_checks import ForwardChecks, is_dp_rnn, reject_packed_sequence

@@ -34,8 +34,11 @@ import math
 from typing import List, Optional
 
 import torch
-from opacus.optimizers import (AdaClipDPOptimizer, DistributedDPOptimizerFastGradientClipping,
-                               DPOptimizerFastGradientClipping)
+from opacus.optimizers import (
+    AdaClipDPOptimizer,
+    DistributedDPOptimizerFastGradientClipping,
+    DPOptimizerFastGradientClipping,
+)
 from opacus.optimizers.optimizer import _check_processed_flag, _generate_noise, _mark_as_processed
 
 from .module import PrivateModule

@@ -6,8 +6,7 @@ data-parallel replicas or FSDP2 shards over ``torch.distributed`` (:mod:`.topolo
 :mod:`.distributed`, :mod:`.sharded`)."""
 from .distributed import DataParallel, ReplicaMismatchError, data_parallel
 from .noise import NoiseSpec, add_gaussian_noise
-from .private_step import (DPSGD, DPAdam, DPAdamW, PrivateStep, attach, detach,
-                           release_gradient)
+from .private_step import DPSGD, DPAdam, DPAdamW, PrivateStep, attach, detach, release_gradient
 from .topology import Replicated, Sharded, SingleProcess, Topology, choose_topology
 
 __all__ = ["DPSGD", "DPAdam", "DPAdamW", "DataParallel", "NoiseSpec", "PrivateStep",

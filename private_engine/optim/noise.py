@@ -41,8 +41,11 @@ from typing import List, Optional, Sequence
 import torch
 from torch import nn
 
-from ..foundation.randomness import (ReproducibleRandomnessWarning, derived_generator,
-                          entropy_seeded_generator)
+from ..foundation.randomness import (
+    ReproducibleRandomnessWarning,
+    derived_generator,
+    entropy_seeded_generator,
+)
 from . import cpu_noise
 
 #: coordinates per piece of a secure-mode draw (32 MiB of OS randomness, ~100 MiB of float64 work)

@@ -99,8 +99,13 @@ def rules_without_weights() -> frozenset:
     from ..layers.conv import ConvRule
     from ..layers.embedding import EmbeddingRule
     from ..layers.linear import LinearRule, TransposedLinearRule
-    from ..layers.normalization import (GroupNormRule, HFRMSNormRule, InstanceNormRule,
-                                        LayerNormRule, RMSNormRule)
+    from ..layers.normalization import (
+        GroupNormRule,
+        HFRMSNormRule,
+        InstanceNormRule,
+        LayerNormRule,
+        RMSNormRule,
+    )
 
     return frozenset((LinearRule, TransposedLinearRule, ConvRule, EmbeddingRule, LayerNormRule,
                       GroupNormRule, RMSNormRule, HFRMSNormRule, InstanceNormRule))

@@ -17,12 +17,24 @@ with DP-AdamW at (ε, δ) = (8, 1/(2n)), C = 0.1.
 
 See ``docs/pretrain.md``.
 """
-from .evaluate import (ProbeRow, encoder_features, format_comparison, plot_comparison,
-                       probe_encoder, reconstruction_loss)
+from .evaluate import (
+                       ProbeRow,
+                       encoder_features,
+                       format_comparison,
+                       plot_comparison,
+                       probe_encoder,
+                       reconstruction_loss,
+)
 from .mae import MaskedAutoencoder, build_mae, patchify, sincos_pos_embed_2d
 from .masks import KeyedMasks
-from .recipe import (DPMAEConfig, DPMAEResult, SyntheticConfig, dp_mae_train, dp_maes,
-                     pretrain_synthetic)
+from .recipe import (
+                       DPMAEConfig,
+                       DPMAEResult,
+                       SyntheticConfig,
+                       dp_mae_train,
+                       dp_maes,
+                       pretrain_synthetic,
+)
 from .synthetic import FAMILIES, SyntheticImages, synthetic_images
 
 __all__ = ["MaskedAutoencoder", "build_mae", "patchify", "sincos_pos_embed_2d", "KeyedMasks",

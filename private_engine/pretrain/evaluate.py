@@ -174,6 +174,7 @@ def plot_comparison(rows: Sequence[ProbeRow], curves: Dict[str, Sequence[float]]
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     from ..heads.probe import METHODS
 
     starts = starts or {}

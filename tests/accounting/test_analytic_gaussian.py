@@ -5,9 +5,12 @@ import numpy as np
 import pytest
 from scipy import integrate
 
-from private_engine.accounting.analytic_gaussian import (analytic_gaussian_sigma,
-                                                         classical_gaussian_sigma, gaussian_delta,
-                                                         gaussian_epsilon)
+from private_engine.accounting.analytic_gaussian import (
+    analytic_gaussian_sigma,
+    classical_gaussian_sigma,
+    gaussian_delta,
+    gaussian_epsilon,
+)
 
 mpmath = pytest.importorskip("mpmath")
 mpmath.mp.dps = 50

@@ -13,8 +13,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import private_engine as pe
-from private_engine.accounting import (BudgetExceededError, PrivacyBudget, SamplingRateCheck,
-                                       SamplingRateError, epsilon_for)
+from private_engine.accounting import (
+    BudgetExceededError,
+    PrivacyBudget,
+    SamplingRateCheck,
+    SamplingRateError,
+    epsilon_for,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -5,12 +5,11 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from opacus.accountants import GaussianAccountant, PRVAccountant, RDPAccountant
+from opacus.accountants.utils import get_noise_multiplier
 from torch import nn
 
 import private_engine as pe
-
-from opacus.accountants import GaussianAccountant, PRVAccountant, RDPAccountant
-from opacus.accountants.utils import get_noise_multiplier
 
 OPACUS = {"rdp": RDPAccountant, "prv": PRVAccountant, "gdp": GaussianAccountant}
 

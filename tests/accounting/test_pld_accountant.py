@@ -5,17 +5,16 @@ is the largest alpha" warning no longer appears where it meant nothing."""
 import math
 import warnings
 
+import dp_accounting
 import pytest
 import torch
 import torch.nn.functional as F
+from dp_accounting import dp_event
+from opacus.accountants import PRVAccountant, RDPAccountant
 from torch import nn
 
 import private_engine as pe
 from private_engine import accounting
-
-import dp_accounting
-from dp_accounting import dp_event
-from opacus.accountants import PRVAccountant, RDPAccountant
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -8,10 +8,17 @@ import pytest
 from scipy.stats import norm
 
 from private_engine.accounting.analytic_gaussian import gaussian_epsilon
-from private_engine.accounting.zcdp import (CONVERSIONS, ZCDPLedger, compose_rho,
-                                            epsilon_for_noise_multiplier, epsilon_to_rho,
-                                            gaussian_rho, noise_multiplier_for_epsilon,
-                                            rho_to_epsilon, rho_to_rdp)
+from private_engine.accounting.zcdp import (
+    CONVERSIONS,
+    ZCDPLedger,
+    compose_rho,
+    epsilon_for_noise_multiplier,
+    epsilon_to_rho,
+    gaussian_rho,
+    noise_multiplier_for_epsilon,
+    rho_to_epsilon,
+    rho_to_rdp,
+)
 
 
 def classical_eps(rho, delta):  # Bun & Steinke 2016, Prop. 1.3

@@ -7,14 +7,18 @@ import math
 
 import numpy as np
 import pytest
-
-from private_engine.accounting import (ZCDPLedger, analytic_gaussian_sigma, gaussian_delta,
-                                       gaussian_epsilon, noise_multiplier_for_epsilon,
-                                       rho_to_epsilon)
-
 from dp_accounting import dp_event, gaussian_mechanism
 from dp_accounting.pld.privacy_loss_mechanism import GaussianPrivacyLoss
 from dp_accounting.rdp import RdpAccountant
+
+from private_engine.accounting import (
+    ZCDPLedger,
+    analytic_gaussian_sigma,
+    gaussian_delta,
+    gaussian_epsilon,
+    noise_multiplier_for_epsilon,
+    rho_to_epsilon,
+)
 
 #: a dense grid of Rényi orders: dp-accounting minimises over a grid, ours continuously; on this
 #: grid the two minima agree to far better than 1e-6

@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 from scipy import optimize, stats
 
-from private_engine.audit.bound import (best_bound, epsilon_ceiling, epsilon_lower_bound,
-                                        p_value)
+from private_engine.audit.bound import best_bound, epsilon_ceiling, epsilon_lower_bound, p_value
 
 
 def _logit(p):

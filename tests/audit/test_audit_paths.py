@@ -15,9 +15,9 @@ import warnings
 
 import pytest
 import torch
+from broken_engine import PATHS, unclipped
 from torch import nn
 
-from broken_engine import PATHS, unclipped
 from private_engine.audit import VERDICT_OK, VERDICT_VIOLATION, run_audit
 
 #: the audit of the positive controls and of the engine as it is (old-style arguments only)

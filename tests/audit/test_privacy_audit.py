@@ -8,9 +8,14 @@ bound's ceiling."""
 import pytest
 import torch
 
-from private_engine.audit import (VERDICT_OK, VERDICT_VIOLATION, AuditConfig, run_audit)
-from private_engine.audit.canaries import (CLASSES, FEATURES, build_dataset, draw_canaries,
-                                           synthetic_data)
+from private_engine.audit import VERDICT_OK, VERDICT_VIOLATION, AuditConfig, run_audit
+from private_engine.audit.canaries import (
+    CLASSES,
+    FEATURES,
+    build_dataset,
+    draw_canaries,
+    synthetic_data,
+)
 from private_engine.audit.model import AuditModel
 from private_engine.audit.training import observe_training
 

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
-from private_engine.guards.separability import probe as probe_module
 from private_engine.guards.separability import BatchMixingError, SeparabilityProbe
+from private_engine.guards.separability import probe as probe_module
 
 D, C = 6, 3
 

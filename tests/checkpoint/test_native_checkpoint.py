@@ -18,11 +18,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import resume_worker as worker  # tests/checkpoint is on sys.path (pytest's rootdir import)
 import torch
 
 import private_engine as pe
 from private_engine.accounting import epsilon_for
-import resume_worker as worker  # tests/checkpoint is on sys.path (pytest's rootdir import)
 
 WORKER = Path(__file__).with_name("resume_worker.py")
 REPO = Path(__file__).resolve().parents[2]

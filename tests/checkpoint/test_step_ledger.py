@@ -12,8 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import private_engine as pe
-from private_engine.accounting.ledger import (StepLedger, is_prefix, merge_history,
-                                              read_ledger)
+from private_engine.accounting.ledger import StepLedger, is_prefix, merge_history, read_ledger
 from private_engine.checkpoint import CHECKPOINT_FORMAT, ENGINE_FORMAT, use_ledger
 
 pytestmark = pytest.mark.usefixtures("one_thread")

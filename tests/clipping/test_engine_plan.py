@@ -6,8 +6,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import private_engine as pe
-from private_engine.clipping.plan import INSTANTIATED_ELEMENT_COST
 from engine_checks import MODES, make_engine
+from private_engine.clipping.plan import INSTANTIATED_ELEMENT_COST
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -197,9 +197,9 @@ def test_host_side_caches_keep_decisions_and_dims_exact(monkeypatch):
     mode); a new shape gets new dims and a new decision; `cast` returns the tensor itself when the
     dtype already matches."""
     from private_engine.capture.recorder import LayerRecorder
+    from private_engine.clipping.plan import decide
     from private_engine.foundation.dtypes import cast
     from private_engine.layers.linear import LinearRule
-    from private_engine.clipping.plan import decide
 
     lin = nn.Linear(6, 4)
     calls = []

@@ -5,8 +5,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine_checks import (CLIPS, MODES, check_against_reference, gen_for, make_engine,
-                           quadratic_loss, target_like)
+from engine_checks import (
+    CLIPS,
+    MODES,
+    check_against_reference,
+    gen_for,
+    make_engine,
+    quadratic_loss,
+    target_like,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -12,11 +12,10 @@ from torch import nn
 
 import private_engine as pe
 import private_engine.clipping.kept as clipping
+from engine_checks import check_against_reference, gen_for, make_engine
 from private_engine.clipping.grad_sums import FlatLayout, GradSums
 from private_engine.layers import register_rule
 from private_engine.layers.linear import LinearRule
-
-from engine_checks import check_against_reference, gen_for, make_engine
 from reference import assert_close_rel, reference_clipped_sum
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -28,8 +28,12 @@ R = 1.0
 
 
 def _one_step(rank, out_dir):
-    from private_engine.integrations.transformers import (ENGINE_STATE_NAME, LEDGER_NAME,
-                                                          DPTrainer, PrivacyArguments)
+    from private_engine.integrations.transformers import (
+        ENGINE_STATE_NAME,
+        LEDGER_NAME,
+        DPTrainer,
+        PrivacyArguments,
+    )
 
     class Recording(DPTrainer):
         def training_step(self, model, inputs, num_items_in_batch=None):

@@ -361,10 +361,12 @@ def _dcp_round_trip(model, opt, engine, path):
     """Model, optimizer and engine saved by ``torch.distributed.checkpoint`` and loaded into a new
     sharded model and engine: what the new one holds."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
-                                                         get_optimizer_state_dict,
-                                                         set_model_state_dict,
-                                                         set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
     from private_engine.checkpoint import EngineStateful
 

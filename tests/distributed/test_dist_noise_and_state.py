@@ -33,9 +33,9 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import private_engine as pe
+from dist_spawn import run_ranks
 from private_engine.data import LockstepPoissonSampler, poisson_loader
 from private_engine.optim import ReplicaMismatchError
-from dist_spawn import run_ranks
 
 pytestmark = pytest.mark.slow
 

@@ -13,8 +13,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import private_engine as pe
-from private_engine.data import poisson_loader
 from dist_spawn import free_port
+from private_engine.data import poisson_loader
 
 pytestmark = pytest.mark.slow
 

@@ -16,8 +16,12 @@ import torch.nn.functional as F
 from PIL import Image
 
 import private_engine as pe
-from private_engine.demo.image_data import (image_transform, load_image_data, model_data_config,
-                                            num_classes)
+from private_engine.demo.image_data import (
+    image_transform,
+    load_image_data,
+    model_data_config,
+    num_classes,
+)
 from reference import assert_close_rel, reference_clipped_sum
 
 ROOT = Path(__file__).resolve().parents[2]

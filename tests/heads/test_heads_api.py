@@ -7,8 +7,14 @@ import pytest
 import torch
 
 from private_engine.accounting.zcdp import rho_to_epsilon
-from private_engine.heads import (DPAdamHead, DPFeatureCovariance, DPLeastSquares, DPMeanEstimator,
-                                  DPNewton, NotFittedError)
+from private_engine.heads import (
+    DPAdamHead,
+    DPFeatureCovariance,
+    DPLeastSquares,
+    DPMeanEstimator,
+    DPNewton,
+    NotFittedError,
+)
 
 # fixed seeds make these checks reproducible (each such fit warns)
 pytestmark = pytest.mark.filterwarnings(

@@ -15,8 +15,13 @@ import numpy as np
 import pytest
 import torch
 
-from private_engine.heads import (DPAdamHead, DPFeatureCovariance, DPLeastSquares, DPMeanEstimator,
-                                  DPNewton)
+from private_engine.heads import (
+    DPAdamHead,
+    DPFeatureCovariance,
+    DPLeastSquares,
+    DPMeanEstimator,
+    DPNewton,
+)
 from private_engine.heads._noise import NoiseSource
 from private_engine.heads._records import to_tensor
 from private_engine.heads._row_clipping import clip_rows, normalize_rows, rounding_margin, row_norms

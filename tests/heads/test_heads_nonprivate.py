@@ -5,8 +5,13 @@ import numpy as np
 import pytest
 import torch
 
-from private_engine.heads import (DPAdamHead, DPFeatureCovariance, DPLeastSquares, DPMeanEstimator,
-                                  DPNewton)
+from private_engine.heads import (
+    DPAdamHead,
+    DPFeatureCovariance,
+    DPLeastSquares,
+    DPMeanEstimator,
+    DPNewton,
+)
 
 
 def clustered(n=300, d=8, m=4, seed=0, spread=1.0, scale=3.0):

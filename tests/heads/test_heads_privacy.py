@@ -9,8 +9,13 @@ import pytest
 import torch
 from scipy import stats
 
-from private_engine.heads import (DPAdamHead, DPFeatureCovariance, DPLeastSquares, DPMeanEstimator,
-                                  DPNewton)
+from private_engine.heads import (
+    DPAdamHead,
+    DPFeatureCovariance,
+    DPLeastSquares,
+    DPMeanEstimator,
+    DPNewton,
+)
 from private_engine.heads._noise import NoiseSource, symmetric_noise
 
 # fixed seeds make these checks reproducible (each such fit warns)

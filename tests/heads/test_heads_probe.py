@@ -6,11 +6,15 @@ import math
 import numpy as np
 import pytest
 
-from private_engine.commands.probe import (add_probe_arguments, load_probe_data, probe_classes,
-                                           run_probe)
+from private_engine.commands.probe import (
+    add_probe_arguments,
+    load_probe_data,
+    probe_classes,
+    run_probe,
+)
 from private_engine.commands.probe import synthetic_clusters as _synthetic
-from private_engine.heads.probe import METHODS, format_table, probe_sweep
 from private_engine.foundation.randomness import ReproducibleRandomnessWarning
+from private_engine.heads.probe import METHODS, format_table, probe_sweep
 
 
 def parse(argv):

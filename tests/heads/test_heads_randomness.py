@@ -10,12 +10,17 @@ import numpy as np
 import pytest
 import torch
 
-from private_engine.heads import (DPAdamHead, DPFeatureCovariance, DPLeastSquares, DPMeanEstimator,
-                                  DPNewton)
+from private_engine.foundation.randomness import MT_N, ReproducibleRandomnessWarning, mt_init
+from private_engine.heads import (
+    DPAdamHead,
+    DPFeatureCovariance,
+    DPLeastSquares,
+    DPMeanEstimator,
+    DPNewton,
+)
 from private_engine.heads._noise import NoiseSource
 from private_engine.heads.probe import probe_sweep
 from private_engine.heads.warmup import _dp_generator
-from private_engine.foundation.randomness import MT_N, ReproducibleRandomnessWarning, mt_init
 
 CLASSES = [0, 1, 2]  # the public label set of data()
 HEADS = {

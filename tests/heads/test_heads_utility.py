@@ -5,9 +5,14 @@ import math
 import numpy as np
 import pytest
 
-from private_engine.heads import (DPAdamHead, DPFeatureCovariance, DPLeastSquares, DPMeanEstimator,
-                                  DPNewton)
 from private_engine.commands.probe import synthetic_clusters as _synthetic
+from private_engine.heads import (
+    DPAdamHead,
+    DPFeatureCovariance,
+    DPLeastSquares,
+    DPMeanEstimator,
+    DPNewton,
+)
 
 # fixed seeds make these checks reproducible (each such fit warns)
 pytestmark = pytest.mark.filterwarnings(

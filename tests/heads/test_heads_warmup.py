@@ -7,8 +7,12 @@ import pytest
 import torch
 from torch import nn
 
-from private_engine.heads.warmup import (WarmupClassifier, residual_loss, warmup_accuracy,
-                                         warmup_finetune)
+from private_engine.heads.warmup import (
+    WarmupClassifier,
+    residual_loss,
+    warmup_accuracy,
+    warmup_finetune,
+)
 
 
 def test_residual_loss_formula_and_gradient():

@@ -12,8 +12,11 @@ from reference import assert_close_rel, reference_clipped_sum
 from tiny_lm import VOCAB, pad_collator, sample_loss, texts, tiny_gpt2
 
 transformers = pytest.importorskip("transformers")
-from private_engine.integrations.transformers import (DPTrainer, FixedBatchesWarning,  # noqa: E402
-                                                      PrivacyArguments)
+from private_engine.integrations.transformers import (  # noqa: E402
+    DPTrainer,
+    FixedBatchesWarning,
+    PrivacyArguments,
+)
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.filterwarnings("ignore::UserWarning:opacus")]

@@ -6,11 +6,11 @@ import pytest
 import torch
 from torch import nn
 
+from engine_checks import gen_for
+from private_engine.foundation.dtypes import cast_down
 from private_engine.layers import conv as conv_rule
 from private_engine.layers import find_rule
-from private_engine.foundation.dtypes import cast_down
 from private_engine.layers.rounding import certified_ghost, gamma, unit_roundoff
-from engine_checks import gen_for
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -214,8 +214,9 @@ def test_weight_norm_matches_reference(kind, mode):
 def test_spectral_norm_stays_refused():
     """spectral_norm's power iteration writes its buffers from the data in every training forward:
     refused, naming the buffer."""
-    import private_engine as pe
     from torch.nn.utils import parametrizations
+
+    import private_engine as pe
 
     torch.manual_seed(0)
     model = nn.Sequential(parametrizations.spectral_norm(nn.Linear(3, 4)))

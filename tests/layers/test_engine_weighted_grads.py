@@ -6,6 +6,7 @@ from torch import nn
 
 from private_engine.layers import find_rule
 
+
 def weight_frozen(module):
     module.weight.requires_grad_(False)
     return module

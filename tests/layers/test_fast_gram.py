@@ -5,9 +5,9 @@ bfloat16 and float16; and it is within 10⁻³ of the norm for honest samples.""
 import pytest
 import torch
 
+from engine_checks import gen_for
 from private_engine.layers.gram import certified_ghost_sq, fast_ghost_bound
 from private_engine.layers.rounding import pair_norms
-from engine_checks import gen_for
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from private_engine.layers import find_rule
 from engine_checks import gen_for
+from private_engine.layers import find_rule
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import private_engine as pe
-from private_engine.guards import model_check
 from engine_checks import MODES, check_against_reference, gen_for, make_engine, target_like
+from private_engine.guards import model_check
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

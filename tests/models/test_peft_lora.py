@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from test_tied_weights import gpt2, hf_lm_loss, opacus_step
 
 from engine_checks import check_against_reference
-from test_tied_weights import gpt2, hf_lm_loss, opacus_step
 from reference import assert_close_rel, reference_clipped_sum
 
 pytestmark = pytest.mark.usefixtures("one_thread")

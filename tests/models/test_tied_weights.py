@@ -19,8 +19,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import private_engine as pe
-from private_engine import opacus_compat
 from engine_checks import CLIPS, MODES, check_against_reference
+from private_engine import opacus_compat
 from reference import assert_close_rel, reference_clipped_sum
 from tied_models import SharedLinear
 

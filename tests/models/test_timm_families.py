@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import private_engine as pe
-from private_engine.guards import model_check
 from engine_checks import MODES, check_against_reference, gen_for, make_engine
+from private_engine.guards import model_check
 from reference import assert_close_rel
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]

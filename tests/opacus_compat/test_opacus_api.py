@@ -6,6 +6,7 @@ from __future__ import annotations
 import opacus
 import pytest
 import torch
+from compat_cases import TinyMHA, data_for, make_compat, mlp
 from opacus.layers import DPMultiheadAttention
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -13,7 +14,6 @@ from torch.utils.data import DataLoader, TensorDataset
 import private_engine as pe
 from private_engine import opacus_compat
 from private_engine.opacus_compat import PrivateModule
-from compat_cases import TinyMHA, data_for, make_compat, mlp
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from compat_cases import MODELS, TextLSTM, TinyMHA, assert_same_run, data_for, make_compat
 from torch import nn
 
 import private_engine as pe
-from compat_cases import MODELS, TextLSTM, TinyMHA, assert_same_run, data_for, make_compat
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -63,6 +63,7 @@ def test_make_private_leaves_no_mark_on_sequence_bias():
     the native engine (which does not move SequenceBias' tensors to batch-first) still refuses the
     model afterwards."""
     from opacus.layers.dp_multihead_attention import SequenceBias
+
     from private_engine.opacus_compat.sequence_bias import PREPARED
 
     model = TinyMHA(add_bias_kv=True).double()

@@ -15,13 +15,13 @@ from __future__ import annotations
 import opacus
 import pytest
 import torch
+from compat_cases import MODELS, TOL, assert_same_run, data_for, mlp, train
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import private_engine as pe
 from private_engine import opacus_compat
 from reference import reference_clipped_sum
-from compat_cases import MODELS, TOL, assert_same_run, data_for, mlp, train
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 

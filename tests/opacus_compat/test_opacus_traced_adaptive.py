@@ -13,10 +13,10 @@ import opacus
 import pytest
 import torch
 import torch.nn.functional as F
+from compat_cases import mlp
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from compat_cases import mlp
 from engine_checks import pick_threshold, ref_abadi
 from private_engine import opacus_compat
 from private_engine.layers import register_fallback

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
+from private_engine import optim as pe_optim
 from private_engine.foundation import randomness
 from private_engine.optim import cpu_noise
-from private_engine import optim as pe_optim
 
 
 @pytest.fixture

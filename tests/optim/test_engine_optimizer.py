@@ -9,8 +9,16 @@ import torch.nn.functional as F
 from torch import nn
 
 import private_engine as pe
-from engine_checks import (MODES, RTOL, gen_for, make_engine, pick_threshold, quadratic_loss,
-                           ref_abadi, target_like)
+from engine_checks import (
+    MODES,
+    RTOL,
+    gen_for,
+    make_engine,
+    pick_threshold,
+    quadratic_loss,
+    ref_abadi,
+    target_like,
+)
 from reference import assert_close_rel, reference_clipped_sum
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from private_engine import opacus_compat
 import private_engine.data
+from private_engine import opacus_compat
 from private_engine.data import poisson_loader
 from private_engine.heads.warmup import warmup_finetune
 from private_engine.optim.noise import ReproducibleNoiseWarning

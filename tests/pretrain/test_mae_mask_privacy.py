@@ -33,10 +33,16 @@ import private_engine.data
 import private_engine.engine
 import private_engine.optim
 from engine_checks import MODES
-from private_engine.pretrain import (DPMAEConfig, KeyedMasks, SyntheticConfig, SyntheticImages,
-                                     build_mae, dp_mae_train, pretrain_synthetic)
 from private_engine.foundation.randomness import ReproducibleRandomnessWarning
-
+from private_engine.pretrain import (
+    DPMAEConfig,
+    KeyedMasks,
+    SyntheticConfig,
+    SyntheticImages,
+    build_mae,
+    dp_mae_train,
+    pretrain_synthetic,
+)
 
 R = 0.1  # max_grad_norm (the paper's C)
 B = 32  # declared (expected) logical batch size

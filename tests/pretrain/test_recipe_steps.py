@@ -7,9 +7,18 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from private_engine.pretrain import (DPMAEConfig, SyntheticConfig, SyntheticImages, build_mae,
-                                     dp_mae_train, encoder_features, format_comparison,
-                                     pretrain_synthetic, probe_encoder, reconstruction_loss)
+from private_engine.pretrain import (
+    DPMAEConfig,
+    SyntheticConfig,
+    SyntheticImages,
+    build_mae,
+    dp_mae_train,
+    encoder_features,
+    format_comparison,
+    pretrain_synthetic,
+    probe_encoder,
+    reconstruction_loss,
+)
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.filterwarnings("ignore:Optimal order")]

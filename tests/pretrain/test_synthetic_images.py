@@ -5,8 +5,7 @@ import time
 import pytest
 import torch
 
-from private_engine.pretrain.synthetic import (CHUNK, FAMILIES, SyntheticImages,
-                                               synthetic_images)
+from private_engine.pretrain.synthetic import CHUNK, FAMILIES, SyntheticImages, synthetic_images
 
 
 def test_deterministic_and_prefix_stable():

@@ -24,11 +24,27 @@ import os
 import pytest
 import torch
 
-from test_privacy_under_attack import (BF16, CANCELLATION, DOOR_IDS, DOORS, EMBEDDING, FIXED_SCALE,
-                                       MAGNITUDES, BOOK_KEEPING, assert_bounded, assert_large,
-                                       bf16_case, cancellation_case, conv_case, embedding_case,
-                                       fp16_case, layer_norm_case, magnitude_case, run_pair,
-                                       tied_case)
+from test_privacy_under_attack import (
+    BF16,
+    BOOK_KEEPING,
+    CANCELLATION,
+    DOOR_IDS,
+    DOORS,
+    EMBEDDING,
+    FIXED_SCALE,
+    MAGNITUDES,
+    assert_bounded,
+    assert_large,
+    bf16_case,
+    cancellation_case,
+    conv_case,
+    embedding_case,
+    fp16_case,
+    layer_norm_case,
+    magnitude_case,
+    run_pair,
+    tied_case,
+)
 
 pytestmark = [pytest.mark.cuda, pytest.mark.filterwarnings("ignore"),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

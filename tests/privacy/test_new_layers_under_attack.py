@@ -9,12 +9,20 @@ from typing import Callable, Dict, Tuple
 
 import pytest
 import torch
-import private_engine as pe
 from torch import nn
 from torch.nn.utils import parametrizations
 
-from test_privacy_under_attack import (DOOR_IDS, DOORS, R, Case, assert_bounded,
-                                       assert_hooks_in_16_bit, run_pair, true_norm)
+import private_engine as pe
+from test_privacy_under_attack import (
+    DOOR_IDS,
+    DOORS,
+    Case,
+    R,
+    assert_bounded,
+    assert_hooks_in_16_bit,
+    run_pair,
+    true_norm,
+)
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.filterwarnings("ignore")]

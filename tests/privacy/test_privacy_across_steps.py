@@ -23,10 +23,23 @@ import torch.nn.functional as F
 from torch import nn
 
 import private_engine as pe
-from test_privacy_under_attack import (B, DOOR_IDS, DOORS, MODES, R, Case, CapturingSGD,
-                                       assert_bounded, assert_large, large_vector_case, mlp,
-                                       honest_vectors, opacus_objective, opacus_private,
-                                       run_pair)
+from test_privacy_under_attack import (
+    DOOR_IDS,
+    DOORS,
+    MODES,
+    B,
+    CapturingSGD,
+    Case,
+    R,
+    assert_bounded,
+    assert_large,
+    honest_vectors,
+    large_vector_case,
+    mlp,
+    opacus_objective,
+    opacus_private,
+    run_pair,
+)
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.filterwarnings("ignore")]

@@ -39,10 +39,28 @@ from torch import nn
 
 import private_engine as pe
 from private_engine import opacus_compat
-from test_privacy_under_attack import (B, DOORS, DOOR_IDS, FLOWS, MODES, R, CapturingSGD, Case,
-                                       Mixer, Refused, assert_bounded, honest_vectors,
-                                       large_vector_case, mse, opacus_objective, opacus_private,
-                                       ratio, refused, released, run_pair)
+from test_privacy_under_attack import (
+    DOOR_IDS,
+    DOORS,
+    FLOWS,
+    MODES,
+    B,
+    CapturingSGD,
+    Case,
+    Mixer,
+    R,
+    Refused,
+    assert_bounded,
+    honest_vectors,
+    large_vector_case,
+    mse,
+    opacus_objective,
+    opacus_private,
+    ratio,
+    refused,
+    released,
+    run_pair,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread"),
               pytest.mark.filterwarnings("ignore")]

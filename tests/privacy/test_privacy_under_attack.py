@@ -44,8 +44,8 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import pytest
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import private_engine as pe

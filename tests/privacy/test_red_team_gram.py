@@ -33,11 +33,25 @@ from torch import nn
 
 import private_engine as pe
 from private_engine import opacus_compat
-from private_engine.layers.gram import (CHUNK, certified_ghost_sq, certified_token_ghost_sq,
-                                        fast_ghost_bound)
+from private_engine.layers.gram import (
+    CHUNK,
+    certified_ghost_sq,
+    certified_token_ghost_sq,
+    fast_ghost_bound,
+)
 from private_engine.layers.rounding import ETA32, ETA_TENSOR_CORE, pair_norms, row_norms64
-from test_privacy_under_attack import (B, R, Case, CapturingSGD, assert_bounded, mse,
-                                       opacus_private, released, run_pair, true_norm)
+from test_privacy_under_attack import (
+    B,
+    CapturingSGD,
+    Case,
+    R,
+    assert_bounded,
+    mse,
+    opacus_private,
+    released,
+    run_pair,
+    true_norm,
+)
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings("ignore")]
 

@@ -26,9 +26,25 @@ from torch import nn
 
 import private_engine as pe
 from private_engine import opacus_compat
-from test_privacy_under_attack import (B, DOOR_IDS, DOORS, MODES, R, CapturingSGD, Case,
-                                       assert_bounded, honest_vectors, large_vector_case, mlp, mse,
-                                       native_release, opacus_private, refused, released, run_pair)
+from test_privacy_under_attack import (
+    DOOR_IDS,
+    DOORS,
+    MODES,
+    B,
+    CapturingSGD,
+    Case,
+    R,
+    assert_bounded,
+    honest_vectors,
+    large_vector_case,
+    mlp,
+    mse,
+    native_release,
+    opacus_private,
+    refused,
+    released,
+    run_pair,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread"),
               pytest.mark.filterwarnings("ignore")]

@@ -19,14 +19,27 @@ from typing import Callable
 import pytest
 import torch
 import torch.nn.functional as F
+from test_red_team_round2 import DropoutModel, centred_mean, native_custom, opacus_custom, pair_of
 from torch import nn
 
 import private_engine as pe
-from test_privacy_under_attack import (B, DOOR_IDS, DOORS, MODES, R, CapturingSGD, Case,
-                                       assert_bounded, honest_vectors, large_vector_case, mlp, mse,
-                                       refused, released, run_pair)
-from test_red_team_round2 import (DropoutModel, centred_mean, native_custom, opacus_custom,
-                                  pair_of)
+from test_privacy_under_attack import (
+    DOOR_IDS,
+    DOORS,
+    MODES,
+    B,
+    CapturingSGD,
+    Case,
+    R,
+    assert_bounded,
+    honest_vectors,
+    large_vector_case,
+    mlp,
+    mse,
+    refused,
+    released,
+    run_pair,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread"),
               pytest.mark.filterwarnings("ignore")]
@@ -391,8 +404,13 @@ def test_a_detached_alias_keeps_its_rows_after_an_in_place_mixing_write(door, ho
 
 # -- 9. the feature heads: what the fit reveals besides the noised statistics -------------------
 def _heads():
-    from private_engine.heads import (DPAdamHead, DPFeatureCovariance, DPLeastSquares,
-                                      DPMeanEstimator, DPNewton)
+    from private_engine.heads import (
+        DPAdamHead,
+        DPFeatureCovariance,
+        DPLeastSquares,
+        DPMeanEstimator,
+        DPNewton,
+    )
     return {"least_squares": DPLeastSquares, "mean": DPMeanEstimator, "newton": DPNewton,
             "adam": DPAdamHead, "covariance": DPFeatureCovariance}
 

@@ -47,6 +47,5 @@ from .entries import Derived, Entry, EntryLedger
 from .mode import ParamTracer
 from .refusals import UnsupportedEntryError, reparametrization_message
 
-
 __all__ = ["Derived", "Entry", "EntryLedger", "ParamTracer", "UnsupportedEntryError",
            "reparametrization_message"]

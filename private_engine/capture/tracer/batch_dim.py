@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
 _TRANSPOSES = {torch.Tensor.transpose, torch.transpose, torch.Tensor.swapaxes, torch.swapaxes,
                torch.Tensor.swapdims, torch.swapdims}
 _PERMUTES = {torch.Tensor.permute, torch.permute}

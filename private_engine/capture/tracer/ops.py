@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 
-
 #: elementwise ops with broadcasting at which a derived tensor may meet batched data
 _ELEMENTWISE_NAMES = ("add", "sub", "mul", "div", "true_divide", "rsub", "where", "addcmul")
 ELEMENTWISE = set()

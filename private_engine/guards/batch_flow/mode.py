@@ -11,13 +11,24 @@ from typing import Any, Dict, List, NamedTuple, Optional, Set, Tuple
 import torch
 from torch import nn
 from torch.nn.parameter import UninitializedTensorMixin
-from torch.utils._python_dispatch import (TorchDispatchMode, _get_current_dispatch_mode,
-                                          _get_current_dispatch_mode_stack)
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _get_current_dispatch_mode,
+    _get_current_dispatch_mode_stack,
+)
 
 from ...capture.fallback import replaying
 from ..separability import BatchMixingError
-from .rules import (RULES, VALUE_FREE, flat_tensors, inputs_of, is_pointwise, pointwise, summed,
-                    written)
+from .rules import (
+    RULES,
+    VALUE_FREE,
+    flat_tensors,
+    inputs_of,
+    is_pointwise,
+    pointwise,
+    summed,
+    written,
+)
 from .tags import Iota, Mix, Mixed, Rows, Summed, first_mixed, join, mixed, user_line
 
 aten = torch.ops.aten

@@ -13,8 +13,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .tags import (Iota, Mix, Rows, Summed, broadcast_shapes, dims_arg, join, norm_dim,
-                   reshape_rows)
+from .tags import Iota, Mix, Rows, Summed, broadcast_shapes, dims_arg, join, norm_dim, reshape_rows
 
 aten = torch.ops.aten
 Tag = Any

@@ -9,10 +9,15 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from .fingerprints import (DEFAULT_TOLERANCE, TOLERANCES, Fingerprints, compare_rows,
-                           overflowed_rows, samples_reached)
+from .fingerprints import (
+    DEFAULT_TOLERANCE,
+    TOLERANCES,
+    Fingerprints,
+    compare_rows,
+    overflowed_rows,
+    samples_reached,
+)
 from .graph import ComparisonPoint, graph_dtypes, leading_points, tf32_allowed, walk_graph
-
 
 #: exponent ranges ``(lo, hi)`` of the weights 2^e, tried in turn while the weighted pass
 #: overflows (float16: both passes are scaled up first, the weights only scale down)

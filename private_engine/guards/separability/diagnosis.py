@@ -11,7 +11,6 @@ import torch
 from .fingerprints import Fingerprints, compare_rows, is_batched
 from .graph import ComparisonPoint, ancestors, walk_graph
 
-
 _ADVICE = (
     "Per-sample clipping bounds each sample's influence only if every op acts on each sample "
     "(row of dim 0) separately: no reductions, sorting, flipping or softmax over the batch "

@@ -13,7 +13,6 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-
 #: relative tolerance of the row comparison by the lowest precision in the graph (default:
 #: DEFAULT_TOLERANCE); float32 on CUDA with TF32 allowed counts as float16 (same mantissa)
 TOLERANCES = {torch.float16: 2e-2, torch.bfloat16: 5e-2}

@@ -19,7 +19,6 @@ from .diagnosis import mixing_error
 from .graph import ComparisonPoint, reached_forwards, target_points
 from .inputs import PendingForward, arm, collect_tensors, first_batch, signature
 
-
 #: probed input signatures kept (least recently used dropped first), as ``hooks.py`` caps dims
 MAX_SIGNATURES = 256
 #: forwards with an unprobed signature remembered until the next check (the most recent ones)
