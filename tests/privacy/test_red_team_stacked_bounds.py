@@ -1,0 +1,245 @@
+"""Red team of the stacked certified bounds: the ghost-norm bounds of many Linears formed together
+at the end of the norm pass (:class:`private_engine.layers.ghost_stack.GhostBoundStack`), the
+LayerNorm per-sample gradients of one shape instantiated together
+(:class:`private_engine.layers.norm_stack.LayerNormGradStack`) and the clip factors repeated per
+position (:func:`private_engine.layers.linear.row_factors`), attacked.
+
+Same contract and harness as tests/privacy/test_privacy_under_attack.py: noise 0, SGD at lr 1,
+one step with and without the attacker's sample (same other samples, declared batch size B)::
+
+    ratio = B·‖Δ(released)‖ / R  ≤  1 + 1e-6
+
+or both runs refused with a ValueError before anything is released. The stack is also checked
+directly: each layer's stacked bound against the per-layer certificate
+(:meth:`LinearRule.certified_norm_sq`) and against the float64 per-sample gradient norm, with
+crafted operands in some layers beside honest ones in the same batched Gram, and the chunk sizes
+forced down so that every layer falls in its own chunk.
+"""
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import private_engine as pe
+from private_engine.clipping import clipper as clipper_module
+from private_engine.layers import ghost_stack
+from private_engine.layers.ghost_stack import GhostBoundStack
+from private_engine.layers.linear import LinearRule, row_factors
+from test_privacy_under_attack import (B, DOOR_IDS, DOORS, MODES, R, Case, CapturingSGD,
+                                       assert_bounded, assert_large, honest_positions, mse,
+                                       native_release, opposite_targets, released, run_pair)
+
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings("ignore")]
+
+
+# -- 1. the stack against the per-layer certificate and the float64 truth --------------------------
+def exact_norm_sq(a: torch.Tensor, g: torch.Tensor, bias: bool) -> torch.Tensor:
+    """``‖g_iᵀ a_i‖²_F (+ ‖Σ_t g_{i,t}‖²)`` in float64, one per-sample gradient each."""
+    a, g = a.double(), g.double()
+    n = torch.einsum("ntp,ntd->npd", g, a).flatten(1).pow(2).sum(1)
+    return n + g.sum(1).pow(2).sum(1) if bias else n
+
+
+def craft(a: torch.Tensor, g: torch.Tensor, kind: str, i: int) -> None:
+    """Make sample ``i`` of one layer's operands hostile, in place."""
+    if kind == "cancel":  # two almost equal inputs, opposite output gradients
+        x = torch.randn(a.shape[2]) * 1e4
+        a[i, 0], a[i, 1] = x, (x.double() * (1 + 1e-5)).float()
+        u = torch.randn(g.shape[2]) * 1e3
+        g[i, 0], g[i, 1] = u, -u
+        g[i, 2:] = 0
+    elif kind == "huge":
+        a[i] *= 1e30
+    elif kind == "huge-g":
+        g[i] *= 1e30
+        a[i] *= 1e10
+    elif kind == "tiny":
+        a[i] *= 1e-30
+        g[i] *= 1e-30
+    elif kind == "subnormal":
+        a[i], g[i] = 1e-40, 1e-40
+    elif kind == "inf":
+        a[i, 0, 0] = math.inf
+    elif kind == "nan":
+        g[i, 1, 2] = math.nan
+    elif kind == "one-loose-row":  # loose in this layer only
+        a[i, 0] *= 1e15
+        g[i, 1] *= 1e-10
+
+
+#: (N, T, D, P, dtype, trained bias) per layer: groups of one shape beside other shapes and T
+SPECS = [(4, 2, 8, 8, torch.float32, False), (4, 5, 8, 16, torch.float32, True),
+         (4, 2, 8, 8, torch.bfloat16, True), (4, 5, 16, 8, torch.float32, False),
+         (4, 2, 8, 8, torch.float32, True), (4, 2, 8, 8, torch.bfloat16, False),
+         (4, 5, 8, 16, torch.float32, True), (4, 2, 8, 8, torch.float32, False)]
+
+
+@pytest.mark.parametrize("chunks", ["default", "one-layer-per-chunk"])
+@pytest.mark.parametrize("kind", ["cancel", "huge", "huge-g", "tiny", "subnormal", "inf", "nan",
+                                  "one-loose-row"])
+def test_stacked_bounds_are_the_per_layer_certificates(kind, chunks, monkeypatch):
+    """Every second layer's operands crafted (a different sample in each), the others honest, all
+    handed to one stack: each layer's stacked bound is its per-layer certificate (to 1e-10, finite
+    in the same samples) and above its float64 per-sample norm²."""
+    if chunks != "default":
+        monkeypatch.setattr(ghost_stack, "BOUND_ELEMENTS", 1)
+        monkeypatch.setattr(ghost_stack, "STACK_ELEMENTS", 40)
+    gen = torch.Generator().manual_seed(3)
+    torch.manual_seed(0)
+    rule, stack, ops = LinearRule(), GhostBoundStack(), []
+    for n, (N, T, D, P, dtype, bias) in enumerate(SPECS):
+        a, g = torch.randn(N, T, D, generator=gen), torch.randn(N, T, P, generator=gen)
+        if n % 2 == 0:
+            craft(a, g, kind, n % N)
+        a, g = a.to(dtype), g.to(dtype)
+        m = nn.Linear(D, P, bias=bias)
+        assert rule.defer_ghost_norm_sq(m, [(a, g)], stack)
+        ops.append((m, a, g, bias))
+    stack.take()
+    assert len(stack) == 0 and len(stack.rows) == len(ops)
+    for row, (m, a, g, bias) in zip(stack.rows, ops):
+        own = rule.certified_norm_sq(m, [(a, g)], True)
+        true = exact_norm_sq(a, g, bias)
+        assert torch.equal(torch.isfinite(row), torch.isfinite(own))
+        fin = torch.isfinite(own)
+        assert torch.allclose(row[fin], own[fin], rtol=1e-10, atol=0)
+        assert bool((row[torch.isfinite(true)] >= true[torch.isfinite(true)]).all())
+
+
+# -- 2. end to end: many Linears of one shape, batched together -----------------------------------
+W = 16  # every layer's width: one operand shape, one batched Gram
+
+
+def chain(depth: int = 4, seed: int = 0) -> nn.Module:
+    """``depth`` Linear(W, W) in a row (no activation: every layer of the crafted sample cancels)."""
+    torch.manual_seed(seed)
+    return nn.Sequential(*[nn.Linear(W, W) for _ in range(depth)])
+
+
+def cancel_sample(model: nn.Module, M: float = 1e4, eps: float = 1e-5, K: float = 1e3,
+                  seed: int = 19, width: int = W):
+    """Two positions with inputs ``x, x(1+ε)`` (|x| ~ M) and targets giving output gradients
+    ``±2u`` (|u| ~ K): the ghost norm cancels in float32 in every layer the two positions reach."""
+    g = torch.Generator().manual_seed(seed)
+    x1 = torch.randn(width, generator=g) * M
+    x = torch.stack([x1, (x1.double() * (1 + eps)).float()])[None]
+    with torch.no_grad():
+        y = model(x)
+    return x, opposite_targets(y, torch.randn(y.shape[-1], generator=g) * K)
+
+
+def chain_case(depth: int = 4) -> Case:
+    """The chain with 3 honest samples and one cancelling sample."""
+    model = chain(depth)
+    return Case(model, honest_positions(model, W, W), cancel_sample(model))
+
+
+#: how the stack is squeezed: name -> {(module, attribute): value}
+SQUEEZES = {
+    "default": {},
+    # every layer in its own chunk of the (L, N, T, T) stack and of the stacked operands
+    "chunked": {(ghost_stack, "BOUND_ELEMENTS"): 1, (ghost_stack, "STACK_ELEMENTS"): 2 * B * W},
+    # two-pass modes: the held-gradient limit crossed after the first two layers
+    "held-limit": {(clipper_module, "HELD_GRADIENTS"): 2 * B * 2 * W + 1},
+}
+
+
+@pytest.mark.parametrize("squeeze", list(SQUEEZES))
+@pytest.mark.parametrize("door,how", DOORS, ids=DOOR_IDS)
+def test_cancellation_in_a_stack_of_identical_linears(door, how, squeeze, monkeypatch):
+    """Four Linear(16, 16) on two positions (one batched Gram per operand), the crafted sample
+    cancelling in each: bounded with the default chunks, one layer per chunk, and the two-pass
+    held-gradient limit crossed in the middle of the norm pass."""
+    for (module, name), value in SQUEEZES[squeeze].items():
+        monkeypatch.setattr(module, name, value)
+    case = chain_case()
+    assert_large(case)
+    assert_bounded(*run_pair(case, door, how), what=f"{door}-{how}-{squeeze}")
+
+
+class TwoBranches(nn.Module):
+    """``head(left(x[..., :W]) + right(x[..., W:]))``: three Linears of one shape; a sample can
+    cancel in ``left`` and ``head`` while it is honest in ``right``."""
+
+    def __init__(self):
+        super().__init__()
+        self.left, self.right, self.head = nn.Linear(W, W), nn.Linear(W, W), nn.Linear(W, W)
+
+    def forward(self, x):
+        return self.head(self.left(x[..., :W]) + self.right(x[..., W:]))
+
+
+def branch_case(scale: float) -> Case:
+    """The crafted sample's left half cancels (|x| ~ 1e4), its right half is honest, times
+    ``scale`` (1e-30: its right-hand rows are tiny, its left-hand rows huge)."""
+    torch.manual_seed(0)
+    model = TwoBranches()
+    honest = honest_positions(model, 2 * W, W)
+    x, _ = cancel_sample(model.left, width=W)
+    right = torch.randn(1, 2, W, generator=torch.Generator().manual_seed(4)) * 0.1 * scale
+    x = torch.cat([x, right], -1)
+    with torch.no_grad():
+        y = model(x)
+    u = torch.randn(W, generator=torch.Generator().manual_seed(5)) * 1e3
+    return Case(model, honest, (x, opposite_targets(y, u)))
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-30])
+@pytest.mark.parametrize("door,how", DOORS, ids=DOOR_IDS)
+def test_sample_loose_in_some_layers_only(door, how, scale):
+    """A sample loose (second try) in two layers of a batched group but not in the third."""
+    case = branch_case(scale)
+    assert_large(case)
+    assert_bounded(*run_pair(case, door, how), what=f"{door}-{how}")
+
+
+class Twice(nn.Module):
+    """One Linear applied twice (two calls: its bound is formed at once, never deferred) beside
+    a Linear of the same shape called once."""
+
+    def __init__(self):
+        super().__init__()
+        self.twice, self.once = nn.Linear(W, W), nn.Linear(W, W)
+
+    def forward(self, x):
+        return self.once(self.twice(self.twice(x)))
+
+
+@pytest.mark.parametrize("door,how", DOORS, ids=DOOR_IDS)
+def test_linear_called_twice_beside_a_stacked_one(door, how):
+    """The crafted sample cancels through a Linear called twice and the stacked one after it."""
+    torch.manual_seed(0)
+    model = Twice()
+    case = Case(model, honest_positions(model, W, W), cancel_sample(model))
+    assert_large(case)
+    assert_bounded(*run_pair(case, door, how), what=f"{door}-{how}")
+
+
+def frozen_chain(which: str) -> nn.Module:
+    """The chain with the weights of layers 1 and 3 frozen (their biases trained) or their biases
+    only trainable on a bias-free neighbour: trained and partly trained layers of one shape."""
+    model = chain()
+    for n in (1, 3):
+        model[n].weight.requires_grad_(False)
+    if which == "bias-only-and-no-bias":
+        model[2] = nn.Linear(W, W, bias=False)
+    return model
+
+
+@pytest.mark.parametrize("which", ["frozen-weights", "bias-only-and-no-bias"])
+@pytest.mark.parametrize("magnitude", ["cancel", "huge"])
+@pytest.mark.parametrize("door,how", DOORS, ids=DOOR_IDS)
+def test_frozen_weights_with_trained_biases_in_a_stack(door, how, magnitude, which):
+    """Layers whose weight is frozen (bias trained) between stacked layers of one shape."""
+    model = frozen_chain(which)
+    if magnitude == "cancel":
+        crafted = cancel_sample(model)
+    else:
+        x = torch.full((1, 2, W), 1e30)
+        crafted = (x, torch.full((1, 2, W), -1e30))
+    case = Case(model, honest_positions(model, W, W), crafted)
+    assert_bounded(*run_pair(case, door, how), may_refuse=False, what=f"{door}-{how}")
