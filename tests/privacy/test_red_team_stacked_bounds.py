@@ -29,8 +29,9 @@ from private_engine.clipping import clipper as clipper_module
 from private_engine.layers import ghost_stack
 from private_engine.layers.ghost_stack import GhostBoundStack
 from private_engine.layers.linear import LinearRule, row_factors
-from test_privacy_under_attack import (B, DOOR_IDS, DOORS, MODES, R, Case, CapturingSGD,
-                                       assert_bounded, assert_large, honest_positions, mse,
+from test_privacy_under_attack import (B, DOOR_IDS, DOORS, LOWP_TOL, MODES, R, CapturingSGD,
+                                       Case, assert_bounded, assert_hooks_in_16_bit,
+                                       assert_large, autocast, bf16, honest_positions, mse,
                                        native_release, opposite_targets, released, run_pair)
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings("ignore")]
@@ -115,7 +116,7 @@ W = 16  # every layer's width: one operand shape, one batched Gram
 
 
 def chain(depth: int = 4, seed: int = 0) -> nn.Module:
-    """``depth`` Linear(W, W) in a row (no activation: every layer of the crafted sample cancels)."""
+    """``depth`` Linear(W, W) in a row (no activation: each layer of the crafted sample cancels)."""
     torch.manual_seed(seed)
     return nn.Sequential(*[nn.Linear(W, W) for _ in range(depth)])
 
@@ -243,3 +244,169 @@ def test_frozen_weights_with_trained_biases_in_a_stack(door, how, magnitude, whi
         crafted = (x, torch.full((1, 2, W), -1e30))
     case = Case(model, honest_positions(model, W, W), crafted)
     assert_bounded(*run_pair(case, door, how), may_refuse=False, what=f"{door}-{how}")
+
+
+# -- 3. what a failed norm pass leaves ------------------------------------------------------------
+def engine_for(model: nn.Module, mode: str):
+    """A native engine (noise 0, R, batch B) and its capturing SGD on ``model``."""
+    engine = pe.PrivacyEngine(model, batch_size=B, sample_size=10 * B, max_grad_norm=R,
+                              noise_multiplier=0.0, clipping_mode=mode)
+    opt = CapturingSGD(model.parameters())
+    engine.attach(opt)
+    return engine, opt
+
+
+@pytest.mark.parametrize("mode", [m for m in MODES if m != "per_sample"])
+def test_norm_pass_failing_midway_leaves_no_bound_behind(mode, monkeypatch):
+    """The norm pass raises at the third Linear, after two were handed to the stack; the next
+    step (with the crafted sample) releases what a fresh engine releases, and nothing stays in
+    the stacks."""
+    case = chain_case()
+    x, t = case.with_sample
+    model = copy.deepcopy(case.model)
+    engine, opt = engine_for(model, mode)
+    calls = {"n": 0}
+    original = LinearRule.defer_ghost_norm_sq
+
+    def failing(self, module, pairs, stack):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("norm pass interrupted")
+        return original(self, module, pairs, stack)
+
+    monkeypatch.setattr(LinearRule, "defer_ghost_norm_sq", failing)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        opt.step(loss=mse(model(x), t))
+    assert opt.steps == 0
+    monkeypatch.setattr(LinearRule, "defer_ghost_norm_sq", original)
+    clipper = engine.clipper
+    assert len(clipper.ghost_bounds) == 0 and len(clipper.norm_grads) == 0
+    opt.zero_grad(set_to_none=True)
+    opt.step(loss=mse(model(x), t))
+    again = released(model, opt)
+    fresh = native_release(case.model, x, t, mode)
+    assert all(torch.equal(u, v) for u, v in zip(again, fresh))
+    assert_bounded(again, native_release(case.model, *case.honest, mode), what=mode)
+
+
+# -- 4. dtypes ------------------------------------------------------------------------------------
+def bf16_chain_case(seed: int = 16) -> Case:
+    """The chain under bfloat16 autocast: ordinary magnitudes (|x| ~ 20, ε = 2%) cancel in the
+    bfloat16 Grams of every layer (widened to float32 on the CPU)."""
+    model = chain()
+    x, t = honest_positions(model, W, W)
+    g = torch.Generator().manual_seed(seed)
+    x1 = bf16(torch.randn(W, generator=g) * 20)
+    xc = torch.stack([x1, bf16(x1 * 1.02)])[None]
+    with torch.no_grad(), autocast(torch.bfloat16):
+        y = model(xc).float()
+    return Case(model, (bf16(x), t), (xc, opposite_targets(y, torch.randn(W, generator=g) * 20)))
+
+
+@pytest.mark.parametrize("squeeze", ["default", "chunked"])
+@pytest.mark.parametrize("door,how", DOORS, ids=DOOR_IDS)
+def test_bfloat16_autocast_stack(door, how, squeeze, monkeypatch):
+    """Under bfloat16 autocast the stacked operands are bfloat16: bounded (the Opacus door's
+    batch-mean hooks loss is refused, its sum loss bounded)."""
+    for (module, name), value in SQUEEZES[squeeze].items():
+        monkeypatch.setattr(module, name, value)
+    case = bf16_chain_case()
+    assert_large(case)
+    if (door, how) == ("opacus", "hooks"):
+        assert_hooks_in_16_bit(case, torch.bfloat16, what=f"{door}-{how}")
+        return
+    assert_bounded(*run_pair(case, door, how, amp=torch.bfloat16), tol=LOWP_TOL,
+                   what=f"{door}-{how}")
+
+
+@pytest.mark.parametrize("door,how", DOORS, ids=DOOR_IDS)
+def test_float64_stack(door, how):
+    """A float64 chain (no fast Gram path: never stacked) with a 1e150-sized crafted sample."""
+    case = chain_case()
+    model = case.model.double()
+    crafted = (case.crafted[0].double() * 1e150, case.crafted[1].double() * -1e150)
+    honest = tuple(v.double() for v in case.honest)
+    case = Case(model, honest, crafted, loss=lambda y, t: ((y - t) ** 2).flatten(1).sum(1))
+    assert_bounded(*run_pair(case, door, how), what=f"{door}-{how}")
+
+
+# -- 5. LayerNorms of one shape, instantiated together ---------------------------------------------
+class Blocks(nn.Module):
+    """Three ``LayerNorm(W) → Linear(W, W)`` blocks with residuals (a ViT block's norm layout):
+    three LayerNorms and three Linears of one shape each."""
+
+    def __init__(self):
+        super().__init__()
+        self.norms = nn.ModuleList([nn.LayerNorm(W) for _ in range(3)])
+        self.lins = nn.ModuleList([nn.Linear(W, W) for _ in range(3)])
+
+    def forward(self, x):
+        for norm, lin in zip(self.norms, self.lins):
+            x = x + lin(norm(x))
+        return x
+
+
+#: the crafted sample's input: name -> f(honest x row) -> (1, 2, W)
+LN_SAMPLES = {
+    "overflowing-rows": lambda: torch.full((1, 2, W), 1e30) * torch.linspace(-1, 1, W),
+    "one-row-huge": lambda: torch.cat([torch.randn(1, 1, W) * 1e19, torch.randn(1, 1, W)], 1),
+    "subnormal": lambda: torch.full((1, 2, W), 1e-40) * torch.linspace(-1, 1, W),
+    "constant-rows": lambda: torch.full((1, 2, W), 3.0),
+    "inf": lambda: torch.full((1, 2, W), math.inf),
+}
+
+
+@pytest.mark.parametrize("sample", list(LN_SAMPLES))
+@pytest.mark.parametrize("door,how", DOORS, ids=DOOR_IDS)
+def test_layer_norm_stack_with_hostile_rows(door, how, sample):
+    """Rows whose LayerNorm statistics overflow, underflow or vanish, in every block; targets far
+    from the outputs (|t| ~ 1e6)."""
+    torch.manual_seed(0)
+    model = Blocks()
+    honest = honest_positions(model, W, W)
+    x = LN_SAMPLES[sample]()
+    case = Case(model, honest, (x, torch.full((1, 2, W), 1e6)))
+    assert_bounded(*run_pair(case, door, how), may_refuse=False, what=f"{door}-{how}")
+
+
+# -- 6. the clip factors repeated per position ---------------------------------------------------
+def test_row_factors_follow_in_place_changes():
+    """``C ⊗ 1_T`` is formed again after the factors (or the tensor they view) change in place,
+    and for another factors tensor with equal values."""
+    base = torch.tensor([1.0, 0.5, 0.25])
+    f = base[:]
+    assert row_factors(f, 2).tolist() == [1.0, 1.0, 0.5, 0.5, 0.25, 0.25]
+    f.mul_(2)
+    assert row_factors(f, 2).tolist() == [2.0, 2.0, 1.0, 1.0, 0.5, 0.5]
+    base[0] = 0.0  # through the base: the view's version moves too
+    assert row_factors(f, 2)[:2].tolist() == [0.0, 0.0]
+    g = torch.tensor([7.0, 7.0, 7.0])
+    assert row_factors(g, 2).tolist() == [7.0] * 6
+    assert row_factors(f, 3).tolist() == [0.0] * 3 + [1.0] * 3 + [0.5] * 3
+
+
+def narrow_first(seed: int = 0) -> nn.Module:
+    """``Linear(8, W) → Linear(W, W)``: the first layer's bias sum runs through ``C ⊗ 1_T``."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, W), nn.Linear(W, W))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_two_engines_interleaved_share_no_factors(mode):
+    """Two engines on two models in one process, steps interleaved (same T, one with the crafted
+    sample, one without): each releases what it releases alone."""
+    m1, m2 = narrow_first(0), narrow_first(1)
+    x1, t1 = cancel_sample(m1, width=8)
+    h1 = honest_positions(m1, 8, W)
+    batch1 = (torch.cat([h1[0], x1]), torch.cat([h1[1], t1]))
+    batch2 = honest_positions(m2, 8, W, n=B, seed=3)
+    alone = [native_release(m, *b, mode) for m, b in ((m1, batch1), (m2, batch2))]
+    runs = []
+    for m in (m1, m2):
+        m = copy.deepcopy(m)
+        runs.append((m, *engine_for(m, mode)))
+    losses = [mse(m(x), t) for (m, _, _), (x, t) in zip(runs, (batch1, batch2))]
+    for (m, _, opt), loss in zip(runs, losses):
+        opt.step(loss=loss)
+    for (m, _, opt), want in zip(runs, alone):
+        assert all(torch.equal(u, v) for u, v in zip(released(m, opt), want))
