@@ -8,9 +8,10 @@
   Efficient Training of Large Convolutional Neural Networks with Differential Privacy"): the norm
   pass keeps only the norms; a second activation-only backward recomputes each layer's output
   gradient and writes its clipped sum as soon as it arrives. The second backward must reproduce
-  each layer's output gradient bit for bit (a float64 fingerprint per layer); where a
-  non-deterministic kernel changed it, that layer's factors are lowered to its recomputed bound,
-  so the certificate still holds.
+  each layer's output gradient and find its activation unchanged, bit for bit (float64
+  fingerprints per layer); where either changed (a non-deterministic kernel, a write through
+  ``.data``), that layer's factors are lowered to its recomputed bound, so the certificate still
+  holds.
 
 Either way a sample's clip factor multiplies that sample's rows at every layer, and what is
 released is what was normed. Both implement :class:`ReleaseStrategy`, the interface the clipper
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import (TYPE_CHECKING, Callable, Dict, List, NamedTuple, Optional, Protocol,
-                    Sequence)
+                    Sequence, Tuple)
 
 import torch
 from torch import nn
@@ -101,9 +102,13 @@ class FirstPass:
 
 
 def fingerprints(pairs) -> List[torch.Tensor]:
-    """Per call, ``Σ_j g_{r,j}`` of every row r of the output gradient in float64: what a second
-    backward must reproduce for the first pass's norms to certify its release."""
-    return [g.reshape(g.shape[0], -1).sum(1, dtype=torch.float64) for _, g in pairs]
+    """Per call, ``Σ_j g_{r,j}`` of every row r of the output gradient and ``Σ_j a_{r,j}`` of
+    every row of the activation, in float64: what the second backward must find again for the
+    first pass's norms to certify its release (a kernel that is not deterministic can change the
+    former; model code writing an activation through an alias autograd does not see, ``.data``,
+    during the backward, the latter)."""
+    return [t.reshape(t.shape[0], -1).sum(1, dtype=torch.float64)
+            for a, g in pairs for t in (a, g)]
 
 
 def same_tensors(xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor]) -> bool:
@@ -186,8 +191,9 @@ class TwoPass:
         self.leading: list = []
         #: while the second pass runs: what it writes with
         self._second: Optional[SecondPass] = None
-        #: records of the layers whose bound the clipper's ``ghost_bounds`` forms, in order
-        self._deferred: List[FirstPass] = []
+        #: records of the layers whose bound the clipper's ``ghost_bounds`` forms, in order, with
+        #: their calls (fingerprinted when the bounds are formed)
+        self._deferred: List[Tuple[FirstPass, Sequence[Call]]] = []
 
     def start(self) -> None:
         self.first, self.leading, self._deferred = {}, [], []
@@ -202,9 +208,9 @@ class TwoPass:
         defer = getattr(layer.rule, "defer_ghost_norm_sq", None)
         if decision.use_ghost and defer is not None and \
                 defer(layer.module, pairs, clipper.ghost_bounds):
-            first = FirstPass(True, merged, fingerprints(pairs), None)
+            first = FirstPass(True, merged, [], None)
             self.first[id(layer)] = first
-            self._deferred.append(first)
+            self._deferred.append((first, pairs))
             return NormedLayer(decision, None, True)
         contrib = layer.rule.certified_norm_sq(layer.module, pairs, decision.use_ghost)
         self.first[id(layer)] = FirstPass(decision.use_ghost, merged, fingerprints(pairs),
@@ -220,8 +226,9 @@ class TwoPass:
             rows = clipper.ghost_bounds.rows
             if len(rows) != len(self._deferred):
                 raise RuntimeError("internal error: a deferred ghost bound is missing.")
-            for first, row in zip(self._deferred, rows):
-                first.bound = row
+            for (first, pairs), row in zip(self._deferred, rows):
+                # the operands as the bound saw them, at the end of the pass
+                first.bound, first.fingerprints = row, fingerprints(pairs)
             self._deferred = []
             self.leading = inputs
             for extra in clipper.recorder.extras:  # their per-sample gradients are kept
@@ -250,10 +257,10 @@ class TwoPass:
             self._second = None
 
     def _on_layer_released(self, layer: RecordedLayer) -> None:
-        """One layer's clipped sum ``gᵀ·diag(C)·a``. The output gradient must be the norm pass's,
-        bit for bit; if a non-deterministic kernel changed it, the layer's certified bound is
-        computed again and its factors lowered to ``C_i·min(1, N_i/N'_i)`` for this layer, so that
-        its release stays within what the clip factors were computed for."""
+        """One layer's clipped sum ``gᵀ·diag(C)·a``. The output gradient and the activation must
+        be the norm pass's, bit for bit (:func:`fingerprints`); if either changed, the layer's
+        certified bound is computed again and its factors lowered to ``C_i·min(1, N_i/N'_i)`` for
+        this layer, so that its release stays within what the clip factors were computed for."""
         second = self._second
         try:
             if second is None:

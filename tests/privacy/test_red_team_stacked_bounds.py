@@ -410,3 +410,74 @@ def test_two_engines_interleaved_share_no_factors(mode):
         opt.step(loss=loss)
     for (m, _, opt), want in zip(runs, alone):
         assert all(torch.equal(u, v) for u, v in zip(released(m, opt), want))
+
+
+# -- 7. two passes: an activation changed behind autograd between the norm pass and the release --
+class MutatedActivation(nn.Module):
+    """``l2(a)`` with ``a = l1(x)·1``, and a hook on ``l2``'s output gradient that scales ``a`` by
+    ``f`` through its ``.data`` alias (no version bump): the hook fires before ``l2``'s gradient in
+    each backward, so the norm pass bounds ``f·a`` and a second pass would release ``f²·a``."""
+
+    def __init__(self, f: float = 1e3):
+        super().__init__()
+        self.l1, self.l2, self.f = nn.Linear(W, W), nn.Linear(W, W), f
+
+    def forward(self, x):
+        a = self.l1(x) * 1.0
+        y = self.l2(a)
+        if y.requires_grad:
+            y.register_hook(lambda g: self.scale(a))
+        return y
+
+    def scale(self, a: torch.Tensor) -> None:
+        """``a ← f·a`` behind autograd's back."""
+        a.data.mul_(self.f)
+
+
+@pytest.mark.parametrize("door,how", DOORS, ids=DOOR_IDS)
+def test_activation_changed_between_the_two_passes(door, how):
+    """Two-pass modes released ``f²·a`` with factors computed for ``f·a`` (ratio ~894 in "mixed",
+    "ghost" and "per_sample") when only the output gradients were compared between the passes;
+    the activations are compared too, and a layer whose operands changed is released with its
+    factors lowered to its recomputed bound."""
+    torch.manual_seed(0)
+    model = MutatedActivation()
+    case = Case(model, honest_positions(model, W, W), cancel_sample(model))
+    assert_bounded(*run_pair(case, door, how), what=f"{door}-{how}")
+
+
+class AlternatingActivation(nn.Module):
+    """``l2(a)`` with hooks that scale ``a`` through ``.data`` by ``f = 2¹⁰`` just before ``l2``'s
+    output gradient arrives (a hook on ``l2(a)·1``) and by ``1/f`` just after (a hook on
+    ``l1``'s output), exactly: ``l2``'s bound is deferred when ``a`` is ``f·a₀``, formed at the end
+    of the norm pass from ``a₀``, and the second pass writes ``f·a₀`` again."""
+
+    def __init__(self, f: float = 1024.0):
+        super().__init__()
+        self.l1, self.l2, self.f = nn.Linear(W, W), nn.Linear(W, W), f
+
+    def forward(self, x):
+        h = self.l1(x)
+        a = h * 1.0
+        out = self.l2(a) * 1.0
+        if out.requires_grad:
+            out.register_hook(lambda g: self.scale(a, self.f))
+            h.register_hook(lambda g: self.scale(a, 1 / self.f))
+        return out
+
+    @staticmethod
+    def scale(a: torch.Tensor, f: float) -> None:
+        """``a ← f·a`` behind autograd's back."""
+        a.data.mul_(f)
+
+
+@pytest.mark.parametrize("door,how", DOORS, ids=DOOR_IDS)
+def test_activation_restored_between_deferral_and_bound(door, how):
+    """A deferred layer's operands were fingerprinted when handed to the stack but bounded at the
+    end of the pass: an activation changed in between and changed back for the second pass was
+    released with factors for the other value (ratio ~638 in "mixed" and "ghost"). They are
+    fingerprinted as the bound sees them."""
+    torch.manual_seed(0)
+    model = AlternatingActivation()
+    case = Case(model, honest_positions(model, W, W), cancel_sample(model))
+    assert_bounded(*run_pair(case, door, how), what=f"{door}-{how}")
