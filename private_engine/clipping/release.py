@@ -67,6 +67,11 @@ class ReleaseStrategy(Protocol):
     def rows_layer(self, layer: RecordedLayer) -> bool:
         """A layer seeing k·B rows whose per-sample gradients were kept: keep its calls?"""
 
+    def changed_terms(self) -> List[torch.Tensor]:
+        """At the end of the norm pass, before the norms are summed: certified ``(B,)`` terms for
+        the layers whose kept operands changed since they were normed (added to their first
+        terms: the sum still bounds what is released)."""
+
     def norm_pass_done(self, clipper: "PerSampleClipper", inputs: list, ok: bool) -> None:
         """The norm pass is over (``ok``: its norms will be released; ``inputs``: the edges its
         backward asked autograd for)."""
@@ -128,9 +133,13 @@ class BookKeeping:
 
     def __init__(self, mode: str):
         self.mode = mode
+        #: layers normed as soon as their gradient arrived whose ``(a, g)`` are kept for the
+        #: clipped sum at the end of the pass: ``(module, rule, pairs, use_ghost, fingerprints)``
+        self._normed: list = []
 
     def start(self) -> None:
         """A new norm pass begins."""
+        self._normed = []
 
     def layer_norm(self, clipper: "PerSampleClipper", layer: RecordedLayer,
                    pairs: Sequence[Call], dims: Sequence[LayerDims], merged: int) -> NormedLayer:
@@ -147,6 +156,7 @@ class BookKeeping:
             defer = getattr(rule, "defer_ghost_norm_sq", None)
             if defer is not None and defer(module, pairs, clipper.ghost_bounds):
                 return NormedLayer(decision, None, False)  # formed at the end of the pass
+            self._normed.append((module, rule, pairs, True, fingerprints(pairs)))
             return NormedLayer(decision, rule.certified_norm_sq(module, pairs, True), False)
         defer = getattr(rule, "defer_per_sample_grads", None)
         if defer is not None and defer(module, pairs, clipper.norm_grads):
@@ -160,13 +170,26 @@ class BookKeeping:
         contrib = rule.certified_norm_sq(module, pairs, False, grads=grads)
         del grads
         clipper.keep_pairs(module, rule, pairs)
+        self._normed.append((module, rule, pairs, False, fingerprints(pairs)))
         return NormedLayer(decision, contrib, False)
 
     def rows_layer(self, layer: RecordedLayer) -> bool:
         """A layer seeing k·B rows whose per-sample gradients were kept: keep its calls?"""
         return False
 
+    def changed_terms(self) -> List[torch.Tensor]:
+        """The certified norm terms again of the layers whose kept ``(a, g)`` — what their clipped
+        sums are formed from — changed after they were normed (model code writing an activation
+        or gradient through ``.data`` during the backward): ``‖release_i‖²`` of such a layer is
+        below the new term, so the per-sample norm, which also holds its first, still bounds the
+        step's release."""
+        normed, self._normed = self._normed, []
+        return [rule.certified_norm_sq(module, pairs, use_ghost)
+                for module, rule, pairs, use_ghost, prints in normed
+                if not same_tensors(fingerprints(pairs), prints)]
+
     def norm_pass_done(self, clipper: "PerSampleClipper", inputs: list, ok: bool) -> None:
+        self._normed = []
         clipper.recorder.reset()
 
     def release(self, clipper: "PerSampleClipper", loss: Optional[torch.Tensor],
@@ -175,6 +198,7 @@ class BookKeeping:
 
     def reset(self) -> None:
         """Drop what a norm pass left."""
+        self._normed = []
 
 
 class TwoPass:
@@ -220,6 +244,11 @@ class TwoPass:
     def rows_layer(self, layer: RecordedLayer) -> bool:
         self.first[id(layer)] = FirstPass(False, 1, [], None)
         return True
+
+    def changed_terms(self) -> List[torch.Tensor]:
+        """None: the second pass compares each layer's operands with its norm's
+        (:meth:`_on_layer_released`)."""
+        return []
 
     def norm_pass_done(self, clipper: "PerSampleClipper", inputs: list, ok: bool) -> None:
         if ok:

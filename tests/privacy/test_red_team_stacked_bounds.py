@@ -481,3 +481,40 @@ def test_activation_restored_between_deferral_and_bound(door, how):
     model = AlternatingActivation()
     case = Case(model, honest_positions(model, W, W), cancel_sample(model))
     assert_bounded(*run_pair(case, door, how), what=f"{door}-{how}")
+
+
+class MutatedAfterNormed(nn.Module):
+    """``l2`` on one position (never deferred: its bound is formed when its gradient arrives),
+    and a hook on ``l1``'s output — fired after ``l2`` was normed — scaling ``l2``'s activation by
+    ``f`` through ``.data``: book-keeping forms the clipped sum from ``f·a`` at the end of the
+    pass."""
+
+    def __init__(self, f: float = 1e3):
+        super().__init__()
+        self.l1, self.l2, self.f = nn.Linear(W, W), nn.Linear(W, W), f
+
+    def forward(self, x):
+        h = self.l1(x)
+        a = h * 1.0
+        if h.requires_grad:
+            h.register_hook(lambda g: self.scale(a))
+        return self.l2(a)
+
+    def scale(self, a: torch.Tensor) -> None:
+        """``a ← f·a`` behind autograd's back."""
+        a.data.mul_(self.f)
+
+
+@pytest.mark.parametrize("door,how", DOORS, ids=DOOR_IDS)
+def test_activation_changed_after_its_layer_was_normed(door, how):
+    """Book-keeping summed ``f·a`` with factors for ``a`` (ratio ~1000 in "bk", "bk_mixed",
+    "bk_mixopt" and both Opacus flows); a layer normed at once whose kept operands changed by the
+    end of the pass now adds its recomputed bound to the per-sample norm."""
+    torch.manual_seed(0)
+    model = MutatedAfterNormed()
+    x = torch.randn(B, W, generator=torch.Generator().manual_seed(2)) * 0.1
+    with torch.no_grad():
+        t = model.l2(model.l1(x)) + 0.02
+    case = Case(model, (x[:3], t[:3]), (x[3:] * 100, t[3:] - 1e3))
+    assert_large(case)
+    assert_bounded(*run_pair(case, door, how), what=f"{door}-{how}")
