@@ -518,3 +518,33 @@ def test_activation_changed_after_its_layer_was_normed(door, how):
     case = Case(model, (x[:3], t[:3]), (x[3:] * 100, t[3:] - 1e3))
     assert_large(case)
     assert_bounded(*run_pair(case, door, how), what=f"{door}-{how}")
+
+
+# -- 8. factors and bounds across the physical batches of one logical batch ----------------------
+def accumulated_release(model: nn.Module, parts, mode: str):
+    """One logical batch of B in physical batches ``parts`` (``virtual_step`` for all but the
+    last, then ``step``) on a fresh copy of ``model``: what it released."""
+    model = copy.deepcopy(model)
+    _, opt = engine_for(model, mode)
+    for n, (x, t) in enumerate(parts):
+        loss = mse(model(x), t)
+        (opt.step if n == len(parts) - 1 else opt.virtual_step)(loss=loss)
+    assert opt.steps == 1
+    return released(model, opt)
+
+
+@pytest.mark.parametrize("model_of", ["chain", "narrow-first"])
+@pytest.mark.parametrize("mode", MODES)
+def test_crafted_sample_in_an_accumulated_logical_batch(mode, model_of):
+    """Physical batches of 2 and 2 (with the crafted sample) or 2 and 1 (without): the stack and
+    the per-position factors of one physical batch never reach the other."""
+    model = chain() if model_of == "chain" else narrow_first()
+    d = W if model_of == "chain" else 8
+    x, t = honest_positions(model, d, W)
+    xc, tc = cancel_sample(model, width=d)
+    assert_large(Case(model, (x, t), (xc, tc)))
+    first = (x[:2], t[:2])
+    with_run = accumulated_release(model, [first, (torch.cat([x[2:], xc]),
+                                                   torch.cat([t[2:], tc]))], mode)
+    without_run = accumulated_release(model, [first, (x[2:], t[2:])], mode)
+    assert_bounded(with_run, without_run, what=mode)
