@@ -548,3 +548,24 @@ def test_crafted_sample_in_an_accumulated_logical_batch(mode, model_of):
                                                    torch.cat([t[2:], tc]))], mode)
     without_run = accumulated_release(model, [first, (x[2:], t[2:])], mode)
     assert_bounded(with_run, without_run, what=mode)
+
+
+#: the crafted sample's input and target in the chain: name -> (x, t), each (1, 2, W)
+MAGNITUDES = {
+    "huge": (torch.full((1, 2, W), 1e30), torch.full((1, 2, W), -1e30)),
+    "huge-one-position": (torch.cat([torch.full((1, 1, W), 1e18), torch.zeros(1, 1, W)], 1),
+                          torch.zeros(1, 2, W)),
+    "tiny-input-huge-target": (torch.full((1, 2, W), 1e-30), torch.full((1, 2, W), 1e30)),
+    "subnormal": (torch.full((1, 2, W), 1e-40), torch.full((1, 2, W), 1e-40)),
+    "inf": (torch.full((1, 2, W), math.inf), torch.zeros(1, 2, W)),
+    "nan-target": (torch.zeros(1, 2, W), torch.full((1, 2, W), math.nan)),
+}
+
+
+@pytest.mark.parametrize("magnitude", list(MAGNITUDES))
+@pytest.mark.parametrize("door,how", DOORS, ids=DOOR_IDS)
+def test_extreme_magnitudes_in_a_stack(door, how, magnitude):
+    """Overflowing, underflowing and non-finite samples in the chain of identical Linears."""
+    model = chain()
+    case = Case(model, honest_positions(model, W, W), MAGNITUDES[magnitude])
+    assert_bounded(*run_pair(case, door, how), what=f"{door}-{how}")
