@@ -14,6 +14,11 @@ directly: each layer's stacked bound against the per-layer certificate
 (:meth:`LinearRule.certified_norm_sq`) and against the float64 per-sample gradient norm, with
 crafted operands in some layers beside honest ones in the same batched Gram, and the chunk sizes
 forced down so that every layer falls in its own chunk.
+
+Three breaks found here are fixed (each test failed before its fix; the ratio is in its
+docstring): activations written through ``.data`` during the backward, between a layer's norm and
+its clipped sum (section 7). One documented limit is ``xfail(strict=True)``: such a write that
+keeps every row's sum. The other tests are attacks that held, kept as regression tests.
 """
 from __future__ import annotations
 
