@@ -281,6 +281,7 @@ class PerSampleClipper:
         traced parameters' and fallback modules' norms, the kept per-sample gradients grouped, and
         ``‖g_i‖ = (Σ_l N_l²)^{1/2}``: the sum in float64 raised by ``γ^{(64)}_{L+2}`` (L terms, any
         order), the square root by one more ulp."""
+        self._norm_terms.extend(self.strategy.changed_terms())
         for module, grads in self.norm_grads.take():
             self.keep_grads(module, grads)
         self._keep_extra_grads()

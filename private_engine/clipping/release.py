@@ -8,9 +8,10 @@
   Efficient Training of Large Convolutional Neural Networks with Differential Privacy"): the norm
   pass keeps only the norms; a second activation-only backward recomputes each layer's output
   gradient and writes its clipped sum as soon as it arrives. The second backward must reproduce
-  each layer's output gradient bit for bit (a float64 fingerprint per layer); where a
-  non-deterministic kernel changed it, that layer's factors are lowered to its recomputed bound,
-  so the certificate still holds.
+  each layer's output gradient and find its activation unchanged, bit for bit (float64
+  fingerprints per layer); where either changed (a non-deterministic kernel, a write through
+  ``.data``), that layer's factors are lowered to its recomputed bound, so the certificate still
+  holds.
 
 Either way a sample's clip factor multiplies that sample's rows at every layer, and what is
 released is what was normed. Both implement :class:`ReleaseStrategy`, the interface the clipper
@@ -19,7 +20,17 @@ drives; :meth:`ReleaseStrategy.layer_norm` answers with a :class:`NormedLayer`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Dict, List, NamedTuple, Optional, Protocol, Sequence
+from typing import (
+    TYPE_CHECKING,
+    Callable,
+    Dict,
+    List,
+    NamedTuple,
+    Optional,
+    Protocol,
+    Sequence,
+    Tuple,
+)
 
 import torch
 from torch import nn
@@ -65,6 +76,11 @@ class ReleaseStrategy(Protocol):
     def rows_layer(self, layer: RecordedLayer) -> bool:
         """A layer seeing k·B rows whose per-sample gradients were kept: keep its calls?"""
 
+    def changed_terms(self) -> List[torch.Tensor]:
+        """At the end of the norm pass, before the norms are summed: certified ``(B,)`` terms for
+        the layers whose kept operands changed since they were normed (added to their first
+        terms: the sum still bounds what is released)."""
+
     def norm_pass_done(self, clipper: "PerSampleClipper", inputs: list, ok: bool) -> None:
         """The norm pass is over (``ok``: its norms will be released; ``inputs``: the edges its
         backward asked autograd for)."""
@@ -100,9 +116,13 @@ class FirstPass:
 
 
 def fingerprints(pairs) -> List[torch.Tensor]:
-    """Per call, ``Σ_j g_{r,j}`` of every row r of the output gradient in float64: what a second
-    backward must reproduce for the first pass's norms to certify its release."""
-    return [g.reshape(g.shape[0], -1).sum(1, dtype=torch.float64) for _, g in pairs]
+    """Per call, ``Σ_j g_{r,j}`` of every row r of the output gradient and ``Σ_j a_{r,j}`` of
+    every row of the activation, in float64: what the second backward must find again for the
+    first pass's norms to certify its release (a kernel that is not deterministic can change the
+    former; model code writing an activation through an alias autograd does not see, ``.data``,
+    during the backward, the latter)."""
+    return [t.reshape(t.shape[0], -1).sum(1, dtype=torch.float64)
+            for a, g in pairs for t in (a, g)]
 
 
 def same_tensors(xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor]) -> bool:
@@ -122,9 +142,13 @@ class BookKeeping:
 
     def __init__(self, mode: str):
         self.mode = mode
+        #: layers normed as soon as their gradient arrived whose ``(a, g)`` are kept for the
+        #: clipped sum at the end of the pass: ``(module, rule, pairs, use_ghost, fingerprints)``
+        self._normed: list = []
 
     def start(self) -> None:
         """A new norm pass begins."""
+        self._normed = []
 
     def layer_norm(self, clipper: "PerSampleClipper", layer: RecordedLayer,
                    pairs: Sequence[Call], dims: Sequence[LayerDims], merged: int) -> NormedLayer:
@@ -141,6 +165,7 @@ class BookKeeping:
             defer = getattr(rule, "defer_ghost_norm_sq", None)
             if defer is not None and defer(module, pairs, clipper.ghost_bounds):
                 return NormedLayer(decision, None, False)  # formed at the end of the pass
+            self._normed.append((module, rule, pairs, True, fingerprints(pairs)))
             return NormedLayer(decision, rule.certified_norm_sq(module, pairs, True), False)
         defer = getattr(rule, "defer_per_sample_grads", None)
         if defer is not None and defer(module, pairs, clipper.norm_grads):
@@ -154,13 +179,26 @@ class BookKeeping:
         contrib = rule.certified_norm_sq(module, pairs, False, grads=grads)
         del grads
         clipper.keep_pairs(module, rule, pairs)
+        self._normed.append((module, rule, pairs, False, fingerprints(pairs)))
         return NormedLayer(decision, contrib, False)
 
     def rows_layer(self, layer: RecordedLayer) -> bool:
         """A layer seeing k·B rows whose per-sample gradients were kept: keep its calls?"""
         return False
 
+    def changed_terms(self) -> List[torch.Tensor]:
+        """The certified norm terms again of the layers whose kept ``(a, g)`` — what their clipped
+        sums are formed from — changed after they were normed (model code writing an activation
+        or gradient through ``.data`` during the backward): ``‖release_i‖²`` of such a layer is
+        below the new term, so the per-sample norm, which also holds its first, still bounds the
+        step's release."""
+        normed, self._normed = self._normed, []
+        return [rule.certified_norm_sq(module, pairs, use_ghost)
+                for module, rule, pairs, use_ghost, prints in normed
+                if not same_tensors(fingerprints(pairs), prints)]
+
     def norm_pass_done(self, clipper: "PerSampleClipper", inputs: list, ok: bool) -> None:
+        self._normed = []
         clipper.recorder.reset()
 
     def release(self, clipper: "PerSampleClipper", loss: Optional[torch.Tensor],
@@ -169,6 +207,7 @@ class BookKeeping:
 
     def reset(self) -> None:
         """Drop what a norm pass left."""
+        self._normed = []
 
 
 class TwoPass:
@@ -185,8 +224,9 @@ class TwoPass:
         self.leading: list = []
         #: while the second pass runs: what it writes with
         self._second: Optional[SecondPass] = None
-        #: records of the layers whose bound the clipper's ``ghost_bounds`` forms, in order
-        self._deferred: List[FirstPass] = []
+        #: records of the layers whose bound the clipper's ``ghost_bounds`` forms, in order, with
+        #: their calls (fingerprinted when the bounds are formed)
+        self._deferred: List[Tuple[FirstPass, Sequence[Call]]] = []
 
     def start(self) -> None:
         self.first, self.leading, self._deferred = {}, [], []
@@ -201,9 +241,9 @@ class TwoPass:
         defer = getattr(layer.rule, "defer_ghost_norm_sq", None)
         if decision.use_ghost and defer is not None and \
                 defer(layer.module, pairs, clipper.ghost_bounds):
-            first = FirstPass(True, merged, fingerprints(pairs), None)
+            first = FirstPass(True, merged, [], None)
             self.first[id(layer)] = first
-            self._deferred.append(first)
+            self._deferred.append((first, pairs))
             return NormedLayer(decision, None, True)
         contrib = layer.rule.certified_norm_sq(layer.module, pairs, decision.use_ghost)
         self.first[id(layer)] = FirstPass(decision.use_ghost, merged, fingerprints(pairs),
@@ -214,13 +254,19 @@ class TwoPass:
         self.first[id(layer)] = FirstPass(False, 1, [], None)
         return True
 
+    def changed_terms(self) -> List[torch.Tensor]:
+        """None: the second pass compares each layer's operands with its norm's
+        (:meth:`_on_layer_released`)."""
+        return []
+
     def norm_pass_done(self, clipper: "PerSampleClipper", inputs: list, ok: bool) -> None:
         if ok:
             rows = clipper.ghost_bounds.rows
             if len(rows) != len(self._deferred):
                 raise RuntimeError("internal error: a deferred ghost bound is missing.")
-            for first, row in zip(self._deferred, rows):
-                first.bound = row
+            for (first, pairs), row in zip(self._deferred, rows):
+                # the operands as the bound saw them, at the end of the pass
+                first.bound, first.fingerprints = row, fingerprints(pairs)
             self._deferred = []
             self.leading = inputs
             for extra in clipper.recorder.extras:  # their per-sample gradients are kept
@@ -249,10 +295,10 @@ class TwoPass:
             self._second = None
 
     def _on_layer_released(self, layer: RecordedLayer) -> None:
-        """One layer's clipped sum ``gᵀ·diag(C)·a``. The output gradient must be the norm pass's,
-        bit for bit; if a non-deterministic kernel changed it, the layer's certified bound is
-        computed again and its factors lowered to ``C_i·min(1, N_i/N'_i)`` for this layer, so that
-        its release stays within what the clip factors were computed for."""
+        """One layer's clipped sum ``gᵀ·diag(C)·a``. The output gradient and the activation must
+        be the norm pass's, bit for bit (:func:`fingerprints`); if either changed, the layer's
+        certified bound is computed again and its factors lowered to ``C_i·min(1, N_i/N'_i)`` for
+        this layer, so that its release stays within what the clip factors were computed for."""
         second = self._second
         try:
             if second is None:
