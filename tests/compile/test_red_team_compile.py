@@ -360,3 +360,63 @@ def test_a_direct_forward_call_is_refused_saying_what_to_call():
     refused_unchanged(model, lambda: opt.step(loss=mse(compiled(x), t)),
                       match=r"called directly.*Call the model itself")
     opt.step(loss=mse(torch.compile(model, backend="aot_eager")(x), t))  # model(x) trains
+
+
+def opacus_step(model: nn.Module, x, t, flow: str, *, compile_handle: bool, centre_loss: bool):
+    """One step of the Opacus door (noise 0, R, SGD lr 1): ``flow="hooks"`` backpropagates
+    ``mse(y, t).mean()``, ``flow="ghost"`` the returned criterion (``nn.MSELoss`` per sample,
+    times the outputs per sample). ``centre_loss`` centres the outputs over the batch first."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from private_engine import opacus_compat
+
+    engine = opacus_compat.PrivacyEngine(accountant="rdp")
+    loader = DataLoader(TensorDataset(torch.zeros(10 * B, 1)), batch_size=B)
+    out = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+        data_loader=loader, noise_multiplier=0.0, max_grad_norm=R, poisson_sampling=False,
+        grad_sample_mode=flow, criterion=nn.MSELoss())
+    handle, optimizer = out[0], out[1]
+    run = torch.compile(handle, backend="aot_eager") if compile_handle else handle
+    y = run(x)
+    if centre_loss:
+        y = y - y.mean(0)
+    if flow == "ghost":
+        n, k = y.shape
+        objective = out[2](y.reshape(-1), t.reshape(-1), shape=(n, k)) * k
+    else:
+        objective = mse(y, t).mean()
+    objective.backward()
+    optimizer.step()
+
+
+@pytest.mark.parametrize("flow", ["hooks", "ghost"])
+@pytest.mark.parametrize("attack", ["compiled_submodule", "compiled_handle_centred_loss"])
+def test_the_opacus_door_refuses_mixing_hidden_by_compile(attack, flow):
+    torch.manual_seed(0)
+    x, t = data()
+    if attack == "compiled_submodule":
+        model = CompiledCentre(hidden, no_grad=True)
+        with torch.no_grad():
+            model(x)  # cached graph of the submodule
+        refused_unchanged(model, lambda: opacus_step(model, x, t, flow, compile_handle=False,
+                                                     centre_loss=False))
+    else:
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 3))
+        refused_unchanged(model, lambda: opacus_step(model, x, t, flow, compile_handle=True,
+                                                     centre_loss=True))
+
+
+@pytest.mark.slow
+def test_the_default_backend_hides_no_mixing():
+    # Inductor's kernels bypass the dispatcher: its cached graphs must not run inside a step
+    torch.manual_seed(0)
+    model = CompiledCentre("inductor", no_grad=True)
+    x, t = data()
+    with torch.no_grad():
+        model(x)
+    opt = private(model)
+    compiled = torch.compile(model)
+    with torch.no_grad():
+        compiled(x)
+    refused_unchanged(model, lambda: opt.step(loss=mse(compiled(x), t)))
