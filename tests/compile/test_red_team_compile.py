@@ -420,3 +420,34 @@ def test_the_default_backend_hides_no_mixing():
     with torch.no_grad():
         compiled(x)
     refused_unchanged(model, lambda: opt.step(loss=mse(compiled(x), t)))
+
+
+class DisabledCentre(nn.Module):
+    """Mixes samples in a ``torch.compiler.disable`` region of a compiled model."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 3)
+
+    @torch.compiler.disable
+    def centre(self, h):
+        return h - h.mean(0)
+
+    def forward(self, x):
+        return self.fc2(self.centre(self.fc1(x)))
+
+
+@pytest.mark.parametrize("how", ["torch_compile", "module_compile"])
+def test_mixing_in_a_compiler_disable_region_of_a_compiled_model_is_refused(how):
+    torch.manual_seed(0)
+    model = DisabledCentre()
+    opt = private(model)
+    if how == "module_compile":
+        model.compile(backend=hidden)
+        run = model
+    else:
+        run = torch.compile(model, backend=hidden)
+    x, t = data()
+    with torch.no_grad():
+        run(x)
+    refused_unchanged(model, lambda: opt.step(loss=mse(run(x), t)))
