@@ -166,6 +166,14 @@ class BatchFlow(TorchDispatchMode):
                 return None
             self.batch_dim = self.openers[module]
         n, tensors = self._batch_of(args, kwargs)  # a submodule the loop calls directly
+        if n > 1 and _forward_called_directly(self.model):
+            raise BatchMixingError(
+                f"the model's forward was called directly (model.forward(x), or "
+                f"torch.compile(model.forward)), which skips its forward hooks: the batch flow "
+                f"would start at {type(module).__name__}, and whatever the forward computed "
+                "before it (a mean or a sort over the batch) would pass as the batch's data. "
+                "Call the model itself, model(x) (or torch.compile(model)(x)); nothing was "
+                "released.")
         self._open(n, tensors)
         return None
 
@@ -573,6 +581,24 @@ class BatchFlow(TorchDispatchMode):
         except Mix:
             self._set(base, Mixed("a write of per-sample rows into a view whose rows are not "
                                   f"the batch's (at {user_line()})"), epoch)
+
+
+def _forward_called_directly(model: nn.Module) -> bool:
+    """Whether ``model``'s forward is running on this thread's stack without ``model(...)``
+    around it (``model.forward(x)``; under ``torch.compile(model.forward)`` its frames keep the
+    name ``forward``, or ``torch_dynamo_resume_in_forward…`` after a graph break), so that the
+    model's forward pre-hooks did not run."""
+    in_forward = False
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_locals.get("self") is model:
+            name = frame.f_code.co_name
+            if "_call_impl" in name:  # Module.__call__: the hooks ran
+                return False
+            if name == "forward" or name.startswith("torch_dynamo_resume_in_forward"):
+                in_forward = True
+        frame = frame.f_back
+    return in_forward
 
 
 def _refuse_unseen(tag, what: str) -> None:
