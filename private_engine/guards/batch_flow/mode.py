@@ -6,6 +6,7 @@ import contextlib
 import sys
 import warnings
 import weakref
+from types import FrameType
 from typing import Any, Dict, List, NamedTuple, Optional, Set, Tuple
 
 import torch
@@ -589,7 +590,7 @@ def _forward_called_directly(model: nn.Module) -> bool:
     name ``forward``, or ``torch_dynamo_resume_in_forward…`` after a graph break), so that the
     model's forward pre-hooks did not run."""
     in_forward = False
-    frame = sys._getframe(1)
+    frame: Optional[FrameType] = sys._getframe(1)
     while frame is not None:
         if frame.f_locals.get("self") is model:
             name = frame.f_code.co_name
