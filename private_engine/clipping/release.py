@@ -6,8 +6,10 @@
   formed from them at its end — one backward in all.
 * :class:`TwoPass` (modes "mixed", "ghost", "per_sample"; Bu, Mao & Xu 2022, "Scalable and
   Efficient Training of Large Convolutional Neural Networks with Differential Privacy"): the norm
-  pass keeps only the norms; a second activation-only backward recomputes each layer's output
-  gradient and writes its clipped sum as soon as it arrives. The second backward must reproduce
+  pass keeps only the norms (and the per-sample gradients of layers where they are no larger than
+  the layer's input and output gradient: elementwise-affine norms, released as kept); a second
+  activation-only backward recomputes each other layer's output gradient and writes its clipped
+  sum as soon as it arrives. The second backward must reproduce
   each layer's output gradient bit for bit (a float64 fingerprint per layer); where a
   non-deterministic kernel changed it, that layer's factors are lowered to its recomputed bound,
   so the certificate still holds.
@@ -219,11 +221,11 @@ class TwoPass:
     def _keep_instantiated(clipper: "PerSampleClipper", layer: RecordedLayer,
                            pairs: Sequence[Call], dims: Sequence[LayerDims]) -> bool:
         """Keep an instantiated layer's per-sample gradients ``G_i`` from the norm pass when they
-        are no larger per sample than its output gradient and input together
-        (elementwise-affine norms: ``2p`` against ``2T·p``), so that the second pass neither recomputes them nor compares the
-        layer's output gradient: their norm is taken with the other kept gradients at the end of
-        the pass and the release is ``Σ_i C_i G_i`` of these very tensors. A LayerNorm's are
-        formed with those of the other LayerNorms of its shape
+        are no larger per sample than its input and output gradient together (elementwise-affine
+        norms: ``2p`` against ``2T·p``), so that the second pass neither recomputes them nor
+        compares the layer's output gradient: their norm is taken with the other kept gradients
+        at the end of the pass and the release is ``Σ_i C_i G_i`` of these very tensors. A
+        LayerNorm's are formed with those of the other LayerNorms of its shape
         (:class:`private_engine.layers.norm_stack.LayerNormGradStack`). False (nothing kept)
         for larger gradients, which the second pass forms from ``(a, g)``."""
         module, rule = layer.module, layer.rule
