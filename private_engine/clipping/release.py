@@ -6,12 +6,13 @@
   formed from them at its end — one backward in all.
 * :class:`TwoPass` (modes "mixed", "ghost", "per_sample"; Bu, Mao & Xu 2022, "Scalable and
   Efficient Training of Large Convolutional Neural Networks with Differential Privacy"): the norm
-  pass keeps only the norms; a second activation-only backward recomputes each layer's output
-  gradient and writes its clipped sum as soon as it arrives. The second backward must reproduce
-  each layer's output gradient and find its activation unchanged, bit for bit (float64
-  fingerprints per layer); where either changed (a non-deterministic kernel, a write through
-  ``.data``), that layer's factors are lowered to its recomputed bound, so the certificate still
-  holds.
+  pass keeps only the norms (and the per-sample gradients of layers where they are no larger than
+  the layer's input and output gradient: elementwise-affine norms, released as kept); a second
+  activation-only backward recomputes each other layer's output gradient and writes its clipped
+  sum as soon as it arrives. The second backward must reproduce each layer's output gradient and
+  find its activation unchanged, bit for bit (float64 fingerprints per layer); where either
+  changed (a non-deterministic kernel, a write through ``.data``), that layer's factors are
+  lowered to its recomputed bound, so the certificate still holds.
 
 Either way a sample's clip factor multiplies that sample's rows at every layer, and what is
 released is what was normed. Both implement :class:`ReleaseStrategy`, the interface the clipper
@@ -238,6 +239,10 @@ class TwoPass:
         while the output gradients held for it stay within the stack's limit) and its record
         completed then (:meth:`norm_pass_done`)."""
         decision = decide(layer.name, layer.module, dims, self.mode)
+        if not decision.use_ghost and self._keep_instantiated(clipper, layer, pairs, dims):
+            # released as the kept gradients themselves: the second pass skips the layer
+            self.first[id(layer)] = FirstPass(False, merged, [], None)
+            return NormedLayer(decision, None, True)
         defer = getattr(layer.rule, "defer_ghost_norm_sq", None)
         if decision.use_ghost and defer is not None and \
                 defer(layer.module, pairs, clipper.ghost_bounds):
@@ -249,6 +254,30 @@ class TwoPass:
         self.first[id(layer)] = FirstPass(decision.use_ghost, merged, fingerprints(pairs),
                                           contrib)
         return NormedLayer(decision, contrib, True)
+
+    @staticmethod
+    def _keep_instantiated(clipper: "PerSampleClipper", layer: RecordedLayer,
+                           pairs: Sequence[Call], dims: Sequence[LayerDims]) -> bool:
+        """Keep an instantiated layer's per-sample gradients ``G_i`` from the norm pass when they
+        are no larger per sample than its input and output gradient together (elementwise-affine
+        norms: ``2p`` against ``2T·p``), so that the second pass neither recomputes them nor
+        compares the layer's output gradient: their norm is taken with the other kept gradients
+        at the end of the pass and the release is ``Σ_i C_i G_i`` of these very tensors. A
+        LayerNorm's are formed with those of the other LayerNorms of its shape
+        (:class:`private_engine.layers.norm_stack.LayerNormGradStack`). False (nothing kept)
+        for larger gradients, which the second pass forms from ``(a, g)``."""
+        module, rule = layer.module, layer.rule
+        pair_size = sum(per_sample_numel(a) + per_sample_numel(g) for a, g in pairs)
+        if max((d.instantiate_cost for d in dims), default=0) > pair_size:
+            return False
+        defer = getattr(rule, "defer_per_sample_grads", None)
+        if defer is not None and defer(module, pairs, clipper.norm_grads):
+            return True
+        grads = rule.per_sample_grads(module, pairs)
+        if sum(per_sample_numel(g) for g in grads.values()) > pair_size:
+            return False
+        clipper.keep_grads(module, grads)
+        return True
 
     def rows_layer(self, layer: RecordedLayer) -> bool:
         self.first[id(layer)] = FirstPass(False, 1, [], None)
