@@ -265,8 +265,8 @@ class ConvRule(LayerRule):
           ``B·groups`` groups, so one weight-gradient kernel returns every ``G_i`` without an im2col
           copy — fast for large feature maps and few channels;
         * im2col and one batched matmul ``(B·groups, p/groups, T) @ (B·groups, T, D)`` over the
-          ``T`` positions of all calls — on the CPU for few positions and many channels, where the
-          grouped kernel is many times slower than the matmul.
+          ``T`` positions of all calls — on the CPU for few positions and many channels, or few
+          input channels (an RGB stem), where the grouped kernel is slower than the matmul.
 
         Either sums ``T`` products per entry (plus one per further call), in the accumulator of
         the operands' dtype, so both meet :func:`~private_engine.layers.rounding.
