@@ -68,13 +68,15 @@ def unfold_conv_input(module: nn.modules.conv._ConvNd, a: torch.Tensor) -> torch
 
 def unfolded_columns(module: nn.modules.conv._ConvNd, a: torch.Tensor) -> torch.Tensor:
     """im2col as ``(B, groups, D, T)`` with ``D = (C_in/groups)·Πk`` (the order of
-    ``weight.view(p, -1)`` within a group) and ``T = Π S_out``: for 1-d and 2-d layers one
-    ``F.unfold`` kernel (a 1-d layer as a 2-d one of height 1); for 3-d the input's windows by
-    ``Tensor.unfold`` and one copy. Every entry is a copy of an input value or a padding value."""
+    ``weight.view(p, -1)`` within a group) and ``T = Π S_out``, in one of two copies that give the
+    same tensor (:func:`unfold_by_windows` picks): for 1-d and 2-d layers with few positions one
+    ``F.unfold`` kernel (a 1-d layer as a 2-d one of height 1); otherwise the input's windows as a
+    strided view (``Tensor.unfold``) and one copy. Every entry is a copy of an input value or a
+    padding value: nothing is computed, so the choice changes no rounding."""
     nd = a.dim() - 2
     B, C = a.shape[:2]
     groups = module.groups
-    if nd <= 2:
+    if nd <= 2 and not unfold_by_windows(module, a):
         x, padding = _padded(module, a)
         ks, st, dl = module.kernel_size, module.stride, module.dilation
         if nd == 1:
@@ -96,6 +98,34 @@ def unfolded_columns(module: nn.modules.conv._ConvNd, a: torch.Tensor) -> torch.
     # (B, C, *S_out, *k) -> (B, C, *k, *S_out): channel-major columns, positions last
     a = a.permute(0, 1, *range(2 + nd, 2 + 2 * nd), *range(2, 2 + nd))
     return a.reshape(B, groups, (C // groups) * math.prod(module.kernel_size), T)
+
+
+#: fewest output positions per sample at which a 1-d or 2-d layer's im2col is the strided window
+#: copy rather than ``F.unfold`` (:func:`unfold_by_windows`)
+WINDOW_COPY_MIN_POSITIONS = 256
+
+
+def output_positions(module: nn.modules.conv._ConvNd, a: torch.Tensor) -> int:
+    """``T = Π_j ⌊(S_j + pad_j − d_j(k_j − 1) − 1) / s_j⌋ + 1`` for the input ``a`` (both sides'
+    padding in ``pad_j``)."""
+    nd = a.dim() - 2
+    pad = module._reversed_padding_repeated_twice
+    T = 1
+    for j in range(nd):
+        total = pad[2 * (nd - 1 - j)] + pad[2 * (nd - 1 - j) + 1]
+        k, s, d = module.kernel_size[j], module.stride[j], module.dilation[j]
+        T *= (a.shape[2 + j] + total - d * (k - 1) - 1) // s + 1
+    return T
+
+
+def unfold_by_windows(module: nn.modules.conv._ConvNd, a: torch.Tensor) -> bool:
+    """im2col by the strided window copy (True) or by ``F.unfold`` (False, 1-d and 2-d layers
+    only): windows for at least :data:`WINDOW_COPY_MIN_POSITIONS` output positions per sample. The
+    copy walks each window offset's positions in order, where ``F.unfold`` on the CPU is several
+    times slower (ResNet-18's first layers at 64², batch 16, one core: 2 ms against 20 ms for the
+    7×7 stem, 0.6 ms against 24 ms for a 64-channel 3×3 layer on a 16×16 map); on few positions
+    (the 4×4 and 2×2 maps) ``F.unfold`` is the faster of the two."""
+    return a.dim() > 4 or output_positions(module, a) >= WINDOW_COPY_MIN_POSITIONS
 
 
 class ConvRule(LayerRule):
@@ -254,8 +284,8 @@ class ConvRule(LayerRule):
           ``B·groups`` groups, so one weight-gradient kernel returns every ``G_i`` without an im2col
           copy — fast for large feature maps and few channels;
         * im2col and one batched matmul ``(B·groups, p/groups, T) @ (B·groups, T, D)`` over the
-          ``T`` positions of all calls — on the CPU for few positions and many channels, where the
-          grouped kernel is many times slower than the matmul.
+          ``T`` positions of all calls — on the CPU for few positions and many channels, or few
+          input channels (an RGB stem), where the grouped kernel is slower than the matmul.
 
         Either sums ``T`` products per entry (plus one per further call), in the accumulator of
         the operands' dtype, so both meet :func:`~private_engine.layers.rounding.
@@ -354,18 +384,29 @@ def _positions(module: nn.modules.conv._ConvNd, calls) -> int:
 #: are at most this many times its output channels per group (:func:`per_sample_by_unfold`)
 PER_SAMPLE_UNFOLD_RATIO = 1
 
+#: per-sample gradients of a convolution by im2col + bmm on the CPU when it has at most this many
+#: input channels per group (an image model's stem) (:func:`per_sample_by_unfold`)
+PER_SAMPLE_UNFOLD_MAX_CHANNELS = 4
+
 
 def per_sample_by_unfold(module: nn.modules.conv._ConvNd, positions: int, dtype: torch.dtype,
                          device: torch.device) -> bool:
     """Instantiate ``G_i`` by im2col and a batched matmul (True) or by the grouped-convolution
-    kernel (False). The matmul on the CPU, in float32 or float64, when the im2col copy
-    (``B·T·D`` per group) is no larger than the per-sample gradients it yields (``B·(p/groups)·D``),
-    i.e. ``T ≤ p/groups`` (:data:`PER_SAMPLE_UNFOLD_RATIO`); oneDNN's grouped weight-gradient
-    kernel with ``B·groups`` groups is then several times slower than the matmul (ResNet-18 at 64²,
-    batch 16, one core: 0.5 s against 0.2 s for a 512-channel 3×3 layer on a 2×2 map). The grouped
-    kernel elsewhere: no im2col copy."""
+    kernel (False). The matmul on the CPU, in float32 or float64,
+
+    * when the im2col copy (``B·T·D`` per group) is no larger than the per-sample gradients it
+      yields (``B·(p/groups)·D``), i.e. ``T ≤ p/groups`` (:data:`PER_SAMPLE_UNFOLD_RATIO`);
+      oneDNN's grouped weight-gradient kernel with ``B·groups`` groups is then several times
+      slower than the matmul (ResNet-18 at 64², batch 16, one core: 0.5 s against 0.2 s for a
+      512-channel 3×3 layer on a 2×2 map);
+    * when the layer has at most :data:`PER_SAMPLE_UNFOLD_MAX_CHANNELS` input channels per group
+      (``D`` small, ``T`` large: an RGB stem), where the grouped kernel is slow too (ResNet-18's
+      7×7 stem at 64², batch 16, one core: 60 ms against 38 ms, medians of 15 interleaved runs).
+
+    The grouped kernel elsewhere: no im2col copy."""
     return (device.type == "cpu" and dtype in (torch.float32, torch.float64)
-            and positions <= PER_SAMPLE_UNFOLD_RATIO * (module.out_channels // module.groups))
+            and (positions <= PER_SAMPLE_UNFOLD_RATIO * (module.out_channels // module.groups)
+                 or module.in_channels // module.groups <= PER_SAMPLE_UNFOLD_MAX_CHANNELS))
 
 
 def release_by_unfold(module: nn.modules.conv._ConvNd, positions: int, dtype: torch.dtype,

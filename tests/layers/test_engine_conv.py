@@ -99,16 +99,26 @@ def test_conv_same_asymmetric_padding_depthwise():
         check_against_reference(model, [x, target_like(model, x, gen)], mode=mode, clip="automatic")
 
 
-#: (PER_SAMPLE_UNFOLD_RATIO, RELEASE_KERNEL_MIN_POSITIONS) that force one formulation everywhere
-FORMULATIONS = {"kernels": (0, 0), "unfold": (1 << 30, 1 << 30)}
+#: settings of private_engine.layers.conv that force one formulation everywhere: per-sample
+#: gradients and clipped sums by the cuDNN/oneDNN kernels ("kernels") or by im2col and matmuls
+#: ("unfold"), and im2col (where one is formed) by the strided window copy ("windows") or by
+#: ``F.unfold`` for 1-d and 2-d layers
+FORMULATIONS = {
+    "kernels-windows": dict(PER_SAMPLE_UNFOLD_RATIO=0, PER_SAMPLE_UNFOLD_MAX_CHANNELS=0,
+                            RELEASE_KERNEL_MIN_POSITIONS=0, WINDOW_COPY_MIN_POSITIONS=0),
+    "unfold": dict(PER_SAMPLE_UNFOLD_RATIO=1 << 30, PER_SAMPLE_UNFOLD_MAX_CHANNELS=1 << 30,
+                   RELEASE_KERNEL_MIN_POSITIONS=1 << 30, WINDOW_COPY_MIN_POSITIONS=1 << 30),
+    "unfold-windows": dict(PER_SAMPLE_UNFOLD_RATIO=1 << 30, PER_SAMPLE_UNFOLD_MAX_CHANNELS=1 << 30,
+                           RELEASE_KERNEL_MIN_POSITIONS=1 << 30, WINDOW_COPY_MIN_POSITIONS=0),
+}
 
 
 def force_formulation(monkeypatch, name: str) -> None:
-    """Per-sample gradients and clipped sums of every convolution by the cuDNN/oneDNN kernels
-    ("kernels": grouped convolution, weight gradient) or by im2col and matmuls ("unfold")."""
-    ratio, positions = FORMULATIONS[name]
-    monkeypatch.setattr(conv_rule, "PER_SAMPLE_UNFOLD_RATIO", ratio)
-    monkeypatch.setattr(conv_rule, "RELEASE_KERNEL_MIN_POSITIONS", positions)
+    """Every convolution's per-sample gradients, clipped sums and im2col by one formulation
+    (:data:`FORMULATIONS`)."""
+    for setting, value in FORMULATIONS[name].items():
+        assert hasattr(conv_rule, setting), setting
+        monkeypatch.setattr(conv_rule, setting, value)
 
 
 @pytest.mark.parametrize("formulation", list(FORMULATIONS))
@@ -164,3 +174,36 @@ def test_conv_channels_last_both_formulations(formulation, monkeypatch):
     for mode in ("per_sample", "bk_mixed", "bk_mixopt", "ghost"):
         check_against_reference(model, [x, target_like(model, x, gen)], mode=mode, clip="abadi",
                                 check_step=False)
+
+
+@pytest.mark.parametrize("nd", [1, 2])
+def test_window_copy_is_f_unfold_bit_for_bit(nd, monkeypatch):
+    """im2col by the strided window copy equals ``F.unfold``'s entry for entry (random stride,
+    padding, padding mode, dilation, groups): both only copy input or padding values."""
+    for seed in range(8):
+        model, inputs = conv_case(nd, seed)
+        conv = [m for m in model.modules() if isinstance(m, CONV[nd])][-1].float()
+        x = torch.randn(inputs[0].shape[0], conv.in_channels, *inputs[0].shape[2:],
+                        generator=gen_for(seed))
+        monkeypatch.setattr(conv_rule, "WINDOW_COPY_MIN_POSITIONS", 1 << 30)
+        by_unfold = conv_rule.unfolded_columns(conv, x)
+        monkeypatch.setattr(conv_rule, "WINDOW_COPY_MIN_POSITIONS", 0)
+        by_windows = conv_rule.unfolded_columns(conv, x)
+        assert by_windows.shape == by_unfold.shape
+        assert torch.equal(by_windows, by_unfold), seed
+        assert conv_rule.output_positions(conv, x) == by_unfold.shape[-1]
+
+
+def test_image_stem_uses_im2col_by_windows():
+    """An RGB stem (3 input channels, 7×7, stride 2, 32×32 output) on the CPU: per-sample
+    gradients by im2col + bmm and im2col by the window copy, where the grouped kernel and
+    ``F.unfold`` are the slow ones; a 64-channel 3×3 layer on a 16×16 map keeps the grouped
+    kernel."""
+    stem = nn.Conv2d(3, 64, 7, stride=2, padding=3, bias=False)
+    x = torch.zeros(2, 3, 64, 64)
+    assert conv_rule.output_positions(stem, x) == 1024
+    assert conv_rule.unfold_by_windows(stem, x)
+    assert conv_rule.per_sample_by_unfold(stem, 1024, torch.float32, torch.device("cpu"))
+    body = nn.Conv2d(64, 64, 3, padding=1, bias=False)
+    assert not conv_rule.per_sample_by_unfold(body, 256, torch.float32, torch.device("cpu"))
+    assert not conv_rule.unfold_by_windows(nn.Conv2d(256, 256, 3, padding=1), x[:, :, :4, :4])
