@@ -50,3 +50,15 @@ def test_layer_norms_beyond_the_budget_or_of_other_rules_are_instantiated_at_onc
     rms = nn.RMSNorm(8)
     assert not RMSNormRule().defer_per_sample_grads(rms, [(a, g)], stack)
     assert len(stack) == 1
+
+
+def test_large_layer_norms_on_the_cpu_are_instantiated_at_once():
+    """On the CPU a layer whose operand exceeds CPU_LAYER_ELEMENTS is not stacked (the copy into
+    the stacked operands costs more there than the operations it saves)."""
+    m = nn.LayerNorm(64)
+    a, g = torch.randn(2, 600, 64), torch.randn(2, 600, 64)
+    assert a.numel() > norm_stack.CPU_LAYER_ELEMENTS
+    stack = LayerNormGradStack()
+    assert not LayerNormRule().defer_per_sample_grads(m, [(a, g)], stack)
+    assert LayerNormRule().defer_per_sample_grads(m, [(a[:, :4], g[:, :4])], stack)
+    assert len(stack) == 1
