@@ -233,16 +233,7 @@ class PrivacyEngine:
                 # dropout keyed from the user's noise_generator when one is given
                 randomness_generator=None if noise_generator is None else
                 keyed_by_state(noise_generator))
-            self.clipper = self.core.clipper
         self.topology.bind(self.clipper)  # FSDP2: one buffer per unit; streamed or gathered
-        #: refuses a training forward that changes a buffer from the data (a release without noise)
-        self.buffer_guard = self.core.buffer_guard
-        #: the randomness of training forwards (dropout) from a secret generator, not torch's
-        #: publicly seeded global one
-        self.model_randomness = self.core.model_randomness
-        #: refuses a step during which a parameter or buffer changed outside the optimizer (in the
-        #: forward, the loss or a backward hook): checked before every release
-        self.state_guard = self.core.state_guard
         self._attached: List[_optim.PrivateStep] = []
         #: certified per-sample gradient norms ‖g_i‖ of the last clipped physical batch (None before
         #: the first)
@@ -259,6 +250,30 @@ class PrivacyEngine:
                  sum(p.numel() for p in self.params),
                  "" if target_epsilon is None else
                  f", σ calibrated for ε={target_epsilon} over {self.steps} steps")
+
+    @property
+    def clipper(self):
+        """The per-sample clipper of the assembled core
+        (:class:`private_engine.clipping.assembly.ClippingCore`)."""
+        return self.core.clipper
+
+    @property
+    def buffer_guard(self):
+        """Refuses a training forward that changes a buffer from the data (a release without
+        noise)."""
+        return self.core.buffer_guard
+
+    @property
+    def model_randomness(self):
+        """The randomness of training forwards (dropout) from a secret generator, not torch's
+        publicly seeded global one."""
+        return self.core.model_randomness
+
+    @property
+    def state_guard(self):
+        """Refuses a step during which a parameter or buffer changed outside the optimizer (in the
+        forward, the loss or a backward hook): checked before every release."""
+        return self.core.state_guard
 
     @property
     def noise_multiplier(self) -> float:
