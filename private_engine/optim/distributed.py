@@ -39,14 +39,14 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ..clipping.grad_sums import FlatLayout, GradSums
-from ..process_group import process_group_ready, wants_distributed
+from ..process_group import process_group_ready
 
 
 class ReplicaMismatchError(RuntimeError):
@@ -180,10 +180,4 @@ class DataParallel:
                 "change parameters outside optimizer.step().")
 
 
-def data_parallel(distributed: Optional[bool], device: torch.device) -> Optional[DataParallel]:
-    """A :class:`DataParallel` when :func:`wants_distributed` says so, else None."""
-    return DataParallel(device) if wants_distributed(distributed) else None
-
-
-__all__ = ["DataParallel", "ReplicaMismatchError", "StepCounts", "data_parallel",
-           "process_group_ready", "wants_distributed"]
+__all__ = ["DataParallel", "ReplicaMismatchError", "StepCounts"]

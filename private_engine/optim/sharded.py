@@ -65,7 +65,8 @@ from torch import nn
 
 from ..clipping.grad_sums import GradSums
 from ..foundation.dtypes import accumulation_dtype
-from .distributed import DataParallel, process_group_ready
+from ..process_group import process_group_ready
+from .distributed import DataParallel
 from .noise import add_gaussian_noise
 
 
