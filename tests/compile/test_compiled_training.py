@@ -321,21 +321,26 @@ def test_a_compiled_loss_function_around_the_compiled_model_trains_exactly():
         torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-6)
 
 
-def test_the_opacus_door_sees_a_loss_that_mixes_samples_after_a_compiled_forward():
-    # the loss is computed after the compiled call returns: the batch flow must still see it
+def opacus_private(model: nn.Module, opt: torch.optim.Optimizer):
+    """The Opacus door's ``make_private`` on ``model`` (noise 0, R, no Poisson sampling, expected
+    batch size B): the wrapped module and the DP optimizer."""
     from torch.utils.data import DataLoader, TensorDataset
 
     from private_engine import opacus_compat
 
+    loader = DataLoader(TensorDataset(torch.zeros(10 * B, 1)), batch_size=B)
+    handle, optimizer, _ = opacus_compat.PrivacyEngine(accountant="rdp").make_private(
+        module=model, optimizer=opt, data_loader=loader, noise_multiplier=0.0,
+        max_grad_norm=R, poisson_sampling=False)
+    return handle, optimizer
+
+def test_the_opacus_door_sees_a_loss_that_mixes_samples_after_a_compiled_forward():
+    # the loss is computed after the compiled call returns: the batch flow must still see it
     torch.manual_seed(0)
     model = SmallResNet()
     x, t = data(4)
     opt = CapturingSGD(model.parameters())
-    engine = opacus_compat.PrivacyEngine(accountant="rdp")
-    loader = DataLoader(TensorDataset(torch.zeros(10 * B, 1)), batch_size=B)
-    handle, optimizer, _ = engine.make_private(
-        module=model, optimizer=opt, data_loader=loader, noise_multiplier=0.0,
-        max_grad_norm=R, poisson_sampling=False)
+    handle, optimizer = opacus_private(model, opt)
     compiled = torch.compile(handle, backend="aot_eager")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CompiledStepWarning)
@@ -379,19 +384,11 @@ def test_a_loss_after_nested_compiled_calls_is_followed():
 
 
 def test_the_opacus_door_sees_a_loss_after_nested_compiled_calls():
-    from torch.utils.data import DataLoader, TensorDataset
-
-    from private_engine import opacus_compat
-
     torch.manual_seed(0)
     model = SmallResNet()
     x, t = data(4)
     opt = CapturingSGD(model.parameters())
-    engine = opacus_compat.PrivacyEngine(accountant="rdp")
-    loader = DataLoader(TensorDataset(torch.zeros(10 * B, 1)), batch_size=B)
-    handle, optimizer, _ = engine.make_private(
-        module=model, optimizer=opt, data_loader=loader, noise_multiplier=0.0,
-        max_grad_norm=R, poisson_sampling=False)
+    handle, optimizer = opacus_private(model, opt)
     inner = torch.compile(handle, backend="aot_eager")
     outer = torch.compile(lambda a: inner(a) * 1.0, backend="aot_eager")
     with warnings.catch_warnings():
