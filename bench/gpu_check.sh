@@ -9,7 +9,9 @@
 #
 # Environment: PE_BASE=DIR (a folder holding another private_engine package: its ViT-B benchmark
 # runs too), PE_RESNET=1 (also ResNet-18), PE_COMMIT (the commit measured when the checkout has no
-# .git), PE_*_TIMEOUT (seconds per part). Uses the machine's python3 with this checkout on
+# .git), PE_METHODS (methods of this checkout's ViT-B benchmark; default "nondp bk_mixed"),
+# PE_MAX_BATCH=1 (that benchmark also finds each method's maximum batch, within 3 %),
+# PE_*_TIMEOUT (seconds per part). Uses the machine's python3 with this checkout on
 # PYTHONPATH (no install); wheels in .whl/ (e.g. opacus) are installed to a scratch folder first.
 # Writes at most 8 files to OUT_DIR (summary.txt last lines are printed).
 set -uo pipefail
@@ -47,20 +49,25 @@ if [ -f "$OUT_DIR/ratios.tsv" ]; then
     sort -t$'\t' -k4 -g "$OUT_DIR/ratios.tsv" | grep -v None | tail -n 3 >> "$SUMMARY"
 fi
 
-bench_vitb() {  # $1: output name, then PYTHONPATH for private_engine
-    PYTHONPATH="$2" timeout "${PE_BENCH_TIMEOUT:-150}" python3 bench/bench_clipping.py \
+bench_vitb() {  # $1: output name, $2: PYTHONPATH for private_engine, $3: timeout, then options
+    local name=$1 path=$2 limit=$3
+    shift 3
+    PYTHONPATH="$path" timeout "$limit" python3 bench/bench_clipping.py \
         --device cuda --models vit_base_patch16_224 --amp bf16 --batch-size 128 \
-        --methods nondp bk_mixed --steps 10 --warmup 3 --markdown "$OUT_DIR/$1.md" \
-        > "$OUT_DIR/$1.log" 2>&1
-    echo "bench $1 exit $?" >> "$SUMMARY"
-    grep -E "^\| (nondp|bk_mixed) " "$OUT_DIR/$1.md" >> "$SUMMARY" 2>/dev/null
-    rm -f "$OUT_DIR/$1.log" "$OUT_DIR"/*.png
+        --steps 10 --warmup 3 --markdown "$OUT_DIR/$name.md" "$@" > "$OUT_DIR/$name.log" 2>&1
+    echo "bench $name exit $?" >> "$SUMMARY"
+    grep -E "^\| [a-z_]+ \|" "$OUT_DIR/$name.md" >> "$SUMMARY" 2>/dev/null \
+        || tail -n 5 "$OUT_DIR/$name.log" >> "$SUMMARY"
+    rm -f "$OUT_DIR"/*.png
 }
 echo "== benchmark ==" >> "$SUMMARY"
 if [ -n "${PE_BASE:-}" ]; then
-    bench_vitb bench_vitb_base "${SITE:+$SITE:}$PWD/$PE_BASE:$PWD"
+    bench_vitb bench_vitb_base "${SITE:+$SITE:}$PWD/$PE_BASE:$PWD" "${PE_BASE_TIMEOUT:-90}" \
+        --methods nondp bk_mixed
 fi
-bench_vitb bench_vitb "$PYTHONPATH"
+# shellcheck disable=SC2086 # PE_METHODS is a list of words
+bench_vitb bench_vitb "$PYTHONPATH" "${PE_BENCH_TIMEOUT:-150}" --methods ${PE_METHODS:-nondp bk_mixed} \
+    ${PE_MAX_BATCH:+--max-batch --max-batch-tolerance 0.03}
 if [ -n "${PE_RESNET:-}" ]; then
     timeout "${PE_BENCH_TIMEOUT:-90}" python3 bench/bench_clipping.py --device cuda \
         --models resnet18 --amp bf16 --batch-size 64 --methods nondp bk_mixed --steps 10 \

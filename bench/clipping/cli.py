@@ -81,6 +81,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         "fresh subprocess")
     p.add_argument("--max-batch-cap", type=int, default=4096,
                    help="largest batch --max-batch tries")
+    p.add_argument("--max-batch-tolerance", type=float, default=0.0, metavar="FRACTION",
+                   help="stop the --max-batch bisection once the largest size that fitted is "
+                        "within this fraction of the smallest that did not (default 0: exact)")
     p.add_argument("--cuda-alloc-conf", metavar="CONF",
                    help="PYTORCH_CUDA_ALLOC_CONF for every method's subprocess (e.g. "
                         "expandable_segments:True: the caching allocator grows segments instead "
@@ -122,6 +125,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error("--max-batch needs --device cuda: it searches for the batch at which a step runs "
                 "out of GPU memory; on CPU there is no such error to find (the machine would swap "
                 "or the process be killed)")
+    if not 0.0 <= args.max_batch_tolerance < 1.0:
+        p.error(f"--max-batch-tolerance ({args.max_batch_tolerance}) must be in [0, 1)")
     if args.max_batch and args.max_batch_cap < args.batch_size:
         p.error(f"--max-batch-cap ({args.max_batch_cap}) must be ≥ --batch-size "
                 f"({args.batch_size})")
@@ -150,7 +155,7 @@ def select_methods(names: List[str]) -> List[str]:
 #: options forwarded from the parent to each per-method subprocess (the parent counts the steps)
 FORWARDED = ("model", "img_size", "seq_len", "batch_size", "num_classes", "device", "dtype", "amp",
              "freeze", "frozen_set", "no_inplace", "max_grad_norm", "noise_multiplier", "lr",
-             "seed", "max_batch_cap")
+             "seed", "max_batch_cap", "max_batch_tolerance")
 
 
 def child_command(args: argparse.Namespace, method: str,

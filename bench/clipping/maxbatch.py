@@ -16,10 +16,13 @@ from .methods import SETUPS
 from .models import build_model, make_batch
 
 
-def max_batch_by_bisection(fits: Callable[[int], bool], start: int, cap: int) -> int:
+def max_batch_by_bisection(fits: Callable[[int], bool], start: int, cap: int,
+                           tolerance: float = 0.0) -> int:
     """The largest n ≤ cap with ``fits(n)``, assuming fits is monotone (True up to some n, then
     False): double from ``start`` until a failure (or the cap), then bisect between the last
-    success and the first failure. 0 when even ``fits(1)`` fails."""
+    success ``lo`` and the first failure ``hi`` until ``hi − lo ≤ max(1, ⌊tolerance·lo⌋)``, and
+    return ``lo`` (with ``tolerance`` 0 the exact largest size; with 0.02 within 2 % below it, in
+    fewer probes). 0 when even ``fits(1)`` fails."""
     start = max(1, min(start, cap))
     lo, hi = 0, None  # lo: largest size known to fit; hi: smallest known not to
     n = start
@@ -31,7 +34,7 @@ def max_batch_by_bisection(fits: Callable[[int], bool], start: int, cap: int) ->
             n = min(2 * n, cap)
         else:
             hi = n
-    while hi - lo > 1:  # lo fits (or is 0), hi does not
+    while hi - lo > max(1, int(tolerance * lo)):  # lo fits (or is 0), hi does not
         mid = (lo + hi) // 2
         if fits(mid):
             lo = mid
@@ -92,7 +95,8 @@ def probe_max_batch(args) -> int:
         torch.cuda.empty_cache()
         return ok
 
-    best = max_batch_by_bisection(fits, args.batch_size, args.max_batch_cap)
+    best = max_batch_by_bisection(fits, args.batch_size, args.max_batch_cap,
+                                  args.max_batch_tolerance)
     oom = {"oom": {"batch": min(failures), **failures[min(failures)]}} if failures else {}
     return {"max_batch": best, **oom}
 

@@ -123,7 +123,9 @@ def setup_lines(args, results: Dict[str, dict]) -> List[str]:
     if any("max_batch" in r for r in results.values()):
         lines.append(f"Max batch: largest physical batch whose full step (two steps, fresh model) "
                      f"ran without CUDA out-of-memory, by doubling from {args.batch_size} then "
-                     f"bisection (cap {args.max_batch_cap}).")
+                     f"bisection (cap {args.max_batch_cap}"
+                     + (f", stopped within {args.max_batch_tolerance:.0%} below the first size "
+                        "that did not fit" if args.max_batch_tolerance else "") + ").")
         lines += oom_lines(results)
     return lines + target_lines(args, results)
 

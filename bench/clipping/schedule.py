@@ -148,6 +148,7 @@ def run_all(args, methods: List[str]) -> Dict[str, dict]:
             worker = start(method)
             steps(worker, rounds)
             results[method] = worker.finish()
+            bar.write(progress_line(method, results[method], args.warmup))
     else:
         workers = [start(m) for m in methods]
         for r in range(rounds):
@@ -180,6 +181,8 @@ def run_all(args, methods: List[str]) -> Dict[str, dict]:
                     results[method]["max_batch_oom"] = probe["oom"]
                 if "error" in probe:
                     results[method]["max_batch_error"] = probe["error"]
+                bar.write(f"{method}: max batch {probe.get('max_batch')}"
+                          + (f" ({probe['error']})" if "error" in probe else ""))
             bar.update()
     bar.close()
     for r in results.values():  # drop warm-up steps
@@ -188,6 +191,17 @@ def run_all(args, methods: List[str]) -> Dict[str, dict]:
             r["median_s"] = statistics.median(r["times"])
     add_paired_ratios(results)
     return results
+
+
+def progress_line(method: str, result: dict, warmup: int) -> str:
+    """One line on a finished method (its median step after the warm-up, its memory, or its
+    error), printed as it ends so that a run stopped later still shows it."""
+    if "error" in result:
+        return f"{method}: error: {result['error']}"
+    times = result.get("times", [])[warmup:]
+    memory = {k: round(v, 1) for k, v in result.items() if k.endswith("_mib")}
+    median = f"{statistics.median(times):.4f} s" if times else "no timed step"
+    return f"{method}: median {median} over {len(times)} steps; {memory}"
 
 
 def time_in_this_process(args, methods: List[str], bar) -> Dict[str, dict]:

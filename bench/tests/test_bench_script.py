@@ -200,6 +200,13 @@ def test_max_batch_by_bisection():
     # the cap itself is tried
     assert maxbatch.max_batch_by_bisection(lambda n: True, 16, 100) == 100
     assert maxbatch.max_batch_by_bisection(lambda n: n <= 5, 16, 4096) == 5  # below the start
+    # a tolerance stops the bisection early, never above the true size nor below it by more
+    probes = []
+    assert 1100 <= maxbatch.max_batch_by_bisection(
+        lambda n: probes.append(n) or n <= 1205, 128, 4096, tolerance=0.05) <= 1205
+    exact = []
+    maxbatch.max_batch_by_bisection(lambda n: exact.append(n) or n <= 1205, 128, 4096)
+    assert len(probes) < len(exact)
 
 
 def test_max_batch_probe_counts_only_out_of_memory_as_not_fitting(monkeypatch):
@@ -234,7 +241,8 @@ def test_max_batch_probe_counts_only_out_of_memory_as_not_fitting(monkeypatch):
         return methods.Runner(step)
 
     monkeypatch.setitem(methods.SETUPS, "nondp", setup)
-    args = argparse.Namespace(only="nondp", batch_size=4, max_batch_cap=64)
+    args = argparse.Namespace(only="nondp", batch_size=4, max_batch_cap=64,
+                              max_batch_tolerance=0.0)
     probe = maxbatch.probe_max_batch(args)
     where = probe["oom"].pop("where")
     assert probe == {
