@@ -7,8 +7,9 @@
 #
 #   bash bench/gpu_check.sh [OUT_DIR]
 #
-# Environment: PE_BASE=DIR (a folder holding another private_engine package: its ViT-B benchmark
-# runs too), PE_RESNET=1 (also ResNet-18), PE_COMMIT (the commit measured when the checkout has no
+# Environment: PE_BASE=DIR (a folder holding another private_engine package, labelled
+# PE_BASE_COMMIT: its ViT-B benchmark runs too, through PE_ENGINE_DIR, before and after this
+# checkout's, since the second of two runs in one call can read slower), PE_RESNET=1 (also ResNet-18), PE_COMMIT (the commit measured when the checkout has no
 # .git), PE_METHODS (methods of this checkout's ViT-B benchmark; default "nondp bk_mixed"),
 # PE_MAX_BATCH=1 (that benchmark also finds each method's maximum batch, within 3 %),
 # PE_*_TIMEOUT (seconds per part). Uses the machine's python3 with this checkout on
@@ -49,10 +50,11 @@ if [ -f "$OUT_DIR/ratios.tsv" ]; then
     sort -t$'\t' -k4 -g "$OUT_DIR/ratios.tsv" | grep -v None | tail -n 3 >> "$SUMMARY"
 fi
 
-bench_vitb() {  # $1: output name, $2: PYTHONPATH for private_engine, $3: timeout, then options
-    local name=$1 path=$2 limit=$3
+bench_vitb() {  # $1: output name, $2: PE_ENGINE_DIR (or ""), $3: timeout, then options
+    local name=$1 engine=$2 limit=$3
     shift 3
-    PYTHONPATH="$path" timeout "$limit" python3 bench/bench_clipping.py \
+    PE_ENGINE_DIR="$engine" PE_ENGINE_COMMIT="${PE_BASE_COMMIT:-}" timeout "$limit" \
+        python3 bench/bench_clipping.py \
         --device cuda --models vit_base_patch16_224 --amp bf16 --batch-size 128 \
         --steps 10 --warmup 3 --markdown "$OUT_DIR/$name.md" "$@" > "$OUT_DIR/$name.log" 2>&1
     echo "bench $name exit $?" >> "$SUMMARY"
@@ -62,12 +64,14 @@ bench_vitb() {  # $1: output name, $2: PYTHONPATH for private_engine, $3: timeou
 }
 echo "== benchmark ==" >> "$SUMMARY"
 if [ -n "${PE_BASE:-}" ]; then
-    bench_vitb bench_vitb_base "${SITE:+$SITE:}$PWD/$PE_BASE:$PWD" "${PE_BASE_TIMEOUT:-90}" \
-        --methods nondp bk_mixed
+    bench_vitb bench_vitb_base "$PWD/$PE_BASE" "${PE_BASE_TIMEOUT:-90}" --methods nondp bk_mixed
 fi
 # shellcheck disable=SC2086 # PE_METHODS is a list of words
-bench_vitb bench_vitb "$PYTHONPATH" "${PE_BENCH_TIMEOUT:-150}" --methods ${PE_METHODS:-nondp bk_mixed} \
+bench_vitb bench_vitb "" "${PE_BENCH_TIMEOUT:-150}" --methods ${PE_METHODS:-nondp bk_mixed} \
     ${PE_MAX_BATCH:+--max-batch --max-batch-tolerance 0.03}
+if [ -n "${PE_BASE:-}" ]; then
+    bench_vitb bench_vitb_base2 "$PWD/$PE_BASE" "${PE_BASE_TIMEOUT:-90}" --methods nondp bk_mixed
+fi
 if [ -n "${PE_RESNET:-}" ]; then
     timeout "${PE_BENCH_TIMEOUT:-90}" python3 bench/bench_clipping.py --device cuda \
         --models resnet18 --amp bf16 --batch-size 64 --methods nondp bk_mixed --steps 10 \

@@ -47,16 +47,24 @@ def machine_info(device: str, load: Optional[float] = None) -> Dict[str, str]:
 
 
 def engine_revision() -> str:
-    """The git commit measured, flagged when private_engine/ has uncommitted changes."""
+    """The git commit of the private_engine measured, flagged when its private_engine/ has
+    uncommitted changes; the folder it was imported from when that is not this repository
+    (``PE_ENGINE_DIR``), with ``PE_ENGINE_COMMIT`` as its label where it is no git checkout."""
+    import private_engine
+
+    home = Path(private_engine.__file__).resolve().parents[1]
+    where = "" if home == REPO else f" (the package in {home})"
     try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=home,
                              capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "private_engine"], cwd=REPO,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "private_engine"], cwd=home,
                                capture_output=True, text=True, check=True).stdout.rstrip()
     except (OSError, subprocess.CalledProcessError):
-        return "unknown (not a git checkout)"
+        return os.environ.get("PE_ENGINE_COMMIT", "unknown (not a git checkout)") + where
+    if where and os.environ.get("PE_ENGINE_COMMIT"):
+        rev = os.environ["PE_ENGINE_COMMIT"]
     changed = [line[3:] for line in dirty.splitlines()]
-    return rev + (f" (uncommitted changes: {', '.join(changed)})" if changed else "")
+    return rev + where + (f" (uncommitted changes: {', '.join(changed)})" if changed else "")
 
 
 def command_line() -> str:
