@@ -19,7 +19,7 @@ rounding bound covers either.
 from __future__ import annotations
 
 import math
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 import torch.nn.functional as F
@@ -66,24 +66,53 @@ def unfold_conv_input(module: nn.modules.conv._ConvNd, a: torch.Tensor) -> torch
     return unfolded_columns(module, a).permute(0, 3, 1, 2)
 
 
-def unfolded_columns(module: nn.modules.conv._ConvNd, a: torch.Tensor) -> torch.Tensor:
+def unfolded_columns(module: nn.modules.conv._ConvNd, a: torch.Tensor,
+                     dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """im2col as ``(B, groups, D, T)`` with ``D = (C_in/groups)·Πk`` (the order of
-    ``weight.view(p, -1)`` within a group) and ``T = Π S_out``, in one of two copies that give the
-    same tensor (:func:`unfold_by_windows` picks): for 1-d and 2-d layers with few positions one
-    ``F.unfold`` kernel (a 1-d layer as a 2-d one of height 1); otherwise the input's windows as a
-    strided view (``Tensor.unfold``) and one copy. Every entry is a copy of an input value or a
-    padding value: nothing is computed, so the choice changes no rounding."""
+    ``weight.view(p, -1)`` within a group) and ``T = Π S_out``, in ``dtype`` (default: ``a``'s),
+    formed in one of two ways that give the same tensor (:func:`unfold_by_windows` picks):
+
+    * the window view :func:`unfolded_windows` and one copy (a ``reshape``, or a copy that also
+      converts to ``dtype``), none where the view already has the layout (a 1×1 convolution of
+      stride 1);
+    * on the CPU only, for 1-d and 2-d layers with few positions, one ``F.unfold`` kernel (a 1-d
+      layer as a 2-d one of height 1); on CUDA ``F.unfold`` launches one kernel per sample.
+
+    Every entry is a copy of an input value or a padding value, converted to ``dtype``: nothing is
+    computed, so the choice changes no rounding."""
     nd = a.dim() - 2
     B, C = a.shape[:2]
-    groups = module.groups
+    dtype = a.dtype if dtype is None else dtype
     if nd <= 2 and not unfold_by_windows(module, a):
-        x, padding = _padded(module, a)
+        x, padding = _padded(module, cast(a, dtype))
         ks, st, dl = module.kernel_size, module.stride, module.dilation
         if nd == 1:
             x, padding = x.unsqueeze(2), (0,) + tuple(padding)
             ks, st, dl = (1,) + tuple(ks), (1,) + tuple(st), (1,) + tuple(dl)
         cols = F.unfold(x, ks, dl, padding, st)  # (B, C·Πk, T), channel-major columns
-        return cols.reshape(B, groups, -1, cols.shape[-1])
+        return cols.reshape(B, module.groups, -1, cols.shape[-1])
+    windows = unfolded_windows(module, a)
+    shape = (B, module.groups, (C // module.groups) * math.prod(module.kernel_size),
+             math.prod(windows.shape[3 + nd:]))
+    if windows.dtype == dtype:
+        return windows.reshape(shape)
+    out = windows.new_empty(shape, dtype=dtype)
+    out.view(windows.shape).copy_(windows)  # gather and conversion in one pass
+    return out
+
+
+def unfolded_windows(module: nn.modules.conv._ConvNd, a: torch.Tensor) -> torch.Tensor:
+    """im2col as a strided view ``(B, groups, C_in/groups, *k, *S_out)`` whose entry
+    ``[b, γ, c, κ, s]`` is ``x[b, γ·C_in/groups + c, s·stride + κ·dilation]`` for ``x`` the input
+    padded as the layer pads it (``Tensor.unfold`` windows of each spatial dimension; a dilated
+    kernel's taps picked by a step). No copy, except ``F.pad`` for a padded layer.
+
+    Non-overlapping windows (stride = kernel size, dilation 1, no padding: the patch embeddings
+    of ViT, DeiT, ConvNeXt and Swin, a 1×1 convolution of stride 1) are a view of ``a`` itself:
+    each spatial size ``S_j`` split as ``(S_j // k_j, k_j)`` after its trailing ``S_j mod k_j``
+    positions (which the layer never reads) are dropped, and permuted."""
+    nd = a.dim() - 2
+    B, C = a.shape[:2]
     pad = list(module._reversed_padding_repeated_twice)
     if any(pad):
         mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
@@ -94,14 +123,13 @@ def unfolded_columns(module: nn.modules.conv._ConvNd, a: torch.Tensor) -> torch.
     if any(d != 1 for d in module.dilation):
         index = (slice(None),) * (2 + nd) + tuple(slice(None, None, d) for d in module.dilation)
         a = a[index]
-    T = math.prod(a.shape[2 : 2 + nd])
-    # (B, C, *S_out, *k) -> (B, C, *k, *S_out): channel-major columns, positions last
+    # (B, C, *S_out, *k) -> (B, groups, C/groups, *k, *S_out): channel-major columns
     a = a.permute(0, 1, *range(2 + nd, 2 + 2 * nd), *range(2, 2 + nd))
-    return a.reshape(B, groups, (C // groups) * math.prod(module.kernel_size), T)
+    return a.unflatten(1, (module.groups, C // module.groups))
 
 
-#: fewest output positions per sample at which a 1-d or 2-d layer's im2col is the strided window
-#: copy rather than ``F.unfold`` (:func:`unfold_by_windows`)
+#: fewest output positions per sample at which a 1-d or 2-d layer's im2col on the CPU is the
+#: strided window copy rather than ``F.unfold`` (:func:`unfold_by_windows`)
 WINDOW_COPY_MIN_POSITIONS = 256
 
 
@@ -118,14 +146,32 @@ def output_positions(module: nn.modules.conv._ConvNd, a: torch.Tensor) -> int:
     return T
 
 
-def unfold_by_windows(module: nn.modules.conv._ConvNd, a: torch.Tensor) -> bool:
-    """im2col by the strided window copy (True) or by ``F.unfold`` (False, 1-d and 2-d layers
-    only): windows for at least :data:`WINDOW_COPY_MIN_POSITIONS` output positions per sample. The
-    copy walks each window offset's positions in order, where ``F.unfold`` on the CPU is several
-    times slower (ResNet-18's first layers at 64², batch 16, one core: 2 ms against 20 ms for the
-    7×7 stem, 0.6 ms against 24 ms for a 64-channel 3×3 layer on a 16×16 map); on few positions
-    (the 4×4 and 2×2 maps) ``F.unfold`` is the faster of the two."""
-    return a.dim() > 4 or output_positions(module, a) >= WINDOW_COPY_MIN_POSITIONS
+def non_overlapping(module: nn.modules.conv._ConvNd) -> bool:
+    """Whether the layer's windows tile its input: stride = kernel size, dilation 1, no padding
+    (then im2col is a permutation of the input's entries, :func:`unfolded_windows`)."""
+    return (tuple(module.stride) == tuple(module.kernel_size)
+            and all(d == 1 for d in module.dilation)
+            and not any(module._reversed_padding_repeated_twice))
+
+
+def unfold_by_windows(module: nn.modules.conv._ConvNd, a: torch.Tensor,
+                      device: Optional[torch.device] = None) -> bool:
+    """im2col by the strided window copy (True) or by ``F.unfold`` (False, 1-d and 2-d layers on
+    the CPU only) for the input ``a`` on ``device`` (default: ``a``'s).
+
+    * Off the CPU always: CUDA's ``F.unfold`` loops over the batch, one kernel per sample, where
+      the window copy is one kernel (ViT-B/16's patch embedding at batch 128: 128 kernels → 1).
+    * Non-overlapping windows (:func:`non_overlapping`): one reshape of the input, faster than
+      ``F.unfold`` on the CPU too (ViT's 16×16 patch embedding at 224², batch 16, one core:
+      1.7 ms against 5.3 ms).
+    * Windows for at least :data:`WINDOW_COPY_MIN_POSITIONS` output positions per sample: the copy
+      walks each window offset's positions in order, where ``F.unfold`` on the CPU is several
+      times slower (ResNet-18's first layers at 64², batch 16, one core: 2 ms against 20 ms for
+      the 7×7 stem, 0.6 ms against 24 ms for a 64-channel 3×3 layer on a 16×16 map); on few
+      positions (the 4×4 and 2×2 maps) ``F.unfold`` is the faster of the two on the CPU."""
+    device = a.device if device is None else device
+    return (device.type != "cpu" or a.dim() > 4 or non_overlapping(module)
+            or output_positions(module, a) >= WINDOW_COPY_MIN_POSITIONS)
 
 
 class ConvRule(LayerRule):
@@ -138,15 +184,16 @@ class ConvRule(LayerRule):
         Us, Gs = [], []
         for a, g in calls:
             dt = compute_dtype(g)
-            cols, G = self._columns(module, cast(a, dt), cast(g, dt))
+            cols, G = self._columns(module, a, cast(g, dt), dt)
             Us.append(cols.flatten(0, 1).transpose(1, 2))
             Gs.append(G.flatten(0, 1).transpose(1, 2))
         if len(calls) == 1:
             return Us[0], Gs[0]
         return torch.cat(Us, 1), torch.cat(Gs, 1)
 
-    def _columns(self, module, a, g):
-        """``(U, G)`` of one call: the im2col ``(B, groups, D, T)`` of ``a`` and ``g`` viewed as
+    def _columns(self, module, a, g, dtype):
+        """``(U, G)`` of one call: the im2col ``(B, groups, D, T)`` of ``a`` in ``dtype`` (the
+        conversion made by the im2col copy itself) and ``g`` viewed as
         ``(B, groups, p/groups, T)``."""
         if a.dim() != len(module.kernel_size) + 2:
             raise ValueError(
@@ -154,7 +201,7 @@ class ConvRule(LayerRule):
                 f"{tuple(a.shape)}. "
                 "Unbatched inputs cannot be clipped per sample: add a batch dimension."
             )
-        cols = unfolded_columns(module, a)
+        cols = unfolded_columns(module, a, dtype)
         B, groups, _, T = cols.shape
         G = g.reshape(B, groups, module.out_channels // groups, -1)
         if G.shape[-1] != T:
@@ -355,7 +402,7 @@ class ConvRule(LayerRule):
         that is a contiguous tensor of the operands' dtype, else returned as a new tensor."""
         Us, Gs = [], []
         for a, g in calls:
-            cols, G = self._columns(module, cast(a, dt), scale_samples(cast(g, dt), factors))
+            cols, G = self._columns(module, a, scale_samples(cast(g, dt), factors), dt)
             Us.append(cols)
             Gs.append(G)
         U = Us[0] if len(Us) == 1 else torch.cat(Us, 3)  # (B, groups, D, T)
