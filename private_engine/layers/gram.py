@@ -102,17 +102,25 @@ def fast_gram_model(t: torch.Tensor) -> Optional[Tuple[bool, float]]:
     return (False, ETA32) if operand_unit(torch.float32, t.device) == 0.0 else None
 
 
-def _gram32(t: torch.Tensor) -> torch.Tensor:
+def _gram32(t: torch.Tensor, rows: Optional[int] = None) -> torch.Tensor:
     """``t tᵀ`` per sample as float32 ``(N, T, T)``: a float32 bmm, 16-bit operands accumulated in
-    float32 (tensor cores on CUDA, with rows padded for their kernels; widened on the CPU)."""
+    float32 (tensor cores on CUDA, with rows padded for their kernels; on the CPU widened to
+    float32 once, the same tensor for both factors: exact). ``rows``: the first ``T`` rows of
+    ``t`` are the operand, the others zero padding (:func:`.base.pad_positions`)."""
     from ..foundation.matmul import wide_bmm
     from .base import aligned_positions
 
-    T = t.shape[1]
+    T = t.shape[1] if rows is None else rows
     if t.element_size() == 2:
-        p = aligned_positions(t)
-        out = wide_bmm(p, p.transpose(1, 2))
-        return out[:, :T, :T] if p.shape[1] != T else out
+        if t.device.type == "cuda":
+            p = aligned_positions(t)
+            out = wide_bmm(p, p.transpose(1, 2))
+        else:
+            p = t.float()
+            out = torch.bmm(p, p.transpose(1, 2))
+        return out[:, :T, :T] if out.shape[1] != T else out
+    if t.shape[1] != T:
+        t = t[:, :T]
     return torch.bmm(t, t.transpose(1, 2))
 
 
@@ -162,6 +170,23 @@ def _outer(v: torch.Tensor) -> torch.Tensor:
     return v.unsqueeze(2) * v.unsqueeze(1)
 
 
+def inner64(x: torch.Tensor, y: torch.Tensor, dims: Tuple[int, ...]) -> torch.Tensor:
+    """``Σ x∘y`` over ``dims`` in float64, the products formed in float64 (exact for float32
+    factors) and summed by one reduction: ``x`` widened to float64 once, ``y`` read as it is
+    (float32 values widen exactly inside the product; no float64 copy of ``y``)."""
+    x64 = x.double()
+    return (x64.mul_(y) if x64 is not x else x64 * y).sum(dims)
+
+
+def weighted_abs_sum(n: torch.Tensor, G: torch.Tensor, m: torch.Tensor, A: torch.Tensor,
+                     outer) -> torch.Tensor:
+    """``Σ_{t,s} (n_t n_s·|G_ts| + m_t m_s·|A_ts|)`` per sample, over the last two dimensions:
+    ``outer(n)·|G| + outer(m)·|A|`` element-wise in float64 (``n``, ``m`` float64; float32 Grams
+    widen exactly inside the products), then one reduction. ``G`` and ``A`` are overwritten by
+    their absolute values."""
+    return outer(n).mul_(G.abs_()).addcmul_(outer(m), A.abs_()).sum((-2, -1))
+
+
 def fast_ghost_bound(a: torch.Tensor, g: torch.Tensor, bias: bool, na: torch.Tensor,
                      ng: torch.Tensor, tensor_core: bool, eta: float,
                      chunk: Optional[int] = None
@@ -182,20 +207,18 @@ def fast_ghost_bound(a: torch.Tensor, g: torch.Tensor, bias: bool, na: torch.Ten
     wa, wg = a.shape[2] + bias, g.shape[2]
     ga, gg = gram_gamma(wa, tensor_core, chunk), gram_gamma(wg, tensor_core, chunk)
     if chunk is None:
-        aat = _gram32(a)
+        aat, ggt = _gram32(a), _gram32(g)
         if bias:
             aat.add_(1)  # one more float32 addition: the w_a-th term of the sum
-        A, G = aat.double(), _gram32(g).double()
-        del aat
     else:
-        A, G = _gram_chunked(a, chunk), _gram_chunked(g, chunk)
+        aat, ggt = _gram_chunked(a, chunk), _gram_chunked(g, chunk)
         if bias:
-            A.add_(1)  # one more float64 addition
+            aat.add_(1)  # one more float64 addition
     # one reduction of T² products (exact for float32 Grams, rounded once for blocked ones)
-    nu = (A * G).sum((1, 2)).clamp_(min=0)
+    nu = inner64(aat, ggt, (1, 2)).clamp_(min=0)
     n2, m2 = _floored(na, wa, eta, ga), _floored(ng, wg, eta, gg)
-    weighted = _outer(n2).mul_(G.abs_()).addcmul_(_outer(m2), A.abs_()).sum((1, 2))
-    del A, G
+    weighted = weighted_abs_sum(n2, ggt, m2, aat, _outer)
+    del aat, ggt
     inner = gamma(T * T + 2, unit_roundoff(torch.float64)) * (1 + ga) * (1 + gg)
     # (Σ n2·m2)² = γ_aγ_g·margin²·M'²
     cross = (n2 * m2).sum(1)
@@ -281,7 +304,7 @@ def certified_token_ghost_sq(ids: torch.Tensor, g: torch.Tensor,
         return None
     tensor_core, eta = model
     gg = gram_gamma(p, tensor_core)
-    same = (ids.unsqueeze(2) == ids.unsqueeze(1)).to(torch.float64)
+    same = ids.unsqueeze(2) == ids.unsqueeze(1)  # bool: a product by 1 or 0 in float64, exact
     nu = _gram32(g).double().mul_(same).sum((1, 2)).clamp_(min=0)
     m2 = _floored(ng, p, eta, gg)
     weighted = _outer(m2).mul_(same).sum((1, 2))
