@@ -153,7 +153,7 @@ class GhostBoundStack:
         nu = inner64(aat, ggt, (2, 3)).clamp_(min=0)
         n2 = (na + c["floor_a"]).mul_(c["scale_a"])
         m2 = (ng + c["floor_g"]).mul_(c["scale_g"])
-        weighted = weighted_abs_sum(n2, ggt, m2, aat, _outer)
+        weighted = weighted_abs_sum(n2, ggt, m2, aat)
         del aat, ggt
         cross = (n2 * m2).sum(2)
         slack = weighted.add_(cross.mul(c["inner"]).mul_(cross)).add_(4.0 * T * T * ETA64)
@@ -266,11 +266,6 @@ def _stack_positions(ts: Sequence[torch.Tensor], rows: int) -> torch.Tensor:
         out[j, :, :T].copy_(t)
     out[:, :, T:].zero_()
     return out
-
-
-def _outer(v: torch.Tensor) -> torch.Tensor:
-    """``v vᵀ`` per layer and sample, element-wise: ``(L, N, T) -> (L, N, T, T)``."""
-    return v.unsqueeze(3) * v.unsqueeze(2)
 
 
 def _refine(bound: torch.Tensor, slack: torch.Tensor, nu: torch.Tensor,

@@ -38,10 +38,11 @@ The loss below the normal range is folded into ``γ``: with row norms raised to
 
 ``n'ᵀ|G̃|n'`` weighs each Gram entry by the row norms rather than ``M²``'s products of norms: for
 most honest layers it is a few times ``ν`` where ``M²`` is about ``T·ν``, which is what keeps the
-bound within 10⁻³ of the norm. The inner product and the weighted sums are formed element-wise in
-float64 (no matmul; float32 products are exact there), whose own rounding is
-``γ^{(64)}_{T²+2}·(1 + γ_a)(1 + γ_g)·M'²`` for ``Σ Ã G̃`` (added) and a relative ``O(T²·2⁻⁵³)``
-on the non-negative terms (a factor ``1 + 2·γ^{(64)}_{T²+8}`` on the slack).
+bound within 10⁻³ of the norm. The inner product is formed element-wise in float64 (no matmul;
+float32 products are exact there), the weighted sums as bilinear forms ``Σ_t n'_t Σ_s |G̃_ts| n'_s``
+row by row in float64; their own rounding is ``γ^{(64)}_{T²+2}·(1 + γ_a)(1 + γ_g)·M'²`` for
+``Σ Ã G̃`` (added) and a relative ``γ^{(64)}_{2T+1} ≤ γ^{(64)}_{T²+2}`` on the non-negative terms
+(a factor ``1 + 2·γ^{(64)}_{T²+8}`` on the slack covers it).
 
 A sample whose bound is not finite (a value so large that a float32 Gram entry overflows) or loose
 (slack above ``LOOSE`` times the ghost norm) gets a second try, for that sample only: Grams formed
@@ -152,7 +153,8 @@ def gram_gamma(width: int, tensor_core: bool, chunk: Optional[int] = None) -> fl
 
 def _margin(T: int) -> float:
     """``1 + 2·γ^{(64)}_{T²+8}``: the relative rounding of the slack's own float64 terms (products
-    of float64 values, sums of ``T²`` non-negative terms), doubled."""
+    of float64 values, sums of at most ``T²`` non-negative terms: :func:`weighted_abs_sum` rounds
+    each term at most ``2T + 1`` times), doubled."""
     return 1 + 2 * gamma(T * T + 8, unit_roundoff(torch.float64))
 
 
@@ -178,13 +180,34 @@ def inner64(x: torch.Tensor, y: torch.Tensor, dims: Tuple[int, ...]) -> torch.Te
     return (x64.mul_(y) if x64 is not x else x64 * y).sum(dims)
 
 
-def weighted_abs_sum(n: torch.Tensor, G: torch.Tensor, m: torch.Tensor, A: torch.Tensor,
-                     outer) -> torch.Tensor:
-    """``Σ_{t,s} (n_t n_s·|G_ts| + m_t m_s·|A_ts|)`` per sample, over the last two dimensions:
-    ``outer(n)·|G| + outer(m)·|A|`` element-wise in float64 (``n``, ``m`` float64; float32 Grams
-    widen exactly inside the products), then one reduction. ``G`` and ``A`` are overwritten by
-    their absolute values."""
-    return outer(n).mul_(G.abs_()).addcmul_(outer(m), A.abs_()).sum((-2, -1))
+def weighted_abs_sum(n: torch.Tensor, G: torch.Tensor, m: torch.Tensor,
+                     A: torch.Tensor) -> torch.Tensor:
+    """``Σ_{t,s} (n_t n_s·|G_ts| + m_t m_s·|A_ts|)`` per sample (over the last two dimensions of
+    ``G``, ``A``; ``n``, ``m`` float64 and non-negative) as two bilinear forms,
+    ``Σ_t n_t·(Σ_s |G_ts|·n_s) + Σ_t m_t·(Σ_s |A_ts|·m_s)``, in float64: one product per Gram
+    entry (float32 Grams widen exactly inside it) and one reduction of it, no ``(…, T, T)`` outer
+    product of the weights.
+
+    Rounding (Higham 2002, §3.1; every term non-negative): a term ``n_t·|G_ts|·n_s`` meets one
+    rounded product, ``T − 1`` additions in its row sum, one product by ``n_t``, ``T − 1``
+    additions over t and the final addition, so the result is at least ``(1 − γ^{(64)}_{2T+1})``
+    times the exact sum, within the ``1 − γ^{(64)}_{T²+2}`` that :func:`_margin` covers
+    (``2T + 1 ≤ T² + 2``). The products neither underflow nor lose anything below float64's
+    normal range: the weights are floored (:func:`_floored`) far above it."""
+    return _weighted_rows(G, n) + _weighted_rows(A, m)
+
+
+def _weighted_rows(X: torch.Tensor, v: torch.Tensor,
+                   one_pass: Optional[bool] = None) -> torch.Tensor:
+    """``Σ_t v_t·Σ_s |X_ts|·v_s`` in float64 for ``v ≥ 0``: ``|X_ts·v_s|`` summed over s — with
+    ``one_pass`` (the default on CUDA) by one L1-norm reduction, no separate absolute-value pass
+    over the ``(…, T, T)`` products; else (the default on the CPU, faster there) by an in-place
+    absolute value and a sum — then the ``T`` row sums weighted by ``v_t`` and summed."""
+    y = X * v.unsqueeze(-2)
+    if one_pass is None:
+        one_pass = y.device.type == "cuda"
+    rows = torch.linalg.vector_norm(y, ord=1, dim=-1) if one_pass else y.abs_().sum(-1)
+    return (rows * v).sum(-1)
 
 
 def fast_ghost_bound(a: torch.Tensor, g: torch.Tensor, bias: bool, na: torch.Tensor,
@@ -217,7 +240,7 @@ def fast_ghost_bound(a: torch.Tensor, g: torch.Tensor, bias: bool, na: torch.Ten
     # one reduction of T² products (exact for float32 Grams, rounded once for blocked ones)
     nu = inner64(aat, ggt, (1, 2)).clamp_(min=0)
     n2, m2 = _floored(na, wa, eta, ga), _floored(ng, wg, eta, gg)
-    weighted = weighted_abs_sum(n2, ggt, m2, aat, _outer)
+    weighted = weighted_abs_sum(n2, ggt, m2, aat)
     del aat, ggt
     inner = gamma(T * T + 2, unit_roundoff(torch.float64)) * (1 + ga) * (1 + gg)
     # (Σ n2·m2)² = γ_aγ_g·margin²·M'²

@@ -1,13 +1,18 @@
 """The certified ghost bounds move no more data than they need: the float32 Grams are read by
-the float64 products as they are (no float64 copies of them), one stack of operands of one shape
-is not stacked a second time, and the operands padded for CUDA's 16-bit Gram kernels are copied
-once, with only the appended rows zeroed. Every bound stays the same, bit for bit."""
+the float64 products as they are (no float64 copies of them), the weighted sums of the slack are
+bilinear forms (no outer products of the weights), one stack of operands of one shape is not
+stacked a second time, and the operands padded for CUDA's 16-bit Gram kernels are copied once,
+with only the appended rows zeroed."""
+from fractions import Fraction
+
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from private_engine.layers.base import pad_positions
 from private_engine.layers.ghost_stack import GhostBoundStack, _grams_and_norms, _stack_positions
-from private_engine.layers.gram import _gram32
+from private_engine.layers.gram import _gram32, _weighted_rows, weighted_abs_sum
+from private_engine.layers.rounding import gamma, unit_roundoff
 
 
 class _Ops(TorchDispatchMode):
@@ -40,6 +45,10 @@ def test_stacked_bounds_widen_one_gram_and_copy_operands_once():
     widened = [op for op in rec.ops if op[0] == "_to_copy" and op[1] == torch.float64
                and op[2] == gram]
     assert len(widened) == 1, rec.ops  # Σ Ã∘G̃: Ã widened once, G̃ read as float32
+    # float64 (L, N, T, T) tensors written: Ã widened and times G̃ (in place), and per bilinear
+    # form one product and its absolute value (in place): no outer products of the weights
+    written64 = [op[0] for op in rec.ops if op[1] == torch.float64 and op[2] == gram]
+    assert sorted(written64) == ["_to_copy", "abs_", "abs_", "mul", "mul", "mul_"], written64
     stacked = [op for op in rec.ops if op[0] == "stack"]
     # the a's and the g's stacked once each for their Grams; the Grams themselves not again
     assert [op[2] for op in stacked] == [(L, N, T, 16), (L, N, T, 24)], stacked
@@ -77,3 +86,22 @@ def test_padded_stack_is_the_padded_operand_of_the_gram_kernels():
     assert torch.equal(x32, pad_positions(torch.stack(f32), 12))
     torch.testing.assert_close(_gram32(x32.reshape(-1, 12, 16), 9),
                                _gram32(torch.stack(f32).reshape(-1, 9, 16)))
+
+
+@pytest.mark.parametrize("one_pass", [False, True])
+def test_weighted_rows_are_the_bilinear_form_within_their_rounding(one_pass):
+    """``Σ_t v_t Σ_s |X_ts| v_s`` against the exact rational sum of the same float values: within
+    ``γ^{(64)}_{2T+1}`` (its rounding, :func:`weighted_abs_sum`), for values spread over 60
+    orders of magnitude and of both signs (both reductions, the CPU's and CUDA's)."""
+    torch.manual_seed(1)
+    N, T = 3, 7
+    X = (torch.randn(N, T, T) * torch.logspace(-30, 30, T)).float()
+    v = torch.rand(N, T, dtype=torch.float64) * torch.logspace(-20, 20, T, dtype=torch.float64)
+    got = _weighted_rows(X, v, one_pass)
+    g = gamma(2 * T + 1, unit_roundoff(torch.float64))
+    for i in range(N):
+        exact = sum(Fraction(v[i, t].item()) * abs(Fraction(X[i, t, s].item()))
+                    * Fraction(v[i, s].item()) for t in range(T) for s in range(T))
+        assert abs(Fraction(got[i].item()) - exact) <= Fraction(g) * exact
+    if not one_pass:  # the CPU's default: weighted_abs_sum is the sum of two such forms
+        assert torch.equal(weighted_abs_sum(v, X, v, X.clone()), got + got)
