@@ -180,34 +180,34 @@ def inner64(x: torch.Tensor, y: torch.Tensor, dims: Tuple[int, ...]) -> torch.Te
     return (x64.mul_(y) if x64 is not x else x64 * y).sum(dims)
 
 
-def weighted_abs_sum(n: torch.Tensor, G: torch.Tensor, m: torch.Tensor,
-                     A: torch.Tensor) -> torch.Tensor:
+def weighted_abs_sum(n: torch.Tensor, G: torch.Tensor, m: torch.Tensor, A: torch.Tensor,
+                     one_pass: Optional[bool] = None) -> torch.Tensor:
     """``Σ_{t,s} (n_t n_s·|G_ts| + m_t m_s·|A_ts|)`` per sample (over the last two dimensions of
     ``G``, ``A``; ``n``, ``m`` float64 and non-negative) as two bilinear forms,
-    ``Σ_t n_t·(Σ_s |G_ts|·n_s) + Σ_t m_t·(Σ_s |A_ts|·m_s)``, in float64: one product per Gram
-    entry (float32 Grams widen exactly inside it) and one reduction of it, no ``(…, T, T)`` outer
-    product of the weights.
+    ``Σ_t (n_t·Σ_s |G_ts|·n_s + m_t·Σ_s |A_ts|·m_s)``, in float64: one product per Gram entry
+    (float32 Grams widen exactly inside it) and one reduction of it (:func:`_abs_rows`), no
+    ``(…, T, T)`` outer product of the weights.
 
     Rounding (Higham 2002, §3.1; every term non-negative): a term ``n_t·|G_ts|·n_s`` meets one
-    rounded product, ``T − 1`` additions in its row sum, one product by ``n_t``, ``T − 1``
-    additions over t and the final addition, so the result is at least ``(1 − γ^{(64)}_{2T+1})``
-    times the exact sum, within the ``1 − γ^{(64)}_{T²+2}`` that :func:`_margin` covers
-    (``2T + 1 ≤ T² + 2``). The products neither underflow nor lose anything below float64's
-    normal range: the weights are floored (:func:`_floored`) far above it."""
-    return _weighted_rows(G, n) + _weighted_rows(A, m)
+    rounded product, ``T − 1`` additions in its row sum, one product by ``n_t``, one addition of
+    the two forms' rows and ``T − 1`` additions over t, so the result is at least
+    ``(1 − γ^{(64)}_{2T+1})`` times the exact sum, within the ``1 − γ^{(64)}_{T²+2}`` that
+    :func:`_margin` covers (``2T + 1 ≤ T² + 2``). The products neither underflow nor lose
+    anything below float64's normal range: the weights are floored (:func:`_floored`) far above
+    it."""
+    rows = _abs_rows(G, n, one_pass).mul_(n)
+    return rows.addcmul_(_abs_rows(A, m, one_pass), m).sum(-1)
 
 
-def _weighted_rows(X: torch.Tensor, v: torch.Tensor,
-                   one_pass: Optional[bool] = None) -> torch.Tensor:
-    """``Σ_t v_t·Σ_s |X_ts|·v_s`` in float64 for ``v ≥ 0``: ``|X_ts·v_s|`` summed over s — with
-    ``one_pass`` (the default on CUDA) by one L1-norm reduction, no separate absolute-value pass
-    over the ``(…, T, T)`` products; else (the default on the CPU, faster there) by an in-place
-    absolute value and a sum — then the ``T`` row sums weighted by ``v_t`` and summed."""
+def _abs_rows(X: torch.Tensor, v: torch.Tensor, one_pass: Optional[bool] = None) -> torch.Tensor:
+    """``Σ_s |X_ts|·v_s`` per row t in float64 for ``v ≥ 0``: the products ``X_ts·v_s`` and the
+    sum of their absolute values — with ``one_pass`` (the default on CUDA) by one L1-norm
+    reduction, no separate absolute-value pass over the ``(…, T, T)`` products; else (the default
+    on the CPU, faster there) by an in-place absolute value and a sum."""
     y = X * v.unsqueeze(-2)
     if one_pass is None:
         one_pass = y.device.type == "cuda"
-    rows = torch.linalg.vector_norm(y, ord=1, dim=-1) if one_pass else y.abs_().sum(-1)
-    return (rows * v).sum(-1)
+    return torch.linalg.vector_norm(y, ord=1, dim=-1) if one_pass else y.abs_().sum(-1)
 
 
 def fast_ghost_bound(a: torch.Tensor, g: torch.Tensor, bias: bool, na: torch.Tensor,

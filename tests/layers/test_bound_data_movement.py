@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from private_engine.layers.base import pad_positions
 from private_engine.layers.ghost_stack import GhostBoundStack, _grams_and_norms, _stack_positions
-from private_engine.layers.gram import _gram32, _weighted_rows, weighted_abs_sum
+from private_engine.layers.gram import _gram32, weighted_abs_sum
 from private_engine.layers.rounding import gamma, unit_roundoff
 
 
@@ -89,19 +89,25 @@ def test_padded_stack_is_the_padded_operand_of_the_gram_kernels():
 
 
 @pytest.mark.parametrize("one_pass", [False, True])
-def test_weighted_rows_are_the_bilinear_form_within_their_rounding(one_pass):
-    """``Σ_t v_t Σ_s |X_ts| v_s`` against the exact rational sum of the same float values: within
-    ``γ^{(64)}_{2T+1}`` (its rounding, :func:`weighted_abs_sum`), for values spread over 60
-    orders of magnitude and of both signs (both reductions, the CPU's and CUDA's)."""
+def test_weighted_abs_sum_is_the_bilinear_forms_within_their_rounding(one_pass):
+    """``Σ_{t,s} (n_t n_s |G_ts| + m_t m_s |A_ts|)`` against the exact rational sum of the same
+    float values: within ``γ^{(64)}_{2T+1}`` (its rounding, :func:`weighted_abs_sum`), for values
+    spread over 60 orders of magnitude and of both signs (both reductions, the CPU's and
+    CUDA's)."""
     torch.manual_seed(1)
     N, T = 3, 7
-    X = (torch.randn(N, T, T) * torch.logspace(-30, 30, T)).float()
-    v = torch.rand(N, T, dtype=torch.float64) * torch.logspace(-20, 20, T, dtype=torch.float64)
-    got = _weighted_rows(X, v, one_pass)
+    G = (torch.randn(N, T, T) * torch.logspace(-30, 30, T)).float()
+    A = (torch.randn(N, T, T) * torch.logspace(30, -30, T)).float()
+    n = torch.rand(N, T, dtype=torch.float64) * torch.logspace(-20, 20, T, dtype=torch.float64)
+    m = torch.rand(N, T, dtype=torch.float64) * torch.logspace(9, -9, T, dtype=torch.float64)
+    got = weighted_abs_sum(n, G, m, A, one_pass)
     g = gamma(2 * T + 1, unit_roundoff(torch.float64))
+
+    def fr(x):
+        return Fraction(x.item())
+
     for i in range(N):
-        exact = sum(Fraction(v[i, t].item()) * abs(Fraction(X[i, t, s].item()))
-                    * Fraction(v[i, s].item()) for t in range(T) for s in range(T))
-        assert abs(Fraction(got[i].item()) - exact) <= Fraction(g) * exact
-    if not one_pass:  # the CPU's default: weighted_abs_sum is the sum of two such forms
-        assert torch.equal(weighted_abs_sum(v, X, v, X.clone()), got + got)
+        exact = sum(fr(n[i, t]) * abs(fr(G[i, t, s])) * fr(n[i, s])
+                    + fr(m[i, t]) * abs(fr(A[i, t, s])) * fr(m[i, s])
+                    for t in range(T) for s in range(T))
+        assert abs(fr(got[i]) - exact) <= Fraction(g) * exact
