@@ -28,7 +28,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from .base import aligned_count
+from .base import aligned_count, pad_positions
 from .gram import (
     LOOSE,
     NEGLIGIBLE,
@@ -252,15 +252,24 @@ def _gram_rows(t: torch.Tensor) -> int:
     return aligned_count(T) if t.device.type == "cuda" and t.element_size() == 2 else T
 
 
+#: at most this many operands are copied one by one into a padded stack (one pass over them, a
+#: kernel each); more are stacked, then padded (two passes, three kernels)
+COPIED_ONE_BY_ONE = 3
+
+
 def _stack_positions(ts: Sequence[torch.Tensor], rows: int) -> torch.Tensor:
     """``(L, N, rows, w)``: the operands ``ts`` (each ``(N, T, w)``) stacked, zero rows appended
-    up to ``rows`` (:func:`_gram_rows`). ``rows == T``: one ``torch.stack``; else each operand is
-    copied straight into its rows of the padded stack and only the appended rows are zeroed — one
-    copy of the operands instead of a stack and a padded copy of it."""
+    up to ``rows`` (:func:`_gram_rows`). ``rows == T``: one ``torch.stack``. Else, for at most
+    ``COPIED_ONE_BY_ONE`` operands, each is copied straight into its rows of the padded stack and
+    only the appended rows are zeroed (one copy of the operands instead of a stack and a padded
+    copy of it); for more, a stack and one padded copy (:func:`.base.pad_positions`: no fill of
+    the whole), which launches fewer kernels."""
     first = ts[0]
     T = first.shape[1]
     if rows == T:
         return torch.stack(list(ts))
+    if len(ts) > COPIED_ONE_BY_ONE:
+        return pad_positions(torch.stack(list(ts)), rows)
     out = first.new_empty((len(ts), first.shape[0], rows, first.shape[2]))
     for j, t in enumerate(ts):
         out[j, :, :T].copy_(t)

@@ -71,10 +71,13 @@ def test_pad_positions_is_the_zero_padded_operand():
 def test_padded_stack_is_the_padded_operand_of_the_gram_kernels():
     """The padded stack is, bit for bit, the tensor the Gram kernels were given before (a stack,
     then a padded copy of it); its Grams' first T rows and columns are the operand's Grams."""
+    for L in (2, 5):  # copied one by one into the padded stack; stacked, then padded
+        ts = [a for a, _ in _operands(L, T=9)]
+        x = _stack_positions(ts, 16)
+        assert x.shape == (L, 3, 16, 16) and x.is_contiguous()
+        assert torch.equal(x, pad_positions(torch.stack(ts), 16))
     ts = [a for a, _ in _operands(3, T=9)]
     x = _stack_positions(ts, 16)
-    assert x.shape == (3, 3, 16, 16) and x.is_contiguous()
-    assert torch.equal(x, pad_positions(torch.stack(ts), 16))
     padded = _gram32(x.reshape(-1, 16, 16), 9).reshape(3, 3, 9, 9)
     grams, norms = _grams_and_norms(ts)
     assert torch.equal(grams, torch.stack([_gram32(t) for t in ts]))
