@@ -363,6 +363,19 @@ def test_profile_step_reports_each_method(tmp_path, capsys):
     assert "Input Shapes" in out and "[2, 8, " in out
 
 
+def test_data_movement_records_copies_and_gram_passes(capsys):
+    from bench.investigate import data_movement as module
+
+    tiny = ["--device", "cpu", "--models", "text_transformer", "--seq-len", "8",
+            "--batch-size", "2", "--steps", "1", "--warmup", "0", "--rows", "200"]
+    totals = module.main(tiny + ["--methods", "nondp", "bk_mixed"])
+    out = capsys.readouterr().out
+    assert "== nondp:" in out and "== bk_mixed:" in out
+    assert totals["nondp"]["gram element-wise"] == 0
+    assert totals["bk_mixed"]["gram element-wise"] > 0  # the certified ghost bounds' passes
+    assert "private_engine/layers/gram.py" in out and "| (" in out
+
+
 def test_host_overhead_proxy_runs(capsys):
     from bench.investigate import host_overhead as module
 
@@ -497,7 +510,8 @@ def test_cpu_peak_memory_is_the_childs_own_not_its_parents():
 @pytest.mark.parametrize("script", ["bench_clipping.py", "investigate/host_overhead.py",
                                     "investigate/host_ab.py", "investigate/profile_step.py",
                                     "investigate/ddp_scaling.py", "bench_cpu_noise.py",
-                                    "investigate/float64_flops.py"])
+                                    "investigate/float64_flops.py",
+                                    "investigate/data_movement.py"])
 def test_scripts_run_from_anywhere(script, tmp_path):
     """Every script runs by its path (the Makefile's and the docs' commands), from any directory."""
     import subprocess

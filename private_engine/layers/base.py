@@ -220,10 +220,27 @@ def aligned_positions(t: torch.Tensor) -> torch.Tensor:
     generic one. Zero rows add zero rows and columns to both Grams, so ``⟨a aᵀ, g gᵀ⟩`` is
     unchanged — exactly.
     """
-    T = t.shape[1]
-    if t.device.type != "cuda" or t.element_size() != 2 or T % CUDA_ROW_ALIGNMENT == 0:
+    if t.device.type != "cuda" or t.element_size() != 2:
         return t
-    return torch.nn.functional.pad(t, (0, 0, 0, CUDA_ROW_ALIGNMENT - T % CUDA_ROW_ALIGNMENT))
+    return pad_positions(t, aligned_count(t.shape[1]))
+
+
+def aligned_count(T: int) -> int:
+    """``⌈T/8⌉·8``: the rows of a 16-bit CUDA Gram operand after :func:`aligned_positions`."""
+    return -(-T // CUDA_ROW_ALIGNMENT) * CUDA_ROW_ALIGNMENT
+
+
+def pad_positions(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t: (…, T, k)`` with zero rows appended up to ``rows`` (``t`` itself when ``rows == T``):
+    one copy of ``t`` into a new tensor whose appended rows alone are zeroed (the same tensor as
+    ``torch.nn.functional.pad``'s, which fills the whole of it before the copy)."""
+    T = t.shape[-2]
+    if rows == T:
+        return t
+    out = t.new_empty((*t.shape[:-2], rows, t.shape[-1]))
+    out[..., :T, :].copy_(t)
+    out[..., T:, :].zero_()
+    return out
 
 
 def row_norm_sq(t: torch.Tensor) -> torch.Tensor:

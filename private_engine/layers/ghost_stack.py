@@ -28,7 +28,18 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from .gram import LOOSE, NEGLIGIBLE, _gram32, _margin, fast_gram_model, gram_gamma, second_try
+from .base import aligned_count, pad_positions
+from .gram import (
+    LOOSE,
+    NEGLIGIBLE,
+    _gram32,
+    _margin,
+    fast_gram_model,
+    gram_gamma,
+    inner64,
+    second_try,
+    weighted_abs_sum,
+)
 from .precision import without_autocast
 from .rounding import ETA32, ETA64, gamma, unit_roundoff
 
@@ -130,8 +141,6 @@ class GhostBoundStack:
         ggt, ng32 = _grams_and_norms([p.g for p in layers])
         if c["any_bias"]:
             aat.add_(c["bias32"])  # the w_a-th term of the sum (+0: exact for layers without)
-        A, G = aat.double(), ggt.double()
-        del aat, ggt
         # row norms raised for their rounding (row_norms64), the bias column (pair_norms)
         na = na32.double().mul_(c["fa"]).add_(c["ca"])
         if c["any_bias"]:
@@ -140,11 +149,12 @@ class GhostBoundStack:
         # M_i = Σ_t ‖ã_t‖‖g_t‖ raised for its rounding and underflow (mass_of)
         mass = (na * ng).sum(2).mul_(c["mass_slack"]).add_(T * ETA64)
         # fast_ghost_bound, over all layers at once
-        nu = (A * G).sum((2, 3)).clamp_(min=0)
+        # the float32 Grams widen exactly inside the float64 products (no float64 copies)
+        nu = inner64(aat, ggt, (2, 3)).clamp_(min=0)
         n2 = (na + c["floor_a"]).mul_(c["scale_a"])
         m2 = (ng + c["floor_g"]).mul_(c["scale_g"])
-        weighted = _outer(n2).mul_(G.abs_()).addcmul_(_outer(m2), A.abs_()).sum((2, 3))
-        del A, G
+        weighted = weighted_abs_sum(n2, ggt, m2, aat)
+        del aat, ggt
         cross = (n2 * m2).sum(2)
         slack = weighted.add_(cross.mul(c["inner"]).mul_(cross)).add_(4.0 * T * T * ETA64)
         bound = (nu + slack).mul_(1 + 2.0 ** -50)
@@ -204,7 +214,10 @@ class GhostBoundStack:
 def _grams_and_norms(ts: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(L, N, T, T)`` float32 Grams ``t tᵀ`` (:func:`.gram._gram32`) and ``(L, N, T)`` float32
     row norms of ``ts`` (each ``(N, T, w)``): operands of one shape and dtype stacked for one
-    batched matmul and one reduction (at most ``STACK_ELEMENTS`` elements at a time)."""
+    batched matmul and one reduction (at most ``STACK_ELEMENTS`` elements at a time; on CUDA,
+    16-bit operands stacked straight into the rows their Gram kernels need,
+    :func:`_stack_positions`). When one stack holds every operand, in order, its Grams and norms
+    are returned as they are (no second stack)."""
     grams: List[Optional[torch.Tensor]] = [None] * len(ts)
     norms: List[Optional[torch.Tensor]] = [None] * len(ts)
     shapes: Dict[tuple, List[int]] = {}
@@ -214,12 +227,17 @@ def _grams_and_norms(ts: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, torch.Te
         per = max(1, STACK_ELEMENTS // max(1, math.prod(shape)))
         for s in range(0, len(idx), per):
             part = idx[s:s + per]
-            x = ts[part[0]] if len(part) == 1 else torch.stack([ts[i] for i in part])
-            x = x.reshape(-1, shape[1], shape[2])
-            gram = _gram32(x).reshape(len(part), shape[0], shape[1], shape[1])
+            T = shape[1]
+            x = (ts[part[0]] if len(part) == 1 else
+                 _stack_positions([ts[i] for i in part], _gram_rows(ts[part[0]])))
+            rows = x.shape[-2]
+            gram = _gram32(x.reshape(-1, rows, shape[2]), T)
+            gram = gram.reshape(len(part), shape[0], T, T)
             dtype = None if x.dtype == torch.float32 else torch.float32
-            norm = torch.linalg.vector_norm(x, dim=-1, dtype=dtype)
-            norm = norm.reshape(len(part), shape[0], shape[1])
+            norm = torch.linalg.vector_norm(x[..., :T, :], dim=-1, dtype=dtype)
+            norm = norm.reshape(len(part), shape[0], T)
+            if len(part) == len(ts) > 1 and part == list(range(len(ts))):
+                return gram, norm
             for j, i in enumerate(part):
                 grams[i], norms[i] = gram[j], norm[j]
     if len(ts) == 1:
@@ -227,9 +245,36 @@ def _grams_and_norms(ts: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, torch.Te
     return torch.stack(grams), torch.stack(norms)  # type: ignore[arg-type]
 
 
-def _outer(v: torch.Tensor) -> torch.Tensor:
-    """``v vᵀ`` per layer and sample, element-wise: ``(L, N, T) -> (L, N, T, T)``."""
-    return v.unsqueeze(3) * v.unsqueeze(2)
+def _gram_rows(t: torch.Tensor) -> int:
+    """The rows a Gram operand like ``t: (N, T, w)`` is given: ``T``, rounded up to a multiple of
+    8 for 16-bit CUDA operands (:func:`.base.aligned_positions`)."""
+    T = t.shape[1]
+    return aligned_count(T) if t.device.type == "cuda" and t.element_size() == 2 else T
+
+
+#: at most this many operands are copied one by one into a padded stack (one pass over them, a
+#: kernel each); more are stacked, then padded (two passes, three kernels)
+COPIED_ONE_BY_ONE = 3
+
+
+def _stack_positions(ts: Sequence[torch.Tensor], rows: int) -> torch.Tensor:
+    """``(L, N, rows, w)``: the operands ``ts`` (each ``(N, T, w)``) stacked, zero rows appended
+    up to ``rows`` (:func:`_gram_rows`). ``rows == T``: one ``torch.stack``. Else, for at most
+    ``COPIED_ONE_BY_ONE`` operands, each is copied straight into its rows of the padded stack and
+    only the appended rows are zeroed (one copy of the operands instead of a stack and a padded
+    copy of it); for more, a stack and one padded copy (:func:`.base.pad_positions`: no fill of
+    the whole), which launches fewer kernels."""
+    first = ts[0]
+    T = first.shape[1]
+    if rows == T:
+        return torch.stack(list(ts))
+    if len(ts) > COPIED_ONE_BY_ONE:
+        return pad_positions(torch.stack(list(ts)), rows)
+    out = first.new_empty((len(ts), first.shape[0], rows, first.shape[2]))
+    for j, t in enumerate(ts):
+        out[j, :, :T].copy_(t)
+    out[:, :, T:].zero_()
+    return out
 
 
 def _refine(bound: torch.Tensor, slack: torch.Tensor, nu: torch.Tensor,

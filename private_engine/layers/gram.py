@@ -38,10 +38,11 @@ The loss below the normal range is folded into ``γ``: with row norms raised to
 
 ``n'ᵀ|G̃|n'`` weighs each Gram entry by the row norms rather than ``M²``'s products of norms: for
 most honest layers it is a few times ``ν`` where ``M²`` is about ``T·ν``, which is what keeps the
-bound within 10⁻³ of the norm. The inner product and the weighted sums are formed element-wise in
-float64 (no matmul; float32 products are exact there), whose own rounding is
-``γ^{(64)}_{T²+2}·(1 + γ_a)(1 + γ_g)·M'²`` for ``Σ Ã G̃`` (added) and a relative ``O(T²·2⁻⁵³)``
-on the non-negative terms (a factor ``1 + 2·γ^{(64)}_{T²+8}`` on the slack).
+bound within 10⁻³ of the norm. The inner product is formed element-wise in float64 (no matmul;
+float32 products are exact there), the weighted sums as bilinear forms ``Σ_t n'_t Σ_s |G̃_ts| n'_s``
+row by row in float64; their own rounding is ``γ^{(64)}_{T²+2}·(1 + γ_a)(1 + γ_g)·M'²`` for
+``Σ Ã G̃`` (added) and a relative ``γ^{(64)}_{2T+1} ≤ γ^{(64)}_{T²+2}`` on the non-negative terms
+(a factor ``1 + 2·γ^{(64)}_{T²+8}`` on the slack covers it).
 
 A sample whose bound is not finite (a value so large that a float32 Gram entry overflows) or loose
 (slack above ``LOOSE`` times the ghost norm) gets a second try, for that sample only: Grams formed
@@ -102,17 +103,25 @@ def fast_gram_model(t: torch.Tensor) -> Optional[Tuple[bool, float]]:
     return (False, ETA32) if operand_unit(torch.float32, t.device) == 0.0 else None
 
 
-def _gram32(t: torch.Tensor) -> torch.Tensor:
+def _gram32(t: torch.Tensor, rows: Optional[int] = None) -> torch.Tensor:
     """``t tᵀ`` per sample as float32 ``(N, T, T)``: a float32 bmm, 16-bit operands accumulated in
-    float32 (tensor cores on CUDA, with rows padded for their kernels; widened on the CPU)."""
+    float32 (tensor cores on CUDA, with rows padded for their kernels; on the CPU widened to
+    float32 once, the same tensor for both factors: exact). ``rows``: the first ``T`` rows of
+    ``t`` are the operand, the others zero padding (:func:`.base.pad_positions`)."""
     from ..foundation.matmul import wide_bmm
     from .base import aligned_positions
 
-    T = t.shape[1]
+    T = t.shape[1] if rows is None else rows
     if t.element_size() == 2:
-        p = aligned_positions(t)
-        out = wide_bmm(p, p.transpose(1, 2))
-        return out[:, :T, :T] if p.shape[1] != T else out
+        if t.device.type == "cuda":
+            p = aligned_positions(t)
+            out = wide_bmm(p, p.transpose(1, 2))
+        else:
+            p = t.float()
+            out = torch.bmm(p, p.transpose(1, 2))
+        return out[:, :T, :T] if out.shape[1] != T else out
+    if t.shape[1] != T:
+        t = t[:, :T]
     return torch.bmm(t, t.transpose(1, 2))
 
 
@@ -144,7 +153,8 @@ def gram_gamma(width: int, tensor_core: bool, chunk: Optional[int] = None) -> fl
 
 def _margin(T: int) -> float:
     """``1 + 2·γ^{(64)}_{T²+8}``: the relative rounding of the slack's own float64 terms (products
-    of float64 values, sums of ``T²`` non-negative terms), doubled."""
+    of float64 values, sums of at most ``T²`` non-negative terms: :func:`weighted_abs_sum` rounds
+    each term at most ``2T + 1`` times), doubled."""
     return 1 + 2 * gamma(T * T + 8, unit_roundoff(torch.float64))
 
 
@@ -160,6 +170,44 @@ def _floored(norms: torch.Tensor, width: int, eta: float, g: float) -> torch.Ten
 def _outer(v: torch.Tensor) -> torch.Tensor:
     """``v vᵀ`` per sample, element-wise: ``(N, T) -> (N, T, T)``."""
     return v.unsqueeze(2) * v.unsqueeze(1)
+
+
+def inner64(x: torch.Tensor, y: torch.Tensor, dims: Tuple[int, ...]) -> torch.Tensor:
+    """``Σ x∘y`` over ``dims`` in float64, the products formed in float64 (exact for float32
+    factors) and summed by one reduction: ``x`` widened to float64 once, ``y`` read as it is
+    (float32 values widen exactly inside the product; no float64 copy of ``y``)."""
+    x64 = x.double()
+    return (x64.mul_(y) if x64 is not x else x64 * y).sum(dims)
+
+
+def weighted_abs_sum(n: torch.Tensor, G: torch.Tensor, m: torch.Tensor, A: torch.Tensor,
+                     one_pass: Optional[bool] = None) -> torch.Tensor:
+    """``Σ_{t,s} (n_t n_s·|G_ts| + m_t m_s·|A_ts|)`` per sample (over the last two dimensions of
+    ``G``, ``A``; ``n``, ``m`` float64 and non-negative) as two bilinear forms,
+    ``Σ_t (n_t·Σ_s |G_ts|·n_s + m_t·Σ_s |A_ts|·m_s)``, in float64: one product per Gram entry
+    (float32 Grams widen exactly inside it) and one reduction of it (:func:`_abs_rows`), no
+    ``(…, T, T)`` outer product of the weights.
+
+    Rounding (Higham 2002, §3.1; every term non-negative): a term ``n_t·|G_ts|·n_s`` meets one
+    rounded product, ``T − 1`` additions in its row sum, one product by ``n_t``, one addition of
+    the two forms' rows and ``T − 1`` additions over t, so the result is at least
+    ``(1 − γ^{(64)}_{2T+1})`` times the exact sum, within the ``1 − γ^{(64)}_{T²+2}`` that
+    :func:`_margin` covers (``2T + 1 ≤ T² + 2``). The products neither underflow nor lose
+    anything below float64's normal range: the weights are floored (:func:`_floored`) far above
+    it."""
+    rows = _abs_rows(G, n, one_pass).mul_(n)
+    return rows.addcmul_(_abs_rows(A, m, one_pass), m).sum(-1)
+
+
+def _abs_rows(X: torch.Tensor, v: torch.Tensor, one_pass: Optional[bool] = None) -> torch.Tensor:
+    """``Σ_s |X_ts|·v_s`` per row t in float64 for ``v ≥ 0``: the products ``X_ts·v_s`` and the
+    sum of their absolute values — with ``one_pass`` (the default on CUDA) by one L1-norm
+    reduction, no separate absolute-value pass over the ``(…, T, T)`` products; else (the default
+    on the CPU, faster there) by an in-place absolute value and a sum."""
+    y = X * v.unsqueeze(-2)
+    if one_pass is None:
+        one_pass = y.device.type == "cuda"
+    return torch.linalg.vector_norm(y, ord=1, dim=-1) if one_pass else y.abs_().sum(-1)
 
 
 def fast_ghost_bound(a: torch.Tensor, g: torch.Tensor, bias: bool, na: torch.Tensor,
@@ -182,20 +230,18 @@ def fast_ghost_bound(a: torch.Tensor, g: torch.Tensor, bias: bool, na: torch.Ten
     wa, wg = a.shape[2] + bias, g.shape[2]
     ga, gg = gram_gamma(wa, tensor_core, chunk), gram_gamma(wg, tensor_core, chunk)
     if chunk is None:
-        aat = _gram32(a)
+        aat, ggt = _gram32(a), _gram32(g)
         if bias:
             aat.add_(1)  # one more float32 addition: the w_a-th term of the sum
-        A, G = aat.double(), _gram32(g).double()
-        del aat
     else:
-        A, G = _gram_chunked(a, chunk), _gram_chunked(g, chunk)
+        aat, ggt = _gram_chunked(a, chunk), _gram_chunked(g, chunk)
         if bias:
-            A.add_(1)  # one more float64 addition
+            aat.add_(1)  # one more float64 addition
     # one reduction of T² products (exact for float32 Grams, rounded once for blocked ones)
-    nu = (A * G).sum((1, 2)).clamp_(min=0)
+    nu = inner64(aat, ggt, (1, 2)).clamp_(min=0)
     n2, m2 = _floored(na, wa, eta, ga), _floored(ng, wg, eta, gg)
-    weighted = _outer(n2).mul_(G.abs_()).addcmul_(_outer(m2), A.abs_()).sum((1, 2))
-    del A, G
+    weighted = weighted_abs_sum(n2, ggt, m2, aat)
+    del aat, ggt
     inner = gamma(T * T + 2, unit_roundoff(torch.float64)) * (1 + ga) * (1 + gg)
     # (Σ n2·m2)² = γ_aγ_g·margin²·M'²
     cross = (n2 * m2).sum(1)
@@ -281,7 +327,7 @@ def certified_token_ghost_sq(ids: torch.Tensor, g: torch.Tensor,
         return None
     tensor_core, eta = model
     gg = gram_gamma(p, tensor_core)
-    same = (ids.unsqueeze(2) == ids.unsqueeze(1)).to(torch.float64)
+    same = ids.unsqueeze(2) == ids.unsqueeze(1)  # bool: a product by 1 or 0 in float64, exact
     nu = _gram32(g).double().mul_(same).sum((1, 2)).clamp_(min=0)
     m2 = _floored(ng, p, eta, gg)
     weighted = _outer(m2).mul_(same).sum((1, 2))
