@@ -6,6 +6,8 @@ Also counts the aten operators one step issues (each is a kernel launch on a GPU
 
     python bench/investigate/host_overhead.py                       # bk_mixed vs non-DP
     python bench/investigate/host_overhead.py --mode bk --width 128
+    python bench/investigate/host_overhead.py --width 768 --img-size 224 --batch-size 32 \
+        --count-only        # kernels at a real step's shapes (ViT-B/16, 197 tokens, batch 32)
 
 Prints ``non-DP <ms>  <mode> <ms>  ratio <r>  aten ops/step <non-DP> -> <mode>  kernels/step
 <non-DP> -> <mode>``: medians over ``--repeats`` rounds of ``--steps`` steps each, the two
@@ -13,6 +15,11 @@ trainings alternating round by round. "aten ops" counts every operator the profi
 and composite ops included: host work); "kernels" counts the operators that reach a backend with
 data to compute — no views, no shape or allocation-only ops — i.e. about one kernel launch each on
 a GPU.
+
+The tiny shapes leave out what depends on size: at ViT-B/16's 197 tokens the stacked bound
+arithmetic and the stacked operands are formed in chunks (``layers/ghost_stack.py``), each chunk
+its own kernels. ``--img-size``, ``--batch-size`` and ``--count-only`` count the kernels of a step
+at real shapes instead (no timing: a step there is arithmetic-bound on the CPU).
 """
 from __future__ import annotations
 
@@ -29,6 +36,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mode", default="bk_mixed", help="private_engine clipping mode")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--img-size", type=int, default=16, help="image height = width (16: 2 tokens)")
+    p.add_argument("--batch-size", type=int, default=2)
+    p.add_argument("--count-only", action="store_true",
+                   help="count aten ops and kernels per step only (no timing)")
     return p.parse_args(argv)
 
 
@@ -71,23 +82,23 @@ def kernels_per_step(step) -> int:
     return count
 
 
-def build_proxy(model: str = "vit_base_patch16_224", width: int = 64):
-    """The proxy model: ``model``'s structure at width ``width`` (heads = width // 32) for 16×16
-    images, seeded."""
+def build_proxy(model: str = "vit_base_patch16_224", width: int = 64, img_size: int = 16):
+    """The proxy model: ``model``'s structure at width ``width`` (heads = width // 32) for
+    ``img_size``² images, seeded."""
     import timm
     import torch
 
     torch.manual_seed(0)
-    return timm.create_model(model, img_size=16, num_classes=10, embed_dim=width,
+    return timm.create_model(model, img_size=img_size, num_classes=10, embed_dim=width,
                              num_heads=max(1, width // 32))
 
 
-def proxy_batch():
-    """The proxy's batch: two 16×16 images (two tokens each with a class token) and their
-    labels."""
+def proxy_batch(batch: int = 2, img_size: int = 16):
+    """The proxy's batch: ``batch`` images of ``img_size``² (16: two tokens each with a class
+    token) and their labels."""
     import torch
 
-    return torch.randn(2, 3, 16, 16), torch.tensor([1, 2])
+    return torch.randn(batch, 3, img_size, img_size), (torch.arange(batch) + 1) % 10
 
 
 def nondp_step(model, x, y):
@@ -112,17 +123,19 @@ def main(argv=None) -> dict:
 
     import private_engine as pe
 
-    torch.set_num_threads(1)
+    if not args.count_only:
+        torch.set_num_threads(1)  # host cost: one thread, as one Python thread feeds a GPU
 
     def build():
-        return build_proxy(args.model, args.width)
+        return build_proxy(args.model, args.width, args.img_size)
 
-    x, y = proxy_batch()
+    x, y = proxy_batch(args.batch_size, args.img_size)
     nondp = nondp_step(build(), x, y)
 
     private = build()
     dp_opt = torch.optim.SGD(private.parameters(), lr=0.01)
-    engine = pe.PrivacyEngine(private, batch_size=2, sample_size=100, max_grad_norm=1.0,
+    engine = pe.PrivacyEngine(private, batch_size=args.batch_size,
+                              sample_size=50 * args.batch_size, max_grad_norm=1.0,
                               noise_multiplier=1.0, clipping_mode=args.mode,
                               check_sampling=False)  # fixed batches: timing only
     engine.attach(dp_opt)
@@ -132,8 +145,15 @@ def main(argv=None) -> dict:
         dp_opt.zero_grad(set_to_none=True)
 
     for step in (nondp, dp):
-        for _ in range(3):
+        for _ in range(1 if args.count_only else 3):  # the first step runs the probes
             step()
+    if args.count_only:
+        result = {"nondp_ops": aten_ops_per_step(nondp), "dp_ops": aten_ops_per_step(dp),
+                  "nondp_kernels": kernels_per_step(nondp), "dp_kernels": kernels_per_step(dp)}
+        print(f"{args.mode}: aten ops/step {result['nondp_ops']} -> {result['dp_ops']}  "
+              f"kernels/step {result['nondp_kernels']} -> {result['dp_kernels']} "
+              f"({result['dp_kernels'] / result['nondp_kernels']:.2f}×)")
+        return result
     times = {"nondp": [], "dp": []}
     for _ in range(args.repeats):
         for name, step in (("nondp", nondp), ("dp", dp)):

@@ -388,6 +388,17 @@ def test_host_overhead_proxy_runs(capsys):
     assert "aten ops/step" in out and "kernels/step" in out
 
 
+def test_host_overhead_counts_kernels_at_other_shapes(capsys):
+    """--count-only at a larger image and batch: counts only, more kernels than the 2-token
+    proxy's (the stacked bounds form more chunks, the patch embedding more positions)."""
+    from bench.investigate import host_overhead as module
+
+    result = module.main(["--width", "32", "--img-size", "64", "--batch-size", "3",
+                          "--count-only"])
+    assert "dp_ms" not in result and result["dp_kernels"] > result["nondp_kernels"] > 0
+    assert "kernels/step" in capsys.readouterr().out
+
+
 def test_float64_flops_counts_a_step_by_dtype(capsys):
     """The proxy's ghost layers form their Grams in float32: no float64 matmul FLOPs."""
     from bench.investigate import float64_flops as module
