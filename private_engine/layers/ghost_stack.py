@@ -17,9 +17,9 @@ forms every layer's bound at the end of the norm pass:
 
 The formulas are those of the per-layer path term for term — the same float32 Grams with the same
 error model (Higham 2002, §3.1; Fasi, Higham, Mikaitis & Pranesh 2021 for tensor cores), the same
-float64 slack, the same second try for a loose sample (:func:`.gram.second_try`, one host
-synchronisation per step off CUDA instead of one per layer) — so each layer's bound is an upper
-bound of its released per-sample norm², rounding included, as before.
+float64 slack, the same second try for a loose sample (:func:`.gram.second_try`, on every
+device, after one host synchronisation per step instead of one per layer) — so each layer's bound
+is an upper bound of its released per-sample norm², rounding included, as before.
 """
 from __future__ import annotations
 
@@ -121,20 +121,24 @@ class GhostBoundStack:
             groups.setdefault((p.a.shape[0], p.a.shape[1], p.a.device), []).append(i)
         rows: List[Optional[torch.Tensor]] = [None] * len(pending)
         blocks = []
+        retries: List[_Retry] = []
         for (N, T, _), idx in groups.items():
             per = max(1, BOUND_ELEMENTS // max(1, N * T * T))
             for s in range(0, len(idx), per):
                 part = idx[s:s + per]
-                block = self._bounds([pending[i] for i in part])
-                blocks.append(block)
+                retry = self._bounds([pending[i] for i in part])
+                retries.append(retry)
+                blocks.append(retry.block)
                 for j, i in enumerate(part):
-                    rows[i] = block[j]
+                    rows[i] = retry.block[j]
+        _second_tries(retries)
         self.rows = rows  # type: ignore[assignment]
         return blocks
 
     # -- per group of layers with N samples and T positions -------------------------------------
-    def _bounds(self, layers: Sequence[_Pending]) -> torch.Tensor:
-        """``(L, N)`` certified squared norms of ``layers`` (one N, T and device)."""
+    def _bounds(self, layers: Sequence[_Pending]) -> "_Retry":
+        """``(L, N)`` certified squared norms of ``layers`` (one N, T and device), with what the
+        second try of their loose samples needs (:func:`_second_tries`)."""
         c = self._constants_for(layers)
         T = layers[0].a.shape[1]
         aat, na32 = _grams_and_norms([p.a for p in layers])
@@ -158,11 +162,11 @@ class GhostBoundStack:
         cross = (n2 * m2).sum(2)
         slack = weighted.add_(cross.mul(c["inner"]).mul_(cross)).add_(4.0 * T * T * ETA64)
         bound = (nu + slack).mul_(1 + 2.0 ** -50)
-        if bound.device.type != "cuda":
-            _refine(bound, slack, nu, layers, na, ng)
+        ok = slack <= (LOOSE * nu).clamp_(min=NEGLIGIBLE)  # False for NaN and inf slacks
         # certified_ghost with c_ν = 0: (√max(ν⁺, 0) + c_r M)² (an infinite or NaN M gives a
         # non-finite bound either way: the sample is dropped)
-        return (bound.clamp_(min=0).sqrt_() + c["c_rel"] * mass).square()
+        block = _released(bound, c["c_rel"], mass)
+        return _Retry(layers, block, ok, na, ng, c["c_rel"], mass)
 
     def _constants_for(self, layers: Sequence[_Pending]) -> Dict[str, torch.Tensor]:
         """Each layer's constants as ``(L, 1[, 1])`` float64 tensors (formed once per set of
@@ -277,16 +281,46 @@ def _stack_positions(ts: Sequence[torch.Tensor], rows: int) -> torch.Tensor:
     return out
 
 
-def _refine(bound: torch.Tensor, slack: torch.Tensor, nu: torch.Tensor,
-            layers: Sequence[_Pending], na: torch.Tensor, ng: torch.Tensor) -> None:
-    """:func:`.gram.refine` over all layers at once (one host synchronisation): the samples whose
-    fast bound is not finite or loose get the second try (:func:`.gram.second_try`) of their
-    layer, written into ``bound``."""
-    ok = slack <= (LOOSE * nu).clamp_(min=NEGLIGIBLE)  # False for NaN and inf slacks
-    if bool(ok.all()):
-        return
-    for layer in (~ok).any(1).nonzero().squeeze(1).tolist():
-        p = layers[layer]
-        idx = (~ok[layer]).nonzero().squeeze(1)
-        bound[layer].index_put_((idx,), second_try(p.a, p.g, p.bias, na[layer], ng[layer],
-                                                   p.model, idx))
+def _released(bound: torch.Tensor, c_rel: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+    """``(√max(b, 0) + c_r·M)²``: the released sample's squared norm bound from the bound ``b`` of
+    its ghost norm and its mass ``M`` (:func:`.rounding.certified_ghost` with ``c_ν = 0``)."""
+    return (bound.clamp(min=0).sqrt_() + c_rel * mass).square()
+
+
+class _Retry(NamedTuple):
+    """One chunk's bounds (``block``, ``(L, N)``) and what a second try needs: its layers, which
+    samples' fast bounds are tight enough (``ok``), their row-norm bounds, ``c_r`` and masses."""
+
+    layers: Sequence[_Pending]
+    block: torch.Tensor
+    ok: torch.Tensor
+    na: torch.Tensor
+    ng: torch.Tensor
+    c_rel: torch.Tensor
+    mass: torch.Tensor
+
+
+def _second_tries(retries: Sequence[_Retry]) -> None:
+    """:func:`.gram.refine` over every chunk of a step at once, on every device: one host
+    synchronisation per device per step reads whether any sample's fast bound is loose (slack
+    above ``LOOSE·ν̃``) or not finite; those samples get the second try of their layer
+    (:func:`.gram.second_try`: blocked Grams, then float64 Grams), written into their chunk's
+    block. A loose bound is an upper bound all the same; the second try keeps an honest sample's
+    bound within about 5·10⁻⁴ of its norm where the fast one can be several times looser (the
+    pessimistic tensor-core model of 16-bit CUDA Grams)."""
+    by_device: Dict[torch.device, List[_Retry]] = {}
+    for r in retries:
+        by_device.setdefault(r.block.device, []).append(r)
+    for group in by_device.values():
+        flags = group[0].ok if len(group) == 1 else torch.cat([r.ok.flatten() for r in group])
+        if bool(flags.all()):
+            continue
+        for r in group:
+            if bool(r.ok.all()):
+                continue
+            for layer in (~r.ok).any(1).nonzero().squeeze(1).tolist():
+                p = r.layers[layer]
+                idx = (~r.ok[layer]).nonzero().squeeze(1)
+                second = second_try(p.a, p.g, p.bias, r.na[layer], r.ng[layer], p.model, idx)
+                r.block[layer].index_put_((idx,), _released(second, r.c_rel[layer],
+                                                            r.mass[layer, idx]))
