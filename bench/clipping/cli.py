@@ -174,3 +174,16 @@ def child_command(args: argparse.Namespace, method: str,
         else:
             cmd += [flag, str(value)]
     return cmd
+
+
+def parse_with_benchmark_options(parser: argparse.ArgumentParser, argv, steps_attr: str
+                                 ) -> argparse.Namespace:
+    """For the investigation scripts: their own options (``parser``, which has ``--methods`` and
+    ``--steps``), the benchmark's for the rest (model, batch, device, autocast…); their
+    ``--steps`` lands in ``steps_attr``, and ``args.model`` is the first of ``--models``."""
+    own, rest = parser.parse_known_args(argv)
+    args = parse_args(rest + ["--methods", *own.methods])
+    for k, v in vars(own).items():
+        setattr(args, k if k != "steps" else steps_attr, v)
+    args.model = args.models[0]
+    return args

@@ -57,12 +57,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--positions", type=int,
                    help="T, the positions per sample (default: the sequence length of a text "
                         "model, else (img-size/16)² + 1, a ViT/16's)")
-    own, rest = p.parse_known_args(argv)
-    args = cli.parse_args(rest + ["--methods", *own.methods])
-    for k, v in vars(own).items():
-        setattr(args, k if k != "steps" else "record_steps", v)
-    args.model = args.models[0]
-    return args
+    return cli.parse_with_benchmark_options(p, argv, "record_steps")
 
 
 def _site() -> str:

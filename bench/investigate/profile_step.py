@@ -41,12 +41,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--by-shape", action="store_true",
                    help="one row per operator and input shapes (which layer's norm, sum or "
                         "product costs what)")
-    own, rest = p.parse_known_args(argv)
-    args = cli.parse_args(rest + ["--methods", *own.methods])
-    for k, v in vars(own).items():
-        setattr(args, k if k != "steps" else "profile_steps", v)
-    args.model = args.models[0]
-    return args
+    return cli.parse_with_benchmark_options(p, argv, "profile_steps")
 
 
 def synchronize(device: str) -> None:
