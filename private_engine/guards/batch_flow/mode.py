@@ -21,16 +21,21 @@ from torch.utils._python_dispatch import (
 from ...capture.fallback import replaying
 from ..separability import BatchMixingError
 from .rules import (
-    RULES,
-    VALUE_FREE,
+    _OPS,
+    ADDMM,
+    IDENTITY,
+    POINTWISE,
+    add_matmul,
+    aligned,
     flat_tensors,
     inputs_of,
     is_pointwise,
+    op_info,
     pointwise,
     summed,
     written,
 )
-from .tags import Iota, Mix, Mixed, Rows, Summed, first_mixed, join, mixed, user_line
+from .tags import Iota, Mix, Mixed, Rows, Summed, join, mixed, reshape_rows, user_line
 
 aten = torch.ops.aten
 #: the tracker whose region is open in this process (one at a time: a new region closes another
@@ -39,12 +44,11 @@ _OPEN: List["BatchFlow"] = []
 #: stored for an output of the batch's leading size computed from no sample, so that it is not
 #: taken for per-sample data that entered from outside the step
 _FREE = ("free",)
-#: factories whose values are set by position (an arange, a grid): along the batch dimension they
-#: would weigh samples by how many come before them
-_POSITIONAL = {aten.arange, aten.linspace, aten.logspace}
 _STALE = Mixed("a value computed from an earlier batch and kept (state carried across steps by "
                "the model or the loop)")
 _UNSEEN = "a differentiable value computed out of the batch flow's sight"
+_Tensor = torch.Tensor
+_UNREAD = object()  # not in an op's memo of its inputs' tags
 _REWRITTEN = ("a view or alias of a tensor that was rewritten in place with other samples' "
               "rows")
 
@@ -59,6 +63,9 @@ class _Entry(NamedTuple):
     epoch: int  # 0: data from outside the model's inputs; else the region that computed it
     clock: int  # when the tag was set (orders writes to a base against its views' tags)
     source: str  # "input" (a forward's argument), "guess" (outside data), "computed" (an op's)
+
+
+_new_entry = tuple.__new__  # _new_entry(_Entry, fields): an _Entry without a Python frame
 
 
 class _Write(NamedTuple):
@@ -99,6 +106,9 @@ class BatchFlow(TorchDispatchMode):
         self.epoch = 0
         self._clock = 0
         self._tags: Dict[int, _Entry] = {}
+        #: while an op's rule runs: ``{id(input): tag}`` of the op's inputs, read before it ran
+        #: (reading one again gives the same tag: nothing is tagged between the two reads)
+        self._memo: Optional[Dict[int, Any]] = None
         self._writes: Dict[int, _Write] = {}
         #: the expanded outputs of :meth:`broadcast_rows`: id → (tensor, the layer's name)
         self._shared: Dict[int, Tuple[weakref.ref, str]] = {}
@@ -411,6 +421,11 @@ class BatchFlow(TorchDispatchMode):
     # -- tags ----------------------------------------------------------------------------------
     def tag(self, t: torch.Tensor):
         """The tag of ``t`` (None: untagged)."""
+        memo = self._memo
+        if memo is not None:  # an op's rule asking for an input's tag, read before the rule ran
+            found = memo.get(id(t), _UNREAD)
+            if found is not _UNREAD:
+                return found
         return self._entry(t)[0]
 
     def _entry(self, t: torch.Tensor) -> Tuple[Any, int, str]:
@@ -440,8 +455,9 @@ class BatchFlow(TorchDispatchMode):
                 tag = w.after if isinstance(w.after, (Mixed, Summed)) else Mixed(_REWRITTEN)
                 return tag, self.epoch, "computed"
         bd = self.batch_dim
-        if (self.active and not isinstance(t, (nn.Parameter, UninitializedTensorMixin))
-                and t.dim() > bd and t.shape[bd] == self.batch and id(t) not in self._buffers):
+        if (self.active and t.dim() > bd and t.shape[bd] == self.batch
+                and not isinstance(t, (nn.Parameter, UninitializedTensorMixin))
+                and id(t) not in self._buffers):
             if t.grad_fn is not None:  # differentiable, yet no op of the region made it
                 tag = Mixed(_UNSEEN)
                 self._set(t, tag, self.epoch)
@@ -449,7 +465,8 @@ class BatchFlow(TorchDispatchMode):
             tag = Rows(bd, 1, 0, self.batch)  # per-sample data from outside the step (labels)
             self._set(t, tag, 0, "guess")
             return tag, 0, "guess"
-        return None, 0, "computed" if isinstance(t, nn.Parameter) else "data"
+        return None, 0, ("computed" if type(t) is nn.Parameter or isinstance(t, nn.Parameter)
+                         else "data")
 
     def _set(self, t, tag, epoch: int, source: str = "computed") -> None:
         key = id(t)
@@ -461,46 +478,134 @@ class BatchFlow(TorchDispatchMode):
                 del tags[key]
 
         self._clock += 1
-        tags[key] = _Entry(weakref.ref(t, drop), tag, epoch, self._clock, source)
+        tags[key] = _new_entry(_Entry, (weakref.ref(t, drop), tag, epoch, self._clock, source))
 
     # -- dispatch ------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if not self.active:
             return func(*args, **kwargs)
-        inputs = inputs_of(args, kwargs)
+        op = _OPS.get(id(func))
+        if op is None or op.func is not func:
+            op = op_info(func)
+        inputs = inputs_of(args, kwargs) if kwargs else flat_tensors(args)
         alias_of = self._check_shared(func, inputs) if self._shared else None
         out = func(*args, **kwargs)
-        if alias_of is not None and isinstance(out, torch.Tensor):
+        single = isinstance(out, _Tensor)  # one output tensor (else a tuple or list of them)
+        if alias_of is not None and single:
             self._shared[id(out)] = (weakref.ref(out), alias_of)
-        entries = [self._entry(t) for t in inputs]
-        tags = [tag for tag, _, _ in entries]
-        if all(tag is None for tag in tags):
-            self._mark_free(func, args, kwargs, out)
+        # the inputs' entries (``_entry``, its first case inlined), and what the rules need of
+        # them: the first mixed tag, whether one is a sum, whether all are positions or none
+        known, now = self._tags, self.epoch
+        plain = not self._writes  # no in-place write yet: an entry's tag stands as set
+        tags: List[Any] = []
+        epoch, computed, free, positions = 0, False, True, True
+        found: Optional[Mixed] = None
+        summed_in = False
+        for t in inputs:
+            entry = known.get(id(t)) if plain else None
+            if entry is not None and entry.ref() is t:
+                _, tag, e, _, src = entry
+                if tag is _FREE:
+                    tag, e = None, 0
+                elif e and e != now and isinstance(tag, (Rows, Mixed, Summed)):
+                    tag, e = _STALE, now
+            else:
+                tag, e, src = self._entry(t)
+            tags.append(tag)
+            if e > epoch:
+                epoch = e
+            if src == "computed":
+                computed = True
+            if tag is not None:
+                free = False
+                if tag.__class__ is Rows:
+                    positions = False
+                elif isinstance(tag, Mixed):
+                    if found is None:
+                        found = tag
+                    positions = False
+                elif isinstance(tag, Summed):
+                    summed_in = True
+                    positions = False
+                elif not isinstance(tag, Iota):
+                    positions = False
+        if free:
+            self._mark_free(op, func, args, kwargs, out)
         else:
-            epoch = max(e for _, e, _ in entries)
-            source = "computed" if any(src == "computed" for _, _, src in entries) else "data"
-            self._assign(func, args, kwargs, out, self._result(func, args, kwargs, out, tags),
-                         epoch, source)
-        if (isinstance(out, torch.Tensor) and out.dim() == 0 and out.is_floating_point()
-                and torch.is_grad_enabled() and RULES.get(func.overloadpacket) not in VALUE_FREE
-                and any(t.requires_grad for t in inputs)):
+            result = _UNREAD
+            fast = op.fast
+            if fast and single and found is None and not summed_in:
+                # the rules of the commonest ops, on the tags read already (one output tensor)
+                try:
+                    if fast == POINTWISE:  # pointwise(): the operands aligned to the output
+                        result = aligned(list(zip(inputs, tags)), tuple(out.shape), self)
+                    elif fast == ADDMM:
+                        if (len(inputs) == 3 and len(args) >= 3 and inputs[0] is args[0]
+                                and inputs[1] is args[1] and inputs[2] is args[2]):
+                            # the inputs are self (c), mat1/batch1 (a), mat2/batch2 (b)
+                            tc, ta, tb = tags
+                            result = add_matmul(
+                                self, op.packet is aten.baddbmm,
+                                inputs[0], tc if isinstance(tc, Rows) else None,
+                                inputs[1], ta if isinstance(ta, Rows) else None,
+                                inputs[2], tb if isinstance(tb, Rows) else None, out)
+                    elif len(inputs) == 1:
+                        if fast == IDENTITY:  # identity(): the one input's tag
+                            result = tags[0]
+                        elif tags[0].__class__ is Rows:  # view() on rows
+                            result = reshape_rows(tuple(inputs[0].shape), tags[0],
+                                                  tuple(out.shape))
+                            if result is None:
+                                raise Mix("reshapes the batch dimension across several "
+                                          "dimensions")
+                except Mix as e:
+                    result = mixed(func, e.what)
+                except Exception as e:  # noqa: BLE001 - as in _result: a refusal, loudly
+                    result = mixed(func, f"(its batch layout could not be read: {e!r})")
+            if result is _UNREAD:
+                result = self._result(op, func, args, kwargs, out, inputs, tags, found,
+                                      summed_in, positions)
+            source = "computed" if computed else "data"
+            if single and not op.mutable and not isinstance(result, list):
+                # _assign's common case, _set inlined: the one output takes the result
+                key = id(out)
+
+                def drop(ref, key=key, tags=known):
+                    entry = tags.get(key)
+                    if entry is not None and entry.ref is ref:
+                        del tags[key]
+
+                self._clock = clock = self._clock + 1
+                known[key] = _new_entry(_Entry, (weakref.ref(out, drop),
+                                                 _FREE if result is None else result, epoch,
+                                                 clock, source))
+            else:
+                self._assign(func, args, kwargs, out, result, epoch, source, op.mutable)
+        if (single and out.dim() == 0 and out.is_floating_point() and torch.is_grad_enabled()
+                and not op.value_free and any(t.requires_grad for t in inputs)):
             self.last_scalar = weakref.ref(out)
         return out
 
-    def _result(self, func, args, kwargs, out, tags):
-        rule = RULES.get(func.overloadpacket)
-        found = first_mixed(tags)
+    def _result(self, op, func, args, kwargs, out, inputs, tags, found, summed_in: bool,
+                positions: bool):
+        """The tag of the op's outputs from its inputs' ``tags`` (``found``: the first mixed
+        one; ``summed_in``: one is a sum over the batch; ``positions``: each is a position or
+        none): a mixed input mixes (but for a value-free op), a sum goes through :func:`summed`,
+        else the op's rule, the pointwise rule, or a refusal."""
+        rule = op.rule
         try:
-            if found is not None and rule not in VALUE_FREE:
+            if found is not None and not op.value_free:
                 return found
-            if rule not in VALUE_FREE and any(isinstance(t, Summed) for t in tags):
+            if summed_in and not op.value_free:
                 return summed(self, func, args, kwargs, tags)
-            if rule is not None:
-                return rule(self, func, args, kwargs, out)
-            if is_pointwise(func):
-                return pointwise(self, func, args, kwargs, out)
-            if all(tag is None or isinstance(tag, Iota) for tag in tags):
+            if rule is not None or op.pointwise:
+                self._memo = {id(t): tag for t, tag in zip(inputs, tags)}
+                try:
+                    return (rule or pointwise)(self, func, args, kwargs, out)
+                finally:
+                    self._memo = None
+            if positions:
                 return None  # positions only: no sample's data
             return mixed(func, "(an op whose batch layout is not followed) on the batch")
         except Mix as e:
@@ -508,36 +613,48 @@ class BatchFlow(TorchDispatchMode):
         except Exception as e:  # noqa: BLE001 - a rule that cannot read the op refuses, loudly
             return mixed(func, f"(its batch layout could not be read: {e!r})")
 
-    def _mark_free(self, func, args, kwargs, out) -> None:
+    def _mark_free(self, op, func, args, kwargs, out) -> None:
         bd, n = self.batch_dim, self.batch
-        packet = func.overloadpacket
-        positional = packet in _POSITIONAL
-        exact = packet is aten.arange and _plain_arange(func, args, kwargs)
-        for t in flat_tensors(out):
+        positional = op.positional
+        exact = positional and op.packet is aten.arange and _plain_arange(func, args, kwargs)
+        for t in (out,) if isinstance(out, torch.Tensor) else flat_tensors(out):
             if positional and t.dim() == 1:
                 self._set(t, Iota(0, exact), 0)
             elif t.dim() > bd and t.shape[bd] == n:
                 self._set(t, _FREE, 0)
-        if func._schema.is_mutable:  # an in-place write of values of no sample
+        if op.mutable:  # an in-place write of values of no sample
             for t in written(func, args, kwargs):
                 self._note_storage(t)
 
     def _assign(self, func, args, kwargs, out, result, epoch: int,
-                source: str = "computed") -> None:
+                source: str = "computed", mutable: Optional[bool] = None) -> None:
         """Tag the outputs (``result``: one tag, or one per output tensor) and, for an in-place
         op, the tensor it wrote and that tensor's base when it is a view; a write that changes
         what a base holds makes the views taken of it before mixed (their rows are no longer the
-        ones they were tagged with)."""
+        ones they were tagged with). ``mutable``: whether the op's schema writes an argument
+        (read from it when not given)."""
+        if mutable is None:
+            mutable = func._schema.is_mutable
+        if not mutable:  # the common case: tag the outputs
+            if isinstance(out, torch.Tensor):
+                if isinstance(result, list):
+                    if result:
+                        self._set(out, _FREE if result[0] is None else result[0], epoch, source)
+                else:
+                    self._set(out, _FREE if result is None else result, epoch, source)
+                return
+            outs = flat_tensors(out)
+            results = result if isinstance(result, list) else [result] * len(outs)
+            for t, r in zip(outs, results):
+                self._set(t, _FREE if r is None else r, epoch, source)
+            return
         outs = flat_tensors(out)
         results: List[Any] = result if isinstance(result, list) else [result] * len(outs)
-        mutable = func._schema.is_mutable
-        targets = written(func, args, kwargs) if mutable else []
+        targets = written(func, args, kwargs)
         ids = {id(t) for t in targets}
         for t, r in zip(outs, results):
             if id(t) not in ids:
                 self._set(t, _FREE if r is None else r, epoch, source)
-        if not mutable:
-            return
         r = results[0] if results else None
         for t in targets:
             self._note_storage(t)

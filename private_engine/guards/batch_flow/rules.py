@@ -24,17 +24,22 @@ def flat_tensors(obj) -> List[torch.Tensor]:
     the common case, in one pass)."""
     out: List[torch.Tensor] = []
     for o in (obj if type(obj) is tuple else (obj,)):
-        if isinstance(o, torch.Tensor):
+        if isinstance(o, _Tensor):
             out.append(o)
         elif o is None or type(o) in _SCALARS:
             continue
-        elif isinstance(o, (list, tuple)):
-            out.extend(flat_tensors(tuple(o)))
+        elif isinstance(o, (list, tuple)):  # its elements in place (sizes: no tensor)
+            for e in o:
+                if isinstance(e, _Tensor):
+                    out.append(e)
+                elif not (e is None or type(e) in _SCALARS):
+                    out.extend(flat_tensors(e))
         elif isinstance(o, Mapping):
             out.extend(flat_tensors(tuple(o.values())))
     return out
 
 
+_Tensor = torch.Tensor
 _SCALARS = {int, float, bool, str, torch.dtype, torch.device, torch.memory_format, torch.layout}
 
 
@@ -53,18 +58,62 @@ def written(func, args, kwargs) -> List[torch.Tensor]:
     return out
 
 
-_SCHEMAS: Dict[Any, Dict[str, Tuple[int, bool, Any]]] = {}
+#: factories whose values are set by position (an arange, a grid): along the batch dimension they
+#: would weigh samples by how many come before them
+POSITIONAL = {aten.arange, aten.linspace, aten.logspace}
+
+
+class OpInfo:
+    """What the tracker reads of an op overload, read once per overload: its packet, rule,
+    whether ATen tags it pointwise, whether its schema writes an argument, and its arguments'
+    positions and defaults by name."""
+
+    __slots__ = ("func", "packet", "rule", "value_free", "pointwise", "mutable", "args", "fast",
+                 "positional")
+
+    def __init__(self, func):
+        self.func = func
+        self.packet = func.overloadpacket
+        self.rule = RULES.get(self.packet)
+        self.value_free = self.rule in VALUE_FREE
+        self.pointwise = torch.Tag.pointwise in func.tags
+        self.mutable = func._schema.is_mutable
+        #: a factory whose values are set by position (``arange``, ``linspace``, ``logspace``)
+        self.positional = self.packet in POSITIONAL
+        self.args: Dict[str, Tuple[int, bool, Any]] = {
+            a.name: (i, a.has_default_value(), a.default_value if a.has_default_value() else None)
+            for i, a in enumerate(func._schema.arguments)}
+        #: the rule the tracker runs on the tags it read already, for one output tensor
+        self.fast = (IDENTITY if self.rule is identity else VIEW if self.rule is view
+                     else POINTWISE if self.rule is pointwise or (self.rule is None
+                                                                  and self.pointwise)
+                     else ADDMM if self.rule is addmm else 0)
+
+
+#: ``OpInfo.fast``: :func:`identity` on one input, :func:`view` on one input's rows,
+#: :func:`pointwise`, :func:`addmm` on three positional tensors
+IDENTITY, VIEW, POINTWISE, ADDMM = 1, 2, 3, 4
+
+#: ``id(op overload) → OpInfo`` (an overload's ``__hash__`` runs Python; its ``id`` does not, and
+#: every overload lives as long as the process: the entry keeps it)
+_OPS: Dict[int, OpInfo] = {}
+
+
+def op_info(func) -> OpInfo:
+    """The :class:`OpInfo` of ``func``, built at its first call."""
+    info = _OPS.get(id(func))
+    if info is None or info.func is not func:
+        info = _OPS[id(func)] = OpInfo(func)
+    return info
 
 
 def arg(func, args, kwargs, name: str, default=None):
     """Argument ``name`` of the call, by the op's schema (its default when not given); the
     schema's positions are read once per op."""
-    table = _SCHEMAS.get(func)
-    if table is None:
-        table = _SCHEMAS[func] = {
-            a.name: (i, a.has_default_value(), a.default_value if a.has_default_value() else None)
-            for i, a in enumerate(func._schema.arguments)}
-    slot = table.get(name)
+    info = _OPS.get(id(func))
+    if info is None or info.func is not func:
+        info = op_info(func)
+    slot = info.args.get(name)
     if slot is None:
         return default
     i, has_default, value = slot
@@ -460,7 +509,13 @@ def addmm(flow, func, args, kwargs, out):
     names = (("self", "mat1", "mat2") if func.overloadpacket is aten.addmm
              else ("self", "batch1", "batch2"))
     (c, a, b), (tc, ta, tb) = _operands(flow, func, args, kwargs, names)
-    r = _matmul(a, ta, b, tb, batched=func.overloadpacket is aten.baddbmm)
+    return add_matmul(flow, func.overloadpacket is aten.baddbmm, c, tc, a, ta, b, tb, out)
+
+
+def add_matmul(flow, batched: bool, c, tc: Optional[Rows], a, ta: Optional[Rows], b,
+               tb: Optional[Rows], out) -> Tag:
+    """``c + a @ b`` (:func:`addmm`) from its operands and their rows (None: no rows)."""
+    r = _matmul(a, ta, b, tb, batched=batched)
     o = _out(out)
     if isinstance(r, Summed):
         if tc is not None:
@@ -795,6 +850,7 @@ RULES: Dict[Any, Callable] = {}
 
 def register(rule: Callable, *names: str) -> None:
     """Use ``rule`` for the aten ops ``names`` (every overload)."""
+    _OPS.clear()  # an overload's OpInfo holds its rule
     for n in names:
         packet = getattr(aten, n, None)
         if packet is not None:
@@ -898,12 +954,8 @@ register(identity, "_prelu_kernel", "real", "imag")
 register(along, "glu")
 #: rules whose outputs take no value from their inputs: they run on mixed inputs too
 VALUE_FREE = {value_free}
-_POINTWISE: Dict[Any, bool] = {}
 
 
 def is_pointwise(func) -> bool:
-    """Whether ATen tags ``func`` pointwise (elementwise with broadcasting); cached per op."""
-    known = _POINTWISE.get(func)
-    if known is None:
-        known = _POINTWISE[func] = torch.Tag.pointwise in func.tags
-    return known
+    """Whether ATen tags ``func`` pointwise (elementwise with broadcasting); read once per op."""
+    return op_info(func).pointwise

@@ -26,6 +26,8 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+_new_tuple = tuple.__new__  # _new_tuple(Rows, fields): a Rows without a Python frame
+
 
 class Rows(NamedTuple):
     """Separable along ``dim``: row r holds the inputs' rows ``≡ r // per + off (mod mod)``."""
@@ -36,8 +38,10 @@ class Rows(NamedTuple):
     mod: int
 
     def at(self, dim: int) -> "Rows":
-        """The same rows, the batch dimension now ``dim``."""
-        return Rows(dim, self.per, self.off, self.mod)
+        """The same rows, the batch dimension now ``dim`` (``self`` when it is already)."""
+        if dim == self[0]:
+            return self
+        return _new_tuple(Rows, (dim, self[1], self[2], self[3]))
 
     def shifted(self, rows: int) -> "Rows":
         """Rows starting ``rows`` rows further (a slice along the batch dimension); ``rows`` must
