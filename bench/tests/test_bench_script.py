@@ -399,6 +399,21 @@ def test_host_overhead_counts_kernels_at_other_shapes(capsys):
     assert "kernels/step" in capsys.readouterr().out
 
 
+def test_batch_flow_cost_runs(capsys):
+    import torch
+
+    from bench.investigate import batch_flow_cost as module
+
+    threads = torch.get_num_threads()  # the proxy runs on one thread
+    try:
+        result = module.main(["--width", "32", "--rounds", "1", "--steps", "1", "--floor"])
+    finally:
+        torch.set_num_threads(threads)
+    assert {"nondp", "dp", "dp_noflow", "dp_passthrough", "flow"} <= set(result)
+    assert all(result[k] > 0 for k in ("nondp", "dp", "dp_noflow", "dp_passthrough"))
+    assert "batch flow:" in capsys.readouterr().out
+
+
 def test_float64_flops_counts_a_step_by_dtype(capsys):
     """The proxy's ghost layers form their Grams in float32: no float64 matmul FLOPs."""
     from bench.investigate import float64_flops as module
@@ -522,7 +537,8 @@ def test_cpu_peak_memory_is_the_childs_own_not_its_parents():
                                     "investigate/host_ab.py", "investigate/profile_step.py",
                                     "investigate/ddp_scaling.py", "bench_cpu_noise.py",
                                     "investigate/float64_flops.py",
-                                    "investigate/data_movement.py"])
+                                    "investigate/data_movement.py",
+                                    "investigate/batch_flow_cost.py"])
 def test_scripts_run_from_anywhere(script, tmp_path):
     """Every script runs by its path (the Makefile's and the docs' commands), from any directory."""
     import subprocess

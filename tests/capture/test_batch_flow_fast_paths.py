@@ -131,6 +131,13 @@ PROGRAMS = {
     "baddbmm": lambda y: torch.baddbmm(torch.randn(3, 3), y, y.transpose(1, 2)),
     "bmm": lambda y: torch.bmm(y, y.transpose(1, 2)),
     "layer norm": lambda y: F.layer_norm(y, (8,)) + F.layer_norm(y, (3, 8)),
+    "layer norm affine": lambda y: F.layer_norm(y, (3, 8), torch.ones(3, 8), torch.zeros(3, 8)),
+    "layer norm across": lambda y: F.layer_norm(y.transpose(0, 2), (3, B), torch.ones(3, B),
+                                                torch.zeros(3, B)),
+    "layer norm per-sample weight": lambda y: F.layer_norm(torch.randn(3, B), (B,), y[:, 0, 0],
+                                                           torch.zeros(B)),
+    "outside rows": lambda y: ((torch.randn(B, 8) * nn.Parameter(torch.ones(8))).sum(1)
+                               + y.sum((1, 2))),
     "batch norm": lambda y: F.batch_norm(y, None, None, training=True),
     "attention": _attention,
     "softmax": lambda y: y.softmax(-1) + y.log_softmax(0),

@@ -24,12 +24,14 @@ from .rules import (
     _OPS,
     ADDMM,
     IDENTITY,
+    LAYER_NORM,
     POINTWISE,
     add_matmul,
     aligned,
     flat_tensors,
     inputs_of,
     is_pointwise,
+    normalised_rows,
     op_info,
     pointwise,
     summed,
@@ -498,6 +500,8 @@ class BatchFlow(TorchDispatchMode):
         # them: the first mixed tag, whether one is a sum, whether all are positions or none
         known, now = self._tags, self.epoch
         plain = not self._writes  # no in-place write yet: an entry's tag stands as set
+        # an untagged tensor not of the batch's size is no sample's (_entry's last case)
+        bd, n = self.batch_dim, (self.batch if self.active else None)
         tags: List[Any] = []
         epoch, computed, free, positions = 0, False, True, True
         found: Optional[Mixed] = None
@@ -510,6 +514,10 @@ class BatchFlow(TorchDispatchMode):
                     tag, e = None, 0
                 elif e and e != now and isinstance(tag, (Rows, Mixed, Summed)):
                     tag, e = _STALE, now
+            elif plain and (t.dim() <= bd or t.shape[bd] != n):
+                tag, e = None, 0
+                src = ("computed" if type(t) is nn.Parameter or isinstance(t, nn.Parameter)
+                       else "data")
             else:
                 tag, e, src = self._entry(t)
             tags.append(tag)
@@ -535,8 +543,9 @@ class BatchFlow(TorchDispatchMode):
         else:
             result = _UNREAD
             fast = op.fast
-            if fast and single and found is None and not summed_in:
-                # the rules of the commonest ops, on the tags read already (one output tensor)
+            if fast and found is None and not summed_in and (single or fast == LAYER_NORM):
+                # the rules of the commonest ops, on the tags read already (one output tensor,
+                # or a layer norm's three)
                 try:
                     if fast == POINTWISE:  # pointwise(): the operands aligned to the output
                         result = aligned(list(zip(inputs, tags)), tuple(out.shape), self)
@@ -550,6 +559,15 @@ class BatchFlow(TorchDispatchMode):
                                 inputs[0], tc if isinstance(tc, Rows) else None,
                                 inputs[1], ta if isinstance(ta, Rows) else None,
                                 inputs[2], tb if isinstance(tb, Rows) else None, out)
+                    elif fast == LAYER_NORM:
+                        if (len(inputs) == 3 and len(args) >= 4 and inputs[0] is args[0]
+                                and inputs[1] is args[2] and inputs[2] is args[3]):
+                            # the inputs are input (x), weight and bias; normalized_shape
+                            tx, tw, tb = tags
+                            result = normalised_rows(
+                                inputs[0], tx if isinstance(tx, Rows) else None,
+                                (tw if isinstance(tw, Rows) else None,
+                                 tb if isinstance(tb, Rows) else None), args[1])
                     elif len(inputs) == 1:
                         if fast == IDENTITY:  # identity(): the one input's tag
                             result = tags[0]

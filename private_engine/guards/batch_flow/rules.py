@@ -87,12 +87,14 @@ class OpInfo:
         self.fast = (IDENTITY if self.rule is identity else VIEW if self.rule is view
                      else POINTWISE if self.rule is pointwise or (self.rule is None
                                                                   and self.pointwise)
-                     else ADDMM if self.rule is addmm else 0)
+                     else ADDMM if self.rule is addmm
+                     else LAYER_NORM if self.rule is layer_norm else 0)
 
 
 #: ``OpInfo.fast``: :func:`identity` on one input, :func:`view` on one input's rows,
-#: :func:`pointwise`, :func:`addmm` on three positional tensors
-IDENTITY, VIEW, POINTWISE, ADDMM = 1, 2, 3, 4
+#: :func:`pointwise`, :func:`addmm` on three positional tensors, :func:`layer_norm` on input,
+#: weight and bias given by position
+IDENTITY, VIEW, POINTWISE, ADDMM, LAYER_NORM = 1, 2, 3, 4, 5
 
 #: ``id(op overload) → OpInfo`` (an overload's ``__hash__`` runs Python; its ``id`` does not, and
 #: every overload lives as long as the process: the entry keeps it)
@@ -571,11 +573,16 @@ def attention(flow, func, args, kwargs, out):
 def _normalised_over_last(flow, func, args, kwargs, weights: Sequence[str]) -> Tag:
     """A normalisation over the last ``len(normalized_shape)`` dims with affine ``weights``."""
     (x, *ws), (tx, *tws) = _operands(flow, func, args, kwargs, ("input", *weights))
+    return normalised_rows(x, tx, tws, arg(func, args, kwargs, "normalized_shape"))
+
+
+def normalised_rows(x, tx: Optional[Rows], tws: Sequence[Optional[Rows]], shape) -> Tag:
+    """:func:`_normalised_over_last` from the operands' rows (None: no rows): ``x`` normalised
+    over its last dims ``shape`` with affine weights of rows ``tws``."""
     if any(t is not None for t in tws):
         raise Mix("with per-sample weights")
     if tx is None:
         return None
-    shape = arg(func, args, kwargs, "normalized_shape")
     k = len(shape) if isinstance(shape, (list, tuple)) else 1
     if tx.dim >= x.dim() - k:
         raise Mix("normalises across the dimension that holds the batch")
