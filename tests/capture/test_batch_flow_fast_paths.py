@@ -134,6 +134,8 @@ PROGRAMS = {
     "layer norm affine": lambda y: F.layer_norm(y, (3, 8), torch.ones(3, 8), torch.zeros(3, 8)),
     "layer norm across": lambda y: F.layer_norm(y.transpose(0, 2), (3, B), torch.ones(3, B),
                                                 torch.zeros(3, B)),
+    "layer norm over the batch": lambda y: F.layer_norm(y.permute(1, 0, 2), (B, 8),
+                                                        torch.ones(B, 8), torch.zeros(B, 8)),
     "layer norm per-sample weight": lambda y: F.layer_norm(torch.randn(3, B), (B,), y[:, 0, 0],
                                                            torch.zeros(B)),
     "outside rows": lambda y: ((torch.randn(B, 8) * nn.Parameter(torch.ones(8))).sum(1)
