@@ -107,6 +107,9 @@ def _view_then_write(y):
     return v + 1
 
 
+#: per-sample data made before the step (labels): rows of the batch from outside the forward
+LABELS = torch.randn(B, 8)
+
 PROGRAMS = {
     "views": lambda y: y.view(B * 3, 8).view(B, 24).reshape(B, 3, 8).flatten(1).unflatten(
         1, (3, 8)),
@@ -138,8 +141,7 @@ PROGRAMS = {
                                                         torch.ones(B, 8), torch.zeros(B, 8)),
     "layer norm per-sample weight": lambda y: F.layer_norm(torch.randn(3, B), (B,), y[:, 0, 0],
                                                            torch.zeros(B)),
-    "outside rows": lambda y: ((torch.randn(B, 8) * nn.Parameter(torch.ones(8))).sum(1)
-                               + y.sum((1, 2))),
+    "outside rows": lambda y: ((LABELS * nn.Parameter(torch.ones(8))).sum(1) + y.sum((1, 2))),
     "batch norm": lambda y: F.batch_norm(y, None, None, training=True),
     "attention": _attention,
     "softmax": lambda y: y.softmax(-1) + y.log_softmax(0),
