@@ -662,12 +662,12 @@ class BatchFlow(TorchDispatchMode):
                     self._set(out, _FREE if result is None else result, epoch, source)
                 return
             outs = flat_tensors(out)
-            results = result if isinstance(result, list) else [result] * len(outs)
+            results: List[Any] = result if isinstance(result, list) else [result] * len(outs)
             for t, r in zip(outs, results):
                 self._set(t, _FREE if r is None else r, epoch, source)
             return
         outs = flat_tensors(out)
-        results: List[Any] = result if isinstance(result, list) else [result] * len(outs)
+        results = result if isinstance(result, list) else [result] * len(outs)
         targets = written(func, args, kwargs)
         ids = {id(t) for t in targets}
         for t, r in zip(outs, results):
