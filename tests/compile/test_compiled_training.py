@@ -102,16 +102,23 @@ def mse(y, t):
     return ((y - t) ** 2).sum(1)
 
 
+def private_sgd(model: nn.Module, mode: str = "bk_mixed") -> CapturingSGD:
+    """A :class:`CapturingSGD` over ``model``'s parameters, attached to a private engine (noise 0,
+    R, expected batch B, clipping ``mode``)."""
+    engine = pe.PrivacyEngine(model, batch_size=B, sample_size=10 * B, max_grad_norm=R,
+                              noise_multiplier=0.0, clipping_mode=mode)
+    opt = CapturingSGD(model.parameters())
+    engine.attach(opt)
+    return opt
+
+
 def step(model: nn.Module, x, t, *, compiled: bool, steps: int = 1, mode: str = "bk_mixed",
          backend: str = "aot_eager"):
     """``steps`` private steps (noise 0, R, SGD lr 1) of a fresh copy of ``model``, compiled or
     not, on ``(x, t)``. Returns (released gradients of the last step, parameters after, the
     optimizer)."""
     model = copy.deepcopy(model)
-    engine = pe.PrivacyEngine(model, batch_size=B, sample_size=10 * B, max_grad_norm=R,
-                              noise_multiplier=0.0, clipping_mode=mode)
-    opt = CapturingSGD(model.parameters())
-    engine.attach(opt)
+    opt = private_sgd(model, mode)
     run = torch.compile(model, backend=backend) if compiled else model
     for _ in range(steps):
         with warnings.catch_warnings():
@@ -142,10 +149,7 @@ def test_compiled_update_equals_the_eager_update(model_cls, mode):
 def test_a_compiled_step_warns_that_it_runs_eagerly():
     torch.manual_seed(0)
     model = SmallViT().eval()
-    engine = pe.PrivacyEngine(model, batch_size=B, sample_size=10 * B, max_grad_norm=R,
-                              noise_multiplier=0.0)
-    opt = CapturingSGD(model.parameters())
-    engine.attach(opt)
+    opt = private_sgd(model)
     x, t = data(4)
     with pytest.warns(CompiledStepWarning, match="runs eagerly during private steps"):
         opt.step(loss=mse(torch.compile(model, backend="aot_eager")(x), t))
@@ -197,10 +201,7 @@ class CentredFromSix(BatchCentred):
 def test_a_new_batch_shape_is_checked_again():
     torch.manual_seed(0)
     model = CentredFromSix()
-    engine = pe.PrivacyEngine(model, batch_size=B, sample_size=10 * B, max_grad_norm=R,
-                              noise_multiplier=0.0)
-    opt = CapturingSGD(model.parameters())
-    engine.attach(opt)
+    opt = private_sgd(model)
     compiled = torch.compile(model, backend="aot_eager")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CompiledStepWarning)
@@ -231,10 +232,7 @@ def test_forwards_without_grad_stay_compiled():
 
     torch.manual_seed(0)
     model = SmallResNet()
-    engine = pe.PrivacyEngine(model, batch_size=B, sample_size=10 * B, max_grad_norm=R,
-                              noise_multiplier=0.0)
-    opt = CapturingSGD(model.parameters())
-    engine.attach(opt)
+    opt = private_sgd(model)
     compiled = torch.compile(model, backend=counting)
     x, t = data(4)
     with warnings.catch_warnings():
@@ -254,10 +252,7 @@ def test_dropout_of_a_compiled_step_is_drawn_from_the_secret_generator():
     x, t = data(4)
     torch.manual_seed(123)
     public = model(x).detach()  # the masks a public seed gives
-    engine = pe.PrivacyEngine(model, batch_size=B, sample_size=10 * B, max_grad_norm=R,
-                              noise_multiplier=0.0)
-    opt = CapturingSGD(model.parameters())
-    engine.attach(opt)
+    opt = private_sgd(model)
     torch.manual_seed(123)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CompiledStepWarning)
@@ -306,10 +301,7 @@ def test_a_compiled_loss_function_around_the_compiled_model_trains_exactly():
     x, t = data(4)
     _, eager, _ = step(model, x, t, compiled=False, steps=2)
     model = copy.deepcopy(model)
-    engine = pe.PrivacyEngine(model, batch_size=B, sample_size=10 * B, max_grad_norm=R,
-                              noise_multiplier=0.0)
-    opt = CapturingSGD(model.parameters())
-    engine.attach(opt)
+    opt = private_sgd(model)
     inner = torch.compile(model, backend="aot_eager")
     losses = torch.compile(lambda a, b: mse(inner(a), b), backend="aot_eager")
     with warnings.catch_warnings():
@@ -362,10 +354,7 @@ def test_a_loss_after_nested_compiled_calls_is_followed():
 
     def nested(centre: bool):
         m = copy.deepcopy(model)
-        engine = pe.PrivacyEngine(m, batch_size=B, sample_size=10 * B, max_grad_norm=R,
-                                  noise_multiplier=0.0)
-        opt = CapturingSGD(m.parameters())
-        engine.attach(opt)
+        opt = private_sgd(m)
         inner = torch.compile(m, backend="aot_eager")
         outer = torch.compile(lambda a: inner(a) * 1.0, backend="aot_eager")
         with warnings.catch_warnings():
@@ -413,10 +402,7 @@ def test_dynamo_leaves_the_frames_of_a_step_alone():
     # frame to skip it, is off until the compiled call returns
     torch.manual_seed(0)
     model = SeesDynamo()
-    engine = pe.PrivacyEngine(model, batch_size=B, sample_size=10 * B, max_grad_norm=R,
-                              noise_multiplier=0.0)
-    opt = CapturingSGD(model.parameters())
-    engine.attach(opt)
+    opt = private_sgd(model)
     compiled = torch.compile(model, backend="aot_eager")
     x, t = data(4)
     with warnings.catch_warnings():
@@ -436,10 +422,7 @@ def test_module_compile_trains_as_the_eager_model():
     x, t = data(4)
     _, eager, _ = step(model, x, t, compiled=False, steps=2)
     model = copy.deepcopy(model)
-    engine = pe.PrivacyEngine(model, batch_size=B, sample_size=10 * B, max_grad_norm=R,
-                              noise_multiplier=0.0)
-    opt = CapturingSGD(model.parameters())
-    engine.attach(opt)
+    opt = private_sgd(model)
     model.compile(backend="aot_eager")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CompiledStepWarning)
