@@ -21,16 +21,16 @@ from .pld import PLDAccountant, pld_epsilon, pld_noise_multiplier
 from .sampling_check import SamplingRateCheck, SamplingRateError, check_loader
 from .step_accounting import StepAccountant
 from .zcdp import (
-                                CONVERSIONS,
-                                GaussianRelease,
-                                ZCDPLedger,
-                                compose_rho,
-                                epsilon_for_noise_multiplier,
-                                epsilon_to_rho,
-                                gaussian_rho,
-                                noise_multiplier_for_epsilon,
-                                rho_to_epsilon,
-                                rho_to_rdp,
+    CONVERSIONS,
+    GaussianRelease,
+    ZCDPLedger,
+    compose_rho,
+    epsilon_for_noise_multiplier,
+    epsilon_to_rho,
+    gaussian_rho,
+    noise_multiplier_for_epsilon,
+    rho_to_epsilon,
+    rho_to_rdp,
 )
 
 __all__ = [
