@@ -162,14 +162,6 @@ def broadcast_shapes(shapes: Sequence[Sequence[int]]) -> Tuple[int, ...]:
     return tuple(out)
 
 
-def first_mixed(tags: Sequence[object]) -> Optional[Mixed]:
-    """The first :class:`Mixed` of ``tags``, or None."""
-    for t in tags:
-        if isinstance(t, Mixed):
-            return t
-    return None
-
-
 def norm_dim(d: int, n: int) -> int:
     """``d`` as a non-negative dim of an ``n``-dimensional tensor."""
     return d % n if n else 0
