@@ -147,28 +147,25 @@ def main(argv=None) -> dict:
     for step in (nondp, dp):
         for _ in range(1 if args.count_only else 3):  # the first step runs the probes
             step()
-    if args.count_only:
-        result = {"nondp_ops": aten_ops_per_step(nondp), "dp_ops": aten_ops_per_step(dp),
-                  "nondp_kernels": kernels_per_step(nondp), "dp_kernels": kernels_per_step(dp)}
-        print(f"{args.mode}: aten ops/step {result['nondp_ops']} -> {result['dp_ops']}  "
-              f"kernels/step {result['nondp_kernels']} -> {result['dp_kernels']} "
-              f"({result['dp_kernels'] / result['nondp_kernels']:.2f}×)")
-        return result
-    times = {"nondp": [], "dp": []}
-    for _ in range(args.repeats):
+    times: dict = {"nondp": [], "dp": []}
+    for _ in range(0 if args.count_only else args.repeats):
         for name, step in (("nondp", nondp), ("dp", dp)):
             t0 = time.perf_counter()
             for _ in range(args.steps):
                 step()
             times[name].append((time.perf_counter() - t0) / args.steps)
-    result = {"nondp_ms": 1e3 * statistics.median(times["nondp"]),
-              "dp_ms": 1e3 * statistics.median(times["dp"]),
-              "nondp_ops": aten_ops_per_step(nondp), "dp_ops": aten_ops_per_step(dp),
+    result = {"nondp_ops": aten_ops_per_step(nondp), "dp_ops": aten_ops_per_step(dp),
               "nondp_kernels": kernels_per_step(nondp), "dp_kernels": kernels_per_step(dp)}
+    counts = (f"aten ops/step {result['nondp_ops']} -> {result['dp_ops']}  "
+              f"kernels/step {result['nondp_kernels']} -> {result['dp_kernels']}")
+    if args.count_only:
+        print(f"{args.mode}: {counts} "
+              f"({result['dp_kernels'] / result['nondp_kernels']:.2f}×)")
+        return result
+    result.update(nondp_ms=1e3 * statistics.median(times["nondp"]),
+                  dp_ms=1e3 * statistics.median(times["dp"]))
     print(f"non-DP {result['nondp_ms']:.1f} ms  {args.mode} {result['dp_ms']:.1f} ms  "
-          f"ratio {result['dp_ms'] / result['nondp_ms']:.2f}  "
-          f"aten ops/step {result['nondp_ops']} -> {result['dp_ops']}  "
-          f"kernels/step {result['nondp_kernels']} -> {result['dp_kernels']}")
+          f"ratio {result['dp_ms'] / result['nondp_ms']:.2f}  {counts}")
     return result
 
 
