@@ -38,6 +38,9 @@ class GradSums:
     grads: List[torch.Tensor]
     buffers: List[torch.Tensor]
     layout: object = None
+    #: ``buffer_of[k]``: the index in ``buffers`` of the buffer ``grads[k]`` is a view of (None:
+    #: not known; :meth:`own_grads` then copies every gradient before any buffer is dropped)
+    buffer_of: Optional[List[int]] = None
 
     @classmethod
     def separate(cls, grads: Sequence[torch.Tensor]) -> "GradSums":
@@ -48,14 +51,32 @@ class GradSums:
 
     def own_grads(self, divisor: float = 1.0) -> List[torch.Tensor]:
         """``grads / divisor`` as tensors of their own (storage of exactly their size), by one
-        multi-tensor operation. Views of a flat buffer must not be handed out as ``.grad``: code
-        that copies a gradient (``copy.deepcopy(p.grad)``, as Opacus' optimizer does, or
-        ``torch.save``) would copy the whole buffer."""
+        multi-tensor operation per buffer. Views of a flat buffer must not be handed out as
+        ``.grad``: code that copies a gradient (``copy.deepcopy(p.grad)``, as Opacus' optimizer
+        does, or ``torch.save``) would copy the whole buffer.
+
+        The sums are consumed: afterwards they hold the returned tensors (as separate sums).
+        With several flat buffers and ``buffer_of`` known, each buffer is dropped as soon as its
+        gradients are copied out, so the copies and the buffers together never exceed the sums'
+        size by more than one buffer."""
         if self.layout is None:  # already tensors of their own: divided in place
             if divisor != 1.0:
                 torch._foreach_div_(self.grads, divisor)
             return self.grads
-        return torch._foreach_div(self.grads, divisor)
+        if self.buffer_of is None or len(self.buffers) == 1:
+            out = list(torch._foreach_div(self.grads, divisor))
+        else:
+            out = list(self.grads)
+            members: Dict[int, List[int]] = {}
+            for k, b in enumerate(self.buffer_of):
+                members.setdefault(b, []).append(k)
+            for b in range(len(self.buffers)):
+                idx = members.get(b, [])
+                for k, g in zip(idx, torch._foreach_div([self.grads[k] for k in idx], divisor)):
+                    out[k] = self.grads[k] = g
+                self.buffers[b] = None  # type: ignore[call-overload]  # its views replaced
+        self.grads, self.buffers, self.layout, self.buffer_of = out, out, None, None
+        return out
 
     def add_(self, other: "GradSums") -> "GradSums":
         """``self += other`` in place: one operation per buffer when both share a layout, else per
@@ -76,22 +97,31 @@ class FlatLayout:
     parameters, float64 for float64): clipped sums are accumulated in at least float32 and cast to
     the parameter's dtype only when written to ``.grad``. ``group`` (optional): a key per
     parameter; parameters of different keys get different buffers (FSDP2: one buffer per unit,
-    so that each unit's sums can be freed once reduce-scattered).
+    so that each unit's sums can be freed once reduce-scattered). ``max_elements`` (optional):
+    a buffer that would grow past this many elements is closed and the next parameters of its
+    key start another one (a parameter is never split; one larger than that has a buffer of its
+    own): buffers that :class:`LazyBuffers` allocates as they are first written, and
+    :meth:`GradSums.own_grads` drops one by one.
     """
 
     def __init__(self, params: Sequence[torch.Tensor],
-                 group: Optional[Callable[[torch.Tensor], object]] = None):
+                 group: Optional[Callable[[torch.Tensor], object]] = None,
+                 max_elements: Optional[int] = None):
         self.params = list(params)
         self._keys: List[Tuple[object, torch.device, torch.dtype]] = []
         self._sizes: List[int] = []
+        #: the buffer of each key that parameters are still added to
+        open_buffer: Dict[Tuple[object, torch.device, torch.dtype], int] = {}
         #: id(param) -> (buffer index, offset, numel, shape)
         self.slots: Dict[int, Tuple[int, int, int, torch.Size]] = {}
         for p in self.params:
             key = (group(p) if group is not None else None, p.device, accumulation_dtype(p))
-            if key not in self._keys:
+            b = open_buffer.get(key)
+            if b is None or (max_elements is not None and self._sizes[b]
+                             and self._sizes[b] + p.numel() > max_elements):
+                b = open_buffer[key] = len(self._keys)
                 self._keys.append(key)
                 self._sizes.append(0)
-            b = self._keys.index(key)
             if id(p) in self.slots:
                 raise ValueError("a parameter appears twice in a FlatLayout.")
             self.slots[id(p)] = (b, self._sizes[b], p.numel(), p.shape)
@@ -102,13 +132,21 @@ class FlatLayout:
     ) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
         """``(buffers, views)``: uninitialised flat buffers and one view per parameter of ``order``
         (a permutation of this layout's parameters or a subset of it)."""
-        buffers = [torch.empty(n, device=d, dtype=t)
-                   for (_, d, t), n in zip(self._keys, self._sizes)]
+        buffers = [self.new_buffer(b) for b in range(self.num_buffers)]
         views = []
         for p in order:
             b, off, n, shape = self.slots[id(p)]
             views.append(buffers[b][off : off + n].view(shape))
         return buffers, views
+
+    def new_buffer(self, b: int) -> torch.Tensor:
+        """Buffer ``b``, uninitialised."""
+        _, d, t = self._keys[b]
+        return torch.empty(self._sizes[b], device=d, dtype=t)
+
+    def buffer_index(self, params: Sequence[torch.Tensor]) -> List[int]:
+        """The buffer of each parameter of ``params``."""
+        return [self.slots[id(p)][0] for p in params]
 
     @property
     def num_buffers(self) -> int:
@@ -125,8 +163,7 @@ class FlatLayout:
     def allocate_buffer(self, b: int) -> Tuple[torch.Tensor, List[torch.Tensor]]:
         """``(buffer, views)``: buffer ``b`` alone (uninitialised) and the views of its
         parameters (:meth:`buffer_params` order)."""
-        _, d, t = self._keys[b]
-        buffer = torch.empty(self._sizes[b], device=d, dtype=t)
+        buffer = self.new_buffer(b)
         views = []
         for p in self.buffer_params(b):
             _, off, n, shape = self.slots[id(p)]
@@ -161,3 +198,46 @@ class FlatLayout:
         if run is not None:
             out.append(buffers[run[0]][run[1] : run[2]])
         return out
+
+
+class LazyBuffers:
+    """The flat buffers of a :class:`FlatLayout`, each allocated when a view into it is first
+    asked for: sums written layer by layer occupy memory only as their buffers are reached (the
+    operands kept for the layers not yet written are freed as they go). A mapping
+    ``id(parameter) -> view`` for :class:`private_engine.clipping.sums.SumWriter`."""
+
+    def __init__(self, layout: FlatLayout):
+        self.layout = layout
+        self.buffers: List[Optional[torch.Tensor]] = [None] * layout.num_buffers
+        self._views: Dict[int, torch.Tensor] = {}
+
+    def _buffer(self, b: int) -> torch.Tensor:
+        found = self.buffers[b]
+        if found is None:
+            found = self.buffers[b] = self.layout.new_buffer(b)
+        return found
+
+    def __contains__(self, pid: int) -> bool:
+        return pid in self.layout.slots
+
+    def __getitem__(self, pid: int) -> torch.Tensor:
+        view = self._views.get(pid)
+        if view is None:
+            b, off, n, shape = self.layout.slots[pid]
+            view = self._views[pid] = self._buffer(b)[off:off + n].view(shape)
+        return view
+
+    def segment(self, params: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+        """:meth:`FlatLayout.segment` of ``params`` (their buffer allocated if they lie in one)."""
+        slots = self.layout.slots
+        if not params or any(id(p) not in slots for p in params):
+            return None
+        b = slots[id(params[0])][0]
+        if any(slots[id(p)][0] != b for p in params):
+            return None
+        self._buffer(b)
+        return self.layout.segment(self.buffers, params)
+
+    def all(self) -> List[torch.Tensor]:
+        """Every buffer (those not yet allocated, now)."""
+        return [self._buffer(b) for b in range(len(self.buffers))]

@@ -17,11 +17,19 @@ from torch import nn
 
 from ..foundation.dtypes import accumulation_dtype, cast_down
 from ..foundation.matmul import weighted_sum_into
-from .grad_sums import FlatLayout, GradSums
+from .grad_sums import FlatLayout, GradSums, LazyBuffers
 from .kept import kept_pair_params, rows_kept
 
 #: a buffer's identity for :meth:`SumBuilder.by_buffer`: ``(group key, device, dtype)``
 BufferKey = Tuple[object, torch.device, torch.dtype]
+
+#: the most elements of one flat buffer of sums (32 MiB of float32) when no ``buffer_group`` is
+#: set: the sums of a step are written into buffers of about this size, each allocated when its
+#: first parameter is written, while the operands kept for the layers not yet written are freed
+#: layer by layer — so the sums do not all sit next to every kept operand at once (the whole
+#: model's gradient size over non-private training at the peak) — and the released gradients
+#: are copied out one buffer at a time (:meth:`GradSums.own_grads`)
+SUM_BUFFER_ELEMENTS = 1 << 23
 
 
 class SumBuilder:
@@ -36,6 +44,8 @@ class SumBuilder:
         self.buffer_group: Optional[Callable[[torch.Tensor], object]] = None
         self._layout: Optional[FlatLayout] = None
         self._layout_key: tuple = ()
+        #: the buffer of each parameter of ``params`` in ``_layout``
+        self._buffer_of: List[int] = []
 
     def layout(self, kept_groups: Sequence, kept_pairs: Sequence) -> FlatLayout:
         """The flat-buffer layout for what a norm pass kept: the parameters of the kept
@@ -56,19 +66,24 @@ class SumBuilder:
         key = tuple(id(p) for p in order)
         if self._layout is None or key != self._layout_key:
             rest = [p for p in self.params if id(p) not in seen]
-            self._layout, self._layout_key = FlatLayout(order + rest, self.buffer_group), key
+            limit = SUM_BUFFER_ELEMENTS if self.buffer_group is None else None
+            self._layout = FlatLayout(order + rest, self.buffer_group, limit)
+            self._layout_key = key
+            self._buffer_of = self._layout.buffer_index(self.params)
         return self._layout
 
     def write_kept(self, layout: FlatLayout, factors: torch.Tensor,
                    keep: Optional[torch.Tensor], kept_groups: list, kept_pairs: list
-                   ) -> Tuple[List[torch.Tensor], "SumWriter"]:
-        """``(buffers, writer)``: fresh flat buffers of ``layout`` with every kept term written
-        (the groups in order, the pairs last first), the kept lists emptied as they go."""
-        buffers, views = layout.allocate(layout.params)
-        writer = SumWriter(dict(zip(map(id, layout.params), views)), factors, keep)
+                   ) -> Tuple[LazyBuffers, "SumWriter"]:
+        """``(buffers, writer)``: the flat buffers of ``layout`` (:class:`LazyBuffers`: each
+        allocated when first written) with every kept term written (the groups in order, the
+        pairs last first), the kept lists emptied as they go, so that each kept operand is freed
+        once its term is written."""
+        buffers = LazyBuffers(layout)
+        writer = SumWriter(buffers, factors, keep)
         while kept_groups:
             params, mat = kept_groups.pop(0)
-            writer.group(params, mat, layout.segment(buffers, params))
+            writer.group(params, mat, buffers.segment(params))
             del mat
         while kept_pairs:
             module, rule, pairs = kept_pairs.pop()
@@ -76,15 +91,18 @@ class SumBuilder:
             del pairs
         return buffers, writer
 
-    def finish(self, layout: FlatLayout, buffers: List[torch.Tensor],
+    def finish(self, layout: FlatLayout, buffers: LazyBuffers,
                writer: "SumWriter") -> GradSums:
         """Zero the parameters nothing was written for (the loss does not reach them) and hand
         out the sums."""
+        full = buffers.all()
         unwritten = [p for p in layout.params if id(p) not in writer.written]
-        for seg in layout.segments(buffers, unwritten):
+        for seg in layout.segments(full, unwritten):
             seg.zero_()
-        return GradSums(grads=[writer.view_of[id(p)] for p in self.params], buffers=buffers,
-                        layout=layout)
+        buffer_of = self._buffer_of if layout is self._layout else layout.buffer_index(
+            self.params)
+        return GradSums(grads=[writer.view_of[id(p)] for p in self.params], buffers=full,
+                        layout=layout, buffer_of=buffer_of)
 
     def by_buffer(self, factors: torch.Tensor, keep: Optional[torch.Tensor],
                   kept_groups: list, kept_pairs: list,
@@ -146,11 +164,12 @@ def rule_params(module: nn.Module, rule) -> List[nn.Parameter]:
 
 class SumWriter:
     """Writes clipped-sum terms into the views of a flat buffer: ``view_of`` maps id(parameter)
-    to its view; a parameter's first term is written (by the layer's matmul ``out=`` the view,
-    or copied), later ones (a weight kept twice: tied uses) added. ``keep`` (bool ``(B,)``):
-    rows of dropped samples are zeroed before any product (no ``0·inf``)."""
+    to its view (a dict, or :class:`.grad_sums.LazyBuffers`); a parameter's first term is
+    written (by the layer's matmul ``out=`` the view, or copied), later ones (a weight kept
+    twice: tied uses) added. ``keep`` (bool ``(B,)``): rows of dropped samples are zeroed
+    before any product (no ``0·inf``)."""
 
-    def __init__(self, view_of: Dict[int, torch.Tensor], factors: torch.Tensor,
+    def __init__(self, view_of: Any, factors: torch.Tensor,
                  keep: Optional[torch.Tensor]):
         self.view_of = view_of
         self.factors = factors

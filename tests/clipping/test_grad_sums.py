@@ -4,6 +4,7 @@ grouping thresholds that change nothing but speed, accumulation across physical 
 layouts differ, rules without ``out=``."""
 import copy
 import math
+import weakref
 
 import pytest
 import torch
@@ -12,8 +13,9 @@ from torch import nn
 
 import private_engine as pe
 import private_engine.clipping.kept as clipping
+import private_engine.clipping.sums as sums_module
 from engine_checks import check_against_reference, gen_for, make_engine
-from private_engine.clipping.grad_sums import FlatLayout, GradSums
+from private_engine.clipping.grad_sums import FlatLayout, GradSums, LazyBuffers
 from private_engine.layers import register_rule
 from private_engine.layers.linear import LinearRule
 from reference import assert_close_rel, reference_clipped_sum
@@ -47,6 +49,35 @@ def test_layout_slots_segments_and_views():
     assert [t.numel() for t in layout.segments(buffers, [ps[0], ps[1], ps[2], ps[3]])] == [6, 4, 6]
     with pytest.raises(ValueError):
         FlatLayout([ps[0], ps[0]])
+
+
+def test_layout_of_bounded_buffers_and_lazy_allocation():
+    """``max_elements`` closes a buffer before it would grow past it (a parameter is never split;
+    a larger one gets a buffer of its own); :class:`LazyBuffers` allocates a buffer only when a
+    view into it is asked for; ``own_grads`` drops the buffers one by one and hands out tensors
+    of their own, divided."""
+    ps = [nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(4)), nn.Parameter(torch.zeros(9)),
+          nn.Parameter(torch.zeros(2, dtype=torch.float64)), nn.Parameter(torch.zeros(2))]
+    layout = FlatLayout(ps, max_elements=8)
+    assert [layout.slots[id(p)][:2] for p in ps] == [(0, 0), (0, 3), (1, 0), (2, 0), (3, 0)]
+    assert layout.buffer_index(ps) == [0, 0, 1, 2, 3]
+    lazy = LazyBuffers(layout)
+    assert lazy.buffers == [None] * 4
+    assert lazy.segment([ps[0], ps[1]]).numel() == 7 and lazy.buffers[1] is None
+    assert lazy.segment([ps[1], ps[2]]) is None  # two buffers
+    lazy[id(ps[3])].fill_(2.0)
+    assert lazy.buffers[1] is None and lazy.buffers[2] is not None
+    full = lazy.all()
+    for k, p in enumerate(ps):
+        lazy[id(p)].fill_(k + 1.0)
+    sums = GradSums([lazy[id(p)] for p in ps], full, layout, layout.buffer_index(ps))
+    freed = [weakref.ref(b.untyped_storage()) for b in full]
+    del full, lazy
+    grads = sums.own_grads(2.0)
+    assert [g.tolist() for g in grads] == [[(k + 1) / 2] * p.numel() for k, p in enumerate(ps)]
+    assert all(g.untyped_storage().nbytes() == g.numel() * g.element_size() for g in grads)
+    assert all(r() is None for r in freed)
+    assert sums.layout is None and sums.grads is grads
 
 
 def test_grad_sums_add_by_buffer_or_by_parameter():
@@ -95,20 +126,24 @@ def _loss(model, ids, y):
 def poisoned(monkeypatch):
     """Flat buffers filled with NaN when allocated: a slot the engine forgets to write (or adds to)
     shows."""
-    original = FlatLayout.allocate
+    original = FlatLayout.new_buffer
 
-    def allocate(self, order):
-        buffers, views = original(self, order)
-        for b in buffers:
-            b.fill_(float("nan"))
-        return buffers, views
+    def new_buffer(self, b):
+        return original(self, b).fill_(float("nan"))
 
-    monkeypatch.setattr(FlatLayout, "allocate", allocate)
+    monkeypatch.setattr(FlatLayout, "new_buffer", new_buffer)
 
 
-@pytest.mark.parametrize("mode", BK_MODES)
+@pytest.mark.parametrize("mode", BK_MODES + ("mixed",))
 @pytest.mark.parametrize("small", [0, 1 << 30], ids=["alone", "grouped"])
-def test_every_slot_written_once_and_unreached_parameters_zero(poisoned, monkeypatch, mode, small):
+@pytest.mark.parametrize("chunk", [None, 60], ids=["one_buffer", "buffers"])
+def test_every_slot_written_once_and_unreached_parameters_zero(poisoned, monkeypatch, mode, small,
+                                                               chunk):
+    """With one flat buffer per dtype or many small ones (allocated as they are written, kept
+    groups then straddling buffers), every slot is written once, the sums match the float64
+    reference and parameters the loss does not reach are exact zeros."""
+    if chunk is not None:
+        monkeypatch.setattr(sums_module, "SUM_BUFFER_ELEMENTS", chunk)
     monkeypatch.setattr(clipping, "KEPT_SMALL_CPU", small)
     monkeypatch.setattr(clipping, "KEPT_GROUP_ELEMENTS", 200)  # several groups when grouped
     torch.manual_seed(0)
@@ -129,11 +164,14 @@ def test_every_slot_written_once_and_unreached_parameters_zero(poisoned, monkeyp
 
 
 @pytest.mark.parametrize("mode", BK_MODES)
-def test_step_grads_are_own_tensors_noised_once(mode):
+@pytest.mark.parametrize("chunk", [None, 700], ids=["one_buffer", "buffers"])
+def test_step_grads_are_own_tensors_noised_once(monkeypatch, mode, chunk):
     """After a book-keeping step (sums in one flat buffer) every .grad is a tensor of its own — a
     copy of it copies that parameter's gradient, not the whole buffer (Opacus deep-copies p.grad) —
     and the noise is N(0, (σR/B)²) per coordinate, drawn once (not per view, not twice on any
     coordinate)."""
+    if chunk is not None:
+        monkeypatch.setattr(sums_module, "SUM_BUFFER_ELEMENTS", chunk)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(20, 50), nn.LayerNorm(50), nn.Linear(50, 30))
     for p in model.parameters():
