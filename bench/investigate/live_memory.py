@@ -20,11 +20,14 @@ Each storage is labelled by what made it:
   ``private_engine``), e.g. Grams, per-sample gradients, clipped-sum buffers, noise;
 * ``other <op>``: anything else (the loss, the optimizer's update).
 
-For each method and batch size it prints the step's peak of live bytes, the phase in which it
-occurs (forward / backward / after), the peak of each phase, and the composition of the peak per
-label; with two batch sizes, also what each label costs per sample at the peak (its growth with
-the batch, what bounds the largest batch that fits). Figures are bytes of storages (``nbytes``),
-not of the allocator's blocks. The benchmark's options (``--model``, ``--img-size``, ``--amp``,
+For each method and batch size it prints the step's peak of live bytes and the peak of each
+phase: ``forward`` (inside a module's forward), ``backward`` (inside an autograd node, the
+library's hooks there included) and ``rest`` (everything else: the loss, the clipping after the
+backward, the noise, the update); then, at the largest batch size, the composition of each
+phase's peak per label and, with two batch sizes, its growth per sample (what bounds the largest
+batch that fits). Figures are bytes of storages (``nbytes``), not of the allocator's blocks: a
+CUDA caching allocator's rounding and fragmentation, and workspaces outside tensors, are not
+seen. The benchmark's options (``--model``, ``--img-size``, ``--amp``,
 ``--dtype``, …) are passed on to it; ``--batch-size`` is replaced by ``--batch-sizes``.
 """
 from __future__ import annotations
@@ -115,7 +118,7 @@ class LiveTracker:
 
     def _label(self, func) -> Tuple[str, str]:
         node = self._torch._C._current_autograd_node()
-        phase = "backward" if node is not None else ("forward" if self.modules else "after")
+        phase = "backward" if node is not None else ("forward" if self.modules else "rest")
         site = _library_site()
         if site is not None:
             return site, phase
@@ -145,7 +148,7 @@ class LiveTracker:
     def _freed(self, key: int, nbytes: int, idx: int) -> None:
         if self._live.pop(key, None) is not None:
             node = self._torch._C._current_autograd_node()
-            phase = "backward" if node is not None else ("forward" if self.modules else "after")
+            phase = "backward" if node is not None else ("forward" if self.modules else "rest")
             self.events.append((-nbytes, idx, phase))
 
     def __enter__(self):
@@ -169,41 +172,47 @@ class LiveTracker:
             h.remove()
         return False
 
-    def peak(self) -> Tuple[int, str, Dict[str, int], Dict[str, int]]:
-        """``(peak bytes, phase at the peak, {label: bytes live at the peak},
-        {phase: its peak})``, replaying the event log."""
-        live = best = 0
-        best_at, best_phase = -1, "-"
-        per_phase: Dict[str, int] = defaultdict(int)
+    def peaks(self) -> Dict[str, Tuple[int, Dict[str, int]]]:
+        """``{phase: (its peak of live bytes, {label: bytes live then})}``, phases ``forward``,
+        ``backward``, ``rest`` and ``step`` (the whole step's peak), replaying the event log."""
+        live = 0
+        best: Dict[str, Tuple[int, int]] = {}  # phase -> (peak, event index)
         for k, (nbytes, _, phase) in enumerate(self.events):
             live += nbytes
-            per_phase[phase] = max(per_phase[phase], live)
-            if live > best:
-                best, best_at, best_phase = live, k, phase
-        by_label: Dict[str, int] = defaultdict(int)
-        for nbytes, idx, _ in self.events[:best_at + 1]:
-            by_label[self.labels[idx]] += nbytes
-        return best, best_phase, {k: v for k, v in by_label.items() if v}, dict(per_phase)
+            for key in (phase, "step"):
+                if key not in best or live > best[key][0]:
+                    best[key] = (live, k)
+        out = {}
+        for phase, (peak, at) in best.items():
+            by_label: Dict[str, int] = defaultdict(int)
+            for nbytes, idx, _ in self.events[:at + 1]:
+                by_label[self.labels[idx]] += nbytes
+            out[phase] = (peak, {k: v for k, v in by_label.items() if v})
+        return out
+
+
+#: the phases reported, in order
+PHASES = ("forward", "backward", "rest", "step")
 
 
 def measure(method: str, batch_size: int, args) -> dict:
-    """One method at one batch size: the peak of live bytes of a step and its composition."""
+    """One method at one batch size: ``{phase: (peak bytes, {label: bytes})}`` (the largest
+    over the recorded steps) and ``"params"``: the parameters' bytes."""
     args.batch_size = batch_size
     model, _ = build_model(args, method)
     x, y = make_batch(args)
     runner = SETUPS[method](model, x, y, args)
     for _ in range(args.warmup):
         runner.step()
-    result: dict = {"peak": -1}
+    result: dict = {}
     for _ in range(args.record_steps):
         with LiveTracker() as tracker:
             runner.step()
-        peak, phase, labels, phases = tracker.peak()
-        if peak > result["peak"]:
-            result = {"peak": peak, "phase": phase, "labels": labels, "phases": phases}
+        for phase, (peak, labels) in tracker.peaks().items():
+            if phase not in result or peak > result[phase][0]:
+                result[phase] = (peak, labels)
         del tracker
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
-    result["params"] = params
+    result["params"] = sum(p.numel() * p.element_size() for p in model.parameters())
     del runner, model
     return result
 
@@ -215,35 +224,46 @@ def _kind(label: str) -> str:
 
 
 def report(method: str, results: Dict[int, dict], rows: int) -> List[str]:
+    """The peaks of each phase per batch size, then the composition of each phase's peak at the
+    largest batch size (MiB) and, with two batch sizes, its growth per sample (MiB/sample)."""
     sizes = sorted(results)
-    lines = [f"== {method} =="]
-    for n in sizes:
-        r = results[n]
-        phases = ", ".join(f"{k} {v / MIB:.1f}" for k, v in sorted(r["phases"].items()))
-        lines.append(f"batch {n}: peak {r['peak'] / MIB:.1f} MiB over the step's start "
-                     f"(parameters {r['params'] / MIB:.1f} MiB), in the {r['phase']}; "
-                     f"peak per phase (MiB): {phases}")
     lo, hi = sizes[0], sizes[-1]
-    labels = sorted(set(results[hi]["labels"]) | set(results[lo]["labels"]),
-                    key=lambda k: -results[hi]["labels"].get(k, 0))
-    kinds: Dict[str, List[float]] = defaultdict(lambda: [0.0, 0.0])
-    for k in labels:
-        kinds[_kind(k)][0] += results[hi]["labels"].get(k, 0)
-        kinds[_kind(k)][1] += results[lo]["labels"].get(k, 0)
     per = hi - lo
-    head = f"{'MiB at peak (batch ' + str(hi) + ')':>24}"
-    head += f" {'MiB/sample':>11}" if per else ""
+    phases = [ph for ph in PHASES if ph in results[hi]]
+    lines = [f"== {method} (parameters {results[hi]['params'] / MIB:.1f} MiB; MiB over the "
+             f"step's start) =="]
+    for n in sizes:
+        lines.append(f"batch {n}: peak " + ", ".join(
+            f"{ph} {results[n][ph][0] / MIB:.1f}" for ph in phases if ph in results[n]))
+    if per:
+        lines.append("growth per sample: " + ", ".join(
+            f"{ph} {(results[hi][ph][0] - results[lo][ph][0]) / per / MIB:.2f}"
+            for ph in phases if ph in results[lo]))
+
+    def at(n, ph, label):
+        return results[n].get(ph, (0, {}))[1].get(label, 0) if ph in results[n] else 0
+
+    labels = sorted({k for ph in phases for k in results[hi][ph][1]},
+                    key=lambda k: -max(at(hi, ph, k) for ph in phases))
+    head = "".join(f"{ph + ' MiB':>14}" + (f"{'/sample':>9}" if per else "") for ph in phases)
+    growth = f", growth from batch {lo}" if per else ""
+    lines.append(f"composition at each phase's peak (batch {hi}{growth}):")
     lines.append(head + "  what")
-    for k, (b_hi, b_lo) in sorted(kinds.items(), key=lambda kv: -kv[1][0]):
-        row = f"{b_hi / MIB:24.2f}"
-        row += f" {(b_hi - b_lo) / per / MIB:11.3f}" if per else ""
-        lines.append(row + f"  [{k}]")
+
+    def row(values) -> str:
+        out = ""
+        for ph in phases:
+            b_hi, b_lo = values(hi, ph), values(lo, ph)
+            out += f"{b_hi / MIB:14.2f}" + (f"{(b_hi - b_lo) / per / MIB:9.2f}" if per else "")
+        return out
+
+    kinds = sorted({_kind(k) for k in labels})
+    for kind in kinds:
+        lines.append(row(lambda n, ph: sum(v for k, v in results[n][ph][1].items()
+                                           if _kind(k) == kind) if ph in results[n] else 0)
+                     + f"  [{kind}]")
     for k in labels[:rows]:
-        b_hi = results[hi]["labels"].get(k, 0)
-        b_lo = results[lo]["labels"].get(k, 0)
-        row = f"{b_hi / MIB:24.2f}"
-        row += f" {(b_hi - b_lo) / per / MIB:11.3f}" if per else ""
-        lines.append(row + f"    {k}")
+        lines.append(row(lambda n, ph: at(n, ph, k)) + f"    {k}")
     return lines
 
 
@@ -254,22 +274,22 @@ def main(argv=None) -> Dict[str, Dict[int, dict]]:
         out[method] = {n: measure(method, n, args) for n in args.batch_sizes}
         print("\n".join(report(method, out[method], args.rows)), flush=True)
     base = out.get("nondp")
-    if base is not None:
-        for method, res in out.items():
-            if method == "nondp":
-                continue
-            total = {n: (res[n]["peak"] + res[n]["params"])
-                     / (base[n]["peak"] + base[n]["params"]) for n in res}
-            ratios = " ".join(f"batch {n}: {total[n]:.3f}×" for n in sorted(res))
-            lines = [f"{method} / nondp, peak incl. parameters: {ratios}"]
-            sizes = sorted(res)
-            if len(sizes) > 1:
-                lo, hi = sizes[0], sizes[-1]
-                slope = (res[hi]["peak"] - res[lo]["peak"]) / (hi - lo)
-                slope0 = (base[hi]["peak"] - base[lo]["peak"]) / (hi - lo)
-                lines.append(f"{method} / nondp, peak growth per sample: "
+    for method, res in out.items():
+        if base is None or method == "nondp":
+            continue
+        sizes = sorted(res)
+        total = {n: (res[n]["step"][0] + res[n]["params"])
+                 / (base[n]["step"][0] + base[n]["params"]) for n in sizes}
+        lines = [f"{method} / nondp, step peak with the parameters: "
+                 + " ".join(f"batch {n}: {total[n]:.3f}×" for n in sizes)]
+        if len(sizes) > 1:
+            lo, hi = sizes[0], sizes[-1]
+            for ph in ("step", "backward"):
+                slope = (res[hi][ph][0] - res[lo][ph][0]) / (hi - lo)
+                slope0 = (base[hi]["step"][0] - base[lo]["step"][0]) / (hi - lo)
+                lines.append(f"{method} {ph} peak / nondp step peak, growth per sample: "
                              f"{slope / MIB:.2f} / {slope0 / MIB:.2f} MiB = {slope / slope0:.3f}×")
-            print("\n".join(lines), flush=True)
+        print("\n".join(lines), flush=True)
     return out
 
 

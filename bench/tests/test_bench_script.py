@@ -376,6 +376,23 @@ def test_data_movement_records_copies_and_gram_passes(capsys):
     assert "private_engine/layers/gram.py" in out and "| (" in out
 
 
+def test_live_memory_counts_kept_operands_and_sums(capsys):
+    from bench.investigate import live_memory as module
+
+    tiny = ["--device", "cpu", "--models", "text_transformer", "--seq-len", "8",
+            "--batch-sizes", "2", "4", "--steps", "1", "--warmup", "1", "--rows", "200"]
+    out = module.main(tiny + ["--methods", "nondp", "bk_mixed"])
+    text = capsys.readouterr().out
+    assert "== nondp" in text and "== bk_mixed" in text and "growth per sample" in text
+    for method in ("nondp", "bk_mixed"):
+        for n in (2, 4):
+            assert out[method][n]["forward"][0] > 0  # the activations
+            assert out[method][n]["step"][0] >= out[method][n]["forward"][0]
+    # non-DP forms parameter gradients in its backward; bk_mixed writes its clipped sums after it
+    assert any(k.startswith("bwd") for k in out["nondp"][4]["step"][1])
+    assert "pe clipping/grad_sums.py:new_buffer" in text
+
+
 def test_host_overhead_proxy_runs(capsys):
     from bench.investigate import host_overhead as module
 
@@ -538,6 +555,7 @@ def test_cpu_peak_memory_is_the_childs_own_not_its_parents():
                                     "investigate/ddp_scaling.py", "bench_cpu_noise.py",
                                     "investigate/float64_flops.py",
                                     "investigate/data_movement.py",
+                                    "investigate/live_memory.py",
                                     "investigate/batch_flow_cost.py"])
 def test_scripts_run_from_anywhere(script, tmp_path):
     """Every script runs by its path (the Makefile's and the docs' commands), from any directory."""
