@@ -71,9 +71,13 @@ def _tensors(x) -> List:
     return []
 
 
+#: the library's torch function and dispatch modes: they pass the model's operators on
+_PASS_THROUGH = ("__torch_function__", "__torch_dispatch__")
+
+
 def _library_site() -> Optional[str]:
-    """``pe <file>:<function>`` of the innermost frame of private_engine (its guards' own
-    dispatch modes skipped), or None; also None when the innermost frame outside torch is the
+    """``pe <file>:<function>`` of the innermost frame of private_engine (its guards and its
+    torch function/dispatch modes, which pass the model's operators on, skipped), or None; also None when the innermost frame outside torch is the
     autograd engine's (an operator of a backward node, not of the library's code)."""
     frame = sys._getframe(2)
     while frame is not None:
@@ -82,7 +86,7 @@ def _library_site() -> Optional[str]:
                 ("torch/autograd/__init__.py", "torch/_tensor.py")):
             return None  # the library called the backward; the operator is the backward's
         i = path.rfind("private_engine/")
-        if i >= 0 and "/guards/" not in path:
+        if i >= 0 and "/guards/" not in path and frame.f_code.co_name not in _PASS_THROUGH:
             return f"pe {path[i + len('private_engine/'):]}:{frame.f_code.co_name}"
         frame = frame.f_back
     return None

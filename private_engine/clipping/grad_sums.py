@@ -3,10 +3,12 @@
 A private step releases, for every trainable parameter θ, ``(Σ_i C_i ∂L_i/∂θ + σR·ξ_θ) / B`` (Abadi
 et al. 2016; Bu, Mao & Xu 2022, Alg. 1). Held parameter by parameter, each of its stages
 (accumulation over physical batches, the noise, the division by B) costs one operation — one kernel
-launch on a GPU — per parameter tensor: 150–300 per stage for a ViT. Held as views of one flat
-buffer per (device, dtype), each stage is one operation on the buffer, and book-keeping writes each
+launch on a GPU — per parameter tensor: 150–300 per stage for a ViT. Held as views of a few flat
+buffers per (device, dtype), each stage is one operation per buffer, and book-keeping writes each
 layer's clipped sum straight into its parameter's view (``out=`` of the layer's matmul), with no
-per-parameter copies.
+per-parameter copies. Buffers of bounded size (``max_elements``), allocated as they are first
+written (:class:`LazyBuffers`) and dropped one by one as the released gradients are copied out,
+keep the sums from sitting next to every operand kept for them, or twice in memory.
 
 :class:`FlatLayout` fixes where each parameter's sum lives; :class:`GradSums` is one physical
 batch's sums: ``grads`` (one tensor per parameter, in the engine's order) and ``buffers``, disjoint
