@@ -77,8 +77,9 @@ _PASS_THROUGH = ("__torch_function__", "__torch_dispatch__")
 
 def _library_site() -> Optional[str]:
     """``pe <file>:<function>`` of the innermost frame of private_engine (its guards and its
-    torch function/dispatch modes, which pass the model's operators on, skipped), or None; also None when the innermost frame outside torch is the
-    autograd engine's (an operator of a backward node, not of the library's code)."""
+    torch function/dispatch modes, which pass the model's operators on, skipped), or None; also
+    None when the innermost frame outside torch is the autograd engine's (an operator of a
+    backward node, not of the library's code)."""
     frame = sys._getframe(2)
     while frame is not None:
         path = frame.f_code.co_filename
