@@ -21,9 +21,10 @@ Each storage is labelled by what made it:
 * ``other <op>``: anything else (the loss, the optimizer's update).
 
 For each method and batch size it prints the step's peak of live bytes and the peak of each
-phase: ``forward`` (inside a module's forward), ``backward`` (inside an autograd node, the
-library's hooks there included) and ``rest`` (everything else: the loss, the clipping after the
-backward, the noise, the update); then, at the largest batch size, the composition of each
+phase: ``forward`` (inside a module's forward), ``loss`` (outside modules, before the first
+backward operator), ``backward`` (inside an autograd node, the library's hooks there included)
+and ``after`` (outside both, once a backward ran: the clipping after the backward, the noise,
+the update); then, at the largest batch size, the composition of each
 phase's peak per label and, with two batch sizes, its growth per sample (what bounds the largest
 batch that fits). Figures are bytes of storages (``nbytes``), not of the allocator's blocks: a
 CUDA caching allocator's rounding and fragmentation, and workspaces outside tensors, are not
@@ -106,6 +107,7 @@ class LiveTracker:
         self._label_ids: Dict[str, int] = {}
         self._live: Dict[int, int] = {}  # id(storage) -> event index of its creation
         self.modules: List[str] = []  # forward stack of module type names
+        self._backward_seen = False
         tracker = self
 
         class Mode(TorchDispatchMode):
@@ -121,9 +123,19 @@ class LiveTracker:
         self.mode = Mode()
         self._torch = torch
 
+    def _phase(self, node) -> str:
+        """``backward`` inside an autograd node, ``forward`` inside a module, else ``loss``
+        before the first backward and ``after`` once one ran."""
+        if node is not None:
+            self._backward_seen = True
+            return "backward"
+        if self.modules:
+            return "forward"
+        return "after" if self._backward_seen else "loss"
+
     def _label(self, func) -> Tuple[str, str]:
         node = self._torch._C._current_autograd_node()
-        phase = "backward" if node is not None else ("forward" if self.modules else "rest")
+        phase = self._phase(node)
         site = _library_site()
         if site is not None:
             return site, phase
@@ -153,7 +165,7 @@ class LiveTracker:
     def _freed(self, key: int, nbytes: int, idx: int) -> None:
         if self._live.pop(key, None) is not None:
             node = self._torch._C._current_autograd_node()
-            phase = "backward" if node is not None else ("forward" if self.modules else "rest")
+            phase = self._phase(node)
             self.events.append((-nbytes, idx, phase))
 
     def __enter__(self):
@@ -179,7 +191,8 @@ class LiveTracker:
 
     def peaks(self) -> Dict[str, Tuple[int, Dict[str, int]]]:
         """``{phase: (its peak of live bytes, {label: bytes live then})}``, phases ``forward``,
-        ``backward``, ``rest`` and ``step`` (the whole step's peak), replaying the event log."""
+        ``loss``, ``backward``, ``after`` and ``step`` (the whole step's peak), replaying the
+        event log."""
         live = 0
         best: Dict[str, Tuple[int, int]] = {}  # phase -> (peak, event index)
         for k, (nbytes, _, phase) in enumerate(self.events):
@@ -197,7 +210,7 @@ class LiveTracker:
 
 
 #: the phases reported, in order
-PHASES = ("forward", "backward", "rest", "step")
+PHASES = ("forward", "loss", "backward", "after", "step")
 
 
 def measure(method: str, batch_size: int, args) -> dict:
