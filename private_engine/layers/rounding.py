@@ -155,12 +155,15 @@ def certified_ghost(nu: torch.Tensor, mass: torch.Tensor, c_nu: float,
     return (base.sqrt() + c_rel * mass).square()
 
 
-#: half the smallest positive subnormal of float64 (2⁻¹⁰⁷⁴) and of float32 (2⁻¹⁴⁹): the most a
-#: product, square or quotient that underflows loses in IEEE arithmetic with gradual underflow
-#: (Higham 2002, §2.4: ``fl(x∘y) = (x∘y)(1+δ) + η``, ``|η| ≤`` half the subnormal step; sums of
-#: subnormals are exact). Taken whole (not halved), so that rounding the slack itself only adds.
-ETA64 = 2.0 ** -1074
-ETA32 = 2.0 ** -149
+#: the smallest positive normal number of float64 (2⁻¹⁰²²) and of float32 (2⁻¹²⁶): the most an
+#: operation whose result lies below the normal range loses, flushed to zero or not. With gradual
+#: underflow it loses at most half the subnormal step (Higham 2002, §2.4: ``fl(x∘y) = (x∘y)(1+δ)
+#: + η``; sums of subnormals are exact); with flush-to-zero — ``torch.set_flush_denormal(True)``
+#: on the CPU, device kernels built to flush — a result below the smallest normal number becomes
+#: 0 (products, squares and sums alike). Inputs read as zero when subnormal change every kernel's
+#: operands alike: what is released and what is bounded are formed from the same values.
+ETA64 = 2.0 ** -1022
+ETA32 = 2.0 ** -126
 #: what a float32-accumulating tensor-core product may lose per term: the NVIDIA tensor cores are
 #: not specified to keep subnormal results (Fasi, Higham, Mikaitis & Pranesh 2021, "Numerical
 #: behavior of NVIDIA tensor cores": no subnormal support in some formats and paths), so a flushed
@@ -184,7 +187,7 @@ def ghost_underflow(a_sum: torch.Tensor, g_sum: torch.Tensor, width_a: int, widt
     Each Gram entry sums ``width`` products, each losing at most ``eta``: ``|ΔÃ_ts| ≤ width_a·η``,
     which meets ``|G_ts| ≤ ‖g_t‖‖g_s‖`` in the inner product, so the ghost norm loses at most
     ``η·(width_a·(Σ_t‖g_t‖)² + width_g·(Σ_t‖ã_t‖)²)`` to the Grams' underflow, and
-    ``2T²·2⁻¹⁰⁷⁴`` to its own float64 products (every factor raised by 2 for the cross terms and
+    ``2T²·2⁻¹⁰²²`` to its own float64 products (every factor raised by 2 for the cross terms and
     the rounding of the bound itself). ``a_sum``, ``g_sum``: upper bounds of ``Σ_t ‖ã_t‖`` and
     ``Σ_t ‖g_t‖`` per sample (:func:`row_norms64`, which count their own underflow)."""
     a_sum, g_sum = a_sum.double(), g_sum.double()
@@ -207,8 +210,8 @@ def certified_instantiated(norm_sq: torch.Tensor, mass: Optional[torch.Tensor], 
 
 #: elements whose squares are summed in float32 before the float64 sum (:func:`norm_sq64`)
 SQUARE_BLOCK = 64
-#: absolute slack per element for squares in float32's subnormal range: each is lost or rounded by
-#: at most half its smallest subnormal step, 2⁻¹⁵⁰ (taken as 2⁻¹⁴⁹)
+#: absolute slack per element for squares below float32's normal range: each is lost (flushed to
+#: zero) or rounded by less than the smallest normal number, 2⁻¹²⁶ (``ETA32``)
 _UNDERFLOW = ETA32
 
 
@@ -224,13 +227,13 @@ def norm_sq64(t: torch.Tensor) -> torch.Tensor:
     """An upper bound (float64) of ``‖t_i‖²`` per leading index, rounding included.
 
     float64 tensors: summed in float64 (relative error ``γ^{(64)}_n``, covered by the callers),
-    raised by ``n·2⁻¹⁰⁷⁴`` for squares below float64's normal range (a sample of values near 1e-160
+    raised by ``n·2⁻¹⁰²²`` for squares below float64's normal range (a sample of values near 1e-160
     would otherwise get a norm of 0).
     Others, without a float64 copy of ``t`` (one would cost twice its memory and, on the CPU, 25×
     the time): the squares of each block of ``SQUARE_BLOCK`` consecutive elements are summed in
     float32 — positive terms, so the block's norm is exact to ``(1 + γ_L)(1 + u)`` whatever the
     order — and the blocks' squared norms are summed in float64; the result is raised by that factor
-    and by ``n·2⁻¹⁴⁹`` for squares in float32's subnormal range. A value so large that its square
+    and by ``n·2⁻¹²⁶`` for squares below float32's normal range (``ETA32``). A value so large that its square
     overflows float32 (|x| > 1.8e19) gives ``inf``: the engine then drops the sample."""
     B = t.shape[0]
     flat = t.reshape(B, -1)
@@ -282,7 +285,7 @@ def pair_norms(a: torch.Tensor, g: torch.Tensor, bias: bool,
 def mass_of(na: torch.Tensor, ng: torch.Tensor, width: int) -> torch.Tensor:
     """``M_i = Σ_t ‖ã_{i,t}‖·‖g_{i,t}‖`` (float64, ``(N,)``) from :func:`pair_norms`: positive
     terms summed in float64, raised by ``γ_{T+2}`` (and the float64 row norms by the same order)
-    and by ``T·2⁻¹⁰⁷⁴`` for products below the normal range."""
+    and by ``T·2⁻¹⁰²²`` for products below the normal range."""
     slack = 1 + gamma(ng.shape[-1] + width + 4, unit_roundoff(torch.float64))
     return (na * ng).sum(1) * slack + ng.shape[-1] * ETA64
 
