@@ -58,13 +58,12 @@ def test_slices_add_the_terms_that_overflow():
     assert torch.isinf(got).sum() == 9 and not torch.isnan(got).any()
 
 
-def test_the_batch_is_one_unfold_with_the_per_sample_columns(monkeypatch):
+@pytest.mark.parametrize("nd", [1, 2])
+def test_the_batch_is_one_unfold_with_the_per_sample_columns(nd, monkeypatch):
     """The CPU's ``F.unfold`` path runs one kernel over the batch folded into the channels (its
-    per-sample loop opens one parallel region per sample) and returns, for every sample, the
-    columns of ``F.unfold`` of that sample alone."""
-    module = nn.Conv2d(4, 6, 3, stride=1, padding=1, groups=2)
-    a = torch.randn(5, 4, 4, 4, generator=torch.Generator().manual_seed(1))
-    assert not conv_rule.unfold_by_windows(module, a)
+    per-sample loop opens one parallel region per sample) and returns the columns of the strided
+    window copy, and for every sample those of ``F.unfold`` of that sample alone (strided,
+    dilated, padded, grouped; a 1-d layer as a 2-d one of height 1)."""
     batches = []
     unfold = F.unfold
 
@@ -73,24 +72,20 @@ def test_the_batch_is_one_unfold_with_the_per_sample_columns(monkeypatch):
         return unfold(x, *args, **kwargs)
 
     monkeypatch.setattr(conv_rule.F, "unfold", spy)
-    cols = conv_rule.unfolded_columns(module, a)
-    assert batches == [1]
-    for i in range(a.shape[0]):
-        one = unfold(a[i:i + 1], 3, 1, 1, 1).reshape(1, 2, -1, 16)
-        assert torch.equal(cols[i:i + 1], one)
-
-
-@pytest.mark.parametrize("nd", [1, 2])
-def test_folded_unfold_matches_the_window_copy(nd, monkeypatch):
-    """Both im2col formulations give the same tensor (strided, dilated, padded, grouped)."""
     for k, s, p, d in itertools.product([2, 3], [1, 2], [0, 1], [1, 2]):
         module = CONV[nd](4, 2, k, stride=s, padding=p, dilation=d, groups=2)
         a = torch.randn(3, 4, *[7] * nd, generator=torch.Generator().manual_seed(k * s + p))
         monkeypatch.setattr(conv_rule, "WINDOW_COPY_MIN_POSITIONS", 1 << 30)
+        batches.clear()
         folded = conv_rule.unfolded_columns(module, a)
+        # non-overlapping windows (k = s = 2, no padding) are a view of the input, no kernel
+        assert batches == ([] if conv_rule.non_overlapping(module) else [1])
         monkeypatch.setattr(conv_rule, "WINDOW_COPY_MIN_POSITIONS", 0)
-        windows = conv_rule.unfolded_columns(module, a)
-        assert torch.equal(folded, windows)
+        assert torch.equal(folded, conv_rule.unfolded_columns(module, a))
+        if nd == 2:
+            for i in range(a.shape[0]):
+                one = unfold(a[i:i + 1], k, d, p, s).reshape(1, 2, 2 * k * k, -1)
+                assert torch.equal(folded[i:i + 1], one)
 
 
 def _exact_mass(module, a, g, bias):
