@@ -4,8 +4,9 @@ generator.
 torch's CPU ``normal_`` runs on one thread (one MT19937 stream, then a vectorised Box–Muller
 transform): for ResNet-18's 11.2 M parameters it is a large share of a CPU step while the other
 cores idle. Here a flat tensor is cut into blocks of ``BLOCK`` coordinates and each block is drawn
-by torch's own ``normal_`` from a generator of its own, on a pool of ``torch.get_num_threads()``
-threads (torch releases the GIL while it draws). Block ``j``'s generator is an MT19937 (Matsumoto &
+by torch's own ``normal_`` from a generator of its own, one call per piece of ``PIECE``
+coordinates, on a pool of ``torch.get_num_threads()`` threads (torch releases the GIL while it
+draws). Block ``j``'s generator is an MT19937 (Matsumoto &
 Nishimura 1998) whose whole state — 624 words of 32 bits — is SHAKE-256 of a domain tag, a key of
 ``KEY_WORDS`` 32-bit words (256 bits) drawn from the caller's generator, and ``j``
 (:func:`block_generator`): the noise is as secret as the key, and the key as secret as the
@@ -16,9 +17,10 @@ draws (each draws a fresh key), share noise. Every coordinate is N(0, std²) (th
 mechanism's noise, Abadi et al. 2016; Bu, Mao & Xu 2022, Alg. 1), independent across coordinates,
 blocks and steps.
 
-:func:`add_normal_` adds the noise to a tensor block by block, each block drawn into a scratch
-block and added while it is still in the cache: one pass over the tensor instead of a draw into a
-buffer of its size and a second pass that adds it. The result depends only on the generator's state
+:func:`add_normal_` adds the noise to a tensor piece by piece, each piece drawn into a scratch
+piece and added while it is still in the cache: one pass over the tensor instead of a draw into a
+buffer of its size and a second pass that adds it (the scratch lives for one block: nothing is
+held between draws). The result depends only on the generator's state
 and the tensor's size, not on the number of threads (blocks are fixed; one thread draws them one
 after another). float16 and bfloat16 blocks are drawn in float32 and rounded once. Where torch's
 generator state has an unknown layout (:func:`private_engine.foundation.randomness.
@@ -40,13 +42,15 @@ from ..foundation.randomness import MT_N, generator_from_words, mt19937_template
 #: coordinates per block (each block has its own generator); fixed, so the noise does not depend on
 #: threads
 BLOCK = 1 << 20
+#: coordinates drawn by one ``normal_`` call within a block (1 MiB of float32: a scratch piece
+#: that stays in the cache while it is added)
+PIECE = 1 << 18
 #: 32-bit words of key drawn from the caller's generator per draw (256 bits)
 KEY_WORDS = 8
 #: the domain tag hashed with a key and a block index into a block's generator state
 _BLOCK_DOMAIN = b"private_engine.optim.cpu_noise.block"
 
 _lock = threading.Lock()
-_local = threading.local()
 _pool: Optional[ThreadPoolExecutor] = None
 _pool_pid = -1
 
@@ -64,10 +68,13 @@ def fill_normal_(
         return t.normal_(0.0, std, generator=generator)
 
     def draw(block: torch.Tensor, gen: torch.Generator) -> None:
-        if t.dtype in (torch.float32, torch.float64):
-            block.normal_(0.0, std, generator=gen)
-        else:
-            block.copy_(_scratch(torch.float32, block.numel()).normal_(0.0, std, generator=gen))
+        wide = t.dtype in (torch.float32, torch.float64)
+        scratch = None if wide else torch.empty(min(PIECE, block.numel()))
+        for piece in block.split(PIECE):
+            if scratch is None:
+                piece.normal_(0.0, std, generator=gen)
+            else:
+                piece.copy_(scratch[:piece.numel()].normal_(0.0, std, generator=gen))
 
     _by_blocks(t, generator, draw)
     return t
@@ -77,7 +84,7 @@ def add_normal_(
     t: torch.Tensor, std: float, generator: Optional[torch.Generator] = None
 ) -> torch.Tensor:
     """``t ← t + std·ξ`` in place, with ξ what :func:`fill_normal_` draws for a tensor of ``t``'s
-    size from the same generator state: each block drawn into a scratch block (``normal_``) and
+    size from the same generator state: each piece drawn into a scratch piece (``normal_``) and
     added (``add_``) while it is in the cache. Where :func:`fill_normal_` draws one ``normal_``,
     one ``normal_`` into a scratch tensor of ``t``'s size, then one ``add_``."""
     if not _blocked(t, generator):
@@ -85,7 +92,9 @@ def add_normal_(
 
     def draw(block: torch.Tensor, gen: torch.Generator) -> None:
         dtype = t.dtype if t.dtype in (torch.float32, torch.float64) else torch.float32
-        block.add_(_scratch(dtype, block.numel()).normal_(0.0, std, generator=gen))
+        scratch = torch.empty(min(PIECE, block.numel()), dtype=dtype)
+        for piece in block.split(PIECE):
+            piece.add_(scratch[:piece.numel()].normal_(0.0, std, generator=gen))
 
     _by_blocks(t, generator, draw)
     return t
@@ -118,17 +127,6 @@ def _by_blocks(t: torch.Tensor, generator: Optional[torch.Generator],
         list(_thread_pool(workers).map(job, range(len(blocks))))
 
 
-def _scratch(dtype: torch.dtype, n: int) -> torch.Tensor:
-    """The first ``n`` elements of the calling thread's scratch block of ``dtype`` (kept for the
-    thread's later draws: no fresh pages to fault in per block)."""
-    kept = getattr(_local, "scratch", None)
-    if kept is None:
-        kept = _local.scratch = {}
-    if dtype not in kept or kept[dtype].numel() < n:
-        kept[dtype] = torch.empty(max(n, BLOCK), dtype=dtype)
-    return kept[dtype][:n]
-
-
 def draw_key(parent: torch.Generator) -> int:
     """A key of ``32·KEY_WORDS`` = 256 bits: ``KEY_WORDS`` uniform 32-bit words drawn from
     ``parent``, ``Σ_i w_i·2^(32 i)``."""
@@ -158,9 +156,8 @@ def block_generator(key: int, j: int) -> torch.Generator:
 def _reset_after_fork() -> None:
     """In a forked child the pool's threads and a lock held by another thread do not exist: start
     afresh."""
-    global _lock, _local, _pool, _pool_pid
+    global _lock, _pool, _pool_pid
     _lock = threading.Lock()
-    _local = threading.local()
     _pool, _pool_pid = None, -1
 
 

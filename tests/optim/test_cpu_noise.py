@@ -77,17 +77,21 @@ def _check_standard_normal(z: torch.Tensor):
                (cdf - (k - 1 / n)).abs().max().item()) < 1.95 / math.sqrt(n)
 
 
-def test_block_j_is_normal_of_its_shake_keyed_generator(small_blocks):
-    """Block j of the draw is torch's ``normal_(0, std)`` from the MT19937 generator whose whole
-    state is SHAKE-256(tag ‖ key ‖ j), the key 256 bits from the caller's generator."""
+def test_block_j_is_normal_of_its_shake_keyed_generator(small_blocks, monkeypatch):
+    """Block j of the draw is torch's ``normal_(0, std)``, one call per piece, from the MT19937
+    generator whose whole state is SHAKE-256(tag ‖ key ‖ j), the key 256 bits from the caller's
+    generator."""
+    monkeypatch.setattr(cpu_noise, "PIECE", 300)
     n = 3 * small_blocks + 17
     t = cpu_noise.fill_normal_(torch.empty(n, dtype=torch.float64), 2.0,
                                torch.Generator().manual_seed(5))
     key = _key(5)
-    expected = torch.cat([
-        torch.empty(m, dtype=torch.float64).normal_(0.0, 2.0, generator=_block_generator(key, j))
-        for j, m in enumerate([small_blocks] * 3 + [17])])
-    assert torch.equal(t, expected)
+    expected = []
+    for j, m in enumerate([small_blocks] * 3 + [17]):
+        gen = _block_generator(key, j)
+        expected += [torch.empty(k, dtype=torch.float64).normal_(0.0, 2.0, generator=gen)
+                     for k in ([300, 300, 300, 100] if m == small_blocks else [m])]
+    assert torch.equal(t, torch.cat(expected))
 
 
 def test_the_key_has_256_bits_and_every_bit_counts():
@@ -259,10 +263,11 @@ def test_seeded_draw_is_stable_across_releases(blocked):
 
 @pytest.mark.parametrize("size", [3500, 1999])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
-def test_add_normal_adds_what_fill_normal_draws(small_blocks, size, dtype):
+def test_add_normal_adds_what_fill_normal_draws(small_blocks, size, dtype, monkeypatch):
     """``t + std·ξ`` with ξ the very draw of ``fill_normal_`` from the same generator state, blocked
     (3.5 blocks) or not (under two blocks); bitwise (one rounding of each noise value and of the
-    sum); blocks of bfloat16 from the float32 draw, rounded once with the sum."""
+    sum); blocks of bfloat16 from the float32 draw, rounded once with the sum; pieces of 300."""
+    monkeypatch.setattr(cpu_noise, "PIECE", 300)
     base = torch.linspace(-3.0, 3.0, size, dtype=dtype)
     added = cpu_noise.add_normal_(base.clone(), 0.7, torch.Generator().manual_seed(12))
     if dtype == torch.bfloat16 and size >= 2 * small_blocks:  # blocks: drawn in float32
