@@ -4,7 +4,9 @@ The CPU proxy of ``host_overhead.py`` (ViT-B/16's structure at width 64, 2 token
 thread), with two private_engine packages loaded side by side — this tree's and the one under
 ``--other`` (e.g. a ``git worktree`` of an older commit) — and their steps alternating with non-DP
 steps round by round, so that the machine's load drifts over all three alike (separate processes
-on a shared VM can sit 10–20 % apart for a whole run).
+on a shared VM can sit 10–20 % apart for a whole run). The order rotates from round to round: on a
+loaded 2-core VM the private step run right after the non-DP one was ≈ 9 % slower than the one
+after it, whichever tree it was (ResNet-18 at 64², 12 rounds each way).
 
     git worktree add /tmp/base <commit>
     python bench/investigate/host_ab.py --other /tmp/base --noise 0
@@ -110,8 +112,11 @@ def main(argv=None) -> dict:
         for _ in range(3):
             step()
     times = {k: [] for k in steps}
-    for _ in range(args.rounds):
-        for name, step in steps.items():
+    names = list(steps)
+    for r in range(args.rounds):
+        # the order rotates: no private step always runs right after the non-DP one
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            step = steps[name]
             t0 = time.perf_counter()
             for _ in range(args.steps):
                 step()

@@ -39,7 +39,7 @@ from torch import nn
 from ..capture.recorder import RecordedLayer
 from ..layers.base import Call, LayerDims, LayerRule
 from .kept import per_sample_numel
-from .plan import LayerDecision, decide
+from .plan import LayerDecision, decide, keeps_grads
 
 if TYPE_CHECKING:
     from .clipper import PerSampleClipper
@@ -155,8 +155,9 @@ class BookKeeping:
                    pairs: Sequence[Call], dims: Sequence[LayerDims], merged: int) -> NormedLayer:
         """``(decision, certified ‖∂L_i/∂θ‖² or None, keep the calls)`` of one layer, keeping what
         its clipped sum needs: ``(a, g)`` for a ghost layer; for an instantiated one the per-sample
-        gradients ``G_i`` when they are no larger than ``(a, g)`` per sample (always in
-        "bk_mixopt", which puts time first) — their norm is then taken at the end of the pass with
+        gradients ``G_i`` when they are at most ``KEEP_GRADS_SLACK`` times ``(a, g)`` per sample
+        (:func:`~private_engine.clipping.plan.keeps_grads`; always in "bk_mixopt", which puts time
+        first) — their norm is then taken at the end of the pass with
         the other kept gradients (None) — else ``(a, g)`` again (one matmul ``gᵀ·diag(C)·a`` at
         the end instead of a contraction of ``G``)."""
         module, rule = layer.module, layer.rule
@@ -174,7 +175,7 @@ class BookKeeping:
         grads = rule.per_sample_grads(module, pairs)
         grad_size = sum(per_sample_numel(g) for g in grads.values())
         pair_size = sum(per_sample_numel(a) + per_sample_numel(g) for a, g in pairs)
-        if self.mode == "bk_mixopt" or grad_size <= pair_size:
+        if keeps_grads(self.mode, grad_size, pair_size):
             clipper.keep_grads(module, grads)
             return NormedLayer(decision, None, False)
         contrib = rule.certified_norm_sq(module, pairs, False, grads=grads)

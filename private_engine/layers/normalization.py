@@ -142,7 +142,11 @@ class GroupNormRule(_AffineNormRule):
         G = cast(g, accumulation_dtype(g)).reshape(B, C, -1)
         out = {}
         if trainable(module, "weight"):
-            out["weight"] = (G * self._normalized(module, a)).sum(2)
+            xhat = self._normalized(module, a)
+            # x̂ is a fresh tensor of the rule's own: the products overwrite it (one buffer of its
+            # size fewer), unless G's dtype is wider
+            prod = xhat.mul_(G) if xhat.dtype == G.dtype else xhat * G
+            out["weight"] = prod.sum(2)
         if trainable(module, "bias"):
             out["bias"] = G.sum(2)
         return out

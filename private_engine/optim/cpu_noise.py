@@ -1,51 +1,54 @@
-"""Gaussian noise on the CPU, drawn by several threads and reproducible from one generator.
+"""Gaussian noise on the CPU, drawn block by block on several threads and reproducible from one
+generator.
 
-torch's CPU ``normal_`` runs on one thread: for ViT-B's 86 M parameters it takes a large share of
-a CPU step while the other cores idle. Here a flat tensor is cut into blocks of ``BLOCK``
-coordinates and each block is drawn by its own numpy ``Generator`` on a pool of
-``torch.get_num_threads()`` threads, with numpy's documented parallel generation ("Parallel
-Random Number Generation" in numpy's manual): one ``numpy.random.SeedSequence`` keyed by
-``KEY_WORDS`` 32-bit words (256 bits) drawn from the caller's generator, ``spawn``-ed into one
-child per block, each child seeding a PCG64 bit generator (O'Neill 2014, "PCG: A Family of Simple
-Fast Space-Efficient Statistically Good Algorithms for Random Number Generation"), and
-``Generator.standard_normal(out=..., dtype=...)`` filling the block in place (numpy releases the
-GIL while it fills). The sequence keeps all 256 bits (``pool_size=8``): the noise is as secret
-as the key, and the key as secret as the generator it is drawn from — the engine's is seeded from
-OS entropy (:func:`private_engine.foundation.randomness.entropy_seeded_generator`). Spawned children
-are independent streams by construction (their spawn keys differ), so no two blocks, and no two
+torch's CPU ``normal_`` runs on one thread (one MT19937 stream, then a vectorised Box–Muller
+transform): for ResNet-18's 11.2 M parameters it is a large share of a CPU step while the other
+cores idle. Here a flat tensor is cut into blocks of ``BLOCK`` coordinates and each block is drawn
+by torch's own ``normal_`` from a generator of its own, one call per piece of ``PIECE``
+coordinates, on a pool of ``torch.get_num_threads()`` threads (torch releases the GIL while it
+draws). Block ``j``'s generator is an MT19937 (Matsumoto &
+Nishimura 1998) whose whole state — 624 words of 32 bits — is SHAKE-256 of a domain tag, a key of
+``KEY_WORDS`` 32-bit words (256 bits) drawn from the caller's generator, and ``j``
+(:func:`block_generator`): the noise is as secret as the key, and the key as secret as the
+generator it is drawn from — the engine's is seeded from OS entropy
+(:func:`private_engine.foundation.randomness.entropy_seeded_generator`). Distinct ``(key, j)``
+give unrelated states (an extendable-output hash of distinct inputs), so no two blocks, and no two
 draws (each draws a fresh key), share noise. Every coordinate is N(0, std²) (the Gaussian
-mechanism's noise, Abadi et al. 2016; Bu, Mao & Xu 2022, Alg. 1), independent across
-coordinates, blocks and steps.
+mechanism's noise, Abadi et al. 2016; Bu, Mao & Xu 2022, Alg. 1), independent across coordinates,
+blocks and steps.
 
-numpy's ziggurat costs about 2.5× torch's vectorised ``normal_`` per coordinate (which runs on
-one thread), so the threaded draw is the faster one from about four threads on and the slower one
-below: with fewer than ``THREADED_FROM`` intra-op threads (``torch.get_num_threads()``) a chunk is
-one ``normal_`` of the caller's generator instead (docs/engine.md, "One step, in order";
-``bench/bench_cpu_noise.py``). The result depends only on the generator's state, the tensor's
-size and which of the two draws applies, not on the number of threads beyond that (blocks are
-fixed; one thread draws them one after another). float16 and bfloat16 blocks are drawn in float32
-and rounded once.
+:func:`add_normal_` adds the noise to a tensor piece by piece, each piece drawn into a scratch
+piece and added while it is still in the cache: one pass over the tensor instead of a draw into a
+buffer of its size and a second pass that adds it (the scratch lives for one block: nothing is
+held between draws). The result depends only on the generator's state
+and the tensor's size, not on the number of threads (blocks are fixed; one thread draws them one
+after another). float16 and bfloat16 blocks are drawn in float32 and rounded once. Where torch's
+generator state has an unknown layout (:func:`private_engine.foundation.randomness.
+mt19937_template` is None) no state can be written: the draw is one ``normal_`` of the caller's
+generator.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import List, Optional
+from typing import Callable, List, Optional
 
-import numpy as np
 import torch
+
+from ..foundation.randomness import MT_N, generator_from_words, mt19937_template
 
 #: coordinates per block (each block has its own generator); fixed, so the noise does not depend on
 #: threads
 BLOCK = 1 << 20
+#: coordinates drawn by one ``normal_`` call within a block (1 MiB of float32: a scratch piece
+#: that stays in the cache while it is added)
+PIECE = 1 << 18
 #: 32-bit words of key drawn from the caller's generator per draw (256 bits)
 KEY_WORDS = 8
-#: intra-op threads from which the blocked draw replaces one ``normal_`` (it is the faster one
-#: from there: numpy's ziggurat costs about 2.5× torch's vectorised Box–Muller per coordinate)
-THREADED_FROM = 4
-
-_NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
+#: the domain tag hashed with a key and a block index into a block's generator state
+_BLOCK_DOMAIN = b"private_engine.optim.cpu_noise.block"
 
 _lock = threading.Lock()
 _pool: Optional[ThreadPoolExecutor] = None
@@ -55,44 +58,73 @@ _pool_pid = -1
 def fill_normal_(
     t: torch.Tensor, std: float, generator: Optional[torch.Generator] = None
 ) -> torch.Tensor:
-    """``t ← std·ξ`` in place, ξ ~ N(0, I) (see the module docstring for how the draw is split).
+    """``t ← std·ξ`` in place, ξ ~ N(0, I), block by block (see the module docstring).
 
-    A CUDA tensor, a tensor smaller than two blocks, a non-contiguous one, a generator that is
-    not on the CPU, or fewer than ``THREADED_FROM`` intra-op threads: one ``normal_`` call of
+    A CUDA tensor, a tensor smaller than two blocks, a non-contiguous or non-floating one, a
+    generator that is not on the CPU, or an unknown generator layout: one ``normal_`` call of
     ``generator`` (torch's default one if None).
     """
-    parent = torch.default_generator if generator is None else generator
-    if (
-        t.device.type != "cpu"
-        or t.numel() < 2 * BLOCK
-        or not t.is_contiguous()
-        or not t.is_floating_point()
-        or parent.device.type != "cpu"
-        or torch.get_num_threads() < THREADED_FROM
-    ):
+    if not _blocked(t, generator):
         return t.normal_(0.0, std, generator=generator)
-    blocks = t.detach().view(-1).split(BLOCK)
-    gens = block_generators(parent, len(blocks))
 
-    def draw(job) -> None:
-        block, gen = job
-        _standard_normal_(block, gen)
-        block.mul_(std)
+    def draw(block: torch.Tensor, gen: torch.Generator) -> None:
+        wide = t.dtype in (torch.float32, torch.float64)
+        scratch = None if wide else torch.empty(min(PIECE, block.numel()))
+        for piece in block.split(PIECE):
+            if scratch is None:
+                piece.normal_(0.0, std, generator=gen)
+            else:
+                piece.copy_(scratch[:piece.numel()].normal_(0.0, std, generator=gen))
 
-    jobs = list(zip(blocks, gens))
-    workers = min(torch.get_num_threads(), len(jobs))
-    if workers < 2:
-        for job in jobs:
-            draw(job)
-    else:
-        list(_thread_pool(workers).map(draw, jobs))
+    _by_blocks(t, generator, draw)
     return t
 
 
-def block_generators(parent: torch.Generator, n: int) -> List[np.random.Generator]:
-    """``n`` independent numpy generators keyed by :func:`draw_key` of ``parent`` (a CPU
-    ``torch.Generator``, which advances): :func:`spawned_generators` of the key."""
-    return spawned_generators(draw_key(parent), n)
+def add_normal_(
+    t: torch.Tensor, std: float, generator: Optional[torch.Generator] = None
+) -> torch.Tensor:
+    """``t ← t + std·ξ`` in place, with ξ what :func:`fill_normal_` draws for a tensor of ``t``'s
+    size from the same generator state: each piece drawn into a scratch piece (``normal_``) and
+    added (``add_``) while it is in the cache. Where :func:`fill_normal_` draws one ``normal_``,
+    one ``normal_`` into a scratch tensor of ``t``'s size, then one ``add_``."""
+    if not _blocked(t, generator):
+        return t.add_(torch.empty_like(t).normal_(0.0, std, generator=generator))
+
+    def draw(block: torch.Tensor, gen: torch.Generator) -> None:
+        dtype = t.dtype if t.dtype in (torch.float32, torch.float64) else torch.float32
+        scratch = torch.empty(min(PIECE, block.numel()), dtype=dtype)
+        for piece in block.split(PIECE):
+            piece.add_(scratch[:piece.numel()].normal_(0.0, std, generator=gen))
+
+    _by_blocks(t, generator, draw)
+    return t
+
+
+def _blocked(t: torch.Tensor, generator: Optional[torch.Generator]) -> bool:
+    """Whether ``t`` is drawn block by block (else one ``normal_`` of ``generator``)."""
+    parent = torch.default_generator if generator is None else generator
+    return (t.device.type == "cpu" and t.numel() >= 2 * BLOCK and t.is_contiguous()
+            and t.is_floating_point() and parent.device.type == "cpu"
+            and mt19937_template() is not None)
+
+
+def _by_blocks(t: torch.Tensor, generator: Optional[torch.Generator],
+               draw: Callable[[torch.Tensor, torch.Generator], None]) -> None:
+    """``draw(block_j, generator_j)`` for every block ``j`` of ``t``, on
+    ``min(torch.get_num_threads(), blocks)`` threads."""
+    parent = torch.default_generator if generator is None else generator
+    blocks = t.detach().view(-1).split(BLOCK)
+    key = draw_key(parent)
+
+    def job(j: int) -> None:
+        draw(blocks[j], block_generator(key, j))
+
+    workers = min(torch.get_num_threads(), len(blocks))
+    if workers < 2:
+        for j in range(len(blocks)):
+            job(j)
+    else:
+        list(_thread_pool(workers).map(job, range(len(blocks))))
 
 
 def draw_key(parent: torch.Generator) -> int:
@@ -103,22 +135,22 @@ def draw_key(parent: torch.Generator) -> int:
     return sum(w << (32 * i) for i, w in enumerate(words))
 
 
-def spawned_generators(key: int, n: int) -> List[np.random.Generator]:
-    """``[Generator(PCG64(c)) for c in SeedSequence(key, pool_size=KEY_WORDS).spawn(n)]``: the
-    sequence's entropy pool holds all ``32·KEY_WORDS`` bits of ``key`` (numpy's default pool keeps
-    128), and each child's spawn key differs, so the ``n`` streams are independent."""
-    root = np.random.SeedSequence(key, pool_size=KEY_WORDS)
-    return [np.random.Generator(np.random.PCG64(child)) for child in root.spawn(n)]
+def block_words(key: int, j: int) -> torch.Tensor:
+    """The MT19937 state of block ``j`` under ``key``: the 624 little-endian 32-bit words of
+    ``SHAKE-256(tag ‖ key as 32 bytes ‖ j as 8 bytes)`` (as int64 values < 2³²)."""
+    stream = hashlib.shake_256(_BLOCK_DOMAIN + key.to_bytes(4 * KEY_WORDS, "little")
+                               + j.to_bytes(8, "little"))
+    words = torch.frombuffer(bytearray(stream.digest(4 * MT_N)), dtype=torch.int32)
+    return words.to(torch.int64) & 0xFFFFFFFF
 
 
-def _standard_normal_(block: torch.Tensor, gen: np.random.Generator) -> None:
-    """``block ← ξ``, ξ ~ N(0, I), from ``gen``: in place for float32/float64 (numpy writes the
-    tensor's memory), else drawn in float32 and rounded into ``block``'s dtype."""
-    dtype = _NUMPY_DTYPES.get(block.dtype)
-    if dtype is not None:
-        gen.standard_normal(out=block.numpy(), dtype=dtype)
-    else:
-        block.copy_(torch.from_numpy(gen.standard_normal(block.numel(), dtype=np.float32)))
+def block_generator(key: int, j: int) -> torch.Generator:
+    """A CPU generator whose whole MT19937 state is :func:`block_words` of ``(key, j)``."""
+    template = mt19937_template()
+    if template is None:
+        raise RuntimeError("this torch's CPU generator state has an unknown layout: no block "
+                           "generator can be written (the draw is one normal_ instead).")
+    return generator_from_words(template, block_words(key, j))
 
 
 def _reset_after_fork() -> None:
@@ -146,3 +178,7 @@ def _thread_pool(workers: int) -> ThreadPoolExecutor:
             )
             _pool_pid = os.getpid()
         return _pool
+
+
+__all__: List[str] = ["BLOCK", "KEY_WORDS", "fill_normal_", "add_normal_", "draw_key",
+                      "block_words", "block_generator"]

@@ -120,10 +120,11 @@ def gaussian_noise_(t: torch.Tensor, std: float, generator: Optional[torch.Gener
                     secure_mode: bool = False) -> torch.Tensor:
     """``t ← std·ξ`` in place (``t`` is overwritten), ξ ~ N(0, I); returns ``t``.
 
-    Default mode: :func:`private_engine.optim.cpu_noise.fill_normal_` from ``generator`` (several
-    threads on the CPU, one ``normal_`` elsewhere; torch's global generator if ``generator`` is
-    None — the engine always passes its own). A generator on another device than ``t`` keys a
-    fresh one on ``t``'s device from its own draws (:func:`generator_on`). ``secure_mode``:
+    Default mode: :func:`private_engine.optim.cpu_noise.fill_normal_` from ``generator``
+    (blocks on several threads on the CPU, one ``normal_`` elsewhere; torch's global generator
+    if ``generator`` is None — the engine always passes its own). A generator on another device
+    than ``t`` keys a fresh one on ``t``'s device from its own draws (:func:`generator_on`).
+    ``secure_mode``:
     :func:`secure_normal_`, from the OS cryptographic generator; ``generator`` must be None.
     """
     if secure_mode:
@@ -217,10 +218,12 @@ def add_gaussian_noise(tensors: Sequence[torch.Tensor], std: float,
     Consecutive tensors of one device and dtype share one ``normal_`` draw of at most
     ``NOISE_CHUNK`` elements, added by one ``_foreach_add_``; a contiguous tensor larger than that
     (a flat buffer of clipped sums) is noised chunk by chunk. So a step costs a few kernel launches
-    here, not two per parameter tensor, and at most one chunk of noise is alive at a time. On the
-    CPU a chunk is drawn by several threads, each block of it by its own generator keyed from
-    ``generator`` (:mod:`private_engine.optim.cpu_noise`). ``secure_mode``: each chunk from the OS
-    cryptographic generator instead, as the sum of four draws over two
+    here, not two per parameter tensor, and at most one chunk of noise is alive at a time. A chunk
+    that is one contiguous tensor gets its noise from :func:`private_engine.optim.cpu_noise.
+    add_normal_` (on the CPU drawn and added block by block on several threads, each block by its
+    own generator keyed from ``generator``; elsewhere one ``normal_`` and one ``add_``), the same
+    numbers as :func:`gaussian_noise_` of a tensor of its size. ``secure_mode``: each chunk from
+    the OS cryptographic generator instead, as the sum of four draws over two
     (:func:`private_engine.optim.noise.gaussian_noise_`); ``generator`` must be None.
     """
     group: List[torch.Tensor] = []
@@ -230,6 +233,11 @@ def add_gaussian_noise(tensors: Sequence[torch.Tensor], std: float,
         if not group:
             return
         first = group[0]
+        if len(group) == 1 and first.is_contiguous() and not secure_mode:
+            # one tensor (a flat buffer's chunk): drawn and added block by block, in the cache
+            cpu_noise.add_normal_(first, std, generator_on(generator, first.device))
+            group.clear()
+            return
         noise = gaussian_noise_(torch.empty(size, device=first.device, dtype=first.dtype), std,
                                 generator, secure_mode)
         views, offset = [], 0

@@ -234,3 +234,27 @@ def test_bk_mixopt_ghost_norms_convolutions_on_small_feature_maps():
                           torch.randn(2, 64, 16, 16), mode="bk_mixopt")[0]
     assert (small.T, small.D, small.p) == (16, 2304, 256) and small.use_ghost
     assert (large.T, large.D, large.p) == (256, 576, 64) and not large.use_ghost
+
+
+def test_book_keeping_keeps_gradients_a_little_larger_than_their_inputs(monkeypatch):
+    """An instantiated convolution whose ``G_i`` (p·D = 4·36 = 144 numbers per sample) is a little
+    larger than its ``(a, g)`` (2·4·16 = 128) keeps ``G_i``: its clipped sum is their contraction,
+    no weight-gradient kernel over ``(a, g)`` — and the step is the float64 reference's."""
+    from engine_checks import check_against_reference, gen_for, target_like
+    from private_engine.layers import conv as conv_rule
+
+    conv = nn.Conv2d(4, 4, 3, padding=1)  # T = 16: 2T² = 512 > pD = 144 > io = 128: instantiated
+    torch.manual_seed(0)
+    model = nn.Sequential(conv, nn.Tanh(), nn.Flatten(), nn.Linear(64, 3)).double()
+    released = []
+    weighted = conv_rule.ConvRule.weighted_grads
+
+    def spy(self, module, *args, **kwargs):
+        released.append(module)
+        return weighted(self, module, *args, **kwargs)
+
+    monkeypatch.setattr(conv_rule.ConvRule, "weighted_grads", spy)
+    gen = gen_for(7)
+    x = torch.randn(3, 4, 4, 4, generator=gen, dtype=torch.float64)
+    check_against_reference(model, [x, target_like(model, x, gen)], mode="bk_mixed", clip="abadi")
+    assert not any(m is model[0] for m in released)

@@ -103,6 +103,7 @@ def _padded_conv_case(dtype, crafted: bool):
     return conv, [(a.to(dtype), g.to(dtype))]
 
 
+@pytest.mark.parametrize("mass", [0, 1 << 30], ids=["mass-conv", "mass-slices"])
 @pytest.mark.parametrize("formulation", [(0, 0, 0, 0), (1 << 30, 1 << 30, 1 << 30, 1 << 30),
                                          (1 << 30, 1 << 30, 1 << 30, 0)],
                          ids=["kernels-windows", "unfold", "unfold-windows"])
@@ -110,16 +111,18 @@ def _padded_conv_case(dtype, crafted: bool):
 @pytest.mark.parametrize("use_ghost", [True, False], ids=["ghost", "instantiated"])
 @pytest.mark.parametrize("make", [_conv_case, _padded_conv_case], ids=["1x1", "3x3-padded"])
 def test_certified_bound_covers_every_conv_formulation(make, use_ghost, dtype, formulation,
-                                                       monkeypatch):
+                                                       mass, monkeypatch):
     """The convolution's bound covers what it releases for a crafted sample whether its
     per-sample gradients and clipped sum come from the cuDNN/oneDNN kernels (grouped convolution,
     weight gradient) or from im2col (``F.unfold`` or the strided window copy) and matmuls: both
     sum T (per sample) or B·T (the release) products per entry, which is what the instantiation and
-    release coefficients bound."""
+    release coefficients bound; and whether the window sums of its mass come from the convolution
+    with a kernel of ones or from strided slices (the same non-negative terms in another order)."""
     monkeypatch.setattr(conv_rule, "PER_SAMPLE_UNFOLD_RATIO", formulation[0])
     monkeypatch.setattr(conv_rule, "RELEASE_KERNEL_MIN_POSITIONS", formulation[1])
     monkeypatch.setattr(conv_rule, "PER_SAMPLE_UNFOLD_MAX_CHANNELS", formulation[2])
     monkeypatch.setattr(conv_rule, "WINDOW_COPY_MIN_POSITIONS", formulation[3])
+    monkeypatch.setattr(conv_rule, "WINDOW_SUM_MAX_OFFSETS", mass)
     module, pairs = make(dtype, crafted=True)
     module = module.to(torch.float64 if dtype == torch.float64 else torch.float32)
     rule = find_rule(module)

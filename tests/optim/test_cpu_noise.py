@@ -1,13 +1,14 @@
 """private_engine.optim.cpu_noise: the CPU noise drawn block by block by several threads, each block
-by its own numpy generator spawned from one SeedSequence keyed by 256 bits of the caller's
-generator. Every coordinate must be N(0, std²), independent of every other (no block reused within
-or across draws), reproducible from the generator whatever the thread count, and as secret as the
-generator (all 256 bits of the key count)."""
+by torch's ``normal_`` from an MT19937 generator whose whole state is SHAKE-256 of a 256-bit key
+drawn from the caller's generator and the block's index. Every coordinate must be N(0, std²),
+independent of every other (no block reused within or across draws), reproducible from the
+generator whatever the thread count, and as secret as the generator (all 256 bits of the key
+count); ``add_normal_`` adds exactly what ``fill_normal_`` draws."""
+import hashlib
 import math
 import multiprocessing
 import os
 
-import numpy as np
 import pytest
 import torch
 
@@ -18,34 +19,47 @@ from private_engine.optim import cpu_noise
 
 @pytest.fixture
 def small_blocks(monkeypatch):
-    """Blocks of 1000 coordinates, drawn blocked whatever the number of threads."""
+    """Blocks of 1000 coordinates."""
     monkeypatch.setattr(cpu_noise, "BLOCK", 1000)
-    monkeypatch.setattr(cpu_noise, "THREADED_FROM", 1)
     return 1000
 
 
 @pytest.fixture
-def blocked(monkeypatch):
-    """The real block size, drawn blocked whatever the number of threads."""
-    monkeypatch.setattr(cpu_noise, "THREADED_FROM", 1)
+def blocked():
+    """The real block size."""
 
 
-def test_few_threads_draw_one_normal(monkeypatch):
-    """Below THREADED_FROM threads, where torch's one-thread normal_ is the faster draw, a chunk
-    is one normal_ of the caller's generator; from THREADED_FROM on, the blocks."""
+def _key(seed: int) -> int:
+    """The key ``fill_normal_`` draws first from ``manual_seed(seed)``: 8 words of 32 bits."""
+    words = torch.randint(0, 1 << 32, (8,), generator=torch.Generator().manual_seed(seed),
+                          dtype=torch.int64).tolist()
+    return sum(w << (32 * i) for i, w in enumerate(words))
+
+
+def _block_generator(key: int, j: int) -> torch.Generator:
+    """MT19937 with the state SHAKE-256(tag ‖ key ‖ j), written independently of the module."""
+    digest = hashlib.shake_256(b"private_engine.optim.cpu_noise.block" + key.to_bytes(32, "little")
+                               + j.to_bytes(8, "little")).digest(4 * 624)
+    words = torch.frombuffer(bytearray(digest), dtype=torch.int32).to(torch.int64) & 0xFFFFFFFF
+    return randomness.generator_from_words(randomness.mt19937_template(), words)
+
+
+def test_one_thread_draws_the_blocks_too():
+    """The blocks at every thread count (drawing a block into the cache and adding it is the
+    faster draw on one thread too): the same numbers on 1 and 2 threads, not one normal_ of
+    the caller's generator."""
     torch_threads = torch.get_num_threads()
-    monkeypatch.setattr(cpu_noise, "BLOCK", 1000)
-    monkeypatch.setattr(cpu_noise, "THREADED_FROM", 2)
+    n = 2 * cpu_noise.BLOCK + 3
     try:
-        torch.set_num_threads(1)
-        serial = cpu_noise.fill_normal_(torch.empty(5000), 1.5, torch.Generator().manual_seed(3))
-        torch.set_num_threads(2)
-        threaded = cpu_noise.fill_normal_(torch.empty(5000), 1.5,
-                                          torch.Generator().manual_seed(3))
+        draws = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            draws.append(cpu_noise.fill_normal_(torch.empty(n), 1.5,
+                                                torch.Generator().manual_seed(3)))
     finally:
         torch.set_num_threads(torch_threads)
-    expected = torch.empty(5000).normal_(0.0, 1.5, generator=torch.Generator().manual_seed(3))
-    assert torch.equal(serial, expected) and not torch.equal(threaded, expected)
+    serial = torch.empty(n).normal_(0.0, 1.5, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(draws[0], draws[1]) and not torch.equal(draws[0], serial)
 
 
 def _check_standard_normal(z: torch.Tensor):
@@ -63,41 +77,47 @@ def _check_standard_normal(z: torch.Tensor):
                (cdf - (k - 1 / n)).abs().max().item()) < 1.95 / math.sqrt(n)
 
 
-def test_the_draw_is_numpy_spawned_streams_keyed_by_the_generator(small_blocks):
-    """Block k of the draw is ``standard_normal`` of the k-th child of
-    ``SeedSequence(key, pool_size=8).spawn(n)``, the key 256 bits from the caller's generator:
-    numpy's documented parallel generation, no state written into a torch generator."""
+def test_block_j_is_normal_of_its_shake_keyed_generator(small_blocks, monkeypatch):
+    """Block j of the draw is torch's ``normal_(0, std)``, one call per piece, from the MT19937
+    generator whose whole state is SHAKE-256(tag ‖ key ‖ j), the key 256 bits from the caller's
+    generator."""
+    monkeypatch.setattr(cpu_noise, "PIECE", 300)
     n = 3 * small_blocks + 17
     t = cpu_noise.fill_normal_(torch.empty(n, dtype=torch.float64), 2.0,
                                torch.Generator().manual_seed(5))
-    parent = torch.Generator().manual_seed(5)
-    words = torch.randint(0, 1 << 32, (8,), generator=parent, dtype=torch.int64).tolist()
-    key = sum(w << (32 * i) for i, w in enumerate(words))
-    children = np.random.SeedSequence(key, pool_size=8).spawn(4)
-    expected = np.concatenate([
-        np.random.Generator(np.random.PCG64(c)).standard_normal(m)
-        for c, m in zip(children, [small_blocks] * 3 + [17])])
-    assert torch.equal(t, torch.from_numpy(2.0 * expected))
+    key = _key(5)
+    expected = []
+    for j, m in enumerate([small_blocks] * 3 + [17]):
+        gen = _block_generator(key, j)
+        expected += [torch.empty(k, dtype=torch.float64).normal_(0.0, 2.0, generator=gen)
+                     for k in ([300, 300, 300, 100] if m == small_blocks else [m])]
+    assert torch.equal(t, torch.cat(expected))
 
 
 def test_the_key_has_256_bits_and_every_bit_counts():
-    """A key is 256 uniform bits (not a 32- or 64-bit seed), the sequence's pool keeps them all,
-    and keys that differ in one bit, low or high, draw unrelated streams."""
+    """A key is 256 uniform bits (not a 32- or 64-bit seed), a block's state is all 624 words
+    hashed from it, and keys that differ in one bit, low or high, draw unrelated streams."""
     parent = torch.Generator().manual_seed(0)
     keys = [cpu_noise.draw_key(parent) for _ in range(64)]
     assert len(set(keys)) == 64 and all(0 <= k < 2 ** 256 for k in keys)
     bits = torch.tensor([[(k >> b) & 1 for b in range(256)] for k in keys], dtype=torch.float64)
     assert bits.mean().item() == pytest.approx(0.5, abs=0.02)
     assert bits[:, 224:].sum(0).min().item() > 0  # the top word is drawn, not zero
-    root = np.random.SeedSequence(keys[0], pool_size=cpu_noise.KEY_WORDS)
-    assert root.pool_size * 32 >= 256
-    base = cpu_noise.spawned_generators(keys[0], 2)[1].standard_normal(1000)
+    words = cpu_noise.block_words(keys[0], 1)
+    assert words.numel() == 624 and torch.unique(words).numel() == 624
+
+    def stream(key, j):
+        return torch.randn(1000, dtype=torch.float64, generator=cpu_noise.block_generator(key, j))
+
+    base = stream(keys[0], 1)
     for bit in (0, 31, 128, 255):
-        other = cpu_noise.spawned_generators(keys[0] ^ (1 << bit), 2)[1].standard_normal(1000)
-        assert np.corrcoef(base, other)[0, 1] < 0.2 and not np.isin(base, other).any()
+        other = stream(keys[0] ^ (1 << bit), 1)
+        assert torch.corrcoef(torch.stack([base, other]))[0, 1].abs() < 0.2
+        assert not torch.isin(base, other).any()
     # two blocks of one draw: independent streams
-    a, b = (g.standard_normal(1000) for g in cpu_noise.spawned_generators(keys[0], 2))
-    assert abs(np.corrcoef(a, b)[0, 1]) < 5 / math.sqrt(1000) and not np.isin(a, b).any()
+    a, b = stream(keys[0], 0), stream(keys[0], 1)
+    assert torch.corrcoef(torch.stack([a, b]))[0, 1].abs() < 5 / math.sqrt(1000)
+    assert not torch.isin(a, b).any()
 
 
 def test_the_engine_noise_is_not_reproducible_from_torch_seed(small_blocks):
@@ -232,10 +252,68 @@ def test_a_forked_child_draws_with_its_own_threads(small_blocks):
 
 
 def test_seeded_draw_is_stable_across_releases(blocked):
-    """A seeded generator draws the same noise from one release to the next with the same numpy
-    (reproducible runs and resumed checkpoints): the blocks' streams depend only on the key drawn
-    from the generator and on numpy's SeedSequence, PCG64 and ``standard_normal``."""
+    """A seeded generator draws the same noise from one release to the next (reproducible runs and
+    resumed checkpoints): the blocks' streams depend only on the key drawn from the generator, on
+    SHAKE-256 and on torch's MT19937 and ``normal_``."""
     t = torch.zeros(3 * cpu_noise.BLOCK)
     cpu_noise.fill_normal_(t, 1.0, torch.Generator().manual_seed(7))
     second_block = [float(v) for v in t[cpu_noise.BLOCK:cpu_noise.BLOCK + 3]]
-    assert second_block == [1.0687363147735596, -1.0414702892303467, 2.004035472869873]
+    assert second_block == SECOND_BLOCK
+
+
+@pytest.mark.parametrize("size", [3500, 1999])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_add_normal_adds_what_fill_normal_draws(small_blocks, size, dtype, monkeypatch):
+    """``t + std·ξ`` with ξ the very draw of ``fill_normal_`` from the same generator state, blocked
+    (3.5 blocks) or not (under two blocks); bitwise (one rounding of each noise value and of the
+    sum); blocks of bfloat16 from the float32 draw, rounded once with the sum; pieces of 300."""
+    monkeypatch.setattr(cpu_noise, "PIECE", 300)
+    base = torch.linspace(-3.0, 3.0, size, dtype=dtype)
+    added = cpu_noise.add_normal_(base.clone(), 0.7, torch.Generator().manual_seed(12))
+    if dtype == torch.bfloat16 and size >= 2 * small_blocks:  # blocks: drawn in float32
+        noise = cpu_noise.fill_normal_(torch.empty(size), 0.7, torch.Generator().manual_seed(12))
+        expected = (base.float() + noise).to(dtype)
+    else:
+        noise = cpu_noise.fill_normal_(torch.empty(size, dtype=dtype), 0.7,
+                                       torch.Generator().manual_seed(12))
+        expected = base + noise
+    assert added.dtype == dtype and torch.equal(added, expected)
+    if dtype != torch.bfloat16:
+        _check_standard_normal((added - base) / 0.7)
+
+
+def test_add_normal_on_threads_matches_one_thread(small_blocks):
+    torch_threads = torch.get_num_threads()
+    try:
+        out = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            out.append(cpu_noise.add_normal_(torch.ones(9 * small_blocks + 7), 1.0,
+                                             torch.Generator().manual_seed(13)))
+    finally:
+        torch.set_num_threads(torch_threads)
+    assert torch.equal(out[0], out[1])
+
+
+def test_a_flat_buffer_is_noised_by_add_normal(small_blocks, monkeypatch):
+    """The engine's flat buffer of clipped sums (one contiguous tensor) gets its noise from
+    ``add_normal_`` (no scratch of its size), the same numbers as ``fill_normal_`` of its size."""
+    calls = []
+    add_normal = cpu_noise.add_normal_
+
+    def spy(t, std, generator=None):
+        calls.append(t.numel())
+        return add_normal(t, std, generator)
+
+    monkeypatch.setattr(cpu_noise, "add_normal_", spy)
+    buffer = torch.arange(5 * small_blocks, dtype=torch.float32)
+    pe_optim.add_gaussian_noise([buffer], 0.5, torch.Generator().manual_seed(14))
+    assert calls == [5 * small_blocks]
+    expected = torch.arange(5 * small_blocks, dtype=torch.float32) + cpu_noise.fill_normal_(
+        torch.empty(5 * small_blocks), 0.5, torch.Generator().manual_seed(14))
+    assert torch.equal(buffer, expected)
+
+
+#: the first three coordinates of the second block of ``fill_normal_(zeros(3·BLOCK), 1,
+#: manual_seed(7))``
+SECOND_BLOCK = [-0.12503550946712494, -0.9903742671012878, 0.1833602637052536]
