@@ -41,6 +41,7 @@ from .base import (
 from .gram import certified_ghost_sq
 from .registry import register_rule
 from .rounding import (
+    ETA32,
     ETA64,
     certified_ghost,
     certified_instantiated,
@@ -260,7 +261,7 @@ class ConvRule(LayerRule):
             terms = (C // groups) * math.prod(module.kernel_size) + 2
             window = window.reshape(B, groups, -1).double() * (1 + gamma(terms, unit_roundoff(acc)))
             # squares below float32's (or float64's) normal range
-            window = window + terms * (2.0 ** -149 + ETA64)
+            window = window + terms * (ETA32 + ETA64)
             if bias:
                 window = window + 1
             per_group = g.reshape(B, groups, module.out_channels // groups, -1)
