@@ -12,10 +12,10 @@ forms every layer's bound at the end of the norm pass:
   in groups of at most ``STACK_ELEMENTS`` elements);
 * the rest of the arithmetic once over ``(L, N, T, T)`` stacks of the layers with ``T``
   positions (in chunks of at most ``BOUND_ELEMENTS`` elements), each layer's constants
-  (``γ_a``, ``γ_g``, ``κ_a``, ``κ_g``, widths, release coefficient) a ``(L, 1[, 1])`` float64
-  tensor (formed once per set of layers and kept): :func:`.gram.ghost_terms`, float32 passes
-  over the Grams (row dot products, absolute values in place, matrix–vector products) and
-  float64 work on ``(L, N, T)`` rows.
+  (``γ_a``, ``γ_g``, ``1 + κ_a``, ``1 + κ_g``, widths, release coefficient) a ``(L, 1[, 1])``
+  float64 tensor (formed once per set of layers and kept): :func:`.gram.ghost_terms`, float32
+  passes over the Grams (row dot products, absolute values in place, matrix–vector products)
+  and float64 work on ``(L, N, T)`` rows.
 
 The formulas are those of the per-layer path term for term — the same float32 Grams with the same
 error model (Higham 2002, §3.1; Fasi, Higham, Mikaitis & Pranesh 2021 for tensor cores), the same
@@ -33,18 +33,17 @@ import torch
 
 from .base import aligned_count, pad_positions
 from .gram import (
-    WEIGHT_RAISE,
     _gram32,
-    _margin,
     fast_gram_model,
     form_constants,
     ghost_terms,
     gram_gamma,
+    grow_of,
     ieee_matmul,
-    kappa_of,
     loose_floor,
     second_try,
     tight,
+    weight_scale,
 )
 from .precision import without_autocast
 from .rounding import ETA32, ETA64, gamma, unit_roundoff
@@ -166,7 +165,7 @@ class GhostBoundStack:
         n2 = (na + c["floor_a"]).mul_(c["scale_a"])
         m2 = (ng + c["floor_g"]).mul_(c["scale_g"])
         form = form_constants(T)
-        nu, slack = ghost_terms(aat, ggt, n2, m2, c["kappa_a"], c["kappa_g"], form)
+        nu, slack = ghost_terms(aat, ggt, n2, m2, c["grow_a"], c["grow_g"], form)
         del aat, ggt
         bound = (nu + slack).mul_(1 + 2.0 ** -50)
         ok = tight(bound, slack, nu, loose_floor(T))  # False for non-finite bounds and slacks
@@ -190,30 +189,29 @@ class GhostBoundStack:
         form = form_constants(T)
         rows: Dict[str, list] = {k: [] for k in (
             "fa", "ca", "fg", "cg", "mass_slack", "floor_a", "scale_a", "floor_g", "scale_g",
-            "kappa_a", "kappa_g", "c_rel")}
+            "grow_a", "grow_g", "c_rel")}
         for p in layers:
             D, P = p.a.shape[2], p.g.shape[2]
             tensor_core, eta = p.model
             wa, wg = D + p.bias, P
             ga, gg = gram_gamma(wa, tensor_core), gram_gamma(wg, tensor_core)
-            margin = _margin(T)
             rows["fa"].append(1 + gamma(D + 2, u32))
             rows["ca"].append((D * ETA32) ** 0.5)
             rows["fg"].append(1 + gamma(P + 2, u32))
             rows["cg"].append((P * ETA32) ** 0.5)
             rows["mass_slack"].append(1 + gamma(T + D + 4, u64))
             rows["floor_a"].append(math.sqrt(2 * wa * eta / ga))
-            rows["scale_a"].append(math.sqrt(ga * margin) * WEIGHT_RAISE)
+            rows["scale_a"].append(weight_scale(ga, T))
             rows["floor_g"].append(math.sqrt(2 * wg * eta / gg))
-            rows["scale_g"].append(math.sqrt(gg * margin) * WEIGHT_RAISE)
-            rows["kappa_a"].append(kappa_of(ga, form))
-            rows["kappa_g"].append(kappa_of(gg, form))
+            rows["scale_g"].append(weight_scale(gg, T))
+            rows["grow_a"].append(grow_of(ga, form))
+            rows["grow_g"].append(grow_of(gg, form))
             rows["c_rel"].append(p.c_rel)
         out = {k: torch.tensor(v, dtype=torch.float64, device=device).reshape(-1, 1, 1)
                for k, v in rows.items() if k in ("fa", "ca", "fg", "cg", "floor_a", "scale_a",
                                                  "floor_g", "scale_g")}
         out.update({k: torch.tensor(rows[k], dtype=torch.float64, device=device).reshape(-1, 1)
-                    for k in ("mass_slack", "kappa_a", "kappa_g", "c_rel")})
+                    for k in ("mass_slack", "grow_a", "grow_g", "c_rel")})
         bias = [p.bias for p in layers]
         out["any_bias"] = any(bias)  # type: ignore[assignment]
         out["bias"] = torch.tensor(bias, device=device).reshape(-1, 1, 1)

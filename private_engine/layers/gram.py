@@ -52,25 +52,28 @@ float32 product or sum loses below the normal range, flush-to-zero included):
   ``|Ã_ts| ≤ n_t n_s + γ_a n'_t n'_s ≤ (1 + γ_a)·n'_t n'_s`` (and likewise for ``G̃``),
   ``Σ |Ã||G̃| ≤ min((1 + γ_a)·n'ᵀ|G̃|n', (1 + γ_g)·m'ᵀ|Ã|m')``.
 * the bilinear forms ``n'ᵀ|G̃|n'``, ``m'ᵀ|Ã|m'`` (:func:`weighted_form`): the absolute values
-  taken in place, ``y = |G̃| v`` by a float32 matrix–vector product (element-wise products and a
-  sum where a float32 matmul may round its operands, :func:`.rounding.operand_unit`), with
-  ``v = fl32(n')`` never below ``n'`` (the float64 weights carry a factor ``1 + 2⁻²³``, and
-  ``(1 + 2u)(1 − u)(1 − 2⁻⁵²) ≥ 1`` at ``u = 2⁻²⁴`` covers their float64 roundings and the one to
-  float32), then ``Σ_t n'_t (y_t + 8T·η')`` in float64. Every term is non-negative:
-  ``y_t ≥ (1 − γ_T)·Σ_s |G̃_ts| v_s − 4T·η'`` and the float64 products and sum lose at most
-  ``γ^{(64)}_{T+2}``, so the exact form is at most ``ρ_T`` times the computed one,
-  ``ρ_T = 1 + 2(γ_T + γ^{(64)}_{T+2}) ≥ 1/((1 − γ_T)(1 − γ^{(64)}_{T+2}))``. A weight or a
-  product above float32's range gives ``inf`` (a non-finite slack).
+  taken in place, ``y = |G̃| v + c`` by a float32 matrix–vector product and one float32 addition
+  of ``c = 8T·η'`` (element-wise products and a sum where a float32 matmul may round its
+  operands, :func:`.rounding.operand_unit`), with ``v = fl32(w) ≥ w`` (the float64 weights
+  ``w`` carry a factor ``1 + 2⁻²³``, and ``(1 + 2u)(1 − u)(1 − 2⁻⁵²) ≥ 1`` at ``u = 2⁻²⁴``
+  covers their float64 roundings and the one to float32), then ``W = Σ_t w_t y_t`` in float64.
+  Every term is non-negative: ``fl(Σ_s |G̃_ts| v_s) ≥ (1 − γ_T)·Σ_s |G̃_ts| v_s − 4T·η'``, so
+  ``y_t ≥ (1 − γ_{T+1})·Σ_s |G̃_ts| v_s`` (``c`` covers the loss, and the sum is normal), and the
+  float64 products and sum lose at most ``γ^{(64)}_T``: the exact form of the weights ``w`` is at
+  most ``ρ_T·W``, ``ρ_T = 1 + 2(γ_{T+1} + γ^{(64)}_T) ≥ 1/((1 − γ_{T+1})(1 − γ^{(64)}_T))``. The
+  weights carry ``√ρ_T`` (:func:`_floored`), so ``W`` itself is at least the exact form of the
+  weights without it. A weight or a product above float32's range gives ``inf`` (a non-finite
+  slack).
 
-So ``slack = ρ_T·(W_G + W_A + min(κ_a W_G, κ_g W_A)) + (Σ_t n2_t m2_t)² + 8T²·η' + 4T²·2⁻¹⁰⁷⁴``
-with ``W_G``, ``W_A`` the computed forms of the scaled weights ``n2 = √(γ_a·margin)·n'``,
-``m2 = √(γ_g·margin)·m'`` (:func:`_floored`) and ``κ_a = κ_T(1 + γ_a)/γ_a`` (the form of ``n2``
-is ``γ_a·margin`` times that of ``n'``). ``margin = 1 + 2γ^{(64)}_{T²+8}`` (:func:`_margin`)
-covers the few float64 roundings of the slack's own assembly. The temporaries are float32
-``(…, T)`` rows and float64 ``(…, T)`` weights — no float64 ``(…, T, T)`` tensor — and, where
-float32 matmuls may round their operands, one float32 ``(…, T, T)`` product at a time. A ``ν̃``
-that is not finite is NaN, never clamped to 0, and a bound that is not finite is never kept
-(:func:`tight`).
+So ``slack = min((1 + κ_a)·W_G + W_A, W_G + (1 + κ_g)·W_A) + (Σ_t n2_t m2_t)² + 8T²·η' +
+4T²·2⁻¹⁰⁷⁴`` (:func:`ghost_slack`) with ``W_G``, ``W_A`` the computed forms of the scaled weights
+``n2 = √(γ_a·margin·ρ_T)·n'``, ``m2 = √(γ_g·margin·ρ_T)·m'`` (:func:`_floored`) and
+``κ_a = κ_T(1 + γ_a)/γ_a`` (``W_G`` is at least ``γ_a·margin`` times ``n'ᵀ|G̃|n'``).
+``margin = 1 + 2γ^{(64)}_{T²+8}`` (:func:`_margin`) covers the few float64 roundings of the
+slack's own assembly. The temporaries are float32 ``(…, T)`` rows and float64 ``(…, T)``
+weights — no float64 ``(…, T, T)`` tensor — and, where float32 matmuls may round their operands,
+one float32 ``(…, T, T)`` product at a time. A ``ν̃`` that is not finite is NaN, never clamped to
+0, and a bound that is not finite is never kept (:func:`tight`).
 
 A sample whose bound is not finite (a value so large that a float32 Gram entry, one of the row
 dot products or a weighted row overflows) or loose (slack above ``LOOSE`` times the ghost norm)
@@ -187,13 +190,18 @@ def _margin(T: int) -> float:
 
 
 def _floored(norms: torch.Tensor, width: int, eta: float, g: float) -> torch.Tensor:
-    """``√(γ·margin)·(1 + 2⁻²³)·(n + c)`` with ``γ·c² = 2·width·η``: row norms raised so that
+    """``weight_scale(γ, T)·(n + c)`` with ``γ·c² = 2·width·η``: row norms raised so that
     ``γ·n'_t n'_s`` also covers what a Gram entry of ``width`` products loses below the normal
-    range (``(n_t + c)(n_s + c) ≥ n_t n_s + c²``), and scaled so that their outer product carries
-    ``γ`` and the margin (:func:`_margin`); the factor ``1 + 2⁻²³`` keeps them, and their rounding
-    to float32 (:func:`weighted_form`), at least ``√(γ·margin)·n'``."""
-    margin = _margin(norms.shape[-1])
-    return (norms + math.sqrt(2 * width * eta / g)).mul_(math.sqrt(g * margin) * WEIGHT_RAISE)
+    range (``(n_t + c)(n_s + c) ≥ n_t n_s + c²``), and scaled so that the weighted forms of them
+    carry ``γ``, the margin and the forms' own rounding (:func:`weight_scale`)."""
+    return (norms + math.sqrt(2 * width * eta / g)).mul_(weight_scale(g, norms.shape[-1]))
+
+
+def weight_scale(g: float, T: int) -> float:
+    """``√(γ·margin·ρ_T)·(1 + 2⁻²³)``: the factor of the floored row norms ``n'`` in the weights of
+    the slack's bilinear forms (module docstring; :func:`_margin`, :func:`form_constants`), the
+    last factor keeping their float32 rounding above ``√(γ·margin·ρ_T)·n'``."""
+    return math.sqrt(g * _margin(T) * form_constants(T).rho) * WEIGHT_RAISE
 
 
 #: the factor on the float64 weights that keeps their float32 rounding above the exact weight
@@ -205,8 +213,8 @@ FLUSH32 = 2.0 ** -126
 
 class FormConstants(NamedTuple):
     """What the float32 arithmetic of the slack needs besides the layer's ``γ`` (module
-    docstring): ``rho = ρ_T``, ``kappa = κ_T``, the per-row loss ``row_loss = 8T·η'`` of a
-    weighted form and ``absolute = 8T²·η' + 4T²·2⁻¹⁰⁷⁴``."""
+    docstring): ``rho = ρ_T``, ``kappa = κ_T``, the float32 term ``row_loss = 8T·η'`` added to
+    each row of a weighted form and ``absolute = 8T²·η' + 4T²·2⁻¹⁰⁷⁴``."""
 
     rho: float
     kappa: float
@@ -215,11 +223,11 @@ class FormConstants(NamedTuple):
 
 
 def form_constants(T: int) -> FormConstants:
-    """:class:`FormConstants` for ``T`` positions (Higham 2002, §3.1): ``ρ_T = 1 + 2(γ_T +
-    γ^{(64)}_{T+2})``, ``κ_T = γ_T + γ^{(64)}_T(1 + γ_T)`` (``γ_T`` at ``u = 2⁻²⁴``)."""
+    """:class:`FormConstants` for ``T`` positions (Higham 2002, §3.1): ``ρ_T = 1 + 2(γ_{T+1} +
+    γ^{(64)}_T)``, ``κ_T = γ_T + γ^{(64)}_T(1 + γ_T)`` (``γ`` at ``u = 2⁻²⁴``)."""
     u32, u64 = unit_roundoff(torch.float32), unit_roundoff(torch.float64)
     g32 = gamma(T, u32)
-    return FormConstants(rho=1 + 2 * (g32 + gamma(T + 2, u64)),
+    return FormConstants(rho=1 + 2 * (gamma(T + 1, u32) + gamma(T, u64)),
                          kappa=g32 + gamma(T, u64) * (1 + g32),
                          row_loss=8.0 * T * FLUSH32,
                          absolute=8.0 * T * T * FLUSH32 + 4.0 * T * T * ETA64)
@@ -245,28 +253,31 @@ def row_dots(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def weighted_form(X: torch.Tensor, w: torch.Tensor, row_loss: float) -> torch.Tensor:
-    """``Σ_t w_t·(fl32(Σ_s |X_ts|·v_s) + row_loss)`` in float64 for a float32 ``X`` (its absolute
+    """``W = Σ_t w_t·fl32(Σ_s |X_ts|·v_s + row_loss)`` in float64 for a float32 ``X`` (its absolute
     value taken *in place*: the caller's temporary), float64 weights ``w ≥ 0`` from
     :func:`_floored` and ``v = fl32(w)``: the row sums by one batched float32 matrix–vector
-    product (element-wise products and a sum where matmuls may round float32 operands). Times
-    ``ρ_T`` it is at least ``Σ_{t,s} w_t|X_ts|w_s`` (module docstring); ``inf`` or NaN where a
-    weight, a product or a row leaves float32's range, or ``X`` is not finite."""
+    product (element-wise products and a sum where matmuls may round float32 operands), the
+    products by ``w`` widened to float64 inside one multiplication. ``ρ_T·W`` is at least
+    ``Σ_{t,s} w_t|X_ts|w_s`` (module docstring); ``inf`` or NaN where a weight, a product or a
+    row leaves float32's range, or ``X`` is not finite."""
     v = w.float()
     X = X.abs_()
     if ieee_matmul(X.device):
         rows = torch.matmul(X, v.unsqueeze(-1)).squeeze(-1)
     else:
         rows = torch.mul(X, v.unsqueeze(-2)).sum(-1)
-    return rows.double().add_(row_loss).mul_(w).sum(-1)
+    return torch.mul(rows.add_(row_loss), w).sum(-1)
 
 
-def ghost_slack(wg: torch.Tensor, wa: torch.Tensor, cross: torch.Tensor, kappa_a, kappa_g,
-                c: FormConstants) -> torch.Tensor:
-    """``ρ_T·(W_G + W_A + min(κ_a W_G, κ_g W_A)) + cross² + absolute`` (module docstring) from the
-    weighted forms ``W_G``, ``W_A`` (:func:`weighted_form`) and ``cross = Σ_t n2_t m2_t``;
-    ``kappa_a = κ_T(1 + γ_a)/γ_a`` (a float, or a per-layer tensor), ``kappa_g`` likewise."""
-    least = torch.minimum(wg * kappa_a, wa * kappa_g)
-    return least.add_(wg).add_(wa).mul_(c.rho).addcmul_(cross, cross).add_(c.absolute)
+def ghost_slack(wg: torch.Tensor, wa: torch.Tensor, cross: torch.Tensor,
+                grow_a: torch.Tensor, grow_g: torch.Tensor, absolute: float) -> torch.Tensor:
+    """``min((1 + κ_a)·W_G + W_A, W_G + (1 + κ_g)·W_A) + cross² + absolute`` (module docstring:
+    ``W_G + W_A + min(κ_a W_G, κ_g W_A)``) from the weighted forms ``W_G``, ``W_A``
+    (:func:`weighted_form`) and ``cross = Σ_t n2_t m2_t``; ``grow_a = 1 + κ_T(1 + γ_a)/γ_a`` (a
+    tensor: one per layer, or a 0-dimensional one), ``grow_g`` likewise. NaN or ``inf`` when
+    either form is."""
+    least = torch.minimum(torch.addcmul(wa, wg, grow_a), torch.addcmul(wg, wa, grow_g))
+    return least.addcmul_(cross, cross).add_(absolute)
 
 
 def _outer(v: torch.Tensor) -> torch.Tensor:
@@ -340,7 +351,9 @@ def fast_ghost_bound(a: torch.Tensor, g: torch.Tensor, bias: bool, na: torch.Ten
         if bias:
             aat.add_(1)  # one more float32 addition: the w_a-th term of the sum
         c = form_constants(T)
-        nu, slack = ghost_terms(aat, ggt, n2, m2, kappa_of(ga, c), kappa_of(gg, c), c)
+        grow = torch.tensor([grow_of(ga, c), grow_of(gg, c)], dtype=torch.float64,
+                            device=n2.device)
+        nu, slack = ghost_terms(aat, ggt, n2, m2, grow[0], grow[1], c)
         return (nu + slack).mul_(1 + 2.0 ** -50), slack, nu
     aat, ggt = _gram_chunked(a, chunk), _gram_chunked(g, chunk)
     if bias:
@@ -357,28 +370,30 @@ def fast_ghost_bound(a: torch.Tensor, g: torch.Tensor, bias: bool, na: torch.Ten
     return (nu + slack).mul_(1 + 2.0 ** -50), slack, nu
 
 
-def kappa_of(g: float, c: FormConstants) -> float:
-    """``κ_T·(1 + γ)/γ``: the factor of a weighted form (of weights carrying ``γ``) that bounds
-    the rounding of the row dot products of ``ν̃`` (module docstring)."""
-    return c.kappa * (1 + g) / g
+def grow_of(g: float, c: FormConstants) -> float:
+    """``1 + κ_T·(1 + γ)/γ``: the factor of a weighted form (of weights carrying ``γ``) that also
+    bounds the rounding of the row dot products of ``ν̃`` (module docstring)."""
+    return 1 + c.kappa * (1 + g) / g
 
 
 def ghost_terms(aat: torch.Tensor, ggt: torch.Tensor, n2: torch.Tensor, m2: torch.Tensor,
-                kappa_a, kappa_g, c: FormConstants) -> Tuple[torch.Tensor, torch.Tensor]:
+                grow_a: torch.Tensor, grow_g: torch.Tensor,
+                c: FormConstants) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(max(ν̃, 0), slack)`` over the last two dimensions of the float32 Grams ``aat``, ``ggt``
     (``(…, T, T)``; their absolute values are taken *in place*: temporaries of the caller) with
     the scaled weights ``n2``, ``m2`` (:func:`_floored`, ``(…, T)`` float64): ``ν̃`` by
-    :func:`row_dots`, then the weighted forms (:func:`weighted_form`) and :func:`ghost_slack`.
-    Float32 passes over the Grams: one product (a matmul or element-wise), two absolute values,
-    two matrix–vector products; nothing of ``(…, T, T)`` in float64. A ``ν̃`` that is not finite
-    (row dot products that overflowed, with either sign) is returned as NaN, never clamped to 0:
-    the sample's bound is then NaN and it gets its second try (:func:`refine`)."""
-    raw = row_dots(aat, ggt)
-    nu = raw.clamp(min=0).add_(raw - raw)  # + 0, or NaN for ±inf and NaN
+    :func:`row_dots`, then the weighted forms (:func:`weighted_form`) and :func:`ghost_slack`
+    (``grow_a``, ``grow_g``: :func:`grow_of`). Float32 passes over the Grams: one product (a
+    matmul or element-wise), two absolute values, two matrix–vector products; nothing of
+    ``(…, T, T)`` in float64. A ``ν̃`` that is not finite (row dot products that overflowed, with
+    either sign) is returned as NaN, never clamped to 0: the sample's bound is then NaN and it gets
+    its second try (:func:`refine`)."""
+    nu = torch.nan_to_num(row_dots(aat, ggt), nan=math.nan, posinf=math.nan,
+                          neginf=math.nan).clamp_(min=0)
     wg = weighted_form(ggt, n2, c.row_loss)
     wa = weighted_form(aat, m2, c.row_loss)
     cross = (n2 * m2).sum(-1)
-    return nu, ghost_slack(wg, wa, cross, kappa_a, kappa_g, c)
+    return nu, ghost_slack(wg, wa, cross, grow_a, grow_g, c.absolute)
 
 
 def float64_ghost_bound(a: torch.Tensor, g: torch.Tensor, bias: bool,
@@ -456,7 +471,7 @@ def tight(bound: torch.Tensor, slack: torch.Tensor, nu: torch.Tensor,
           floor: float = NEGLIGIBLE) -> torch.Tensor:
     """Which fast bounds are kept: finite, with ``slack ≤ max(LOOSE·ν̃, floor)`` (False for NaN
     and infinite slacks)."""
-    return (slack <= (LOOSE * nu).clamp_(min=floor)).logical_and_(torch.isfinite(bound))
+    return (slack <= (LOOSE * nu).clamp_(min=floor)).logical_and_(bound < math.inf)
 
 
 @without_autocast
@@ -471,8 +486,8 @@ def certified_token_ghost_sq(ids: torch.Tensor, g: torch.Tensor,
     ``m'`` the row norms raised by the underflow floor, :func:`_floored`). ``G̃`` masked by ``S``
     in place (a product by 1 or 0: exact), ``ν̃`` its float32 row sums summed in float64 (within
     ``κ_T·Σ S|G̃| + 8T²·η'`` of ``Σ S G̃``, and ``Σ S|G̃| ≤ (1 + γ_p)·m'ᵀ S m'``), and the form
-    ``W = m2ᵀ S m2`` by :func:`weighted_form` of ``S`` as float32 (at least its exact value over
-    ``ρ_T``): ``slack = ρ_T·W·(1 + κ_g) + 8T²·η' + 4T²·2⁻¹⁰⁷⁴``, ``κ_g = κ_T(1 + γ_p)/γ_p``."""
+    ``W = m2ᵀ S m2`` by :func:`weighted_form` of ``S`` as float32 (at least ``γ_p·margin`` times
+    ``m'ᵀ S m'``): ``slack = W·(1 + κ_g) + 8T²·η' + 4T²·2⁻¹⁰⁷⁴``, ``κ_g = κ_T(1 + γ_p)/γ_p``."""
     model = fast_gram_model(g)
     T, p = g.shape[1], g.shape[2]
     if model is None or T == 1:
@@ -482,10 +497,10 @@ def certified_token_ghost_sq(ids: torch.Tensor, g: torch.Tensor,
     c = form_constants(T)
     same = ids.unsqueeze(2) == ids.unsqueeze(1)
     raw = _gram32(g).mul_(same).sum(-1).sum(-1, dtype=torch.float64)
-    nu = raw.clamp(min=0).add_(raw - raw)  # + 0, or NaN for ±inf and NaN
+    nu = torch.nan_to_num(raw, nan=math.nan, posinf=math.nan, neginf=math.nan).clamp_(min=0)
     m2 = _floored(ng, p, eta, gg)
     weighted = weighted_form(same.float(), m2, c.row_loss)
-    slack = weighted.mul_(c.rho * (1 + kappa_of(gg, c))).add_(c.absolute)
+    slack = weighted.mul_(grow_of(gg, c)).add_(c.absolute)
     bound = (nu + slack).mul_(1 + 2.0 ** -50)
 
     def exact(idx: torch.Tensor) -> torch.Tensor:

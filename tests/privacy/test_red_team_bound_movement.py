@@ -166,8 +166,9 @@ def reference_slack(a, g, bias, na, ng, chunk=None) -> torch.Tensor:
     way: the same computed Grams widened to float64 and the ``(N, T, T)`` outer products of the
     floored weights. Blocked Grams (``chunk``): ``Σ n'_t n'_s |G̃_ts| + Σ m'_t m'_s |Ã_ts| +
     (Σ n'_t m'_t)²·(1 + c)``. One float32 Gram: the bilinear forms ``W`` with their rows' loss
-    terms, ``W_G + W_A + min(κ_a W_G, κ_g W_A) + (Σ n'_t m'_t)² + absolute`` — what the computed
-    slack must be at least (its ``ρ_T`` covers the float32 matrix–vector products)."""
+    terms over ``ρ_T``, ``W_G + W_A + min(κ_a W_G, κ_g W_A) + (Σ n'_t m'_t)² + absolute`` — what
+    the computed slack must be at least (the weights' ``√ρ_T`` covers the float32
+    matrix–vector products)."""
     T, wa, wg = a.shape[1], a.shape[2] + bias, g.shape[2]
     model = fast_gram_model(a)
     ga, gg = gram.gram_gamma(wa, model[0], chunk), gram.gram_gamma(wg, model[0], chunk)
@@ -181,10 +182,11 @@ def reference_slack(a, g, bias, na, ng, chunk=None) -> torch.Tensor:
     cross = (n2 * m2).sum(1)
     if chunk is None:
         c = gram.form_constants(T)
-        wG = (gram._outer(n2) * G.abs()).sum((1, 2)) + c.row_loss * n2.sum(1)
-        wA = (gram._outer(m2) * A.abs()).sum((1, 2)) + c.row_loss * m2.sum(1)
-        least = torch.minimum(wG * gram.kappa_of(ga, c), wA * gram.kappa_of(gg, c))
-        return wG + wA + least + cross * cross + c.absolute
+        # the weights carry √ρ_T: the exact forms over ρ_T are what the computed ones cover
+        wG = ((gram._outer(n2) * G.abs()).sum((1, 2)) + c.row_loss * n2.sum(1)) / c.rho
+        wA = ((gram._outer(m2) * A.abs()).sum((1, 2)) + c.row_loss * m2.sum(1)) / c.rho
+        least = torch.minimum(wG * gram.grow_of(ga, c) + wA, wG + wA * gram.grow_of(gg, c))
+        return least + cross * cross + c.absolute
     weighted = (gram._outer(n2) * G.abs() + gram._outer(m2) * A.abs()).sum((1, 2))
     inner = gram.gamma(T * T + 2, 2.0 ** -53) * (1 + ga) * (1 + gg)
     return weighted + cross * cross * (1 + inner / (ga * gg)) + 4.0 * T * T * 2.0 ** -1074

@@ -121,7 +121,8 @@ def test_row_dots_overflowing_with_opposite_signs_are_not_clamped(T, branch):
     n2 = torch.ones(1, T, dtype=torch.float64)
     c = gram.form_constants(T)
     assert gram.row_dots(A, G).item() == -math.inf
-    nu, slack = gram.ghost_terms(A.clone(), G.clone(), n2, n2, 1.0, 1.0, c)
+    one = torch.tensor(1.0, dtype=torch.float64)
+    nu, slack = gram.ghost_terms(A.clone(), G.clone(), n2, n2, one, one, c)
     assert math.isnan(nu.item())
     bound = (nu + slack) * (1 + 2.0 ** -50)
     assert not bool(gram.tight(bound, slack, nu).any())
@@ -222,7 +223,8 @@ def test_bfloat16_matmuls_take_the_float32_arithmetic_away(bf16_matmuls):
             return func(*args, **(kwargs or {}))
 
     with Matmuls() as rec:
-        gram.ghost_terms(A, G, na, ng, 1.0, 1.0, gram.form_constants(a.shape[1]))
+        one = torch.tensor(1.0, dtype=torch.float64)
+        gram.ghost_terms(A, G, na, ng, one, one, gram.form_constants(a.shape[1]))
     assert rec.seen == []
 
 
