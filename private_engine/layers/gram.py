@@ -87,6 +87,7 @@ crafted sample) gets the float64 Grams. Picking the samples costs one host synch
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple, Optional, Tuple
 
@@ -351,8 +352,7 @@ def fast_ghost_bound(a: torch.Tensor, g: torch.Tensor, bias: bool, na: torch.Ten
         if bias:
             aat.add_(1)  # one more float32 addition: the w_a-th term of the sum
         c = form_constants(T)
-        grow = torch.tensor([grow_of(ga, c), grow_of(gg, c)], dtype=torch.float64,
-                            device=n2.device)
+        grow = _grow_pair(grow_of(ga, c), grow_of(gg, c), n2.device)
         nu, slack = ghost_terms(aat, ggt, n2, m2, grow[0], grow[1], c)
         return (nu + slack).mul_(1 + 2.0 ** -50), slack, nu
     aat, ggt = _gram_chunked(a, chunk), _gram_chunked(g, chunk)
@@ -374,6 +374,13 @@ def grow_of(g: float, c: FormConstants) -> float:
     """``1 + κ_T·(1 + γ)/γ``: the factor of a weighted form (of weights carrying ``γ``) that also
     bounds the rounding of the row dot products of ``ν̃`` (module docstring)."""
     return 1 + c.kappa * (1 + g) / g
+
+
+@functools.lru_cache(maxsize=64)
+def _grow_pair(grow_a: float, grow_g: float, device: torch.device) -> torch.Tensor:
+    """``[grow_a, grow_g]`` as a float64 tensor on ``device``, kept (one copy to the device per
+    layer shape, not per step)."""
+    return torch.tensor([grow_a, grow_g], dtype=torch.float64, device=device)
 
 
 def ghost_terms(aat: torch.Tensor, ggt: torch.Tensor, n2: torch.Tensor, m2: torch.Tensor,
