@@ -42,7 +42,8 @@ bound within 10⁻³ of the norm.
 
 The rest is float32 work on the ``(…, T, T)`` Grams and float64 work on ``(…, T)`` rows only
 (:func:`ghost_terms`; Higham 2002, §3.1, every sum in any order, ``η' = 2⁻¹²⁶`` the most one
-float32 product or sum loses below the normal range, flush-to-zero included):
+float32 product or sum loses below the normal range, results flushed to zero included; inputs
+below it are read as they are, as the Grams' own model assumes, not as zeros):
 
 * ``ν̃ = Σ_t r_t`` in float64 over float32 row dot products ``r_t = fl(Σ_s Ã_ts G̃_ts)``
   (:func:`row_dots`): ``|r_t − Σ_s Ã_ts G̃_ts| ≤ γ_T·Σ_s |Ã_ts||G̃_ts| + 4T·η'`` (``T`` products
