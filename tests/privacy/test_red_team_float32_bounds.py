@@ -26,7 +26,7 @@ from torch import nn
 from private_engine.layers import gram
 from private_engine.layers.ghost_stack import GhostBoundStack
 from private_engine.layers.gram import certified_ghost_sq, fast_ghost_bound, fast_gram_model
-from private_engine.layers.rounding import pair_norms
+from private_engine.layers.rounding import pair_norms, row_norms64
 from test_privacy_under_attack import DOORS, B, Case, assert_bounded, assert_large, run_pair
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings("ignore")]
@@ -185,6 +185,26 @@ def test_both_branches_bound_alike(kind):
     assert torch.equal(finite, torch.isfinite(by_elements))
     assert bool((by_matmul[finite] <= by_elements[finite] * rho * rho).all())
     assert bool((by_elements[finite] <= by_matmul[finite] * rho * rho).all())
+
+
+def test_token_row_sums_that_overflow_get_the_second_try(branch):
+    """An embedding's token ghost norm whose float32 row sums overflow (Gram entries of 2·10³⁸
+    between equal tokens): the bound is finite (the float64 Gram's) and at least the exact
+    norm², the honest samples' untouched."""
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.tensor([[1, 2, 1, 3], [4, 4, 4, 4], [5, 6, 7, 5]])
+    g = torch.randn(3, 4, 5, generator=gen)
+    g[1] = torch.ones(5) / math.sqrt(5) * 1.5e19
+    ng = row_norms64(g)
+    bound = gram.certified_token_ghost_sq(ids, g, ng)
+    assert bool(torch.isfinite(bound).all()), bound
+    for i in range(3):
+        rows = {}
+        for t, tok in enumerate(ids[i].tolist()):
+            rows.setdefault(tok, [Fraction(0)] * 5)
+            rows[tok] = [r + Fraction(v) for r, v in zip(rows[tok], g[i, t].double().tolist())]
+        exact = sum(v * v for r in rows.values() for v in r)
+        assert Fraction(bound[i].item()) >= exact, (i, bound[i].item(), float(exact))
 
 
 # -- 3. matmul precision switches ------------------------------------------------------------------
