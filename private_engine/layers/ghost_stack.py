@@ -12,10 +12,10 @@ forms every layer's bound at the end of the norm pass:
   in groups of at most ``STACK_ELEMENTS`` elements);
 * the rest of the arithmetic once over ``(L, N, T, T)`` stacks of the layers with ``T``
   positions (in chunks of at most ``BOUND_ELEMENTS`` elements), each layer's constants
-  (``γ_a``, ``γ_g``, ``1 + κ_a``, ``1 + κ_g``, widths, release coefficient) a ``(L, 1[, 1])``
-  float64 tensor (formed once per set of layers and kept): :func:`.gram.ghost_terms`, float32
-  passes over the Grams (row dot products, absolute values in place, matrix–vector products)
-  and float64 work on ``(L, N, T)`` rows.
+  (``γ_a``, ``γ_g``, widths, release coefficient) a ``(L, 1[, 1])`` float64 tensor (formed
+  once per set of layers and kept): :func:`.gram.ghost_terms`, float32 passes over the Grams
+  (row dot products, absolute values in place, matrix–vector products) and float64 work on
+  ``(L, N, T)`` rows.
 
 The formulas are those of the per-layer path term for term — the same float32 Grams with the same
 error model (Higham 2002, §3.1; Fasi, Higham, Mikaitis & Pranesh 2021 for tensor cores), the same
@@ -38,7 +38,6 @@ from .gram import (
     form_constants,
     ghost_terms,
     gram_gamma,
-    grow_of,
     ieee_matmul,
     loose_floor,
     second_try,
@@ -165,7 +164,7 @@ class GhostBoundStack:
         n2 = (na + c["floor_a"]).mul_(c["scale_a"])
         m2 = (ng + c["floor_g"]).mul_(c["scale_g"])
         form = form_constants(T)
-        nu, slack = ghost_terms(aat, ggt, n2, m2, c["grow_a"], c["grow_g"], form)
+        nu, slack = ghost_terms(aat, ggt, n2, m2, form)
         del aat, ggt
         bound = (nu + slack).mul_(1 + 2.0 ** -50)
         ok = tight(bound, slack, nu, loose_floor(T))  # False for non-finite bounds and slacks
@@ -186,10 +185,9 @@ class GhostBoundStack:
             self._constants.clear()
         u32, u64 = unit_roundoff(torch.float32), unit_roundoff(torch.float64)
         T = layers[0].a.shape[1]
-        form = form_constants(T)
         rows: Dict[str, list] = {k: [] for k in (
             "fa", "ca", "fg", "cg", "mass_slack", "floor_a", "scale_a", "floor_g", "scale_g",
-            "grow_a", "grow_g", "c_rel")}
+            "c_rel")}
         for p in layers:
             D, P = p.a.shape[2], p.g.shape[2]
             tensor_core, eta = p.model
@@ -204,14 +202,12 @@ class GhostBoundStack:
             rows["scale_a"].append(weight_scale(ga, T))
             rows["floor_g"].append(math.sqrt(2 * wg * eta / gg))
             rows["scale_g"].append(weight_scale(gg, T))
-            rows["grow_a"].append(grow_of(ga, form))
-            rows["grow_g"].append(grow_of(gg, form))
             rows["c_rel"].append(p.c_rel)
         out = {k: torch.tensor(v, dtype=torch.float64, device=device).reshape(-1, 1, 1)
                for k, v in rows.items() if k in ("fa", "ca", "fg", "cg", "floor_a", "scale_a",
                                                  "floor_g", "scale_g")}
         out.update({k: torch.tensor(rows[k], dtype=torch.float64, device=device).reshape(-1, 1)
-                    for k in ("mass_slack", "grow_a", "grow_g", "c_rel")})
+                    for k in ("mass_slack", "c_rel")})
         bias = [p.bias for p in layers]
         out["any_bias"] = any(bias)  # type: ignore[assignment]
         out["bias"] = torch.tensor(bias, device=device).reshape(-1, 1, 1)

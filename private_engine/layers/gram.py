@@ -49,9 +49,10 @@ below it are read as they are, as the Grams' own model assumes, not as zeros):
   (:func:`row_dots`): ``|r_t − Σ_s Ã_ts G̃_ts| ≤ γ_T·Σ_s |Ã_ts||G̃_ts| + 4T·η'`` (``T`` products
   and ``T − 1`` additions, each loss carried through at most ``T`` roundings, ``(1 + γ_T) ≤ 2``),
   and the float64 sum adds ``γ^{(64)}_T·Σ_t |r_t|``, so
-  ``|ν̃ − Σ Ã G̃| ≤ κ_T·Σ |Ã||G̃| + 8T²·η'`` with ``κ_T = γ_T + γ^{(64)}_T(1 + γ_T)``. Since
-  ``|Ã_ts| ≤ n_t n_s + γ_a n'_t n'_s ≤ (1 + γ_a)·n'_t n'_s`` (and likewise for ``G̃``),
-  ``Σ |Ã||G̃| ≤ min((1 + γ_a)·n'ᵀ|G̃|n', (1 + γ_g)·m'ᵀ|Ã|m')``.
+  ``|ν̃ − Σ Ã G̃| ≤ κ_T·Σ |Ã||G̃| + 8T²·η'`` with ``κ_T = γ_T + γ^{(64)}_T(1 + γ_T)``.
+  ``Σ |Ã||G̃|`` is formed the same way from the absolute values (:func:`row_dots` again, once the
+  weighted forms below have taken them in place): non-negative terms, so its computed value
+  ``S`` has ``Σ |Ã||G̃| ≤ ρ_T·(S + 4T²·η')`` and ``κ_T·Σ |Ã||G̃| ≤ κ_Tρ_T·S + 4T²·η'``.
 * the bilinear forms ``n'ᵀ|G̃|n'``, ``m'ᵀ|Ã|m'`` (:func:`weighted_form`): the absolute values
   taken in place, ``y = |G̃| v + c`` by a float32 matrix–vector product and one float32 addition
   of ``c = 8T·η'`` (element-wise products and a sum where a float32 matmul may round its
@@ -66,10 +67,10 @@ below it are read as they are, as the Grams' own model assumes, not as zeros):
   weights without it. A weight or a product above float32's range gives ``inf`` (a non-finite
   slack).
 
-So ``slack = min((1 + κ_a)·W_G + W_A, W_G + (1 + κ_g)·W_A) + (Σ_t n2_t m2_t)² + 8T²·η' +
-4T²·2⁻¹⁰⁷⁴`` (:func:`ghost_slack`) with ``W_G``, ``W_A`` the computed forms of the scaled weights
-``n2 = √(γ_a·margin·ρ_T)·n'``, ``m2 = √(γ_g·margin·ρ_T)·m'`` (:func:`_floored`) and
-``κ_a = κ_T(1 + γ_a)/γ_a`` (``W_G`` is at least ``γ_a·margin`` times ``n'ᵀ|G̃|n'``).
+So ``slack = W_G + W_A + κ_Tρ_T·S + (Σ_t n2_t m2_t)² + 12T²·η' + 4T²·2⁻¹⁰⁷⁴``
+(:func:`ghost_slack`) with ``W_G``, ``W_A`` the computed forms of the scaled weights
+``n2 = √(γ_a·margin·ρ_T)·n'``, ``m2 = √(γ_g·margin·ρ_T)·m'`` (:func:`_floored`; ``W_G`` is at
+least ``γ_a·margin`` times ``n'ᵀ|G̃|n'``).
 ``margin = 1 + 2γ^{(64)}_{T²+8}`` (:func:`_margin`) covers the few float64 roundings of the
 slack's own assembly. The temporaries are float32 ``(…, T)`` rows and float64 ``(…, T)``
 weights — no float64 ``(…, T, T)`` tensor — and, where float32 matmuls may round their operands,
@@ -88,7 +89,6 @@ crafted sample) gets the float64 Grams. Picking the samples costs one host synch
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import NamedTuple, Optional, Tuple
 
@@ -216,7 +216,7 @@ FLUSH32 = 2.0 ** -126
 class FormConstants(NamedTuple):
     """What the float32 arithmetic of the slack needs besides the layer's ``γ`` (module
     docstring): ``rho = ρ_T``, ``kappa = κ_T``, the float32 term ``row_loss = 8T·η'`` added to
-    each row of a weighted form and ``absolute = 8T²·η' + 4T²·2⁻¹⁰⁷⁴``."""
+    each row of a weighted form and ``absolute = 12T²·η' + 4T²·2⁻¹⁰⁷⁴``."""
 
     rho: float
     kappa: float
@@ -232,7 +232,7 @@ def form_constants(T: int) -> FormConstants:
     return FormConstants(rho=1 + 2 * (gamma(T + 1, u32) + gamma(T, u64)),
                          kappa=g32 + gamma(T, u64) * (1 + g32),
                          row_loss=8.0 * T * FLUSH32,
-                         absolute=8.0 * T * T * FLUSH32 + 4.0 * T * T * ETA64)
+                         absolute=12.0 * T * T * FLUSH32 + 4.0 * T * T * ETA64)
 
 
 def ieee_matmul(device: torch.device) -> bool:
@@ -271,15 +271,13 @@ def weighted_form(X: torch.Tensor, w: torch.Tensor, row_loss: float) -> torch.Te
     return torch.mul(rows.add_(row_loss), w).sum(-1)
 
 
-def ghost_slack(wg: torch.Tensor, wa: torch.Tensor, cross: torch.Tensor,
-                grow_a: torch.Tensor, grow_g: torch.Tensor, absolute: float) -> torch.Tensor:
-    """``min((1 + κ_a)·W_G + W_A, W_G + (1 + κ_g)·W_A) + cross² + absolute`` (module docstring:
-    ``W_G + W_A + min(κ_a W_G, κ_g W_A)``) from the weighted forms ``W_G``, ``W_A``
-    (:func:`weighted_form`) and ``cross = Σ_t n2_t m2_t``; ``grow_a = 1 + κ_T(1 + γ_a)/γ_a`` (a
-    tensor: one per layer, or a 0-dimensional one), ``grow_g`` likewise. NaN or ``inf`` when
-    either form is."""
-    least = torch.minimum(torch.addcmul(wa, wg, grow_a), torch.addcmul(wg, wa, grow_g))
-    return least.addcmul_(cross, cross).add_(absolute)
+def ghost_slack(wg: torch.Tensor, wa: torch.Tensor, cross: torch.Tensor, mag: torch.Tensor,
+                c: FormConstants) -> torch.Tensor:
+    """``W_G + W_A + κ_Tρ_T·S + cross² + absolute`` (module docstring) from the weighted forms
+    ``W_G``, ``W_A`` (:func:`weighted_form`), ``S`` the computed ``Σ |Ã||G̃|`` (:func:`row_dots` of
+    the absolute values) and ``cross = Σ_t n2_t m2_t``; NaN or ``inf`` when any of them is."""
+    return torch.add(wg, wa).add_(mag, alpha=c.kappa * c.rho).addcmul_(cross, cross).add_(
+        c.absolute)
 
 
 def _outer(v: torch.Tensor) -> torch.Tensor:
@@ -352,9 +350,7 @@ def fast_ghost_bound(a: torch.Tensor, g: torch.Tensor, bias: bool, na: torch.Ten
         aat, ggt = _gram32(a), _gram32(g)
         if bias:
             aat.add_(1)  # one more float32 addition: the w_a-th term of the sum
-        c = form_constants(T)
-        grow = _grow_pair(grow_of(ga, c), grow_of(gg, c), n2.device)
-        nu, slack = ghost_terms(aat, ggt, n2, m2, grow[0], grow[1], c)
+        nu, slack = ghost_terms(aat, ggt, n2, m2, form_constants(T))
         return (nu + slack).mul_(1 + 2.0 ** -50), slack, nu
     aat, ggt = _gram_chunked(a, chunk), _gram_chunked(g, chunk)
     if bias:
@@ -373,35 +369,28 @@ def fast_ghost_bound(a: torch.Tensor, g: torch.Tensor, bias: bool, na: torch.Ten
 
 def grow_of(g: float, c: FormConstants) -> float:
     """``1 + κ_T·(1 + γ)/γ``: the factor of a weighted form (of weights carrying ``γ``) that also
-    bounds the rounding of the row dot products of ``ν̃`` (module docstring)."""
+    bounds the rounding of row sums of the Gram it weighs (:func:`certified_token_ghost_sq`)."""
     return 1 + c.kappa * (1 + g) / g
 
 
-@functools.lru_cache(maxsize=64)
-def _grow_pair(grow_a: float, grow_g: float, device: torch.device) -> torch.Tensor:
-    """``[grow_a, grow_g]`` as a float64 tensor on ``device``, kept (one copy to the device per
-    layer shape, not per step)."""
-    return torch.tensor([grow_a, grow_g], dtype=torch.float64, device=device)
-
-
 def ghost_terms(aat: torch.Tensor, ggt: torch.Tensor, n2: torch.Tensor, m2: torch.Tensor,
-                grow_a: torch.Tensor, grow_g: torch.Tensor,
                 c: FormConstants) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(max(ν̃, 0), slack)`` over the last two dimensions of the float32 Grams ``aat``, ``ggt``
     (``(…, T, T)``; their absolute values are taken *in place*: temporaries of the caller) with
     the scaled weights ``n2``, ``m2`` (:func:`_floored`, ``(…, T)`` float64): ``ν̃`` by
-    :func:`row_dots`, then the weighted forms (:func:`weighted_form`) and :func:`ghost_slack`
-    (``grow_a``, ``grow_g``: :func:`grow_of`). Float32 passes over the Grams: one product (a
-    matmul or element-wise), two absolute values, two matrix–vector products; nothing of
-    ``(…, T, T)`` in float64. A ``ν̃`` that is not finite (row dot products that overflowed, with
-    either sign) is returned as NaN, never clamped to 0: the sample's bound is then NaN and it gets
-    its second try (:func:`refine`)."""
+    :func:`row_dots`, the weighted forms (:func:`weighted_form`), ``Σ |Ã||G̃|`` by :func:`row_dots`
+    of the absolute values, and :func:`ghost_slack`. Float32 passes over the Grams: two row dot
+    products (matmuls, or element-wise products and sums), two absolute values, two
+    matrix–vector products; nothing of ``(…, T, T)`` in float64. A ``ν̃`` that is not finite (row
+    dot products that overflowed, with either sign) is returned as NaN, never clamped to 0: the
+    sample's bound is then NaN and it gets its second try (:func:`refine`)."""
     nu = torch.nan_to_num(row_dots(aat, ggt), nan=math.nan, posinf=math.nan,
                           neginf=math.nan).clamp_(min=0)
     wg = weighted_form(ggt, n2, c.row_loss)
     wa = weighted_form(aat, m2, c.row_loss)
+    mag = row_dots(aat, ggt)  # Σ |Ã||G̃|: both are absolute values now
     cross = (n2 * m2).sum(-1)
-    return nu, ghost_slack(wg, wa, cross, grow_a, grow_g, c.absolute)
+    return nu, ghost_slack(wg, wa, cross, mag, c)
 
 
 def float64_ghost_bound(a: torch.Tensor, g: torch.Tensor, bias: bool,

@@ -166,9 +166,9 @@ def reference_slack(a, g, bias, na, ng, chunk=None) -> torch.Tensor:
     way: the same computed Grams widened to float64 and the ``(N, T, T)`` outer products of the
     floored weights. Blocked Grams (``chunk``): ``Σ n'_t n'_s |G̃_ts| + Σ m'_t m'_s |Ã_ts| +
     (Σ n'_t m'_t)²·(1 + c)``. One float32 Gram: the bilinear forms ``W`` with their rows' loss
-    terms over ``ρ_T``, ``W_G + W_A + min(κ_a W_G, κ_g W_A) + (Σ n'_t m'_t)² + absolute`` — what
-    the computed slack must be at least (the weights' ``√ρ_T`` covers the float32
-    matrix–vector products)."""
+    terms over ``ρ_T``, ``W_G + W_A + κ_Tρ_T·S + (Σ n'_t m'_t)² + absolute`` with ``S = Σ|Ã||G̃|``
+    over ``ρ_T`` — what the computed slack must be at least (the weights' ``√ρ_T`` covers the
+    float32 matrix–vector products)."""
     T, wa, wg = a.shape[1], a.shape[2] + bias, g.shape[2]
     model = fast_gram_model(a)
     ga, gg = gram.gram_gamma(wa, model[0], chunk), gram.gram_gamma(wg, model[0], chunk)
@@ -185,8 +185,8 @@ def reference_slack(a, g, bias, na, ng, chunk=None) -> torch.Tensor:
         # the weights carry √ρ_T: the exact forms over ρ_T are what the computed ones cover
         wG = ((gram._outer(n2) * G.abs()).sum((1, 2)) + c.row_loss * n2.sum(1)) / c.rho
         wA = ((gram._outer(m2) * A.abs()).sum((1, 2)) + c.row_loss * m2.sum(1)) / c.rho
-        least = torch.minimum(wG * gram.grow_of(ga, c) + wA, wG + wA * gram.grow_of(gg, c))
-        return least + cross * cross + c.absolute
+        mag = (A.abs() * G.abs()).sum((1, 2)) / c.rho
+        return wG + wA + c.kappa * c.rho * mag + cross * cross + c.absolute
     weighted = (gram._outer(n2) * G.abs() + gram._outer(m2) * A.abs()).sum((1, 2))
     inner = gram.gamma(T * T + 2, 2.0 ** -53) * (1 + ga) * (1 + gg)
     return weighted + cross * cross * (1 + inner / (ga * gg)) + 4.0 * T * T * 2.0 ** -1074
