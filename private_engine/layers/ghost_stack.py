@@ -12,14 +12,17 @@ forms every layer's bound at the end of the norm pass:
   in groups of at most ``STACK_ELEMENTS`` elements);
 * the rest of the arithmetic once over ``(L, N, T, T)`` stacks of the layers with ``T``
   positions (in chunks of at most ``BOUND_ELEMENTS`` elements), each layer's constants
-  (``γ_a``, ``γ_g``, widths, release coefficient) a ``(L, 1, 1)`` float64 tensor (formed once per
-  set of layers and kept).
+  (``γ_a``, ``γ_g``, widths, release coefficient) a ``(L, 1[, 1])`` float64 tensor (formed
+  once per set of layers and kept): :func:`.gram.ghost_terms`, float32 passes over the Grams
+  (row dot products, absolute values in place, matrix–vector products) and float64 work on
+  ``(L, N, T)`` rows.
 
 The formulas are those of the per-layer path term for term — the same float32 Grams with the same
 error model (Higham 2002, §3.1; Fasi, Higham, Mikaitis & Pranesh 2021 for tensor cores), the same
-float64 slack, the same second try for a loose sample (:func:`.gram.second_try`, on every
-device, after one host synchronisation per step instead of one per layer) — so each layer's bound
-is an upper bound of its released per-sample norm², rounding included, as before.
+functions for ``ν̃`` and the slack, the same second try for a loose or non-finite sample
+(:func:`.gram.second_try`, on every device, after one host synchronisation per step instead of
+one per layer) — so each layer's bound is an upper bound of its released per-sample norm²,
+rounding included, as before.
 """
 from __future__ import annotations
 
@@ -30,24 +33,27 @@ import torch
 
 from .base import aligned_count, pad_positions
 from .gram import (
-    LOOSE,
-    NEGLIGIBLE,
     _gram32,
-    _margin,
     fast_gram_model,
+    form_constants,
+    ghost_terms,
     gram_gamma,
-    inner64,
+    ieee_matmul,
+    loose_floor,
     second_try,
-    weighted_abs_sum,
+    tight,
+    weight_scale,
 )
 from .precision import without_autocast
 from .rounding import ETA32, ETA64, gamma, unit_roundoff
 
 #: the most elements the operands stacked for one batched Gram may have (a copy of them is made)
 STACK_ELEMENTS = 1 << 24
-#: the most elements of one ``(L, N, T, T)`` float64 stack of Grams (32 MiB): the layers of one
-#: group are bounded in chunks of at most this size (a few temporaries of it live at once)
-BOUND_ELEMENTS = 1 << 22
+#: the most elements of one ``(L, N, T, T)`` stack of float32 Grams: the layers of one group are
+#: bounded in chunks of at most this size. What lives at once is the two Grams (64 MiB), and where
+#: float32 matmuls may round their operands a float32 product of them (:func:`.gram.row_dots`),
+#: for which the chunks hold two thirds of this (60 MiB in all)
+BOUND_ELEMENTS = 1 << 23
 #: the most output-gradient elements a two-pass norm pass holds for deferred bounds (64 MiB of
 #: float32): beyond it, each layer's bound is formed at once and its gradient freed
 HELD_GRADIENTS = 1 << 24
@@ -122,8 +128,9 @@ class GhostBoundStack:
         rows: List[Optional[torch.Tensor]] = [None] * len(pending)
         blocks = []
         retries: List[_Retry] = []
-        for (N, T, _), idx in groups.items():
-            per = max(1, BOUND_ELEMENTS // max(1, N * T * T))
+        for (N, T, device), idx in groups.items():
+            most = BOUND_ELEMENTS if ieee_matmul(device) else BOUND_ELEMENTS * 2 // 3
+            per = max(1, most // max(1, N * T * T))
             for s in range(0, len(idx), per):
                 part = idx[s:s + per]
                 retry = self._bounds([pending[i] for i in part])
@@ -152,17 +159,15 @@ class GhostBoundStack:
         ng = ng32.double().mul_(c["fg"]).add_(c["cg"])
         # M_i = Σ_t ‖ã_t‖‖g_t‖ raised for its rounding and underflow (mass_of)
         mass = (na * ng).sum(2).mul_(c["mass_slack"]).add_(T * ETA64)
-        # fast_ghost_bound, over all layers at once
-        # the float32 Grams widen exactly inside the float64 products (no float64 copies)
-        nu = inner64(aat, ggt, (2, 3)).clamp_(min=0)
+        # fast_ghost_bound, over all layers at once: float32 passes over the Grams (their
+        # absolute values taken in place), float64 work on (L, N, T) rows only
         n2 = (na + c["floor_a"]).mul_(c["scale_a"])
         m2 = (ng + c["floor_g"]).mul_(c["scale_g"])
-        weighted = weighted_abs_sum(n2, ggt, m2, aat)
+        form = form_constants(T)
+        nu, slack = ghost_terms(aat, ggt, n2, m2, form)
         del aat, ggt
-        cross = (n2 * m2).sum(2)
-        slack = weighted.add_(cross.mul(c["inner"]).mul_(cross)).add_(4.0 * T * T * ETA64)
         bound = (nu + slack).mul_(1 + 2.0 ** -50)
-        ok = slack <= (LOOSE * nu).clamp_(min=NEGLIGIBLE)  # False for NaN and inf slacks
+        ok = tight(bound, slack, nu, loose_floor(T))  # False for non-finite bounds and slacks
         # certified_ghost with c_ν = 0: (√max(ν⁺, 0) + c_r M)² (an infinite or NaN M gives a
         # non-finite bound either way: the sample is dropped)
         block = _released(bound, c["c_rel"], mass)
@@ -182,30 +187,27 @@ class GhostBoundStack:
         T = layers[0].a.shape[1]
         rows: Dict[str, list] = {k: [] for k in (
             "fa", "ca", "fg", "cg", "mass_slack", "floor_a", "scale_a", "floor_g", "scale_g",
-            "inner", "c_rel")}
+            "c_rel")}
         for p in layers:
             D, P = p.a.shape[2], p.g.shape[2]
             tensor_core, eta = p.model
             wa, wg = D + p.bias, P
             ga, gg = gram_gamma(wa, tensor_core), gram_gamma(wg, tensor_core)
-            margin = _margin(T)
             rows["fa"].append(1 + gamma(D + 2, u32))
             rows["ca"].append((D * ETA32) ** 0.5)
             rows["fg"].append(1 + gamma(P + 2, u32))
             rows["cg"].append((P * ETA32) ** 0.5)
             rows["mass_slack"].append(1 + gamma(T + D + 4, u64))
             rows["floor_a"].append(math.sqrt(2 * wa * eta / ga))
-            rows["scale_a"].append(math.sqrt(ga * margin))
+            rows["scale_a"].append(weight_scale(ga, T))
             rows["floor_g"].append(math.sqrt(2 * wg * eta / gg))
-            rows["scale_g"].append(math.sqrt(gg * margin))
-            inner = gamma(T * T + 2, u64) * (1 + ga) * (1 + gg)
-            rows["inner"].append(1 + inner / (ga * gg))
+            rows["scale_g"].append(weight_scale(gg, T))
             rows["c_rel"].append(p.c_rel)
         out = {k: torch.tensor(v, dtype=torch.float64, device=device).reshape(-1, 1, 1)
                for k, v in rows.items() if k in ("fa", "ca", "fg", "cg", "floor_a", "scale_a",
                                                  "floor_g", "scale_g")}
         out.update({k: torch.tensor(rows[k], dtype=torch.float64, device=device).reshape(-1, 1)
-                    for k in ("mass_slack", "inner", "c_rel")})
+                    for k in ("mass_slack", "c_rel")})
         bias = [p.bias for p in layers]
         out["any_bias"] = any(bias)  # type: ignore[assignment]
         out["bias"] = torch.tensor(bias, device=device).reshape(-1, 1, 1)

@@ -38,26 +38,59 @@ The loss below the normal range is folded into ``γ``: with row norms raised to
 
 ``n'ᵀ|G̃|n'`` weighs each Gram entry by the row norms rather than ``M²``'s products of norms: for
 most honest layers it is a few times ``ν`` where ``M²`` is about ``T·ν``, which is what keeps the
-bound within 10⁻³ of the norm. The inner product is formed element-wise in float64 (no matmul;
-float32 products are exact there), the weighted sums as bilinear forms ``Σ_t n'_t Σ_s |G̃_ts| n'_s``
-row by row in float64; their own rounding is ``γ^{(64)}_{T²+2}·(1 + γ_a)(1 + γ_g)·M'²`` for
-``Σ Ã G̃`` (added) and a relative ``γ^{(64)}_{2T+1} ≤ γ^{(64)}_{T²+2}`` on the non-negative terms
-(a factor ``1 + 2·γ^{(64)}_{T²+8}`` on the slack covers it).
+bound within 10⁻³ of the norm.
 
-A sample whose bound is not finite (a value so large that a float32 Gram entry overflows) or loose
-(slack above ``LOOSE`` times the ghost norm) gets a second try, for that sample only: Grams formed
+The rest is float32 work on the ``(…, T, T)`` Grams and float64 work on ``(…, T)`` rows only
+(:func:`ghost_terms`; Higham 2002, §3.1, every sum in any order, ``η' = 2⁻¹²⁶`` the most one
+float32 product or sum loses below the normal range, results flushed to zero included; inputs
+below it are read as they are, as the Grams' own model assumes, not as zeros):
+
+* ``ν̃ = Σ_t r_t`` in float64 over float32 row dot products ``r_t = fl(Σ_s Ã_ts G̃_ts)``
+  (:func:`row_dots`): ``|r_t − Σ_s Ã_ts G̃_ts| ≤ γ_T·Σ_s |Ã_ts||G̃_ts| + 4T·η'`` (``T`` products
+  and ``T − 1`` additions, each loss carried through at most ``T`` roundings, ``(1 + γ_T) ≤ 2``),
+  and the float64 sum adds ``γ^{(64)}_T·Σ_t |r_t|``, so
+  ``|ν̃ − Σ Ã G̃| ≤ κ_T·Σ |Ã||G̃| + 8T²·η'`` with ``κ_T = γ_T + γ^{(64)}_T(1 + γ_T)``.
+  ``Σ |Ã||G̃|`` is formed the same way from the absolute values (:func:`row_dots` again, once the
+  weighted forms below have taken them in place): non-negative terms, so its computed value
+  ``S`` has ``Σ |Ã||G̃| ≤ ρ_T·(S + 4T²·η')`` and ``κ_T·Σ |Ã||G̃| ≤ κ_Tρ_T·S + 4T²·η'``.
+* the bilinear forms ``n'ᵀ|G̃|n'``, ``m'ᵀ|Ã|m'`` (:func:`weighted_form`): the absolute values
+  taken in place, ``y = |G̃| v + c`` by a float32 matrix–vector product and one float32 addition
+  of ``c = 8T·η'`` (element-wise products and a sum where a float32 matmul may round its
+  operands, :func:`.rounding.operand_unit`), with ``v = fl32(w) ≥ w`` (the float64 weights
+  ``w`` carry a factor ``1 + 2⁻²³``, and ``(1 + 2u)(1 − u)(1 − 2⁻⁵²) ≥ 1`` at ``u = 2⁻²⁴``
+  covers their float64 roundings and the one to float32), then ``W = Σ_t w_t y_t`` in float64.
+  Every term is non-negative: ``fl(Σ_s |G̃_ts| v_s) ≥ (1 − γ_T)·Σ_s |G̃_ts| v_s − 4T·η'``, so
+  ``y_t ≥ (1 − γ_{T+1})·Σ_s |G̃_ts| v_s`` (``c`` covers the loss, and the sum is normal), and the
+  float64 products and sum lose at most ``γ^{(64)}_T``: the exact form of the weights ``w`` is at
+  most ``ρ_T·W``, ``ρ_T = 1 + 2(γ_{T+1} + γ^{(64)}_T) ≥ 1/((1 − γ_{T+1})(1 − γ^{(64)}_T))``. The
+  weights carry ``√ρ_T`` (:func:`_floored`), so ``W`` itself is at least the exact form of the
+  weights without it. A weight or a product above float32's range gives ``inf`` (a non-finite
+  slack).
+
+So ``slack = W_G + W_A + κ_Tρ_T·S + (Σ_t n2_t m2_t)² + 12T²·η' + 4T²·2⁻¹⁰⁷⁴``
+(:func:`ghost_slack`) with ``W_G``, ``W_A`` the computed forms of the scaled weights
+``n2 = √(γ_a·margin·ρ_T)·n'``, ``m2 = √(γ_g·margin·ρ_T)·m'`` (:func:`_floored`; ``W_G`` is at
+least ``γ_a·margin`` times ``n'ᵀ|G̃|n'``).
+``margin = 1 + 2γ^{(64)}_{T²+8}`` (:func:`_margin`) covers the few float64 roundings of the
+slack's own assembly. The temporaries are float32 ``(…, T)`` rows and float64 ``(…, T)``
+weights — no float64 ``(…, T, T)`` tensor — and, where float32 matmuls may round their operands,
+one float32 ``(…, T, T)`` product at a time. A ``ν̃`` that is not finite is NaN, never clamped to
+0, and a bound that is not finite is never kept (:func:`tight`).
+
+A sample whose bound is not finite (a value so large that a float32 Gram entry, one of the row
+dot products or a weighted row overflows) or loose (slack above ``LOOSE`` times the ghost norm)
+gets a second try, for that sample only: Grams formed
 in blocks of ``CHUNK`` columns by float32 matmuls, the blocks' Grams summed in float64, which
 divides ``γ`` by ``width/CHUNK`` for the same float32 FLOPs (honest samples whose Gram of one side
 is nearly diagonal, e.g. image patches, while the other is dense, e.g. correlated gradients: the
 weighted sum ``nᵀ|G̃|n`` is then about ``T·ν``). A sample still loose (cancellation built into a
-crafted sample) gets the float64 Grams. On CUDA, where picking the samples would cost a host
-synchronisation per layer, there is no second try: a loose bound is kept as it is (it is an upper
-bound all the same) and a non-finite one stays non-finite (the engine drops that sample).
+crafted sample) gets the float64 Grams. Picking the samples costs one host synchronisation
+(:func:`refine`; one per step for the stacked layers), on every device.
 """
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 
@@ -159,12 +192,92 @@ def _margin(T: int) -> float:
 
 
 def _floored(norms: torch.Tensor, width: int, eta: float, g: float) -> torch.Tensor:
-    """``√(γ·margin)·(n + c)`` with ``γ·c² = 2·width·η``: row norms raised so that ``γ·n'_t n'_s``
-    also covers what a Gram entry of ``width`` products loses below the normal range
-    (``(n_t + c)(n_s + c) ≥ n_t n_s + c²``), and scaled so that their outer product carries
-    ``γ`` and the margin (:func:`_margin`)."""
-    margin = _margin(norms.shape[1])
-    return (norms + math.sqrt(2 * width * eta / g)).mul_(math.sqrt(g * margin))
+    """``weight_scale(γ, T)·(n + c)`` with ``γ·c² = 2·width·η``: row norms raised so that
+    ``γ·n'_t n'_s`` also covers what a Gram entry of ``width`` products loses below the normal
+    range (``(n_t + c)(n_s + c) ≥ n_t n_s + c²``), and scaled so that the weighted forms of them
+    carry ``γ``, the margin and the forms' own rounding (:func:`weight_scale`)."""
+    return (norms + math.sqrt(2 * width * eta / g)).mul_(weight_scale(g, norms.shape[-1]))
+
+
+def weight_scale(g: float, T: int) -> float:
+    """``√(γ·margin·ρ_T)·(1 + 2⁻²³)``: the factor of the floored row norms ``n'`` in the weights of
+    the slack's bilinear forms (module docstring; :func:`_margin`, :func:`form_constants`), the
+    last factor keeping their float32 rounding above ``√(γ·margin·ρ_T)·n'``."""
+    return math.sqrt(g * _margin(T) * form_constants(T).rho) * WEIGHT_RAISE
+
+
+#: the factor on the float64 weights that keeps their float32 rounding above the exact weight
+#: (:func:`weighted_form`)
+WEIGHT_RAISE = 1 + 2.0 ** -23
+#: the most one float32 product or addition loses below the normal range, flushed to zero or not
+FLUSH32 = 2.0 ** -126
+
+
+class FormConstants(NamedTuple):
+    """What the float32 arithmetic of the slack needs besides the layer's ``γ`` (module
+    docstring): ``rho = ρ_T``, ``kappa = κ_T``, the float32 term ``row_loss = 8T·η'`` added to
+    each row of a weighted form and ``absolute = 12T²·η' + 4T²·2⁻¹⁰⁷⁴``."""
+
+    rho: float
+    kappa: float
+    row_loss: float
+    absolute: float
+
+
+def form_constants(T: int) -> FormConstants:
+    """:class:`FormConstants` for ``T`` positions (Higham 2002, §3.1): ``ρ_T = 1 + 2(γ_{T+1} +
+    γ^{(64)}_T)``, ``κ_T = γ_T + γ^{(64)}_T(1 + γ_T)`` (``γ`` at ``u = 2⁻²⁴``)."""
+    u32, u64 = unit_roundoff(torch.float32), unit_roundoff(torch.float64)
+    g32 = gamma(T, u32)
+    return FormConstants(rho=1 + 2 * (gamma(T + 1, u32) + gamma(T, u64)),
+                         kappa=g32 + gamma(T, u64) * (1 + g32),
+                         row_loss=8.0 * T * FLUSH32,
+                         absolute=12.0 * T * T * FLUSH32 + 4.0 * T * T * ETA64)
+
+
+def ieee_matmul(device: torch.device) -> bool:
+    """Whether float32 matmuls on ``device`` keep their operands in float32
+    (:func:`.rounding.operand_unit` is 0: no TF32, no implicit bfloat16)."""
+    return operand_unit(torch.float32, device) == 0.0
+
+
+def row_dots(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``ν̃ = Σ_t fl32(Σ_s x_ts y_ts)`` over the last two dimensions of float32 ``x``, ``y``: the
+    row dot products in float32 — one batched matmul of ``1 × T`` rows by ``T × 1`` columns where
+    float32 matmuls are IEEE (:func:`ieee_matmul`), else element-wise products and a sum — and
+    their sum in float64. Rounding: the module docstring (``κ_T`` and ``8T²·η'``); a product
+    above float32's range gives ``inf`` or NaN."""
+    if ieee_matmul(x.device):
+        rows = torch.matmul(x.unsqueeze(-2), y.unsqueeze(-1)).squeeze(-1).squeeze(-1)
+    else:
+        rows = torch.mul(x, y).sum(-1)
+    return rows.sum(-1, dtype=torch.float64)
+
+
+def weighted_form(X: torch.Tensor, w: torch.Tensor, row_loss: float) -> torch.Tensor:
+    """``W = Σ_t w_t·fl32(Σ_s |X_ts|·v_s + row_loss)`` in float64 for a float32 ``X`` (its absolute
+    value taken *in place*: the caller's temporary), float64 weights ``w ≥ 0`` from
+    :func:`_floored` and ``v = fl32(w)``: the row sums by one batched float32 matrix–vector
+    product (element-wise products and a sum where matmuls may round float32 operands), the
+    products by ``w`` widened to float64 inside one multiplication. ``ρ_T·W`` is at least
+    ``Σ_{t,s} w_t|X_ts|w_s`` (module docstring); ``inf`` or NaN where a weight, a product or a
+    row leaves float32's range, or ``X`` is not finite."""
+    v = w.float()
+    X = X.abs_()
+    if ieee_matmul(X.device):
+        rows = torch.matmul(X, v.unsqueeze(-1)).squeeze(-1)
+    else:
+        rows = torch.mul(X, v.unsqueeze(-2)).sum(-1)
+    return torch.mul(rows.add_(row_loss), w).sum(-1)
+
+
+def ghost_slack(wg: torch.Tensor, wa: torch.Tensor, cross: torch.Tensor, mag: torch.Tensor,
+                c: FormConstants) -> torch.Tensor:
+    """``W_G + W_A + κ_Tρ_T·S + cross² + absolute`` (module docstring) from the weighted forms
+    ``W_G``, ``W_A`` (:func:`weighted_form`), ``S`` the computed ``Σ |Ã||G̃|`` (:func:`row_dots` of
+    the absolute values) and ``cross = Σ_t n2_t m2_t``; NaN or ``inf`` when any of them is."""
+    return torch.add(wg, wa).add_(mag, alpha=c.kappa * c.rho).addcmul_(cross, cross).add_(
+        c.absolute)
 
 
 def _outer(v: torch.Tensor) -> torch.Tensor:
@@ -218,36 +331,66 @@ def fast_ghost_bound(a: torch.Tensor, g: torch.Tensor, bias: bool, na: torch.Ten
     Grams formed in float32 (module docstring), ``(max(ν̃, 0) + slack)·(1 + 2⁻⁵⁰)`` (the last
     factor: the float64 addition), the slack, and the computed ghost norm ``max(ν̃, 0)``.
 
+    One float32 Gram per side: :func:`ghost_terms` (``ν̃`` by float32 row dot products, the slack
+    from float32 matrix–vector products, :func:`ghost_slack`). With ``chunk`` (the second try):
+    Grams formed in blocks of that many columns whose float32 Grams are summed in float64
+    (:func:`gram_gamma`: a bound ``width/chunk`` times tighter, for the same float32 FLOPs), their
+    inner product and weighted forms in float64 (:func:`inner64`, :func:`weighted_abs_sum`),
     ``slack = γ_a·n'ᵀ|G̃|n' + γ_g·m'ᵀ|Ã|m' + (γ_aγ_g + γ^{(64)}_{T²+2}(1 + γ_a)(1 + γ_g))·M'²``
-    (times :func:`_margin`, plus ``4T²·2⁻¹⁰⁷⁴``) with the row norms raised by the underflow floor
-    (:func:`_floored`: ``U`` of the module docstring folded into ``γ``) and ``M' = Σ_t n'_t m'_t``.
+    (times :func:`_margin`, plus ``4T²·2⁻¹⁰⁷⁴``).
 
     ``a: (N, T, D)``, ``g: (N, T, p)`` of one non-float64 dtype; ``na``, ``ng``: float64 ``(N, T)``
-    upper bounds of ``‖ã_t‖`` (bias column included) and ``‖g_t‖``. ``chunk``: Grams formed in
-    blocks of that many columns whose float32 Grams are summed in float64
-    (:func:`gram_gamma`: a bound ``width/chunk`` times tighter, for the same float32 FLOPs)."""
+    upper bounds of ``‖ã_t‖`` (bias column included) and ``‖g_t‖``, raised by the underflow floor
+    (:func:`_floored`: ``U`` of the module docstring folded into ``γ``)."""
     T = a.shape[1]
     wa, wg = a.shape[2] + bias, g.shape[2]
     ga, gg = gram_gamma(wa, tensor_core, chunk), gram_gamma(wg, tensor_core, chunk)
+    n2, m2 = _floored(na, wa, eta, ga), _floored(ng, wg, eta, gg)
     if chunk is None:
         aat, ggt = _gram32(a), _gram32(g)
         if bias:
             aat.add_(1)  # one more float32 addition: the w_a-th term of the sum
-    else:
-        aat, ggt = _gram_chunked(a, chunk), _gram_chunked(g, chunk)
-        if bias:
-            aat.add_(1)  # one more float64 addition
-    # one reduction of T² products (exact for float32 Grams, rounded once for blocked ones)
+        nu, slack = ghost_terms(aat, ggt, n2, m2, form_constants(T))
+        return (nu + slack).mul_(1 + 2.0 ** -50), slack, nu
+    aat, ggt = _gram_chunked(a, chunk), _gram_chunked(g, chunk)
+    if bias:
+        aat.add_(1)  # one more float64 addition
+    # one reduction of T² products (rounded once for the blocked float64 Grams)
     nu = inner64(aat, ggt, (1, 2)).clamp_(min=0)
-    n2, m2 = _floored(na, wa, eta, ga), _floored(ng, wg, eta, gg)
     weighted = weighted_abs_sum(n2, ggt, m2, aat)
     del aat, ggt
     inner = gamma(T * T + 2, unit_roundoff(torch.float64)) * (1 + ga) * (1 + gg)
-    # (Σ n2·m2)² = γ_aγ_g·margin²·M'²
+    # (Σ n2·m2)² ≥ γ_aγ_g·margin²·M'²
     cross = (n2 * m2).sum(1)
     slack = torch.addcmul(weighted, cross, cross, value=1 + inner / (ga * gg)).add_(
         4.0 * T * T * ETA64)
     return (nu + slack).mul_(1 + 2.0 ** -50), slack, nu
+
+
+def grow_of(g: float, c: FormConstants) -> float:
+    """``1 + κ_T·(1 + γ)/γ``: the factor of a weighted form (of weights carrying ``γ``) that also
+    bounds the rounding of row sums of the Gram it weighs (:func:`certified_token_ghost_sq`)."""
+    return 1 + c.kappa * (1 + g) / g
+
+
+def ghost_terms(aat: torch.Tensor, ggt: torch.Tensor, n2: torch.Tensor, m2: torch.Tensor,
+                c: FormConstants) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(max(ν̃, 0), slack)`` over the last two dimensions of the float32 Grams ``aat``, ``ggt``
+    (``(…, T, T)``; their absolute values are taken *in place*: temporaries of the caller) with
+    the scaled weights ``n2``, ``m2`` (:func:`_floored`, ``(…, T)`` float64): ``ν̃`` by
+    :func:`row_dots`, the weighted forms (:func:`weighted_form`), ``Σ |Ã||G̃|`` by :func:`row_dots`
+    of the absolute values, and :func:`ghost_slack`. Float32 passes over the Grams: two row dot
+    products (matmuls, or element-wise products and sums), two absolute values, two
+    matrix–vector products; nothing of ``(…, T, T)`` in float64. A ``ν̃`` that is not finite (row
+    dot products that overflowed, with either sign) is returned as NaN, never clamped to 0: the
+    sample's bound is then NaN and it gets its second try (:func:`refine`)."""
+    nu = torch.nan_to_num(row_dots(aat, ggt), nan=math.nan, posinf=math.nan,
+                          neginf=math.nan).clamp_(min=0)
+    wg = weighted_form(ggt, n2, c.row_loss)
+    wa = weighted_form(aat, m2, c.row_loss)
+    mag = row_dots(aat, ggt)  # Σ |Ã||G̃|: both are absolute values now
+    cross = (n2 * m2).sum(-1)
+    return nu, ghost_slack(wg, wa, cross, mag, c)
 
 
 def float64_ghost_bound(a: torch.Tensor, g: torch.Tensor, bias: bool,
@@ -273,7 +416,15 @@ def certified_ghost_sq(a: torch.Tensor, g: torch.Tensor, bias: bool, na: torch.T
     if model is None or a.shape[1] == 1:
         return None
     bound, slack, nu = fast_ghost_bound(a, g, bias, na, ng, *model)
-    return refine(bound, slack, nu, lambda idx: second_try(a, g, bias, na, ng, model, idx))
+    return refine(bound, slack, nu, lambda idx: second_try(a, g, bias, na, ng, model, idx),
+                  loose_floor(a.shape[1]))
+
+
+def loose_floor(T: int) -> float:
+    """The slack below which a fast bound of ``T`` positions is kept, loose or not:
+    ``NEGLIGIBLE`` plus the absolute terms of the float32 arithmetic (:func:`form_constants`),
+    which a zero or tiny gradient gets whatever its value."""
+    return NEGLIGIBLE + form_constants(T).absolute
 
 
 def exact_ghost_bound(a: torch.Tensor, g: torch.Tensor, bias: bool, na: torch.Tensor,
@@ -297,17 +448,27 @@ def second_try(a: torch.Tensor, g: torch.Tensor, bias: bool, na: torch.Tensor,
     return refine(b2, s2, n2, lambda j: exact_ghost_bound(a, g, bias, na, ng, idx[j]))
 
 
-def refine(bound: torch.Tensor, slack: torch.Tensor, nu: torch.Tensor, exact) -> torch.Tensor:
+def refine(bound: torch.Tensor, slack: torch.Tensor, nu: torch.Tensor, exact,
+           floor: float = NEGLIGIBLE) -> torch.Tensor:
     """``bound`` with the samples whose fast bound is not finite or loose (``slack > LOOSE·ν̃`` and
-    above ``NEGLIGIBLE``) replaced by ``exact(indices)`` (a tighter try), on every device: one host
-    synchronisation reads whether any is. A loose bound is an upper bound all the same, but under
-    the pessimistic tensor-core model of 16-bit CUDA Grams an honest sample's fast bound can be
-    several times 10⁻³ above its norm; the tighter try keeps it within about 5·10⁻⁴."""
-    ok = slack <= (LOOSE * nu).clamp_(min=NEGLIGIBLE)  # False for NaN and inf slacks
+    above ``floor``, by default ``NEGLIGIBLE``) replaced by ``exact(indices)`` (a tighter try), on
+    every device: one host synchronisation reads whether any is. A loose bound is an upper bound
+    all the same, but under the pessimistic tensor-core model of 16-bit CUDA Grams an honest
+    sample's fast bound can be several times 10⁻³ above its norm; the tighter try keeps it within
+    about 5·10⁻⁴. A non-finite bound (a float32 product or weighted row that overflowed where the
+    float64 Grams of the tighter try do not) is never kept."""
+    ok = tight(bound, slack, nu, floor)
     if bool(ok.all()):
         return bound
     idx = (~ok).nonzero().squeeze(1)
     return bound.index_put((idx,), exact(idx))
+
+
+def tight(bound: torch.Tensor, slack: torch.Tensor, nu: torch.Tensor,
+          floor: float = NEGLIGIBLE) -> torch.Tensor:
+    """Which fast bounds are kept: finite, with ``slack ≤ max(LOOSE·ν̃, floor)`` (False for NaN
+    and infinite slacks)."""
+    return (slack <= (LOOSE * nu).clamp_(min=floor)).logical_and_(bound < math.inf)
 
 
 @without_autocast
@@ -315,24 +476,28 @@ def certified_token_ghost_sq(ids: torch.Tensor, g: torch.Tensor,
                              ng: torch.Tensor) -> Optional[torch.Tensor]:
     """A float64 upper bound ``(N,)`` of an embedding's ghost norm ``ν = Σ_{t,s} 1[x_t = x_s]·G_ts``
     (``ids: (N, T)`` token ids, ``g: (N, T, p)``, ``ng`` float64 upper bounds of ``‖g_t‖``) from
-    the Gram ``G̃ = g gᵀ`` formed in float32: the token-equality side is exact, so
-    ``|ν − Σ S G̃| ≤ γ_p·m'ᵀ S m'`` (module docstring; ``m'`` the row norms raised by the underflow
-    floor, :func:`_floored`), plus the float64 sum's ``γ^{(64)}_{T²+2}(1 + γ_p)(Σ_t m'_t)²``; the
-    float64 Gram for the samples whose bound is loose or not finite; None when ``g`` has
-    no fast path."""
+    the Gram ``G̃ = g gᵀ`` formed in float32; the float64 Gram for the samples whose bound is
+    loose or not finite; None when ``g`` has no fast path.
+
+    The token-equality side ``S`` is exact, so ``|ν − Σ S G̃| ≤ γ_p·m'ᵀ S m'`` (module docstring;
+    ``m'`` the row norms raised by the underflow floor, :func:`_floored`). ``G̃`` masked by ``S``
+    in place (a product by 1 or 0: exact), ``ν̃`` its float32 row sums summed in float64 (within
+    ``κ_T·Σ S|G̃| + 8T²·η'`` of ``Σ S G̃``, and ``Σ S|G̃| ≤ (1 + γ_p)·m'ᵀ S m'``), and the form
+    ``W = m2ᵀ S m2`` by :func:`weighted_form` of ``S`` as float32 (at least ``γ_p·margin`` times
+    ``m'ᵀ S m'``): ``slack = W·(1 + κ_g) + 8T²·η' + 4T²·2⁻¹⁰⁷⁴``, ``κ_g = κ_T(1 + γ_p)/γ_p``."""
     model = fast_gram_model(g)
     T, p = g.shape[1], g.shape[2]
     if model is None or T == 1:
         return None
     tensor_core, eta = model
     gg = gram_gamma(p, tensor_core)
-    same = ids.unsqueeze(2) == ids.unsqueeze(1)  # bool: a product by 1 or 0 in float64, exact
-    nu = _gram32(g).double().mul_(same).sum((1, 2)).clamp_(min=0)
+    c = form_constants(T)
+    same = ids.unsqueeze(2) == ids.unsqueeze(1)
+    raw = _gram32(g).mul_(same).sum(-1).sum(-1, dtype=torch.float64)
+    nu = torch.nan_to_num(raw, nan=math.nan, posinf=math.nan, neginf=math.nan).clamp_(min=0)
     m2 = _floored(ng, p, eta, gg)
-    weighted = _outer(m2).mul_(same).sum((1, 2))
-    inner = gamma(T * T + 2, unit_roundoff(torch.float64)) * (1 + gg)
-    cross = m2.sum(1)  # √(γ_g·margin)·Σ_t m'_t
-    slack = torch.addcmul(weighted, cross, cross, value=inner / gg).add_(4.0 * T * T * ETA64)
+    weighted = weighted_form(same.float(), m2, c.row_loss)
+    slack = weighted.mul_(grow_of(gg, c)).add_(c.absolute)
     bound = (nu + slack).mul_(1 + 2.0 ** -50)
 
     def exact(idx: torch.Tensor) -> torch.Tensor:
@@ -342,4 +507,4 @@ def certified_token_ghost_sq(ids: torch.Tensor, g: torch.Tensor,
         c_nu = gram_coefficient(1, p, T, unit_roundoff(torch.float64))
         return nu64.clamp(min=0) + c_nu * m * m
 
-    return refine(bound, slack, nu, exact)
+    return refine(bound, slack, nu, exact, loose_floor(T))
