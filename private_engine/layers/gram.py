@@ -16,7 +16,8 @@ Cauchy–Schwarz with ``n_t ≥ ‖ã_t‖``; ``η`` the absolute loss of a prod
 
 * float32 operands on the CPU, and 16-bit operands widened to float32 there: products and sums
   rounded to nearest (or fused), ``u = 2⁻²⁴``, ``γ_w`` covering both (Higham 2002, eq. 3.5),
-  ``η = 2⁻¹⁴⁹``; float32 on CUDA when TF32 is off likewise.
+  ``η = 2⁻¹²⁶`` (what a product or sum below the normal range loses, flushed to zero or not:
+  :data:`.rounding.ETA32`); float32 on CUDA when TF32 is off likewise.
 * 16-bit operands on CUDA (tensor cores), the pessimistic model of Fasi, Higham, Mikaitis &
   Pranesh 2021, "Numerical behavior of NVIDIA tensor cores": products exact; each block of ``b``
   products is added to the float32 accumulator with the significands aligned to the largest
@@ -42,8 +43,8 @@ bound within 10⁻³ of the norm.
 
 The rest is float32 work on the ``(…, T, T)`` Grams and float64 work on ``(…, T)`` rows only
 (:func:`ghost_terms`; Higham 2002, §3.1, every sum in any order, ``η' = 2⁻¹²⁶`` the most one
-float32 product or sum loses below the normal range, results flushed to zero included; inputs
-below it are read as they are, as the Grams' own model assumes, not as zeros):
+float32 product or sum loses below the normal range, results flushed to zero included, as in
+the Grams' own model):
 
 * ``ν̃ = Σ_t r_t`` in float64 over float32 row dot products ``r_t = fl(Σ_s Ã_ts G̃_ts)``
   (:func:`row_dots`): ``|r_t − Σ_s Ã_ts G̃_ts| ≤ γ_T·Σ_s |Ã_ts||G̃_ts| + 4T·η'`` (``T`` products
@@ -67,7 +68,7 @@ below it are read as they are, as the Grams' own model assumes, not as zeros):
   weights without it. A weight or a product above float32's range gives ``inf`` (a non-finite
   slack).
 
-So ``slack = W_G + W_A + κ_Tρ_T·S + (Σ_t n2_t m2_t)² + 12T²·η' + 4T²·2⁻¹⁰⁷⁴``
+So ``slack = W_G + W_A + κ_Tρ_T·S + (Σ_t n2_t m2_t)² + 12T²·η' + 4T²·2⁻¹⁰²²``
 (:func:`ghost_slack`) with ``W_G``, ``W_A`` the computed forms of the scaled weights
 ``n2 = √(γ_a·margin·ρ_T)·n'``, ``m2 = √(γ_g·margin·ρ_T)·m'`` (:func:`_floored`; ``W_G`` is at
 least ``γ_a·margin`` times ``n'ᵀ|G̃|n'``).
@@ -108,10 +109,11 @@ from .rounding import (
 #: the slack above which a fast bound is computed again (blocked Grams, then float64 Grams): 2⁻¹⁰
 #: of ``ν`` (a squared norm), so a kept fast bound is within 5·10⁻⁴ of the norm
 LOOSE = 2.0 ** -10
-#: a slack below this (a squared norm of 8·10⁻³¹) is not worth a second try, loose or not: a sample
+#: a slack below this (a squared norm of 8·10⁻²²) is not worth a second try, loose or not: a sample
 #: whose gradient at the layer is zero or tiny, whose slack is the underflow terms of float32
-#: (about ``2⁻¹⁴⁹·T²·w``)
-NEGLIGIBLE = 2.0 ** -100
+#: (the row-norm floors of :func:`_floored`: about ``2⁻¹²⁶·T²·w`` times the other side's Gram
+#: entries, 10⁻³⁰ to 10⁻²⁹ for a zero gradient beside ordinary activations)
+NEGLIGIBLE = 2.0 ** -70
 #: columns per block of the second try's Grams (:func:`_gram_chunked`)
 CHUNK = 64
 #: unit roundoff of the pessimistic tensor-core accumulation (truncation, float32)
@@ -216,7 +218,7 @@ FLUSH32 = 2.0 ** -126
 class FormConstants(NamedTuple):
     """What the float32 arithmetic of the slack needs besides the layer's ``γ`` (module
     docstring): ``rho = ρ_T``, ``kappa = κ_T``, the float32 term ``row_loss = 8T·η'`` added to
-    each row of a weighted form and ``absolute = 12T²·η' + 4T²·2⁻¹⁰⁷⁴``."""
+    each row of a weighted form and ``absolute = 12T²·η' + 4T²·2⁻¹⁰²²``."""
 
     rho: float
     kappa: float
@@ -337,7 +339,7 @@ def fast_ghost_bound(a: torch.Tensor, g: torch.Tensor, bias: bool, na: torch.Ten
     (:func:`gram_gamma`: a bound ``width/chunk`` times tighter, for the same float32 FLOPs), their
     inner product and weighted forms in float64 (:func:`inner64`, :func:`weighted_abs_sum`),
     ``slack = γ_a·n'ᵀ|G̃|n' + γ_g·m'ᵀ|Ã|m' + (γ_aγ_g + γ^{(64)}_{T²+2}(1 + γ_a)(1 + γ_g))·M'²``
-    (times :func:`_margin`, plus ``4T²·2⁻¹⁰⁷⁴``).
+    (times :func:`_margin`, plus ``4T²·2⁻¹⁰²²``).
 
     ``a: (N, T, D)``, ``g: (N, T, p)`` of one non-float64 dtype; ``na``, ``ng``: float64 ``(N, T)``
     upper bounds of ``‖ã_t‖`` (bias column included) and ``‖g_t‖``, raised by the underflow floor
@@ -484,7 +486,7 @@ def certified_token_ghost_sq(ids: torch.Tensor, g: torch.Tensor,
     in place (a product by 1 or 0: exact), ``ν̃`` its float32 row sums summed in float64 (within
     ``κ_T·Σ S|G̃| + 8T²·η'`` of ``Σ S G̃``, and ``Σ S|G̃| ≤ (1 + γ_p)·m'ᵀ S m'``), and the form
     ``W = m2ᵀ S m2`` by :func:`weighted_form` of ``S`` as float32 (at least ``γ_p·margin`` times
-    ``m'ᵀ S m'``): ``slack = W·(1 + κ_g) + 8T²·η' + 4T²·2⁻¹⁰⁷⁴``, ``κ_g = κ_T(1 + γ_p)/γ_p``."""
+    ``m'ᵀ S m'``): ``slack = W·(1 + κ_g) + 8T²·η' + 4T²·2⁻¹⁰²²``, ``κ_g = κ_T(1 + γ_p)/γ_p``."""
     model = fast_gram_model(g)
     T, p = g.shape[1], g.shape[2]
     if model is None or T == 1:
