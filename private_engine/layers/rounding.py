@@ -233,8 +233,8 @@ def norm_sq64(t: torch.Tensor) -> torch.Tensor:
     the time): the squares of each block of ``SQUARE_BLOCK`` consecutive elements are summed in
     float32 — positive terms, so the block's norm is exact to ``(1 + γ_L)(1 + u)`` whatever the
     order — and the blocks' squared norms are summed in float64; the result is raised by that factor
-    and by ``n·2⁻¹²⁶`` for squares below float32's normal range (``ETA32``). A value so large that its square
-    overflows float32 (|x| > 1.8e19) gives ``inf``: the engine then drops the sample."""
+    and by ``n·2⁻¹²⁶`` for squares below float32's normal range (``ETA32``). A value so large that
+    its square overflows float32 (|x| > 1.8e19) gives ``inf``: the engine then drops the sample."""
     B = t.shape[0]
     flat = t.reshape(B, -1)
     n = flat.shape[1]
