@@ -217,6 +217,9 @@ LONG_MODULES = {
     "table that registers them by op",
     "private_engine.guards.batch_flow.mode": "BatchFlow, the TorchDispatchMode: dispatch, tags, "
     "writes and the backward's roots share the mode's state",
+    "private_engine.layers.gram": "one error analysis of fast Grams (about 100 lines of module "
+    "docstring) that the fast bound, its float32 slack, the second try and the token bound all "
+    "follow term by term",
 }
 
 
