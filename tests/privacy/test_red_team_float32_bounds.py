@@ -21,6 +21,7 @@ from fractions import Fraction
 
 import pytest
 import torch
+from test_red_team_bound_movement import exact_sq
 from torch import nn
 
 from private_engine.layers import gram
@@ -39,19 +40,6 @@ def branch(request, monkeypatch):
     if request.param == "elementwise":
         monkeypatch.setattr(gram, "ieee_matmul", lambda device: False)
     return request.param
-
-
-def exact_sq(a: torch.Tensor, g: torch.Tensor, bias: bool) -> list:
-    """``‖Σ_t g_t ã_tᵀ‖²_F`` per sample as exact rationals of the float values of ``a``, ``g``."""
-    out = []
-    for ai, gi in zip(a.double().tolist(), g.double().tolist()):
-        if bias:
-            ai = [row + [1.0] for row in ai]
-        fa = [[Fraction(v) for v in row] for row in ai]
-        fg = [[Fraction(v) for v in row] for row in gi]
-        out.append(sum(sum(fg[t][p] * fa[t][d] for t in range(len(fa))) ** 2
-                       for p in range(len(fg[0])) for d in range(len(fa[0]))))
-    return out
 
 
 def craft(kind: str, N: int = 3, T: int = 4, D: int = 6, P: int = 5, seed: int = 0):
