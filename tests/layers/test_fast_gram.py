@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from engine_checks import gen_for
+from private_engine.layers import gram
 from private_engine.layers.gram import certified_ghost_sq, fast_ghost_bound
 from private_engine.layers.rounding import pair_norms
 
@@ -134,3 +135,22 @@ def test_blocked_gram_gamma_is_the_block_s_plus_the_float64_sum():
     assert gram_gamma(768, False) == gamma(768, u32)
     assert gram_gamma(768, False, 64) == gamma(64, u32) + 2 * gamma(13, u64)
     assert gram_gamma(769, False, 64) == gamma(64, u32) + 2 * gamma(14, u64)
+
+
+def test_second_try_grams_are_formed_a_few_blocks_at_a_time(monkeypatch):
+    """The blocked Grams of a wide operand (21 blocks of 64 columns, the last one padded) are
+    formed ``BLOCKS_AT_ONCE`` blocks per matmul, not all at once, and their float64 sum stays
+    within ``gram_gamma(w, chunk)·‖t_t‖‖t_s‖`` of the exact Gram."""
+    t = torch.randn(3, 5, 64 * 20 + 7, generator=torch.Generator().manual_seed(0))
+    batches = []
+    own = gram._gram32
+    monkeypatch.setattr(gram, "_gram32",
+                        lambda x, rows=None: batches.append(x.shape[0]) or own(x, rows))
+    got = gram._gram_chunked(t, gram.CHUNK)
+    assert batches == [3 * gram.BLOCKS_AT_ONCE, 3 * gram.BLOCKS_AT_ONCE, 3 * 5]
+    t64 = t.double()
+    exact = torch.bmm(t64, t64.transpose(1, 2))
+    norms = t64.norm(dim=2)
+    gamma = gram.gram_gamma(t.shape[2], False, gram.CHUNK)
+    allowed = gamma * norms.unsqueeze(2) * norms.unsqueeze(1)
+    assert bool(((got - exact).abs() <= allowed).all())
