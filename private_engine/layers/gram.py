@@ -90,6 +90,7 @@ crafted sample) gets the float64 Grams. Picking the samples costs one host synch
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple, Optional, Tuple
 
@@ -225,8 +226,6 @@ def weight_scale(g: float, T: int) -> float:
 #: the factor on the float64 weights that keeps their float32 rounding above the exact weight
 #: (:func:`weighted_form`)
 WEIGHT_RAISE = 1 + 2.0 ** -23
-#: the most one float32 product or addition loses below the normal range, flushed to zero or not
-FLUSH32 = 2.0 ** -126
 
 
 class FormConstants(NamedTuple):
@@ -240,6 +239,7 @@ class FormConstants(NamedTuple):
     absolute: float
 
 
+@functools.lru_cache(maxsize=64)
 def form_constants(T: int) -> FormConstants:
     """:class:`FormConstants` for ``T`` positions (Higham 2002, §3.1): ``ρ_T = 1 + 2(γ_{T+1} +
     γ^{(64)}_T)``, ``κ_T = γ_T + γ^{(64)}_T(1 + γ_T)`` (``γ`` at ``u = 2⁻²⁴``)."""
@@ -247,8 +247,8 @@ def form_constants(T: int) -> FormConstants:
     g32 = gamma(T, u32)
     return FormConstants(rho=1 + 2 * (gamma(T + 1, u32) + gamma(T, u64)),
                          kappa=g32 + gamma(T, u64) * (1 + g32),
-                         row_loss=8.0 * T * FLUSH32,
-                         absolute=12.0 * T * T * FLUSH32 + 4.0 * T * T * ETA64)
+                         row_loss=8.0 * T * ETA32,
+                         absolute=12.0 * T * T * ETA32 + 4.0 * T * T * ETA64)
 
 
 def ieee_matmul(device: torch.device) -> bool:
@@ -257,30 +257,32 @@ def ieee_matmul(device: torch.device) -> bool:
     return operand_unit(torch.float32, device) == 0.0
 
 
-def row_dots(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def row_dots(x: torch.Tensor, y: torch.Tensor, ieee: Optional[bool] = None) -> torch.Tensor:
     """``ν̃ = Σ_t fl32(Σ_s x_ts y_ts)`` over the last two dimensions of float32 ``x``, ``y``: the
     row dot products in float32 — one batched matmul of ``1 × T`` rows by ``T × 1`` columns where
     float32 matmuls are IEEE (:func:`ieee_matmul`), else element-wise products and a sum — and
     their sum in float64. Rounding: the module docstring (``κ_T`` and ``8T²·η'``); a product
-    above float32's range gives ``inf`` or NaN."""
-    if ieee_matmul(x.device):
+    above float32's range gives ``inf`` or NaN. ``ieee``: :func:`ieee_matmul` as the caller read
+    it (read here when None)."""
+    if ieee_matmul(x.device) if ieee is None else ieee:
         rows = torch.matmul(x.unsqueeze(-2), y.unsqueeze(-1)).squeeze(-1).squeeze(-1)
     else:
         rows = torch.mul(x, y).sum(-1)
     return rows.sum(-1, dtype=torch.float64)
 
 
-def weighted_form(X: torch.Tensor, w: torch.Tensor, row_loss: float) -> torch.Tensor:
+def weighted_form(X: torch.Tensor, w: torch.Tensor, row_loss: float,
+                  ieee: Optional[bool] = None) -> torch.Tensor:
     """``W = Σ_t w_t·fl32(Σ_s |X_ts|·v_s + row_loss)`` in float64 for a float32 ``X`` (its absolute
     value taken *in place*: the caller's temporary), float64 weights ``w ≥ 0`` from
     :func:`_floored` and ``v = fl32(w)``: the row sums by one batched float32 matrix–vector
     product (element-wise products and a sum where matmuls may round float32 operands), the
     products by ``w`` widened to float64 inside one multiplication. ``ρ_T·W`` is at least
     ``Σ_{t,s} w_t|X_ts|w_s`` (module docstring); ``inf`` or NaN where a weight, a product or a
-    row leaves float32's range, or ``X`` is not finite."""
+    row leaves float32's range, or ``X`` is not finite. ``ieee``: as for :func:`row_dots`."""
     v = w.float()
     X = X.abs_()
-    if ieee_matmul(X.device):
+    if ieee_matmul(X.device) if ieee is None else ieee:
         rows = torch.matmul(X, v.unsqueeze(-1)).squeeze(-1)
     else:
         rows = torch.mul(X, v.unsqueeze(-2)).sum(-1)
@@ -294,11 +296,6 @@ def ghost_slack(wg: torch.Tensor, wa: torch.Tensor, cross: torch.Tensor, mag: to
     the absolute values) and ``cross = Σ_t n2_t m2_t``; NaN or ``inf`` when any of them is."""
     return torch.add(wg, wa).add_(mag, alpha=c.kappa * c.rho).addcmul_(cross, cross).add_(
         c.absolute)
-
-
-def _outer(v: torch.Tensor) -> torch.Tensor:
-    """``v vᵀ`` per sample, element-wise: ``(N, T) -> (N, T, T)``."""
-    return v.unsqueeze(2) * v.unsqueeze(1)
 
 
 def inner64(x: torch.Tensor, y: torch.Tensor, dims: Tuple[int, ...]) -> torch.Tensor:
@@ -400,13 +397,19 @@ def ghost_terms(aat: torch.Tensor, ggt: torch.Tensor, n2: torch.Tensor, m2: torc
     matrix–vector products; nothing of ``(…, T, T)`` in float64. A ``ν̃`` that is not finite (row
     dot products that overflowed, with either sign) is returned as NaN, never clamped to 0: the
     sample's bound is then NaN and it gets its second try (:func:`refine`)."""
-    nu = torch.nan_to_num(row_dots(aat, ggt), nan=math.nan, posinf=math.nan,
-                          neginf=math.nan).clamp_(min=0)
-    wg = weighted_form(ggt, n2, c.row_loss)
-    wa = weighted_form(aat, m2, c.row_loss)
-    mag = row_dots(aat, ggt)  # Σ |Ã||G̃|: both are absolute values now
+    ieee = ieee_matmul(aat.device)  # the precision switches, read once for the four passes
+    nu = _nonnegative_or_nan(row_dots(aat, ggt, ieee))
+    wg = weighted_form(ggt, n2, c.row_loss, ieee)
+    wa = weighted_form(aat, m2, c.row_loss, ieee)
+    mag = row_dots(aat, ggt, ieee)  # Σ |Ã||G̃|: both are absolute values now
     cross = (n2 * m2).sum(-1)
     return nu, ghost_slack(wg, wa, cross, mag, c)
+
+
+def _nonnegative_or_nan(x: torch.Tensor) -> torch.Tensor:
+    """``max(x, 0)`` for finite ``x``; NaN for ``±inf`` and NaN (a computed ghost norm that
+    overflowed is never clamped to 0 or kept as ``inf``: :func:`tight` then refuses it)."""
+    return torch.nan_to_num(x, nan=math.nan, posinf=math.nan, neginf=math.nan).clamp_(min=0)
 
 
 def float64_ghost_bound(a: torch.Tensor, g: torch.Tensor, bias: bool,
@@ -510,7 +513,7 @@ def certified_token_ghost_sq(ids: torch.Tensor, g: torch.Tensor,
     c = form_constants(T)
     same = ids.unsqueeze(2) == ids.unsqueeze(1)
     raw = _gram32(g).mul_(same).sum(-1).sum(-1, dtype=torch.float64)
-    nu = torch.nan_to_num(raw, nan=math.nan, posinf=math.nan, neginf=math.nan).clamp_(min=0)
+    nu = _nonnegative_or_nan(raw)
     m2 = _floored(ng, p, eta, gg)
     weighted = weighted_form(same.float(), m2, c.row_loss)
     slack = weighted.mul_(grow_of(gg, c)).add_(c.absolute)

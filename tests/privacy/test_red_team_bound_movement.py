@@ -74,6 +74,11 @@ def reduction(request, monkeypatch):
     return request.param
 
 
+def outer(v: torch.Tensor) -> torch.Tensor:
+    """``v vᵀ`` per sample, element-wise: ``(N, T) -> (N, T, T)``."""
+    return v.unsqueeze(2) * v.unsqueeze(1)
+
+
 def exact_sq(a: torch.Tensor, g: torch.Tensor, bias: bool) -> list:
     """``‖Σ_t g_t ã_tᵀ‖²_F`` per sample as exact rationals of the float values of ``a``, ``g``."""
     out = []
@@ -183,11 +188,11 @@ def reference_slack(a, g, bias, na, ng, chunk=None) -> torch.Tensor:
     if chunk is None:
         c = gram.form_constants(T)
         # the weights carry √ρ_T: the exact forms over ρ_T are what the computed ones cover
-        wG = ((gram._outer(n2) * G.abs()).sum((1, 2)) + c.row_loss * n2.sum(1)) / c.rho
-        wA = ((gram._outer(m2) * A.abs()).sum((1, 2)) + c.row_loss * m2.sum(1)) / c.rho
+        wG = ((outer(n2) * G.abs()).sum((1, 2)) + c.row_loss * n2.sum(1)) / c.rho
+        wA = ((outer(m2) * A.abs()).sum((1, 2)) + c.row_loss * m2.sum(1)) / c.rho
         mag = (A.abs() * G.abs()).sum((1, 2)) / c.rho
         return wG + wA + c.kappa * c.rho * mag + cross * cross + c.absolute
-    weighted = (gram._outer(n2) * G.abs() + gram._outer(m2) * A.abs()).sum((1, 2))
+    weighted = (outer(n2) * G.abs() + outer(m2) * A.abs()).sum((1, 2))
     inner = gram.gamma(T * T + 2, 2.0 ** -53) * (1 + ga) * (1 + gg)
     return weighted + cross * cross * (1 + inner / (ga * gg)) + 4.0 * T * T * 2.0 ** -1074
 
