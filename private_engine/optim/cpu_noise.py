@@ -66,17 +66,7 @@ def fill_normal_(
     """
     if not _blocked(t, generator):
         return t.normal_(0.0, std, generator=generator)
-
-    def draw(block: torch.Tensor, gen: torch.Generator) -> None:
-        wide = t.dtype in (torch.float32, torch.float64)
-        scratch = None if wide else torch.empty(min(PIECE, block.numel()))
-        for piece in block.split(PIECE):
-            if scratch is None:
-                piece.normal_(0.0, std, generator=gen)
-            else:
-                piece.copy_(scratch[:piece.numel()].normal_(0.0, std, generator=gen))
-
-    _by_blocks(t, generator, draw)
+    _by_blocks(t, generator, lambda block, gen: _draw_pieces(block, gen, std, add=False))
     return t
 
 
@@ -89,15 +79,27 @@ def add_normal_(
     one ``normal_`` into a scratch tensor of ``t``'s size, then one ``add_``."""
     if not _blocked(t, generator):
         return t.add_(torch.empty_like(t).normal_(0.0, std, generator=generator))
-
-    def draw(block: torch.Tensor, gen: torch.Generator) -> None:
-        dtype = t.dtype if t.dtype in (torch.float32, torch.float64) else torch.float32
-        scratch = torch.empty(min(PIECE, block.numel()), dtype=dtype)
-        for piece in block.split(PIECE):
-            piece.add_(scratch[:piece.numel()].normal_(0.0, std, generator=gen))
-
-    _by_blocks(t, generator, draw)
+    _by_blocks(t, generator, lambda block, gen: _draw_pieces(block, gen, std, add=True))
     return t
+
+
+def _draw_pieces(block: torch.Tensor, gen: torch.Generator, std: float, add: bool) -> None:
+    """``block ← std·ξ`` (``add``: ``block + std·ξ``) piece by piece of ``PIECE`` elements, ξ from
+    ``gen``: float32 and float64 blocks drawn in place (added from a scratch piece of their
+    dtype); 16-bit blocks drawn into a float32 scratch piece and rounded once."""
+    wide = block.dtype in (torch.float32, torch.float64)
+    if wide and not add:
+        for piece in block.split(PIECE):
+            piece.normal_(0.0, std, generator=gen)
+        return
+    scratch = torch.empty(min(PIECE, block.numel()),
+                          dtype=block.dtype if wide else torch.float32)
+    for piece in block.split(PIECE):
+        drawn = scratch[:piece.numel()].normal_(0.0, std, generator=gen)
+        if add:
+            piece.add_(drawn)
+        else:
+            piece.copy_(drawn)
 
 
 def _blocked(t: torch.Tensor, generator: Optional[torch.Generator]) -> bool:
