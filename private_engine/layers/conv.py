@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -243,34 +243,51 @@ class ConvRule(LayerRule):
         return zeros_like_batch(g0)
 
     def _mass(self, module, calls, bias: bool) -> torch.Tensor:
-        """``M_i = Σ_γ Σ_t ‖(U(a_i)^γ_t, 1)‖·‖g_{i,t}^γ‖`` in float64, group by group (the bias
-        column of group γ is its output channels' bias). ``‖U(a)^γ_t‖²`` — the input window of
-        position t — is the sum of ``Σ_{c ∈ γ} a_c²`` over the window (:func:`window_sums`), so no
-        im2col copy is formed."""
-        total = None
+        """``M_i = Σ_γ Σ_t ‖(U(a_i)^γ_t, 1)‖·‖g_{i,t}^γ‖`` in float64 (the bias column of group γ
+        is its output channels' bias), from the bounds of :meth:`_position_bounds`."""
+        return self._mass_of(module, calls, *self._position_bounds(module, calls, bias))
+
+    def _position_bounds(self, module, calls, bias: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(n², m)``: float64 upper bounds ``(B, groups, Σ T)`` of ``‖(U(a_i)^γ_t, 1)‖²`` (no 1
+        without a trained bias) and of ``‖g_{i,t}^γ‖``, the positions of every call concatenated in
+        call order (as :meth:`_views` concatenates them).
+
+        ``‖U(a)^γ_t‖²`` — the input window of position t — is the sum of ``Σ_{c ∈ γ} a_c²`` over the
+        window (:func:`window_sums`), so no im2col copy is read: ``K = (C_in/groups)·Πk + 2``
+        positive terms summed in float32 on the CPU (float64 on CUDA, where cuDNN may pick TF32
+        or transform-based kernels), exact to ``(1 + γ_K)``, plus ``K·(2⁻¹²⁶ + 2⁻¹⁰²²)`` for
+        squares below float32's normal range; a square that overflows gives ``inf`` (the sample is
+        dropped). ``m``: :func:`~private_engine.layers.rounding.row_norms64` of each position's
+        output-gradient row."""
+        squares, norms = [], []
         groups = module.groups
         for a, g in calls:
             B, C = a.shape[:2]
-            # squares in float32 on the CPU (float64 on CUDA, where cuDNN may pick TF32 or
-            # transform-based kernels): positive terms, summed over the channels of a group and the
-            # window's Πk positions, so exact to (1 + γ_K); an overflow gives inf (dropped)
             acc = torch.float64 if a.is_cuda else accumulation_dtype(a)
             x, padding = _padded(module, a.to(acc).square())
             x = x.reshape(B, groups, C // groups, *x.shape[2:]).sum(2)
             window = window_sums(module, x, padding)
             terms = (C // groups) * math.prod(module.kernel_size) + 2
             window = window.reshape(B, groups, -1).double() * (1 + gamma(terms, unit_roundoff(acc)))
-            # squares below float32's (or float64's) normal range
             window = window + terms * (ETA32 + ETA64)
             if bias:
                 window = window + 1
+            squares.append(window)
             per_group = g.reshape(B, groups, module.out_channels // groups, -1)
-            ng = row_norms64(per_group.transpose(2, 3))
-            m = (window.sqrt() * ng).sum((1, 2))
-            total = m if total is None else total + m
-        positions = sum(g[0].numel() // module.out_channels for _, g in calls) * groups
+            norms.append(row_norms64(per_group.transpose(2, 3)))
+        if len(calls) == 1:
+            return squares[0], norms[0]
+        return torch.cat(squares, 2), torch.cat(norms, 2)
+
+    @staticmethod
+    def _mass_of(module, calls, na2: torch.Tensor, ng: torch.Tensor) -> torch.Tensor:
+        """``M_i = Σ_{γ,t} √(n²_{i,γ,t})·m_{i,γ,t}`` from :meth:`_position_bounds`: positive terms
+        summed in float64, raised by ``γ^{(64)}`` of their count plus the layer's output channels
+        and 4 (the square roots, products and sums), and by ``2⁻¹⁰²²`` per position for products
+        below the normal range."""
+        positions = sum(g[0].numel() // module.out_channels for _, g in calls) * module.groups
+        total = (na2.sqrt() * ng).sum((1, 2))
         slack = 1 + gamma(positions + module.out_channels + 4, unit_roundoff(torch.float64))
-        # the float64 norms and sums of positive terms, and products below the normal range
         return total * slack + positions * ETA64
 
     def certified_norm_sq(self, module, calls, use_ghost, grads=None):
@@ -288,13 +305,14 @@ class ConvRule(LayerRule):
         B = g0.shape[0]
         T = sum(g[0].numel() // module.out_channels for _, g in calls)
         dt = compute_dtype(g0)
-        mass = self._mass(module, calls, bias)
+        na2, ng = self._position_bounds(module, calls, bias)
+        mass = self._mass_of(module, calls, na2, ng)
         rows = B * T + len(calls)
         c_rel = release_coefficient(accumulation_dtype(g0), g0.device, rows, conv=True)
         if use_ghost:
             U, G = self._views(module, calls)
             D = U.shape[2]
-            fast = self._fast_ghost(module, U, G, bias)
+            fast = self._fast_ghost(module, U, G, bias, na2, ng)
             if fast is not None:
                 return certified_ghost(fast, mass, 0.0, c_rel)
             c_nu = gram_coefficient(D + bias, G.shape[2], T, gram_unit(U))
@@ -315,15 +333,17 @@ class ConvRule(LayerRule):
         return certified_instantiated(norm_sq, mass, c_inst, c_rel, terms)
 
     @staticmethod
-    def _fast_ghost(module, U: torch.Tensor, G: torch.Tensor, bias: bool):
+    def _fast_ghost(module, U: torch.Tensor, G: torch.Tensor, bias: bool, na2: torch.Tensor,
+                    ng: torch.Tensor):
         """Upper bound of the ghost norm per sample from float32 Grams of the unfolded input
         ``U`` and ``G`` (:func:`private_engine.layers.gram.certified_ghost_sq`), the groups'
         non-negative bounds summed in float64 (raised by ``γ^{(64)}_{groups+1}``); None where
-        the operands have no fast path."""
-        na, ng = row_norms64(U), row_norms64(G)
-        if bias:
-            na = (na.square() + 1).sqrt()
-        fast = certified_ghost_sq(U, G, bias, na, ng)
+        the operands have no fast path. The row-norm bounds it weighs the Grams' rounding with are
+        those of the mass (:meth:`_position_bounds`): ``‖(U_t, 1)‖ ≤ √(n²_t)·(1 + 2⁻⁵¹)`` (the
+        float64 square root, correctly rounded, raised past its rounding) and ``m_t`` — no pass
+        over ``U``, whose rows are ``Πk`` times the input."""
+        na = na2.sqrt().mul_(1 + 2.0 ** -51).reshape(U.shape[:2])
+        fast = certified_ghost_sq(U, G, bias, na, ng.reshape(G.shape[:2]))
         if fast is None or module.groups == 1:
             return fast
         fast = fast.reshape(-1, module.groups).sum(1)

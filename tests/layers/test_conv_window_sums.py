@@ -118,3 +118,71 @@ def test_the_mass_bounds_the_exact_mass(scale, slices, monkeypatch):
         mass = rule._mass(module, [(a, g)], True)
         exact = _exact_mass(module, a, g, True)
         assert torch.isfinite(mass).all() and (mass >= exact).all(), (mass, exact)
+
+
+def _exact_rows(module, calls, bias):
+    """Exact float64 ``‖(U(a_i)^γ_t, 1)‖`` and ``‖g_{i,t}^γ‖``, ``(B, groups, Σ T)``, from the
+    im2col copy of each call, positions concatenated in call order."""
+    m = module.double()
+    na, ng = [], []
+    for a, g in calls:
+        cols = conv_rule.unfolded_columns(m, a.double())  # (B, groups, D, T)
+        sq = cols.square().sum(2) + (1 if bias else 0)
+        B, groups = cols.shape[:2]
+        na.append(sq.sqrt())
+        ng.append(g.double().reshape(B, groups, -1, cols.shape[-1]).square().sum(2).sqrt())
+    return torch.cat(na, 2), torch.cat(ng, 2)
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-30, 1e-40, 1e18], ids=lambda s: f"x{s:g}")
+def test_position_bounds_bound_every_window_row(scale):
+    """The float64 bounds the mass and the ghost norm's Grams are weighed with are at least the
+    exact row norms of the im2col copy (bias column included) and of the output gradient, for
+    inputs of every magnitude, grouped layers, and a layer called twice on maps of two sizes."""
+    rule = conv_rule.ConvRule()
+    for groups, stride, padding in [(1, 1, 1), (2, 2, 1), (1, 2, 0)]:
+        module = nn.Conv2d(4, 4, 3, stride=stride, padding=padding, groups=groups)
+        gen = torch.Generator().manual_seed(groups + stride)
+        calls = []
+        for size in (6, 5):
+            a = (torch.randn(3, 4, size, size, generator=gen) * scale).float()
+            out = F.conv2d(a, module.weight.detach(), None, stride, padding, 1, groups)
+            calls.append((a, torch.randn(out.shape, generator=gen)))
+        for bias in (False, True):
+            na2, ng = rule._position_bounds(module, calls, bias)
+            exact_a, exact_g = _exact_rows(module, calls, bias)
+            assert na2.shape == exact_a.shape and ng.shape == exact_g.shape
+            assert (na2.sqrt() * (1 + 2.0 ** -51) >= exact_a).all()
+            assert (ng >= exact_g).all()
+
+
+def test_the_ghost_bound_reads_no_im2col_row(monkeypatch):
+    """The certified ghost bound of a 3×3 convolution weighs its float32 Grams' rounding with the
+    row bounds of its mass, taking no norm of the im2col rows (``Πk`` times the input), and still
+    covers what the layer releases for a crafted sample and the exact float64 norm."""
+    widths = []
+    row_norms64 = conv_rule.row_norms64
+
+    def recorded(t):
+        widths.append(t.shape[-1])
+        return row_norms64(t)
+
+    monkeypatch.setattr(conv_rule, "row_norms64", recorded)
+    module = nn.Conv2d(2, 4, 3, stride=2, padding=1)
+    gen = torch.Generator().manual_seed(5)
+    a = torch.randn(3, 2, 5, 5, generator=gen)
+    a[0] = 2e4 * (1 + 2 ** -20 * torch.randn(2, 5, 5, generator=gen))
+    g = torch.randn(3, 4, 3, 3, generator=gen)
+    g[0] = 0
+    g[0, :, 1, 0], g[0, :, 1, 1] = 1e3, -1e3
+    rule = conv_rule.ConvRule()
+    bound = rule.certified_norm_sq(module, [(a, g)], True).sqrt()
+    assert widths and 2 * 9 not in widths, widths
+    for i in range(3):
+        factors = torch.zeros(3, dtype=torch.float64)
+        factors[i] = 1
+        released = torch.cat([t.double().flatten() for t in
+                              rule.weighted_grads(module, [(a, g)], factors).values()]).norm()
+        assert released <= bound[i]
+    exact = rule.instantiated_norm_sq(module.double(), [(a.double(), g.double())]).sqrt()
+    assert (bound >= exact * (1 - 1e-12)).all()
