@@ -74,6 +74,12 @@ def covers(bound: float, exact) -> bool:
     return not math.isfinite(bound) or Fraction(bound) >= exact
 
 
+def frozen_bias(module: nn.Module) -> nn.Module:
+    """``module`` with its bias kept but not trained (no bias column in the bound)."""
+    module.bias.requires_grad_(False)
+    return module
+
+
 # -- 1, 2: the rule against exact rationals -------------------------------------------------------
 LAYERS = {
     "conv2d-pad1": (lambda: nn.Conv2d(4, 6, 3, padding=1), [(3, 4, 5, 5)], False),
@@ -97,6 +103,9 @@ LAYERS = {
     "conv1d-dilated-groups2-replicate": (lambda: nn.Conv1d(4, 4, 3, dilation=2, padding=1,
                                                            groups=2, padding_mode="replicate"),
                                          [(3, 4, 9)], False),
+    "conv2d-frozen-bias-reflect": (lambda: frozen_bias(nn.Conv2d(4, 6, 3, padding=1,
+                                                                 padding_mode="reflect")),
+                                   [(3, 4, 5, 5)], False),
     "conv1d-batch-of-1": (lambda: nn.Conv1d(3, 5, 3), [(1, 3, 7)], False),
     "conv3d-depthwise-reflect-channels-last": (lambda: nn.Conv3d(2, 2, 3, padding=1, groups=2,
                                                                  padding_mode="reflect"),
@@ -160,7 +169,7 @@ def checked_ghost(seen: list):
 def layer_bound_and_exact(module: nn.Module, calls):
     """The certified bound per sample and the exact squared norm of its weight-and-bias gradient
     (the groups' terms summed)."""
-    bias = module.bias is not None
+    bias = module.bias is not None and module.bias.requires_grad
     bound = RULE.certified_norm_sq(module, calls, True).tolist()
     U, G = RULE._views(module, calls)
     per_group = exact_sq(U, G, bias)
