@@ -10,7 +10,7 @@
   the layer's input and output gradient: elementwise-affine norms, released as kept); a second
   activation-only backward recomputes each other layer's output gradient and writes its clipped
   sum as soon as it arrives. The second backward must reproduce each layer's output gradient and
-  find its activation unchanged, bit for bit (float64 fingerprints per layer); where either
+  find its activation unchanged, bit for bit (row fingerprints per layer); where either
   changed (a non-deterministic kernel, a write through ``.data``), that layer's factors are
   lowered to its recomputed bound, so the certificate still holds.
 
@@ -38,6 +38,7 @@ from torch import nn
 
 from ..capture.recorder import RecordedLayer
 from ..layers.base import Call, LayerDims, LayerRule
+from .fingerprints import fingerprint_pairs
 from .kept import per_sample_numel
 from .plan import LayerDecision, decide, keeps_grads
 
@@ -117,13 +118,13 @@ class FirstPass:
 
 
 def fingerprints(pairs) -> List[torch.Tensor]:
-    """Per call, ``Σ_j g_{r,j}`` of every row r of the output gradient and ``Σ_j a_{r,j}`` of
-    every row of the activation, in float64: what the second backward must find again for the
-    first pass's norms to certify its release (a kernel that is not deterministic can change the
-    former; model code writing an activation through an alias autograd does not see, ``.data``,
-    during the backward, the latter)."""
-    return [t.reshape(t.shape[0], -1).sum(1, dtype=torch.float64)
-            for a, g in pairs for t in (a, g)]
+    """Per call, row fingerprints of the activation and of the output gradient
+    (:func:`.fingerprints.row_fingerprints`: per row, the sum of the elements' bit patterns modulo
+    ``2^k`` and the sum of their values; no copy of either operand): what the second backward must
+    find again for the first pass's norms to certify its release (a kernel that is not
+    deterministic can change the output gradient; model code writing an activation through an
+    alias autograd does not see, ``.data``, during the backward, the activation)."""
+    return fingerprint_pairs(pairs)
 
 
 def same_tensors(xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor]) -> bool:
