@@ -10,7 +10,7 @@
   the layer's input and output gradient: elementwise-affine norms, released as kept); a second
   activation-only backward recomputes each other layer's output gradient and writes its clipped
   sum as soon as it arrives. The second backward must reproduce each layer's output gradient and
-  find its activation unchanged, bit for bit (float64 fingerprints per layer); where either
+  find its activation unchanged, bit for bit (row fingerprints per layer); where either
   changed (a non-deterministic kernel, a write through ``.data``), that layer's factors are
   lowered to its recomputed bound, so the certificate still holds.
 
@@ -38,6 +38,7 @@ from torch import nn
 
 from ..capture.recorder import RecordedLayer
 from ..layers.base import Call, LayerDims, LayerRule
+from .fingerprints import fingerprint_pairs
 from .kept import per_sample_numel
 from .plan import LayerDecision, decide, keeps_grads
 
@@ -117,13 +118,13 @@ class FirstPass:
 
 
 def fingerprints(pairs) -> List[torch.Tensor]:
-    """Per call, ``Σ_j g_{r,j}`` of every row r of the output gradient and ``Σ_j a_{r,j}`` of
-    every row of the activation, in float64: what the second backward must find again for the
-    first pass's norms to certify its release (a kernel that is not deterministic can change the
-    former; model code writing an activation through an alias autograd does not see, ``.data``,
-    during the backward, the latter)."""
-    return [t.reshape(t.shape[0], -1).sum(1, dtype=torch.float64)
-            for a, g in pairs for t in (a, g)]
+    """Per call, row fingerprints of the activation and of the output gradient
+    (:func:`.fingerprints.row_fingerprints`: per row, the sum of the elements' bit patterns modulo
+    ``2^k`` and the sum of their values; no copy of either operand): what the second backward must
+    find again for the first pass's norms to certify its release (a kernel that is not
+    deterministic can change the output gradient; model code writing an activation through an
+    alias autograd does not see, ``.data``, during the backward, the activation)."""
+    return fingerprint_pairs(pairs)
 
 
 def same_tensors(xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor]) -> bool:
@@ -222,16 +223,15 @@ class TwoPass:
         self.mode = mode
         #: per recorded layer (keyed by id), what the second pass needs
         self.first: Dict[int, FirstPass] = {}
-        #: the edges the norm pass asked autograd for (asked for again by the second pass)
-        self.leading: list = []
-        #: while the second pass runs: what it writes with
+        #: while the second pass runs: what it writes with, and the layers it wrote (by id)
         self._second: Optional[SecondPass] = None
+        self._written: set = set()
         #: records of the layers whose bound the clipper's ``ghost_bounds`` forms, in order, with
         #: their calls (fingerprinted when the bounds are formed)
         self._deferred: List[Tuple[FirstPass, Sequence[Call]]] = []
 
     def start(self) -> None:
-        self.first, self.leading, self._deferred = {}, [], []
+        self.first, self._deferred = {}, []
 
     def layer_norm(self, clipper: "PerSampleClipper", layer: RecordedLayer,
                    pairs: Sequence[Call], dims: Sequence[LayerDims], merged: int) -> NormedLayer:
@@ -298,7 +298,6 @@ class TwoPass:
                 # the operands as the bound saw them, at the end of the pass
                 first.bound, first.fingerprints = row, fingerprints(pairs)
             self._deferred = []
-            self.leading = inputs
             for extra in clipper.recorder.extras:  # their per-sample gradients are kept
                 extra.reset()
         else:
@@ -308,21 +307,39 @@ class TwoPass:
     def release(self, clipper: "PerSampleClipper", loss: Optional[torch.Tensor],
                 factors: torch.Tensor, keep: Optional[torch.Tensor], write: WriteSum) -> None:
         """Backpropagate ``Σ_i L_i`` again, activation gradients only, and write each recorded
-        layer's clipped sum from ``(a, g)`` as its output gradient arrives."""
+        layer's clipped sum from ``(a, g)`` as its output gradient arrives. Autograd is asked for
+        the gradients at the outputs of the layers whose sums are left to this pass
+        (:meth:`second_pass_layers`) only: the backward stops at the lowest of them, and is not
+        run when there is none (every layer released from the per-sample gradients the norm pass
+        kept)."""
         recorder = clipper.recorder
+        layers = self.second_pass_layers(recorder.layers)
+        edges: list = [c.edge for layer in layers for c in layer.calls if c.edge is not None]
+        if not edges:
+            return
+        if loss is None:
+            raise RuntimeError("internal error: the second pass needs the loss.")
         self._second = SecondPass(clipper, factors, write)
+        self._written = set()
         recorder.rearm()
         recorder.capturing = True
         try:
             with clipper.route.diverted(self._on_layer_released):
-                if self.leading:
-                    if loss is None:
-                        raise RuntimeError("internal error: the second pass needs the loss.")
-                    torch.autograd.grad(loss.sum(), inputs=self.leading, allow_unused=True)
+                torch.autograd.grad(loss.sum(), inputs=edges, allow_unused=True)
                 recorder.finish_unfired()
+            missed = [layer.name for layer in layers if id(layer) not in self._written]
+            if missed:  # their sums would be left out of the release: never silently
+                raise RuntimeError("internal error: the second backward did not reach recorded "
+                                   f"layers {missed}.")
         finally:
             recorder.capturing = False
             self._second = None
+
+    def second_pass_layers(self, layers: Sequence[RecordedLayer]) -> List[RecordedLayer]:
+        """The recorded layers whose clipped sums the second backward writes: those normed with a
+        certified bound (not released from kept per-sample gradients)."""
+        return [layer for layer in layers
+                if (first := self.first.get(id(layer))) is not None and first.bound is not None]
 
     def _on_layer_released(self, layer: RecordedLayer) -> None:
         """One layer's clipped sum ``gᵀ·diag(C)·a``. The output gradient and the activation must
@@ -343,6 +360,7 @@ class TwoPass:
                 pairs = [(a.reshape(B, -1, a.shape[-1]), g.reshape(B, -1, g.shape[-1]))
                          for a, g in pairs]
             weights = factors
+            self._written.add(id(layer))
             if not same_tensors(fingerprints(pairs), first.fingerprints):
                 again = layer.rule.certified_norm_sq(layer.module, pairs, first.use_ghost)
                 ratio = torch.where(again > first.bound, (first.bound / again).sqrt(),
@@ -353,7 +371,7 @@ class TwoPass:
             layer.release()
 
     def reset(self) -> None:
-        self.first, self.leading, self._deferred = {}, [], []
+        self.first, self._deferred = {}, []
 
 
 def strategy_for(mode: str, book_keeping: bool) -> ReleaseStrategy:
