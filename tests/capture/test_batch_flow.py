@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
 
 import private_engine as pe
 from private_engine import opacus_compat
@@ -172,3 +172,48 @@ def test_submodules_called_by_the_loop_open_the_region():
         assert isinstance(flow.tag(out.sum(1)), Mixed)
     finally:
         flow.remove()
+
+
+
+class RewritesAFreedTemporary(nn.Module):
+    """Writes a batch-wide mean into a temporary in place and frees it; then takes a tensor of
+    the batch's size made where the tracker does not see it (as the engine's own code and
+    ``torch.from_numpy`` make them). ``external``: the temporary is a NumPy buffer's memory, and
+    the fresh tensor reads that memory again."""
+
+    def __init__(self, external: bool):
+        super().__init__()
+        self.external = external
+        self.buffer = torch.zeros(B, 1000).numpy()
+        self.written, self.fresh = 0, -1  # the two storages' addresses
+
+    def forward(self, x):
+        z = torch.from_numpy(self.buffer) if self.external else torch.zeros(B, 1000)
+        z.add_(x.mean(0).sum())  # every row now holds a value of the whole batch
+        self.written = z.untyped_storage().data_ptr()
+        del z
+        with _disable_current_modes():  # made outside the tracker
+            fresh = torch.from_numpy(self.buffer) if self.external else torch.ones(B, 1000)
+        self.fresh = fresh.untyped_storage().data_ptr()
+        return x * fresh[:, :5]
+
+
+def test_a_freed_storage_written_in_place_does_not_taint_a_tensor_later_at_its_address(
+        monkeypatch):
+    """A write in place is remembered by its storage's address. Once torch's allocator has that
+    storage back, a tensor it hands out at the same address holds none of the written values:
+    its rows stay its own (the allocator's reuse of the address is made certain by reading the
+    fresh tensor's address as the freed one's). Memory torch does not own (a NumPy buffer) still
+    holds the write after the tensor over it is gone, and a tensor over it again reads the mixed
+    values."""
+    from private_engine.guards.batch_flow import mode
+
+    model = RewritesAFreedTemporary(external=False)
+    address = mode._storage
+    monkeypatch.setattr(mode, "_storage", lambda t: (
+        model.written if address(t) == model.fresh else address(t)))
+    tag = tags_of(model, lambda y: y.sum(1), torch.randn(B, 5, requires_grad=True))
+    assert isinstance(tag, Rows), tag
+    model = RewritesAFreedTemporary(external=True)
+    tag = tags_of(model, lambda y: y.sum(1), torch.randn(B, 5, requires_grad=True))
+    assert model.fresh == model.written and isinstance(tag, Mixed), tag

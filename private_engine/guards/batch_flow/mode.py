@@ -11,6 +11,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Set, Tuple
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn.parameter import UninitializedTensorMixin
 from torch.utils._python_dispatch import (
     TorchDispatchMode,
@@ -74,6 +75,12 @@ class _Write(NamedTuple):
     clock: int
     before: Any
     after: Any
+    #: the storage written (weakly): once torch's allocator has it back, a tensor it hands out at
+    #: the same address holds none of the values written (:meth:`BatchFlow._write_to`)
+    storage: StorageWeakRef
+    #: whether torch's allocator owns that memory (else a NumPy or other outside buffer: it keeps
+    #: the values written after the storage over it is gone)
+    owned: bool
 
 
 class BatchFlow(TorchDispatchMode):
@@ -444,13 +451,12 @@ class BatchFlow(TorchDispatchMode):
             if epoch and epoch != self.epoch and isinstance(tag, (Rows, Mixed, Summed)):
                 return _STALE, self.epoch, source
             if self._writes:
-                w = self._writes.get(_storage(t) or -1)
+                w = self._write_to(t)
                 if w is not None and w.clock > entry.clock and w.after != w.before:
                     return Mixed(_REWRITTEN), self.epoch, source
             return tag, epoch, source
         if self._writes and not isinstance(t, nn.Parameter):
-            ptr = _storage(t) or -1
-            w = None if ptr in self._state_storages else self._writes.get(ptr)
+            w = None if _storage(t) in self._state_storages else self._write_to(t)
             if w is not None and w.after is not None and w.after is not _FREE:
                 # storage written with the batch's data through an alias (``z.data.copy_``,
                 # ``z.detach().copy_``) while ``z`` itself was never tagged
@@ -685,7 +691,21 @@ class BatchFlow(TorchDispatchMode):
                 self._write_base(base, t, r, epoch)
             ptr = _storage(t)
             if ptr:
-                self._writes[ptr] = _Write(clock, before, self.tag(base))
+                storage = t.untyped_storage()
+                self._writes[ptr] = _Write(clock, before, self.tag(base), StorageWeakRef(storage),
+                                           storage.resizable())
+
+    def _write_to(self, t: torch.Tensor) -> Optional[_Write]:
+        """The last in-place write of the region to ``t``'s storage, found by its address; None
+        where there was none, or where the storage written is gone and its memory was torch's
+        (the allocator's block handed out again: ``t`` was allocated after the write and holds
+        none of its values)."""
+        ptr = _storage(t)
+        w = self._writes.get(ptr) if ptr else None
+        if w is not None and w.owned and w.storage.expired():
+            del self._writes[ptr]
+            return None
+        return w
 
     def _note_storage(self, t) -> None:
         """The storage an in-place op wrote (read by the step state guard: a write through
