@@ -474,8 +474,17 @@ def second_try(a: torch.Tensor, g: torch.Tensor, bias: bool, na: torch.Tensor,
     narrower than two blocks."""
     if max(a.shape[2], g.shape[2]) < 2 * CHUNK:
         return exact_ghost_bound(a, g, bias, na, ng, idx)
-    b2, s2, n2 = fast_ghost_bound(a[idx], g[idx], bias, na[idx], ng[idx], *model, chunk=CHUNK)
-    return refine(b2, s2, n2, lambda j: exact_ghost_bound(a, g, bias, na, ng, idx[j]))
+    return second_try_rows(a[idx], g[idx], bias, na[idx], ng[idx], model)
+
+
+def second_try_rows(a: torch.Tensor, g: torch.Tensor, bias: bool, na: torch.Tensor,
+                    ng: torch.Tensor, model: Tuple[bool, float]) -> torch.Tensor:
+    """:func:`second_try` of every sample (row of dim 0) of ``a``, ``g``, ``na``, ``ng``: Grams in
+    blocks of ``CHUNK`` columns, then float64 Grams for those still loose. Each sample's bound is
+    its own (the rows are independent), so the rows may be those of several layers with equal
+    widths, positions, bias and fast-Gram model."""
+    b2, s2, n2 = fast_ghost_bound(a, g, bias, na, ng, *model, chunk=CHUNK)
+    return refine(b2, s2, n2, lambda j: exact_ghost_bound(a, g, bias, na, ng, j))
 
 
 def refine(bound: torch.Tensor, slack: torch.Tensor, nu: torch.Tensor, exact,
