@@ -21,8 +21,9 @@ The formulas are those of the per-layer path term for term — the same float32 
 error model (Higham 2002, §3.1; Fasi, Higham, Mikaitis & Pranesh 2021 for tensor cores), the same
 functions for ``ν̃`` and the slack, the same second try for a loose or non-finite sample
 (:func:`.gram.second_try`, on every device, after one host synchronisation per step instead of
-one per layer) — so each layer's bound is an upper bound of its released per-sample norm²,
-rounding included, as before.
+one per layer; the loose samples of layers of one shape together, each sample's bound its
+own) — so each layer's bound is an upper bound of its released per-sample norm², rounding
+included, as before.
 """
 from __future__ import annotations
 
