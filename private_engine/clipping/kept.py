@@ -13,11 +13,12 @@ from ..layers.ruled import KeptPairs
 #: small kept per-sample gradients are laid side by side (copied) in groups of at most this many
 #: elements; on CUDA, where each operation is a kernel launch that costs more host time than
 #: copying a few MiB, a gradient is "small" up to ``KEPT_SMALL_CUDA`` elements; on the CPU, where
-#: the copy costs more than the operations it saves, up to ``KEPT_SMALL_CPU``. Larger ones stay
-#: alone (no copy).
+#: a large copy costs more than the operations it saves, up to ``KEPT_SMALL_CPU`` elements *per
+#: sample* (whatever the batch size, so that a LayerNorm's weight and bias stay grouped at any
+#: batch). Larger ones stay alone (no copy).
 KEPT_GROUP_ELEMENTS = 1 << 22
 KEPT_SMALL_CUDA = 1 << 20
-KEPT_SMALL_CPU = 1 << 14
+KEPT_SMALL_CPU = 1 << 11
 
 KeptGroup = Tuple[List[nn.Parameter], torch.Tensor]
 
@@ -70,7 +71,8 @@ def group_kept_grads(items: List[Tuple[nn.Parameter, torch.Tensor]], batch_size:
     for k in range(len(items)):
         p, G = items[k]
         items[k] = None
-        small = G.numel() <= (KEPT_SMALL_CUDA if G.is_cuda else KEPT_SMALL_CPU)
+        small = (G.numel() <= KEPT_SMALL_CUDA if G.is_cuda
+                 else per_sample_numel(G) <= KEPT_SMALL_CPU)
         if current and (not small or G.dtype != current[0][1].dtype
                         or G.device != current[0][1].device
                         or (key is not None and key(p) != key(current[0][0]))

@@ -21,18 +21,20 @@ The formulas are those of the per-layer path term for term — the same float32 
 error model (Higham 2002, §3.1; Fasi, Higham, Mikaitis & Pranesh 2021 for tensor cores), the same
 functions for ``ν̃`` and the slack, the same second try for a loose or non-finite sample
 (:func:`.gram.second_try`, on every device, after one host synchronisation per step instead of
-one per layer) — so each layer's bound is an upper bound of its released per-sample norm²,
-rounding included, as before.
+one per layer; the loose samples of layers of one shape together, each sample's bound its
+own) — so each layer's bound is an upper bound of its released per-sample norm², rounding
+included, as before.
 """
 from __future__ import annotations
 
 import math
-from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from .base import aligned_count, pad_positions
 from .gram import (
+    CHUNK,
     _gram32,
     fast_gram_model,
     form_constants,
@@ -41,6 +43,7 @@ from .gram import (
     ieee_matmul,
     loose_floor,
     second_try,
+    second_try_rows,
     tight,
     weight_scale,
 )
@@ -317,12 +320,64 @@ def _second_tries(retries: Sequence[_Retry]) -> None:
         flags = group[0].ok if len(group) == 1 else torch.cat([r.ok.flatten() for r in group])
         if bool(flags.all()):
             continue
+        loose: Dict[tuple, List[Tuple[_Retry, int, torch.Tensor]]] = {}
         for r in group:
             if bool(r.ok.all()):
                 continue
             for layer in (~r.ok).any(1).nonzero().squeeze(1).tolist():
                 p = r.layers[layer]
                 idx = (~r.ok[layer]).nonzero().squeeze(1)
-                second = second_try(p.a, p.g, p.bias, r.na[layer], r.ng[layer], p.model, idx)
-                r.block[layer].index_put_((idx,), _released(second, r.c_rel[layer],
-                                                            r.mass[layer, idx]))
+                loose.setdefault((p.key(), p.a.dtype, p.g.dtype), []).append((r, layer, idx))
+        for items in loose.values():
+            for part in _together(items):
+                _second_try_together(part)
+
+
+#: the most samples whose second tries are formed together, times ``T²``: the loose samples of
+#: layers of one shape take one second try up to this many Gram entries
+TOGETHER_ELEMENTS = 1 << 23
+
+
+def _together(items: List[Tuple["_Retry", int, torch.Tensor]]
+              ) -> Iterator[List[Tuple["_Retry", int, torch.Tensor]]]:
+    """``items`` (loose samples of layers of one shape) in runs whose samples hold at most
+    ``TOGETHER_ELEMENTS`` Gram entries (``samples·T²``), one layer at least per run."""
+    T = items[0][0].layers[items[0][1]].a.shape[1]
+    run: list = []
+    samples = 0
+    for item in items:
+        n = item[2].numel()
+        if run and (samples + n) * T * T > TOGETHER_ELEMENTS:
+            yield run
+            run, samples = [], 0
+        run.append(item)
+        samples += n
+    if run:
+        yield run
+
+
+def _second_try_together(items: Sequence[Tuple["_Retry", int, torch.Tensor]]) -> None:
+    """The second tries (:func:`.gram.second_try`) of the loose samples ``idx`` of layers of one
+    shape (``(retry, layer, idx)``: widths, positions, bias and fast-Gram model equal), formed
+    together over their rows laid one after the other (each sample's bound is its own: the same
+    formulas as one layer's), each written into its chunk's block."""
+    if len(items) == 1:
+        r, layer, idx = items[0]
+        p = r.layers[layer]
+        parts = [second_try(p.a, p.g, p.bias, r.na[layer], r.ng[layer], p.model, idx)]
+    else:
+        first = items[0][0].layers[items[0][1]]
+        if max(first.a.shape[2], first.g.shape[2]) < 2 * CHUNK:  # float64 Grams, layer by layer
+            parts = [second_try(r.layers[k].a, r.layers[k].g, first.bias, r.na[k], r.ng[k],
+                                first.model, idx) for r, k, idx in items]
+        else:
+            def rows(pick):
+                return torch.cat([pick(r, k)[idx] for r, k, idx in items])
+
+            second = second_try_rows(rows(lambda r, k: r.layers[k].a),
+                                     rows(lambda r, k: r.layers[k].g), first.bias,
+                                     rows(lambda r, k: r.na[k]), rows(lambda r, k: r.ng[k]),
+                                     first.model)
+            parts = list(second.split([idx.numel() for _, _, idx in items]))
+    for (r, layer, idx), part in zip(items, parts):
+        r.block[layer].index_put_((idx,), _released(part, r.c_rel[layer], r.mass[layer, idx]))

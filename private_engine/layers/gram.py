@@ -117,9 +117,11 @@ LOOSE = 2.0 ** -10
 NEGLIGIBLE = 2.0 ** -70
 #: columns per block of the second try's Grams (:func:`_gram_chunked`)
 CHUNK = 64
-#: blocks whose Grams the second try forms and sums at once (:func:`_gram_chunked`): the others'
-#: wait, so that a wide layer's second try holds a few blocks' Grams, not all of them
-BLOCKS_AT_ONCE = 8
+#: Gram entries (samples × blocks × T²) the second try forms and sums at once
+#: (:func:`_gram_chunked`): 2²³, i.e. 32 MiB of float32 Grams and 64 MiB of their float64 copies;
+#: the other blocks wait, so that a wide layer's second try over many samples holds a few blocks'
+#: Grams, not all of them, while a few loose samples take all their blocks in one group
+GRAM_ENTRIES_AT_ONCE = 1 << 23
 #: unit roundoff of the pessimistic tensor-core accumulation (truncation, float32)
 TENSOR_CORE_UNIT = 2.0 ** -23
 
@@ -167,24 +169,33 @@ def _gram32(t: torch.Tensor, rows: Optional[int] = None) -> torch.Tensor:
 def _gram_chunked(t: torch.Tensor, chunk: int) -> torch.Tensor:
     """``t tᵀ`` per sample as float64 ``(N, T, T)``: the columns split into ``⌈w/chunk⌉`` blocks
     (zero-padded: exact), each block's Gram formed by a batched float32 matmul
-    (:func:`_gram32`), the blocks' Grams summed in float64 — ``BLOCKS_AT_ONCE`` blocks at a time,
-    each group's sum added to the total, so that at most that many blocks' Grams (float32 and
-    float64) live at once, not all ``⌈w/chunk⌉`` of them. A block's Gram meets at most
-    ``k − 1 + ⌈b/k⌉ ≤ b`` float64 additions (``b`` blocks, ``k = BLOCKS_AT_ONCE``), within the
-    ``γ^{(64)}_{b+1}`` of :func:`gram_gamma`."""
+    (:func:`_gram32`), the blocks' Grams summed in float64 — :func:`blocks_at_once` blocks at a
+    time, each group's Grams widened exactly to float64 and summed by one reduction, each group's
+    sum added to the total, so that at most that many blocks' Grams live at once, not all
+    ``⌈w/chunk⌉`` of them. A block's Gram meets at most ``k − 1 + ⌈b/k⌉ ≤ b`` float64 additions
+    (``b`` blocks, ``k`` at once; any order of summing ``k`` terms adds to each at most ``k − 1``
+    times), within the ``γ^{(64)}_{b+1}`` of :func:`gram_gamma`."""
     N, T, w = t.shape
     blocks = -(-w // chunk)
     if blocks * chunk != w:
         t = torch.nn.functional.pad(t, (0, blocks * chunk - w))
     parts = t.reshape(N, T, blocks, chunk)
     total: Optional[torch.Tensor] = None
-    for first in range(0, blocks, BLOCKS_AT_ONCE):
-        k = min(BLOCKS_AT_ONCE, blocks - first)
+    at_once = blocks_at_once(N, T, blocks)
+    for first in range(0, blocks, at_once):
+        k = min(at_once, blocks - first)
         group = parts[:, :, first:first + k].permute(0, 2, 1, 3).reshape(N * k, T, chunk)
-        part = _gram32(group).reshape(N, k, T, T).double().sum(1)
+        part = _gram32(group).reshape(N, k, T, T).sum(1, dtype=torch.float64)
         total = part if total is None else total.add_(part)
     assert total is not None  # w ≥ 1: one block at least
     return total
+
+
+def blocks_at_once(samples: int, positions: int, blocks: int) -> int:
+    """Blocks whose Grams :func:`_gram_chunked` forms at once for ``samples`` operands of
+    ``positions`` rows: ``GRAM_ENTRIES_AT_ONCE / (samples·positions²)``, at least one, at most
+    ``blocks``."""
+    return max(1, min(blocks, GRAM_ENTRIES_AT_ONCE // max(1, samples * positions * positions)))
 
 
 def gram_gamma(width: int, tensor_core: bool, chunk: Optional[int] = None) -> float:
@@ -463,8 +474,17 @@ def second_try(a: torch.Tensor, g: torch.Tensor, bias: bool, na: torch.Tensor,
     narrower than two blocks."""
     if max(a.shape[2], g.shape[2]) < 2 * CHUNK:
         return exact_ghost_bound(a, g, bias, na, ng, idx)
-    b2, s2, n2 = fast_ghost_bound(a[idx], g[idx], bias, na[idx], ng[idx], *model, chunk=CHUNK)
-    return refine(b2, s2, n2, lambda j: exact_ghost_bound(a, g, bias, na, ng, idx[j]))
+    return second_try_rows(a[idx], g[idx], bias, na[idx], ng[idx], model)
+
+
+def second_try_rows(a: torch.Tensor, g: torch.Tensor, bias: bool, na: torch.Tensor,
+                    ng: torch.Tensor, model: Tuple[bool, float]) -> torch.Tensor:
+    """:func:`second_try` of every sample (row of dim 0) of ``a``, ``g``, ``na``, ``ng``: Grams in
+    blocks of ``CHUNK`` columns, then float64 Grams for those still loose. Each sample's bound is
+    its own (the rows are independent), so the rows may be those of several layers with equal
+    widths, positions, bias and fast-Gram model."""
+    b2, s2, n2 = fast_ghost_bound(a, g, bias, na, ng, *model, chunk=CHUNK)
+    return refine(b2, s2, n2, lambda j: exact_ghost_bound(a, g, bias, na, ng, j))
 
 
 def refine(bound: torch.Tensor, slack: torch.Tensor, nu: torch.Tensor, exact,

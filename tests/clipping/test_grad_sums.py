@@ -293,3 +293,28 @@ def test_rule_taking_out_through_kwargs_works():
     x = torch.randn(4, 3, 5, generator=gen_for(3), dtype=torch.float64)
     check_against_reference(model, [x], lambda m, x: m(x).pow(2).sum((1, 2)), mode="bk",
                             clip="abadi")
+
+
+def test_layer_norm_gradients_grouped_at_any_batch_match_the_reference(monkeypatch):
+    """On the CPU a kept gradient is small by its elements per sample: a LayerNorm(768)'s weight
+    and bias at batch 24 (18,432 elements each) form one group, whose clipped sums and norms
+    match the float64 reference."""
+    import private_engine.clipping.clipper as clipper_module
+
+    shapes = []
+    own = clipper_module.group_kept_grads
+
+    def spy(items, batch_size, key=None):
+        groups, terms = own(items, batch_size, key)
+        shapes.extend(tuple(mat.shape) for _, mat in groups)
+        return groups, terms
+
+    monkeypatch.setattr(clipper_module, "group_kept_grads", spy)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 768), nn.LayerNorm(768), nn.Linear(768, 3)).double()
+    with torch.no_grad():
+        model[1].weight.add_(0.3 * torch.randn(768, dtype=torch.float64))
+    x = torch.randn(24, 4, generator=gen_for(2), dtype=torch.float64)
+    t = torch.randn(24, 3, generator=gen_for(3), dtype=torch.float64)
+    check_against_reference(model, [x, t], mode="bk_mixed", clip="abadi")
+    assert (24, 2 * 768) in shapes, shapes

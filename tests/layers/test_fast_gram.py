@@ -137,17 +137,36 @@ def test_blocked_gram_gamma_is_the_block_s_plus_the_float64_sum():
     assert gram_gamma(769, False, 64) == gamma(64, u32) + 2 * gamma(14, u64)
 
 
-def test_second_try_grams_are_formed_a_few_blocks_at_a_time(monkeypatch):
-    """The blocked Grams of a wide operand (21 blocks of 64 columns, the last one padded) are
-    formed ``BLOCKS_AT_ONCE`` blocks per matmul, not all at once, and their float64 sum stays
-    within ``gram_gamma(w, chunk)·‖t_t‖‖t_s‖`` of the exact Gram."""
-    t = torch.randn(3, 5, 64 * 20 + 7, generator=torch.Generator().manual_seed(0))
+def _blocked_calls(monkeypatch, t):
+    """``(the float64 blocked Gram of t, the batch sizes of the float32 Grams it formed)``."""
     batches = []
     own = gram._gram32
     monkeypatch.setattr(gram, "_gram32",
                         lambda x, rows=None: batches.append(x.shape[0]) or own(x, rows))
-    got = gram._gram_chunked(t, gram.CHUNK)
-    assert batches == [3 * gram.BLOCKS_AT_ONCE, 3 * gram.BLOCKS_AT_ONCE, 3 * 5]
+    return gram._gram_chunked(t, gram.CHUNK), batches
+
+
+@pytest.mark.parametrize("samples", [1, 3])
+def test_a_few_loose_samples_take_all_their_blocks_at_once(monkeypatch, samples):
+    """At ViT-B/16's shapes (197 positions, 3,072 columns: 48 blocks) the second try of a few
+    samples forms all their blocks' Grams in one matmul, and their float64 sum is the exact
+    float64 sum of the float32 block Grams."""
+    t = torch.randn(samples, 197, 3072, generator=torch.Generator().manual_seed(1))
+    got, batches = _blocked_calls(monkeypatch, t)
+    assert batches == [samples * 48]
+    blocks = t.reshape(samples, 197, 48, 64).permute(0, 2, 1, 3)
+    each = torch.matmul(blocks, blocks.transpose(2, 3)).double()
+    assert torch.allclose(got, each.sum(1), rtol=1e-12, atol=0)
+
+
+def test_second_try_grams_are_formed_a_few_blocks_at_a_time(monkeypatch):
+    """The blocked Grams of a wide operand (21 blocks of 64 columns, the last one padded) are
+    formed as many blocks per matmul as ``GRAM_ENTRIES_AT_ONCE`` allows (8 here), not all at once,
+    and their float64 sum stays within ``gram_gamma(w, chunk)·‖t_t‖‖t_s‖`` of the exact Gram."""
+    t = torch.randn(3, 5, 64 * 20 + 7, generator=torch.Generator().manual_seed(0))
+    monkeypatch.setattr(gram, "GRAM_ENTRIES_AT_ONCE", 8 * 3 * 5 * 5 + 7)
+    got, batches = _blocked_calls(monkeypatch, t)
+    assert batches == [3 * 8, 3 * 8, 3 * 5]
     t64 = t.double()
     exact = torch.bmm(t64, t64.transpose(1, 2))
     norms = t64.norm(dim=2)

@@ -192,3 +192,45 @@ def test_honest_bounds_stay_tight_under_the_tensor_core_model(monkeypatch):
     opt.step(loss=F.cross_entropy(model(x), y, reduction="none"))
     ratio = engine.last_norms.double() / torch.stack(exact)
     assert bool((ratio >= 1).all()) and bool((ratio <= 1 + 1e-3).all()), ratio
+
+
+def test_loose_samples_of_layers_of_one_shape_take_one_second_try(monkeypatch):
+    """Three ``Linear(130, 140)`` layers with cancelling samples (one, two and one of three):
+    their four loose samples take one second try over their rows laid together, and every bound
+    is the one of separate second tries (bit for bit), within 10⁻⁶ of the per-layer path's and
+    at least the float64 per-sample norm²."""
+    import private_engine.layers.ghost_stack as ghost_stack
+
+    calls = []
+    own = ghost_stack.second_try_rows
+    monkeypatch.setattr(ghost_stack, "second_try_rows",
+                        lambda a, *rest: calls.append(a.shape[0]) or own(a, *rest))
+    torch.manual_seed(0)
+    layers = []
+    for crafted in ([2], [0, 1], [1]):
+        m = nn.Linear(130, 140)
+        a, g = torch.randn(3, 5, 130), torch.randn(3, 5, 140)
+        for i in crafted:  # positions 0 and 1 cancel: Σ_t g_t a_tᵀ = 0
+            a[i, 1] = -a[i, 0]
+            g[i, 1] = g[i, 0]
+            a[i, 2:] = 0
+        layers.append((m, a, g))
+    rule = LinearRule()
+
+    def bounds():
+        stack = GhostBoundStack()
+        for m, a, g in layers:
+            assert rule.defer_ghost_norm_sq(m, [(a, g)], stack)
+        return stack.take()
+
+    blocks = bounds()
+    assert calls == [4]
+    monkeypatch.setattr(ghost_stack, "TOGETHER_ELEMENTS", 0)  # each layer's second try alone
+    assert torch.equal(bounds()[0], blocks[0]) and calls == [4]
+    for k, (m, a, g) in enumerate(layers):
+        per_layer = rule.certified_norm_sq(m, [(a, g)], True)
+        assert torch.allclose(blocks[0][k], per_layer, rtol=1e-6, atol=0), k
+        a64, g64 = a.double(), g.double()
+        exact = (torch.einsum("ntp,ntd->npd", g64, a64).pow(2).sum((1, 2))
+                 + g64.sum(1).pow(2).sum(1))
+        assert bool((blocks[0][k] >= exact).all()), k

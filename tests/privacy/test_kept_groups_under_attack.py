@@ -1,0 +1,60 @@
+"""Crafted samples against the grouped kept per-sample gradients at a batch where a LayerNorm's
+weight and bias (768 each, 24 samples: 18,432 elements per parameter) are laid side by side on the
+CPU: huge (1e30) and cancelling samples move the released step by at most R, and the two
+gradients do form one group (the path under attack is the grouped one)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import private_engine.clipping.clipper as clipper_module
+from test_privacy_under_attack import Case, R, assert_bounded, run_pair, true_norm
+
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings("ignore")]
+
+WIDTH, HONEST = 768, 23
+
+
+def layer_norm_case(variant: str) -> Case:
+    """``Linear(4, 768) → LayerNorm(768) → Linear(768, 2)``, 23 honest samples and a crafted one:
+    ``huge``: inputs of 1e30 (a true gradient norm far above R); ``cancel``: the LayerNorm's
+    inputs equal but for 1 + jε and output targets of alternating sign."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, WIDTH), nn.LayerNorm(WIDTH), nn.Linear(WIDTH, 2))
+    with torch.no_grad():
+        model[1].weight.add_(0.3 * torch.randn(WIDTH))
+        model[1].bias.add_(0.3 * torch.randn(WIDTH))
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(HONEST, 4, generator=gen)
+    with torch.no_grad():
+        t = model(x) + 0.02 * torch.randn(HONEST, 2, generator=gen)
+    if variant == "huge":
+        xc = torch.full((1, 4), 1e30)
+        tc = torch.randn(1, 2, generator=gen) * 1e3
+    else:
+        xc = (1e4 * (1 + 1e-5 * torch.arange(4, dtype=torch.float64))).float().reshape(1, 4)
+        with torch.no_grad():
+            tc = model(xc) + 1e3 * torch.tensor([[1.0, -1.0]])
+    return Case(model, (x, t), (xc, tc))
+
+
+@pytest.mark.parametrize("mode", ["bk_mixed", "bk"])
+@pytest.mark.parametrize("variant", ["huge", "cancel"])
+def test_grouped_layer_norm_gradients_under_a_crafted_sample(monkeypatch, mode, variant):
+    shapes = []
+    own = clipper_module.group_kept_grads
+
+    def spy(items, batch_size, key=None):
+        groups, terms = own(items, batch_size, key)
+        shapes.extend(tuple(mat.shape) for _, mat in groups)
+        return groups, terms
+
+    monkeypatch.setattr(clipper_module, "group_kept_grads", spy)
+    case = layer_norm_case(variant)
+    if variant == "huge":
+        assert true_norm(case.model, *case.crafted) >= 10 * R
+    batch = HONEST + 1
+    assert_bounded(*run_pair(case, "native", mode, batch=batch), batch=batch,
+                   what=f"LayerNorm {variant} {mode}")
+    assert (batch, 2 * WIDTH) in shapes, f"the LayerNorm's gradients were not grouped: {shapes}"
