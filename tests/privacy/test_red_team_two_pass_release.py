@@ -1,0 +1,338 @@
+"""Red team of the two-pass release: the row fingerprints (per row, the wrap-around sum of the
+elements' bit patterns and the sum of their values) that the second backward must find again,
+and the second backward asked only for the output gradients of the layers it writes.
+
+Same contract and harness as tests/privacy/test_privacy_under_attack.py: noise 0, SGD at lr 1,
+one step with and without the attacker's sample (declared batch size B)::
+
+    ratio = B·‖Δ(released)‖ / R  ≤  1 + 1e-6
+
+and, for honest models with awkward graphs, the released sum against the float64 per-sample
+reference (tests/reference.py).
+
+Section 1: a ``.data`` write that *permutes* elements inside each sample's row keeps the
+bit-pattern and value sums exactly (the multiset of bit patterns, and for exactly summable values
+the value sum, are unchanged), but moves values between positions, which changes the ghost norm
+``Σ_{t,s} ⟨a_t, a_s⟩⟨g_t, g_s⟩`` of a sequence layer. A crafted sample whose two positions have
+equal activations and opposite output gradients has norm 0 as normed, and ~4·10⁵·R as released
+without the fingerprints' third term, the sum with secret position weights (float64 row sums miss
+the same write). Float16 autocast under book-keeping still leaves 1.005·R/B (strict xfail). The
+other tests are attacks that held, kept as regression tests.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import private_engine as pe
+from reference import reference_clipped_sum
+from test_privacy_under_attack import (
+    DOOR_IDS,
+    DOORS,
+    B,
+    CapturingSGD,
+    Case,
+    R,
+    assert_bounded,
+    mse,
+    opposite_targets,
+    run_pair,
+)
+
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings("ignore")]
+
+W = 8
+
+
+# -- 1. a .data permutation inside each row: both fingerprints unchanged ------------------------
+def swap(a: torch.Tensor) -> None:
+    """``a[:, 0, 0] ↔ a[:, 0, 1]`` behind autograd's back: per sample, a permutation of its row."""
+    c = a.data[:, 0, 0].clone()
+    a.data[:, 0, 0] = a.data[:, 0, 1]
+    a.data[:, 0, 1] = c
+
+
+class Identity2(nn.Module):
+    """``l2(l1(x)·1)`` on sequences, ``l1`` the identity at initialisation (so activations of
+    dyadic inputs sum exactly in any order)."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(W, W), nn.Linear(W, W)
+        with torch.no_grad():
+            self.l1.weight.copy_(torch.eye(W))
+            self.l1.bias.zero_()
+
+
+class PermutedAfterNormed(Identity2):
+    """A hook on ``l1``'s output — fired after ``l2`` was normed — swaps two elements of every
+    row of ``l2``'s activation."""
+
+    def forward(self, x):
+        h = self.l1(x)
+        a = h * 1.0
+        if h.requires_grad:
+            h.register_hook(lambda g: swap(a))
+        return self.l2(a)
+
+
+class PermutedAroundDeferral(Identity2):
+    """A hook on ``l2``'s output gradient swaps the two elements just before ``l2``'s operands
+    are fingerprinted and deferred, a hook on ``l1``'s output swaps them back before the bound is
+    formed at the end of the norm pass; the second backward swaps them again."""
+
+    def forward(self, x):
+        h = self.l1(x)
+        a = h * 1.0
+        out = self.l2(a) * 1.0
+        if out.requires_grad:
+            out.register_hook(lambda g: swap(a))
+            h.register_hook(lambda g: swap(a))
+        return out
+
+
+def permutation_case(model: nn.Module) -> Case:
+    """Honest samples of 2 positions with dyadic inputs; the crafted sample has equal inputs
+    ``64·e₀`` at both positions and output gradients ``±2u``, |u| ~ 10³: its true gradient is 0,
+    after the swap ``2u·(64(e₁ − e₀))ᵀ`` at position 0."""
+    g = torch.Generator().manual_seed(1)
+    xh = torch.randint(-3, 4, (3, 2, W), generator=g).float() * 0.125
+    with torch.no_grad():
+        th = model(xh) + 0.01 * torch.randn(3, 2, W, generator=g)
+    x1 = torch.zeros(W)
+    x1[0] = 64.0
+    x = torch.stack([x1, x1])[None]
+    with torch.no_grad():
+        y = model(x)
+    u = torch.randn(W, generator=g) * 1e3
+    return Case(model, (xh, th), (x, opposite_targets(y, u)))
+
+
+AMPS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+#: float16 autocast, book-keeping: the permutation is seen and the layer normed again, yet the
+#: crafted sample still moves the update by 1.005·R/B (was 4.3e5·R/B before the position weights)
+FP16_BOOK_KEEPING = {("native", m, "fp16") for m in ("bk", "bk_mixed", "bk_mixopt")}
+
+
+@pytest.mark.parametrize("amp", list(AMPS))
+@pytest.mark.parametrize("door,how", DOORS, ids=DOOR_IDS)
+def test_activation_permuted_after_its_layer_was_normed(door, how, amp, request):
+    """Held by the fingerprints' secret position weights; before them a break in "per_sample"
+    (ratio ~4.3e5 in float32, ~161 under bfloat16 autocast) and, under float16 autocast, in every
+    native mode (~4.3e5): the layer's bound is formed when its gradient arrives, the row
+    permutation afterwards kept the bit-pattern and value sums, and the sum was formed from the
+    permuted activation with the factors of the original."""
+    if (door, how, amp) in FP16_BOOK_KEEPING:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=(
+            "float16 book-keeping: the changed layer's new norm term leaves 1.005·R/B")))
+    torch.manual_seed(0)
+    case = permutation_case(PermutedAfterNormed())
+    assert_bounded(*run_pair(case, door, how, amp=AMPS[amp]), may_refuse=True,
+                   what=f"{door}-{how}-{amp}")
+
+
+@pytest.mark.parametrize("amp", list(AMPS))
+@pytest.mark.parametrize("door,how", DOORS, ids=DOOR_IDS)
+def test_activation_permuted_around_the_deferred_bound(door, how, amp):
+    """Held by the fingerprints' secret position weights; before them a break in "mixed" and
+    "ghost" (ratio ~4.3e5 in float32, ~1.3e4 under bfloat16 autocast): the deferred bound is
+    formed from the restored activation, and the second backward found the permuted one with the
+    same bit-pattern and value sums."""
+    torch.manual_seed(0)
+    case = permutation_case(PermutedAroundDeferral())
+    assert_bounded(*run_pair(case, door, how, amp=AMPS[amp]), may_refuse=True,
+                   what=f"{door}-{how}-{amp}")
+
+
+# -- 2. integer operands: token ids shifted with their row sum kept (held) -----------------------
+class IdsShifted(nn.Module):
+    """``Embedding(64, W) → Linear`` (frozen) on 4 tokens; a hook on the embedding's output —
+    after it was normed — shifts the ids by ``(+1, −1, +1, −1)`` through ``.data``: each row's
+    id sum, its fingerprint, is unchanged, but ``(25, 27, 25, 27)`` becomes four equal ids."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.head = nn.Embedding(64, W), nn.Linear(W, W)
+        self.head.requires_grad_(False)
+
+    def forward(self, ids):
+        ids = ids.clone()
+        h = self.emb(ids)
+        if h.requires_grad:
+            h.register_hook(lambda g: self.shift(ids, 1))
+        return self.head(h)
+
+    @staticmethod
+    def shift(ids: torch.Tensor, s: int) -> None:
+        """``ids ± s`` by alternating position, behind autograd's back."""
+        ids.data[:, 0::2] += s
+        ids.data[:, 1::2] -= s
+
+
+class IdsShiftedAround(IdsShifted):
+    """The shift just before the embedding's output gradient arrives and undone just after."""
+
+    def forward(self, ids):
+        ids = ids.clone()
+        h = self.emb(ids)
+        out = self.head(h) * 1.0
+        if out.requires_grad:
+            out.register_hook(lambda g: self.shift(ids, 1))
+            h.register_hook(lambda g: self.shift(ids, -1))
+        return out
+
+
+@pytest.mark.parametrize("model_of", [IdsShifted, IdsShiftedAround], ids=["after", "around"])
+@pytest.mark.parametrize("door,how", DOORS, ids=DOOR_IDS)
+def test_token_ids_shifted_keeping_their_sum(door, how, model_of):
+    """Output gradients equal at all four positions: with the ids made equal, the embedding's
+    per-sample norm is √2 times the one of the distinct ids."""
+    model = model_of()
+    g = torch.Generator().manual_seed(1)
+    xh = torch.randint(20, 40, (3, 4), generator=g)
+    with torch.no_grad():
+        th = model(xh) + 0.01 * torch.randn(3, 4, W, generator=g)
+    x = torch.tensor([[25, 27, 25, 27]])
+    with torch.no_grad():
+        t = model(x) - torch.randn(W, generator=g) * 1e3
+    assert_bounded(*run_pair(Case(model, (xh, th), (x, t)), door, how), what=f"{door}-{how}")
+
+
+# -- 3. the second backward on honest models with awkward graphs: nothing missing or doubled ----
+class Awkward(nn.Module):
+    """A Linear called twice (tied), a layer whose output feeds the loss only for some batches,
+    a frozen layer in between, a detached branch, and the loss reading an intermediate output
+    directly."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(W, W), nn.Linear(W, W), nn.Linear(W, W)
+        self.frozen, self.side = nn.Linear(W, W), nn.Linear(W, W)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x):
+        h = self.a(x)
+        y = self.b(torch.tanh(self.frozen(h)))
+        y = y + self.b(h)  # tied: b twice
+        if bool(x[:, 0, 0].sum() > 0):  # the branch depends on the batch
+            y = y + self.side(h)
+        else:
+            self.side(h)  # called, output unused
+        y = y + self.c(h.detach())
+        return torch.cat([y, h], -1)  # the loss reads a's output directly
+
+
+def awkward_batch(sign: float):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(B, 2, W, generator=g)
+    x[:, 0, 0] = sign * x[:, 0, 0].abs()
+    x[-1] *= 30.0  # one sample clipped
+    return x, torch.randn(B, 2, 2 * W, generator=g)
+
+
+def assert_matches_reference(model: nn.Module, x: torch.Tensor, t: torch.Tensor,
+                             mode: str) -> None:
+    """One step of the native engine (noise 0, SGD lr 1): every trainable parameter's released
+    sum, times B, equals the float64 one-sample-at-a-time clipped sum (relative error < 1e-5)."""
+    want, _ = reference_clipped_sum(model, [x, t], lambda m, a, b: mse(m(a), b), R,
+                                    lambda n, r: torch.clamp(r / n, max=1.0))
+    engine = pe.PrivacyEngine(model, batch_size=B, sample_size=10 * B, max_grad_norm=R,
+                              noise_multiplier=0.0, clipping_mode=mode)
+    opt = CapturingSGD([p for p in model.parameters() if p.requires_grad])
+    engine.attach(opt)
+    opt.step(loss=mse(model(x), t))
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    for name, g, w in zip(names, opt.consumed, want):
+        err = float((g * B - w).norm() / max(float(w.norm()), 1e-30))
+        assert err < 1e-5, f"{mode}: {name} relative error {err:.3g}"
+
+
+TWO_PASS_AND_BK = ["mixed", "ghost", "per_sample", "bk_mixed"]
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0], ids=["side-used", "side-unused"])
+@pytest.mark.parametrize("mode", TWO_PASS_AND_BK)
+def test_second_backward_matches_the_reference_on_an_awkward_graph(mode, sign):
+    """Every parameter's clipped sum equals the float64 one-sample-at-a-time reference."""
+    assert_matches_reference(Awkward(), *awkward_batch(sign), mode)
+
+
+class InPlace(nn.Module):
+    """Layer outputs changed in place after their call: ``ReLU(inplace=True)`` on ``l1``'s,
+    ``+= 1`` and ``*= 2`` on ``l2``'s, ``l1``'s activation added into ``l3``'s output."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1, self.l2, self.l3 = nn.Linear(W, W), nn.Linear(W, W), nn.Linear(W, W)
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        h = self.act(self.l1(x))
+        y = self.l2(h)
+        y += 1.0
+        y.mul_(2.0)
+        z = self.l3(y)
+        z.add_(h)
+        return z
+
+
+@pytest.mark.parametrize("mode", TWO_PASS_AND_BK)
+def test_second_backward_through_in_place_outputs(mode):
+    """The second backward asks for the gradients at the layers' output edges as recorded before
+    the in-place ops: each sum is still the reference's."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(B, 2, W, generator=g)
+    x[-1] *= 30.0
+    assert_matches_reference(InPlace(), x, torch.randn(B, 2, W, generator=g), mode)
+
+
+# -- 4. a backward that is not deterministic: ulp-level noise differs between the two passes -----
+class UlpNoise(torch.autograd.Function):
+    """Identity forward; backward multiplies each element by ``1 + k·2⁻²²``, ``k ∈ {−1, 0, 1}``
+    drawn afresh at every call (a seeded generator per call): a kernel whose rounding differs
+    between the norm pass and the second backward."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        UlpNoise.calls += 1
+        gen = torch.Generator().manual_seed(UlpNoise.calls)
+        return g * (1 + 2.0 ** -22 * torch.randint(-1, 2, g.shape, generator=gen))
+
+
+class NoisyChain(nn.Module):
+    """``l3(N(l2(N(l1(x)))))``, ``N`` the noisy identity."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1, self.l2, self.l3 = nn.Linear(W, W), nn.Linear(W, W), nn.Linear(W, W)
+
+    def forward(self, x):
+        return self.l3(UlpNoise.apply(self.l2(UlpNoise.apply(self.l1(x)))))
+
+
+@pytest.mark.parametrize("door,how", DOORS, ids=DOOR_IDS)
+def test_output_gradients_that_differ_between_the_passes(door, how):
+    """The recomputed output gradients of ``l1`` and ``l2`` differ from the norm pass's in the
+    last bits: their fingerprints differ and the layers are scaled to their recomputed bounds."""
+    UlpNoise.calls = 0
+    model = NoisyChain()
+    g = torch.Generator().manual_seed(1)
+    xh = torch.randn(3, 2, W, generator=g) * 0.1
+    with torch.no_grad():
+        th = model(xh)
+    case = Case(model, (xh, th), (torch.randn(1, 2, W, generator=g) * 100,
+                                  torch.randn(1, 2, W, generator=g) * 1e4))
+    assert_bounded(*run_pair(case, door, how), what=f"{door}-{how}")
