@@ -77,10 +77,10 @@ class _Write(NamedTuple):
     after: Any
     #: the storage written (weakly): once torch's allocator has it back, a tensor it hands out at
     #: the same address holds none of the values written (:meth:`BatchFlow._write_to`)
-    storage: StorageWeakRef
+    storage: Optional[StorageWeakRef] = None
     #: whether torch's allocator owns that memory (else a NumPy or other outside buffer: it keeps
-    #: the values written after the storage over it is gone)
-    owned: bool
+    #: the values written after the storage over it is gone; or unknown)
+    owned: bool = False
 
 
 class BatchFlow(TorchDispatchMode):
@@ -702,7 +702,7 @@ class BatchFlow(TorchDispatchMode):
         none of its values)."""
         ptr = _storage(t)
         w = self._writes.get(ptr) if ptr else None
-        if w is not None and w.owned and w.storage.expired():
+        if w is not None and w.owned and w.storage is not None and w.storage.expired():
             del self._writes[ptr]
             return None
         return w
