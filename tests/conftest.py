@@ -18,3 +18,21 @@ def one_thread():
         yield
     finally:
         torch.set_num_threads(n)
+
+
+@pytest.fixture
+def kept_group_shapes(monkeypatch):
+    """The ``(B, width)`` shapes of the groups the clipper forms of kept per-sample gradients
+    during the test (``group_kept_grads`` spied on)."""
+    import private_engine.clipping.clipper as clipper_module
+
+    shapes = []
+    own = clipper_module.group_kept_grads
+
+    def spy(items, batch_size, key=None):
+        groups, terms = own(items, batch_size, key)
+        shapes.extend(tuple(mat.shape) for _, mat in groups)
+        return groups, terms
+
+    monkeypatch.setattr(clipper_module, "group_kept_grads", spy)
+    return shapes

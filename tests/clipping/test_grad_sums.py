@@ -295,21 +295,11 @@ def test_rule_taking_out_through_kwargs_works():
                             clip="abadi")
 
 
-def test_layer_norm_gradients_grouped_at_any_batch_match_the_reference(monkeypatch):
+def test_layer_norm_gradients_grouped_at_any_batch_match_the_reference(kept_group_shapes):
     """On the CPU a kept gradient is small by its elements per sample: a LayerNorm(768)'s weight
     and bias at batch 24 (18,432 elements each) form one group, whose clipped sums and norms
     match the float64 reference."""
-    import private_engine.clipping.clipper as clipper_module
-
-    shapes = []
-    own = clipper_module.group_kept_grads
-
-    def spy(items, batch_size, key=None):
-        groups, terms = own(items, batch_size, key)
-        shapes.extend(tuple(mat.shape) for _, mat in groups)
-        return groups, terms
-
-    monkeypatch.setattr(clipper_module, "group_kept_grads", spy)
+    shapes = kept_group_shapes
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 768), nn.LayerNorm(768), nn.Linear(768, 3)).double()
     with torch.no_grad():

@@ -193,12 +193,12 @@ def test_conv_small_map_cancellation_is_clipped(conv, door, how, amp):
     assert_bounded(*run_pair(case, door, how, amp=AMPS[amp]), what=f"{conv} {door}-{how} {amp}")
 
 
-def wide_linear_case(D: int, bias: bool) -> Case:
-    """``Linear(D, D)`` on 3 positions; the crafted sample repeats one input ×10⁴ whose output
-    gradients ±2·10³ alternate: D ≥ 2·CHUNK takes the blocked second try, a smaller D the float64
-    Grams."""
+def wide_linear_case(D: int, bias: bool, layers: int = 1) -> Case:
+    """``Linear(D, D)`` (``layers`` of them in a row) on 3 positions; the crafted sample repeats one
+    input ×10⁴ whose output gradients ±2·10³ alternate: D ≥ 2·CHUNK takes the blocked second try,
+    a smaller D the float64 Grams."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(D, D, bias=bias))
+    model = nn.Sequential(*[nn.Linear(D, D, bias=bias) for _ in range(layers)])
     gen = torch.Generator().manual_seed(2)
     x = 0.1 * torch.randn(3, 3, D, generator=gen)
     with torch.no_grad():

@@ -4,8 +4,7 @@ once, then float64 Grams), and the released step moves by at most R."""
 from __future__ import annotations
 
 import pytest
-import torch
-from torch import nn
+from test_red_team_gram import wide_linear_case
 
 import private_engine.layers.ghost_stack as ghost_stack
 from test_privacy_under_attack import Case, R, assert_bounded, run_pair, true_norm
@@ -19,20 +18,7 @@ def three_layer_case() -> Case:
     """``Linear(D, D)`` three times on 3 positions; the crafted sample repeats one input ×10⁴
     (up to 1 + 2⁻¹²ε) with output gradients ±2·10³ alternating over the positions, which every
     layer sees as positions that cancel."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, D))
-    gen = torch.Generator().manual_seed(2)
-    x = 0.1 * torch.randn(3, 3, D, generator=gen)
-    with torch.no_grad():
-        t = model(x) + 0.02 * torch.randn(3, 3, D, generator=gen)
-    xc = 1e4 * torch.randn(1, 1, D, generator=gen).expand(1, 3, D)
-    xc = (xc * (1 + 2 ** -12 * torch.randn(1, 3, D, generator=gen))).contiguous()
-    with torch.no_grad():
-        y = model(xc)
-    u = 1e3 * torch.randn(1, 1, D, generator=gen)
-    gdir = u * torch.tensor([1.0, -1.0, 0.0]).view(1, 3, 1)
-    gdir = gdir * (1 + 1e-5 * torch.randn(y.shape, generator=gen))
-    return Case(model, (x, t), (xc, y - gdir / 2))
+    return wide_linear_case(D, True, layers=3)
 
 
 @pytest.mark.parametrize("mode", ["bk_mixed", "bk"])
