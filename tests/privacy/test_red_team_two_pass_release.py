@@ -116,7 +116,8 @@ AMPS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: crafted sample's own contribution is 0.9999984·R/B; but the model's hook swaps at every backward,
 #: and the batch without the sample runs one backward more (4 against 3), so the honest samples'
 #: activations end swapped in one run and not in the other: the update moves by 1.005·R/B (was
-#: 4.3e5·R/B before the position weights). Which backward is the extra one is not known yet.
+#: 4.3e5·R/B before the position weights). The extra backward is the separability probe's
+#: float16 rescaled pass, which it runs only when the batch's largest gradient is small enough.
 FP16_BOOK_KEEPING = {("native", m, "fp16") for m in ("bk", "bk_mixed", "bk_mixopt")}
 
 
