@@ -242,11 +242,6 @@ class ConvRule(LayerRule):
             return row_norm_sq(self._bias_grad(calls))
         return zeros_like_batch(g0)
 
-    def _mass(self, module, calls, bias: bool) -> torch.Tensor:
-        """``M_i = Σ_γ Σ_t ‖(U(a_i)^γ_t, 1)‖·‖g_{i,t}^γ‖`` in float64 (the bias column of group γ
-        is its output channels' bias), from the bounds of :meth:`_position_bounds`."""
-        return self._mass_of(module, calls, *self._position_bounds(module, calls, bias))
-
     def _position_bounds(self, module, calls, bias: bool) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(n², m)``: float64 upper bounds ``(B, groups, Σ T)`` of ``‖(U(a_i)^γ_t, 1)‖²`` (no 1
         without a trained bias) and of ``‖g_{i,t}^γ‖``, the positions of every call concatenated in
