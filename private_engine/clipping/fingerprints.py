@@ -85,6 +85,8 @@ def row_fingerprints(t: torch.Tensor) -> List[torch.Tensor]:
 
 
 def fingerprint_pairs(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> List[torch.Tensor]:
-    """Per call ``(a, g)``, the row fingerprints of ``a`` then of ``g``
-    (:func:`row_fingerprints`)."""
+    """Per call ``(a, g)``, the row fingerprints of ``a`` then of ``g`` (:func:`row_fingerprints`):
+    what a second look at a layer's operands must find again for the norms formed from them to
+    certify what is released (a kernel that is not deterministic can change the output gradient;
+    model code writing an activation through ``.data`` during the backward, the activation)."""
     return [f for a, g in pairs for t in (a, g) for f in row_fingerprints(t)]

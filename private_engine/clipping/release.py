@@ -117,16 +117,6 @@ class FirstPass:
     bound: Optional[torch.Tensor]
 
 
-def fingerprints(pairs) -> List[torch.Tensor]:
-    """Per call, row fingerprints of the activation and of the output gradient
-    (:func:`.fingerprints.row_fingerprints`: per row, the sum of the elements' bit patterns modulo
-    ``2^k`` and the sum of their values; no copy of either operand): what the second backward must
-    find again for the first pass's norms to certify its release (a kernel that is not
-    deterministic can change the output gradient; model code writing an activation through an
-    alias autograd does not see, ``.data``, during the backward, the activation)."""
-    return fingerprint_pairs(pairs)
-
-
 def same_tensors(xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor]) -> bool:
     """Bitwise equality of two lists of tensors (NaN equal to NaN)."""
     def equal(x, y):
@@ -168,7 +158,7 @@ class BookKeeping:
             defer = getattr(rule, "defer_ghost_norm_sq", None)
             if defer is not None and defer(module, pairs, clipper.ghost_bounds):
                 return NormedLayer(decision, None, False)  # formed at the end of the pass
-            self._normed.append((module, rule, pairs, True, fingerprints(pairs)))
+            self._normed.append((module, rule, pairs, True, fingerprint_pairs(pairs)))
             return NormedLayer(decision, rule.certified_norm_sq(module, pairs, True), False)
         defer = getattr(rule, "defer_per_sample_grads", None)
         if defer is not None and defer(module, pairs, clipper.norm_grads):
@@ -182,7 +172,7 @@ class BookKeeping:
         contrib = rule.certified_norm_sq(module, pairs, False, grads=grads)
         del grads
         clipper.keep_pairs(module, rule, pairs)
-        self._normed.append((module, rule, pairs, False, fingerprints(pairs)))
+        self._normed.append((module, rule, pairs, False, fingerprint_pairs(pairs)))
         return NormedLayer(decision, contrib, False)
 
     def rows_layer(self, layer: RecordedLayer) -> bool:
@@ -198,7 +188,7 @@ class BookKeeping:
         normed, self._normed = self._normed, []
         return [rule.certified_norm_sq(module, pairs, use_ghost)
                 for module, rule, pairs, use_ghost, prints in normed
-                if not same_tensors(fingerprints(pairs), prints)]
+                if not same_tensors(fingerprint_pairs(pairs), prints)]
 
     def norm_pass_done(self, clipper: "PerSampleClipper", inputs: list, ok: bool) -> None:
         self._normed = []
@@ -252,7 +242,7 @@ class TwoPass:
             self._deferred.append((first, pairs))
             return NormedLayer(decision, None, True)
         contrib = layer.rule.certified_norm_sq(layer.module, pairs, decision.use_ghost)
-        self.first[id(layer)] = FirstPass(decision.use_ghost, merged, fingerprints(pairs),
+        self.first[id(layer)] = FirstPass(decision.use_ghost, merged, fingerprint_pairs(pairs),
                                           contrib)
         return NormedLayer(decision, contrib, True)
 
@@ -296,7 +286,7 @@ class TwoPass:
                 raise RuntimeError("internal error: a deferred ghost bound is missing.")
             for (first, pairs), row in zip(self._deferred, rows):
                 # the operands as the bound saw them, at the end of the pass
-                first.bound, first.fingerprints = row, fingerprints(pairs)
+                first.bound, first.fingerprints = row, fingerprint_pairs(pairs)
             self._deferred = []
             for extra in clipper.recorder.extras:  # their per-sample gradients are kept
                 extra.reset()
@@ -343,9 +333,10 @@ class TwoPass:
 
     def _on_layer_released(self, layer: RecordedLayer) -> None:
         """One layer's clipped sum ``gᵀ·diag(C)·a``. The output gradient and the activation must
-        be the norm pass's, bit for bit (:func:`fingerprints`); if either changed, the layer's
-        certified bound is computed again and its factors lowered to ``C_i·min(1, N_i/N'_i)`` for
-        this layer, so that its release stays within what the clip factors were computed for."""
+        be the norm pass's, bit for bit (:func:`.fingerprints.fingerprint_pairs`); if either
+        changed, the layer's certified bound is computed again and its factors lowered to
+        ``C_i·min(1, N_i/N'_i)`` for this layer, so that its release stays within what the clip
+        factors were computed for."""
         second = self._second
         try:
             if second is None:
@@ -361,7 +352,7 @@ class TwoPass:
                          for a, g in pairs]
             weights = factors
             self._written.add(id(layer))
-            if not same_tensors(fingerprints(pairs), first.fingerprints):
+            if not same_tensors(fingerprint_pairs(pairs), first.fingerprints):
                 again = layer.rule.certified_norm_sq(layer.module, pairs, first.use_ghost)
                 ratio = torch.where(again > first.bound, (first.bound / again).sqrt(),
                                     torch.ones_like(again))

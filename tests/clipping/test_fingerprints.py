@@ -7,7 +7,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from private_engine.clipping import release
-from private_engine.clipping.fingerprints import row_fingerprints
+from private_engine.clipping.fingerprints import fingerprint_pairs, row_fingerprints
 
 
 def _bit_sums(t: torch.Tensor, k: int) -> list:
@@ -57,8 +57,8 @@ def test_a_change_of_one_element_changes_its_rows_fingerprint(where, value):
     assert not torch.equal(after[0][row], before[0][row])
     rest = [i for i in range(16) if i != row]
     assert all(torch.equal(x[rest], y[rest]) for x, y in zip(after, before))
-    assert not release.same_tensors(release.fingerprints([(t, t)]),
-                                    release.fingerprints([(t, changed)]))
+    assert not release.same_tensors(fingerprint_pairs([(t, t)]),
+                                    fingerprint_pairs([(t, changed)]))
 
 
 def _largest_allocation(fn) -> int:
@@ -72,8 +72,8 @@ def test_fingerprints_copy_no_operand():
     no cast of the operand (a float64 sum's 19 MB copy), no copy of it."""
     a = torch.randn(16, 197, 192)
     g = torch.randn(16, 197, 768)
-    release.fingerprints([(a, g)])  # the position weights of these widths, drawn once
-    largest = _largest_allocation(lambda: release.fingerprints([(a, g)]))
+    fingerprint_pairs([(a, g)])  # the position weights of these widths, drawn once
+    largest = _largest_allocation(lambda: fingerprint_pairs([(a, g)]))
     assert 0 < largest <= 1024
 
 
@@ -94,5 +94,5 @@ def test_values_moved_between_positions_change_their_rows_fingerprint(move):
         before, after = row_fingerprints(t), row_fingerprints(changed)
         assert all(torch.equal(x[1], y[1]) for x, y in zip(before[:-1], after[:-1]))
         assert not torch.equal(before[-1][1], after[-1][1])
-        assert not release.same_tensors(release.fingerprints([(t, t)]),
-                                        release.fingerprints([(t, changed)]))
+        assert not release.same_tensors(fingerprint_pairs([(t, t)]),
+                                        fingerprint_pairs([(t, changed)]))
