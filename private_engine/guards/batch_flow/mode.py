@@ -451,12 +451,13 @@ class BatchFlow(TorchDispatchMode):
             if epoch and epoch != self.epoch and isinstance(tag, (Rows, Mixed, Summed)):
                 return _STALE, self.epoch, source
             if self._writes:
-                w = self._write_to(t)
+                w = self._write_to(_storage(t))
                 if w is not None and w.clock > entry.clock and w.after != w.before:
                     return Mixed(_REWRITTEN), self.epoch, source
             return tag, epoch, source
         if self._writes and not isinstance(t, nn.Parameter):
-            w = None if _storage(t) in self._state_storages else self._write_to(t)
+            ptr = _storage(t)
+            w = None if ptr in self._state_storages else self._write_to(ptr)
             if w is not None and w.after is not None and w.after is not _FREE:
                 # storage written with the batch's data through an alias (``z.data.copy_``,
                 # ``z.detach().copy_``) while ``z`` itself was never tagged
@@ -695,12 +696,11 @@ class BatchFlow(TorchDispatchMode):
                 self._writes[ptr] = _Write(clock, before, self.tag(base), StorageWeakRef(storage),
                                            storage.resizable())
 
-    def _write_to(self, t: torch.Tensor) -> Optional[_Write]:
-        """The last in-place write of the region to ``t``'s storage, found by its address; None
-        where there was none, or where the storage written is gone and its memory was torch's
-        (the allocator's block handed out again: ``t`` was allocated after the write and holds
-        none of its values)."""
-        ptr = _storage(t)
+    def _write_to(self, ptr: int) -> Optional[_Write]:
+        """The last in-place write of the region to the storage at address ``ptr``
+        (:func:`_storage`); None where there was none, or where the storage written is gone and
+        its memory was torch's (the allocator's block handed out again: a tensor there now was
+        allocated after the write and holds none of its values)."""
         w = self._writes.get(ptr) if ptr else None
         if w is not None and w.owned and w.storage is not None and w.storage.expired():
             del self._writes[ptr]
