@@ -18,10 +18,10 @@ cotangent of sample j by a power of two multiplies every product and partial sum
 backward forms for sample j's rows by the same power of two, without a new rounding (barring
 overflow and subnormals). An op that mixes rows makes row m a combination ``Σ_j r_j·G_j[m]`` of
 several samples' weights, which differs from ``r_{m//k}·Σ_j G_j[m]`` unless the weights agree.
-The exponents ``e_j`` are a random arrangement of ``lo + (j mod E)`` (E = 16 levels, 0..15; 5
-levels, -4..0, when float16 is involved), so up to E samples get distinct weights and any mixing
-among them is seen; with more samples, mixing only among samples of equal weight goes unseen,
-with small probability, and a re-probe draws new weights.
+The exponents ``e_j`` are a random arrangement of ``lo + (j mod E)`` (E = 16 levels, h-15..h with
+h ≤ 15; 5 levels, -4..0, when float16 is involved), so up to E samples get distinct weights and
+any mixing among them is seen; with more samples, mixing only among samples of equal weight goes
+unseen, with small probability, and a re-probe draws new weights.
 
 Two backward passes (``torch.autograd.grad(..., retain_graph=True)``) give both sides at every
 recorded output (the engine's ``RecordedCall.edge``, the tracer's ``entry_edges()``, the
@@ -32,13 +32,23 @@ relative tolerance set by the lowest precision in the graph: 1e-5 for float32/64
 float16 (and float32 on CUDA with TF32 allowed), 5e-2 for bfloat16. Exactness holds op by op,
 but a non-deterministic kernel (or CPU flash attention in float16) perturbs a value by one
 rounding, which a later low-precision op can turn into a flip of its last bit; mixing changes
-rows by a factor of the weights' ratios (≥ 2), far above these tolerances. Float16 also loses
-exactness in its subnormal range, so when it is involved both passes are first scaled by a
-common 2^s (as a GradScaler would: the largest compared entry near 2^11, s lowered while that
-overflows) and the weights only scale down. When the weighted pass overflows where the plain one
-does not, it is repeated with smaller, then negative, exponents; rows that are not finite in the
-plain pass are not compared (such samples are dropped or rejected by the engine anyway), and the
-signature then stays unprobed, to be probed again at its next forward.
+rows by a factor of the weights' ratios (≥ 2), far above these tolerances.
+
+The passes are a fixed sequence, the same for every batch: tensor hooks of the model run at every
+backward pass, so a number of passes that followed the data (a retry when a pass overflows) would
+let one sample change what model code sees, and through its side effects what the other samples
+release. Float32, bfloat16 and float64 run the two passes; the largest exponent ``h`` is 15
+unless the plain pass's largest compared entry times ``2^h`` would come within ``2^8`` of the
+dtype's largest value (compared gradients above 2^104, about 2e31, in float32), and is lowered
+to keep that margin.
+Float16 also loses exactness in its subnormal range, so when it is involved a third pass, between
+the two, repeats the plain one scaled by a common ``2^s`` (as a GradScaler would: the largest
+compared entry near 2^11 and the largest gradient that entered any node of the graph in the plain
+pass at most 2^14, which the plain pass notes with one reduction per node), and the weights only
+scale down; the scaled pass is the baseline unless it overflowed where the plain one did not.
+Rows that are not finite in the baseline or the weighted pass are not compared (such samples are
+dropped or rejected by the engine anyway), and the signature then stays unprobed, to be probed
+again at its next forward.
 
 **When it runs.** A forward pre-hook on the root module computes an *input signature* (training
 flag, shapes with the batch size replaced by -1, dtypes and devices of the tensor arguments, the
