@@ -173,7 +173,7 @@ def test_activation_permuted_around_the_deferred_bound(door, how, amp):
                          ids=["after", "around"])
 def test_activation_permuted_next_to_a_huge_element(model, door, how, amp):
     """Held by the fingerprints' exact integer sums; with a floating-point position-weighted sum
-    of the values a break in "per_sample" and the two-pass modes in float32 (~4.3e5·R/B): a huge
+    of the values a break in "per_sample" and the two-pass modes in float32 (5.6–7.0e5·R/B): a huge
     element at a position with no gradient absorbed the swap's change in every rounded sum."""
     torch.manual_seed(0)
     case = masked_permutation_case(model())
