@@ -1,31 +1,32 @@
 """Row fingerprints of the operands a layer was normed from: what a later look at the same
 operands must find again for the norms to certify what is released from them.
 
-Per row r of an operand ``t`` (first dimension: rows; the rest flattened), two sums, neither of
-which casts or copies ``t`` (a float64 sum of a float32 operand casts all of it first, on the CPU
-a copy twice its size at every call):
+Per row r of an operand ``t`` (first dimension: rows; the rest flattened), two exact integer
+sums of the elements' bit patterns; neither rounds, so no element, however large, can hide a
+change of others (a floating-point sum of the values would absorb any change below the rounding
+of its largest term):
 
 * ``b_r = Σ_j bits(t_{r,j}) mod 2^k``: the elements' bit patterns read as k-bit integers
-  (``t.view(int_k)``, k the element width) summed with wrap-around. Exact and independent of
-  the order of the additions, so bitwise equal operands give equal ``b``, on every device and
-  thread count; a row in which a single element changed — by any amount, at any magnitude, a
-  sign of zero included — always gets another ``b_r`` (the change of one bit pattern lies
-  strictly between ``-2^k`` and ``2^k``).
-* ``s_r = Σ_j t_{r,j}`` in the operand's floating-point type (torch's reduction, deterministic
-  for a given shape): a second look at changes of several elements whose bit-pattern changes
-  cancel modulo ``2^k`` but whose values do not.
+  (``t.view(int_k)``, k the element width) summed with wrap-around. Independent of the order of
+  the additions, so bitwise equal operands give equal ``b``, on every device and thread count;
+  a row in which a single element changed — by any amount, at any magnitude, a sign of zero
+  included — always gets another ``b_r`` (the change of one bit pattern lies strictly between
+  ``-2^k`` and ``2^k``). One reduction, no copy.
+* ``w_r = Σ_m c_m·u_{r,m} mod 2^64``: the row's bit patterns read as words ``u_{r,m}`` of at most
+  32 bits (an element of 8 bytes is two words), times secret weights ``c_m``, uniform integers in
+  ``[1, 2^31)`` drawn once per process, per row width in words and device, from the operating
+  system's entropy and never released, summed exactly in int64. ``b_r`` is the same for every
+  order of a row's elements, so a write that moves values between positions (a ``.data`` flip,
+  roll or swap inside a row, which changes a sequence layer's ghost norm
+  ``Σ_{t,s}⟨a_t,a_s⟩⟨g_t,g_s⟩``) keeps it; it changes ``w_r`` by ``Σ_m c_m·δ_m`` with word changes
+  ``|δ_m| < 2^32``. For any change, fix every weight but one ``c_m`` with ``δ_m ≠ 0``: ``c_m·δ_m``
+  takes one value modulo ``2^64`` for at most one ``c_m < 2^31`` (``δ_m``'s 2-adic valuation
+  is at most 31), so the change goes unseen with probability at most ``2^-31`` over the secret
+  weights, whatever the values (a Schwartz–Zippel-type argument for a linear form).
 
-* ``w_r = Σ_j c_j·t_{r,j}``, one matrix–vector product in the operand's floating-point type with
-  weights ``c_j ∈ [1, 2)`` drawn once per process, per row width, dtype and device, from the
-  operating system's entropy and never released (``Σ_j c_j·t_{r,j}`` in int64 with weights below
-  ``2⁶²`` for an integer operand): the two sums above are the same for every order of a row's
-  elements, so a write that moves values between positions (a ``.data`` flip, roll or swap
-  inside a row, which changes a sequence layer's ghost norm ``Σ_{t,s}⟨a_t,a_s⟩⟨g_t,g_s⟩``) keeps
-  them; it changes ``w_r`` by ``Σ_j c_j·δ_j``, which secret weights make zero only by chance.
-
-Changes of several elements below the rounding of ``s_r`` and ``w_r`` that keep ``b_r`` can still
-leave all three as they were: the fingerprints see what non-deterministic kernels and careless
-writes do, not every change a model could craft.
+``w_r`` widens the words to int64 a piece of at most ``PIECE_WORDS`` words at a time (on the CPU a
+matrix–vector product per piece; on other devices a product and a sum): no copy of the operand is
+held, only one piece. Integer and boolean operands are fingerprinted by the same sums.
 """
 from __future__ import annotations
 
@@ -38,28 +39,33 @@ from ..foundation.randomness import entropy_seeded_generator
 
 #: the integer type of an element width in bytes
 _BITS: Dict[int, torch.dtype] = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+#: the word type of :func:`row_fingerprints`' ``w_r`` for an element width in bytes (at most 32
+#: bits, so that a word's change has a 2-adic valuation of at most 31)
+_WORDS: Dict[int, torch.dtype] = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int32}
+#: words widened to int64 at a time (2 MiB), per device type; a GPU takes larger pieces (fewer
+#: kernels for the same memory traffic)
+PIECE_WORDS: Dict[str, int] = {"cpu": 1 << 18}
+PIECE_WORDS_OTHER = 1 << 24
+#: the weights are uniform in ``[1, 2^WEIGHT_BITS)``
+WEIGHT_BITS = 31
 
-
-#: the position weights of each row width, dtype and device (:func:`position_weights`), the
-#: most recently used kept
+#: the position weights of each row width and device (:func:`position_weights`), the most
+#: recently used kept
 _WEIGHTS: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
 _WEIGHTS_KEPT = 64
 
 
-def position_weights(cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``(cols,)`` secret weights of :func:`row_fingerprints`' ``w_r``: uniform in ``[1, 2)``
-    (rounded to ``dtype``) for a floating-point operand, uniform integers in ``[1, 2⁶²)`` for an
-    integer one; drawn once per process and key from an entropy-seeded generator."""
-    key = (cols, dtype, device)
+def position_weights(cols: int, device: torch.device) -> torch.Tensor:
+    """``(cols,)`` secret int64 weights of :func:`row_fingerprints`' ``w_r``, uniform in
+    ``[1, 2^31)``; drawn once per process, row width and device from an entropy-seeded
+    generator."""
+    key = (cols, torch.device(device))
     found = _WEIGHTS.get(key)
     if found is not None:
         _WEIGHTS.move_to_end(key)
         return found
     gen = entropy_seeded_generator("cpu")
-    if dtype.is_floating_point:
-        w = (torch.rand(cols, generator=gen, dtype=torch.float64) + 1).to(dtype)
-    else:
-        w = torch.randint(1, 2 ** 62, (cols,), generator=gen, dtype=torch.int64)
+    w = torch.randint(1, 2 ** WEIGHT_BITS, (cols,), generator=gen, dtype=torch.int64)
     w = w.to(device)
     _WEIGHTS[key] = w
     if len(_WEIGHTS) > _WEIGHTS_KEPT:
@@ -68,20 +74,42 @@ def position_weights(cols: int, dtype: torch.dtype, device: torch.device) -> tor
 
 
 def row_fingerprints(t: torch.Tensor) -> List[torch.Tensor]:
-    """``[b, s, w]`` of ``t``'s rows (module docstring): ``b_r = Σ_j bits(t_{r,j}) mod 2^k`` as
-    k-bit integers, ``s_r = Σ_j t_{r,j}`` and ``w_r = Σ_j c_j·t_{r,j}`` in ``t``'s dtype (a
-    complex ``t``: of its real and imaginary parts); for an integer or boolean ``t``, ``[s, w]``
-    exact in int64 (``w`` modulo ``2⁶⁴``)."""
+    """``[b, w]`` of ``t``'s rows (module docstring): ``b_r = Σ_j bits(t_{r,j}) mod 2^k`` as
+    k-bit integers and ``w_r = Σ_m c_m·u_{r,m} mod 2^64`` in int64, for an operand of any dtype
+    (a complex one as its real and imaginary parts, a boolean one as bytes)."""
     x = t.reshape(t.shape[0], -1)
     if x.is_complex():
         x = torch.view_as_real(x).reshape(x.shape[0], -1)
-    if not x.is_floating_point():
-        x64 = x.to(torch.int64)
-        weights = position_weights(x.shape[1], torch.int64, x.device)
-        return [x64.sum(1), (x64 * weights).sum(1)]
-    bits = _BITS[x.element_size()]
-    weights = position_weights(x.shape[1], x.dtype, x.device)
-    return [x.view(bits).sum(1, dtype=bits), x.sum(1), x @ weights]
+    if x.dtype == torch.bool:
+        x = x.view(torch.int8)
+    if x.shape[1] and x.stride(1) != 1:
+        x = x.contiguous()
+    size = x.element_size()
+    bits = x.view(_BITS[size])
+    return [bits.sum(1, dtype=bits.dtype), weighted_word_sums(x.view(_WORDS[size]))]
+
+
+def weighted_word_sums(words: torch.Tensor) -> torch.Tensor:
+    """``Σ_m c_m·u_{r,m} mod 2^64`` per row of the integer matrix ``words`` (``c`` the
+    :func:`position_weights` of its width), exact in int64, widened a piece of at most
+    ``PIECE_WORDS`` words at a time."""
+    rows, cols = words.shape
+    weights = position_weights(cols, words.device)
+    out = torch.zeros(rows, dtype=torch.int64, device=words.device)
+    if rows == 0 or cols == 0:
+        return out
+    step = max(1, PIECE_WORDS.get(words.device.type, PIECE_WORDS_OTHER) // rows)
+    scratch = torch.empty(rows * min(step, cols), dtype=torch.int64, device=words.device)
+    on_cpu = words.device.type == "cpu"
+    for start in range(0, cols, step):
+        piece = words[:, start:start + step]
+        wide = scratch[:piece.numel()].view(piece.shape).copy_(piece)
+        part = weights[start:start + piece.shape[1]]
+        if on_cpu:
+            out.add_(torch.mv(wide, part))
+        else:
+            out.add_(wide.mul_(part).sum(1))
+    return out
 
 
 def fingerprint_pairs(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> List[torch.Tensor]:

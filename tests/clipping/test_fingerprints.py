@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from private_engine.clipping import release
+from private_engine.clipping import fingerprints, release
 from private_engine.clipping.fingerprints import fingerprint_pairs, row_fingerprints
 
 
@@ -14,21 +14,34 @@ def _bit_sums(t: torch.Tensor, k: int) -> list:
     """Σ_j bits(t_rj) mod 2^k per row, in Python integers (as signed k-bit values)."""
     ints = t.reshape(t.shape[0], -1).view({16: torch.int16, 32: torch.int32,
                                            64: torch.int64}[k]).tolist()
-    out = []
-    for row in ints:
-        s = sum(row) % 2 ** k
-        out.append(s - 2 ** k if s >= 2 ** (k - 1) else s)
-    return out
+    return [_signed(sum(row), k) for row in ints]
 
 
-@pytest.mark.parametrize("dtype,k", [(torch.float32, 32), (torch.bfloat16, 16),
-                                     (torch.float64, 64)])
-def test_bit_sums_wrap_around_exactly(dtype, k):
+def _signed(s: int, k: int) -> int:
+    s %= 2 ** k
+    return s - 2 ** k if s >= 2 ** (k - 1) else s
+
+
+def _weighted_word_sums(t: torch.Tensor, word: torch.dtype) -> list:
+    """Σ_m c_m·u_rm mod 2^64 per row in Python integers: the words of at most 32 bits the
+    elements' bit patterns split into, times the module's secret weights of that width."""
+    words = t.reshape(t.shape[0], -1).view(word)
+    c = fingerprints.position_weights(words.shape[1], words.device).tolist()
+    return [_signed(sum(ci * ui for ci, ui in zip(c, row)), 64) for row in words.tolist()]
+
+
+@pytest.mark.parametrize("dtype,k,word", [(torch.float32, 32, torch.int32),
+                                          (torch.bfloat16, 16, torch.int16),
+                                          (torch.float64, 64, torch.int32)])
+def test_bit_and_weighted_sums_wrap_around_exactly(dtype, k, word, monkeypatch):
+    """Both sums are exact integers modulo 2^k and 2^64, also when the words are widened in
+    several pieces (a piece of 1,000 words here)."""
+    monkeypatch.setitem(fingerprints.PIECE_WORDS, "cpu", 3000)
     g = torch.Generator().manual_seed(0)
-    t = (torch.randn(3, 40, 500, generator=g) * 1e6).to(dtype)  # sums far beyond 2^k
-    bits, values, _ = row_fingerprints(t)
+    t = (torch.randn(3, 40, 50, generator=g) * 1e6).to(dtype)  # sums far beyond 2^k
+    bits, weighted = row_fingerprints(t)
     assert bits.tolist() == _bit_sums(t, k)
-    assert torch.equal(values, t.reshape(3, -1).sum(1))
+    assert weighted.tolist() == _weighted_word_sums(t, word)
 
 
 def test_fingerprints_of_equal_operands_are_equal():
@@ -68,13 +81,14 @@ def _largest_allocation(fn) -> int:
 
 
 def test_fingerprints_copy_no_operand():
-    """The fingerprints of a 9.7 MB float32 output gradient allocate their ``(B,)`` results only:
-    no cast of the operand (a float64 sum's 19 MB copy), no copy of it."""
+    """The fingerprints of a 9.7 MB float32 output gradient hold one piece of ``PIECE_WORDS``
+    words widened to int64 (2 MiB) besides their ``(B,)`` results: no cast or copy of the
+    operand (a float64 or int64 one would be 19 MB)."""
     a = torch.randn(16, 197, 192)
     g = torch.randn(16, 197, 768)
     fingerprint_pairs([(a, g)])  # the position weights of these widths, drawn once
     largest = _largest_allocation(lambda: fingerprint_pairs([(a, g)]))
-    assert 0 < largest <= 1024
+    assert 0 < largest <= 8 * fingerprints.PIECE_WORDS["cpu"] < g.numel() * g.element_size()
 
 
 @pytest.mark.parametrize("move", [
@@ -96,3 +110,24 @@ def test_values_moved_between_positions_change_their_rows_fingerprint(move):
         assert not torch.equal(before[-1][1], after[-1][1])
         assert not release.same_tensors(fingerprint_pairs([(t, t)]),
                                         fingerprint_pairs([(t, changed)]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("other", [1e30, 6e4, 0.0])
+def test_a_move_next_to_a_huge_element_or_a_sign_flip_changes_the_fingerprint(dtype, other):
+    """A huge element elsewhere in the row (1e30; float16: 6e4) would absorb the change of a
+    floating-point weighted sum of the values; the weighted sum of bit-pattern words is exact.
+    Swapping ``x`` and ``-x`` changes one bit per word pair, the sign (a word change of
+    ``2^31``): seen for every dtype, a float64's sign bit included."""
+    if other == 1e30 and dtype == torch.float16:
+        other = 6e4
+    for first, second in ((64.0, 0.0), (3.0, -3.0)):
+        t = torch.zeros(4, 3, 8, dtype=dtype)
+        t[1, 2, 7] = other
+        t[1, 0, 0], t[1, 0, 1] = first, second
+        changed = t.clone()
+        changed[1, 0, 0], changed[1, 0, 1] = second, first
+        before, after = row_fingerprints(t), row_fingerprints(changed)
+        assert torch.equal(before[0], after[0])
+        assert not torch.equal(before[1][1], after[1][1])
+        assert torch.equal(before[1][[0, 2, 3]], after[1][[0, 2, 3]])

@@ -1,6 +1,7 @@
 """Red team of the two-pass release: the row fingerprints (per row, the wrap-around sum of the
-elements' bit patterns and the sum of their values) that the second backward must find again,
-and the second backward asked only for the output gradients of the layers it writes.
+elements' bit patterns and the exact sum of their bit-pattern words times secret integer
+weights) that the second backward must find again, and the second backward asked only for the
+output gradients of the layers it writes.
 
 Same contract and harness as tests/privacy/test_privacy_under_attack.py: noise 0, SGD at lr 1,
 one step with and without the attacker's sample (declared batch size B)::
@@ -11,15 +12,16 @@ and, for honest models with awkward graphs, the released sum against the float64
 reference (tests/reference.py).
 
 Section 1: a ``.data`` write that *permutes* elements inside each sample's row keeps the
-bit-pattern and value sums exactly (the multiset of bit patterns, and for exactly summable values
-the value sum, are unchanged), but moves values between positions, which changes the ghost norm
-``Σ_{t,s} ⟨a_t, a_s⟩⟨g_t, g_s⟩`` of a sequence layer. A crafted sample whose two positions have
-equal activations and opposite output gradients has norm 0 as normed, and ~4·10⁵·R as released
-without the fingerprints' third term, the sum with secret position weights (float64 row sums miss
-the same write). Under float16 autocast the model's swap at every backward also ran once more in
-the batch without the sample (the separability probe's rescaled pass, run only when the batch's
-largest gradient was small): 1.005·R/B under book-keeping, held since the probe's passes are a
-fixed sequence. The other tests are attacks that held, kept as regression tests.
+bit-pattern sum exactly (the multiset of bit patterns is unchanged), but moves values between
+positions, which changes the ghost norm ``Σ_{t,s} ⟨a_t, a_s⟩⟨g_t, g_s⟩`` of a sequence layer. A
+crafted sample whose two positions have equal activations and opposite output gradients has norm
+0 as normed, and ~4·10⁵·R as released without the position-weighted sum; a floating-point one
+(the values times secret weights) missed it next to an element 10¹⁸ times larger, and under
+bfloat16 whenever two weights rounded alike. Under float16 autocast the model's swap at every
+backward also ran once more in the batch without the sample (the separability probe's rescaled
+pass, run only when the batch's largest gradient was small): 1.005·R/B under book-keeping, held
+since the probe's passes are a fixed sequence. The other tests are attacks that held, kept as
+regression tests.
 """
 from __future__ import annotations
 
@@ -111,6 +113,28 @@ def permutation_case(model: nn.Module) -> Case:
     return Case(model, (xh, th), (x, opposite_targets(y, u)))
 
 
+def masked_permutation_case(model: nn.Module) -> Case:
+    """:func:`permutation_case` with a third position whose activation is ``10¹⁸·e₇`` and whose
+    output gradient is 0 (its target is its output): it adds nothing to the norm, but a
+    floating-point weighted sum of the row's values rounds to a multiple of ~10¹¹, absorbing the
+    swap's change ``64·(c₁ − c₀)``. The honest samples' two swapped elements are equal, so that
+    the write changes the crafted row alone (a change seen in any row re-norms the layer)."""
+    g = torch.Generator().manual_seed(1)
+    xh = torch.randint(-3, 4, (3, 3, W), generator=g).float() * 0.125
+    xh[:, 0, 1] = xh[:, 0, 0]  # the honest rows' swap is no change: no other row shows one
+    with torch.no_grad():
+        th = model(xh) + 0.01 * torch.randn(3, 3, W, generator=g)
+    x1 = torch.zeros(W)
+    x1[0] = 64.0
+    x3 = torch.zeros(W)
+    x3[7] = 1e18
+    x = torch.stack([x1, x1, x3])[None]
+    with torch.no_grad():
+        y = model(x)
+    u = torch.randn(W, generator=g) * 1e3
+    return Case(model, (xh, th), (x, torch.cat([opposite_targets(y, u), y[:, 2:]], 1)))
+
+
 AMPS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -139,6 +163,20 @@ def test_activation_permuted_around_the_deferred_bound(door, how, amp):
     same bit-pattern and value sums."""
     torch.manual_seed(0)
     case = permutation_case(PermutedAroundDeferral())
+    assert_bounded(*run_pair(case, door, how, amp=AMPS[amp]), may_refuse=True,
+                   what=f"{door}-{how}-{amp}")
+
+
+@pytest.mark.parametrize("amp", list(AMPS))
+@pytest.mark.parametrize("door,how", DOORS, ids=DOOR_IDS)
+@pytest.mark.parametrize("model", [PermutedAfterNormed, PermutedAroundDeferral],
+                         ids=["after", "around"])
+def test_activation_permuted_next_to_a_huge_element(model, door, how, amp):
+    """Held by the fingerprints' exact integer sums; with a floating-point position-weighted sum
+    of the values a break in "per_sample" and the two-pass modes in float32 (5.6–7.0e5·R/B): a huge
+    element at a position with no gradient absorbed the swap's change in every rounded sum."""
+    torch.manual_seed(0)
+    case = masked_permutation_case(model())
     assert_bounded(*run_pair(case, door, how, amp=AMPS[amp]), may_refuse=True,
                    what=f"{door}-{how}-{amp}")
 
