@@ -100,13 +100,24 @@ def test_large_groups_are_bounded_in_chunks_with_the_same_bounds(monkeypatch):
     for m, a, g in layers:
         rule.defer_ghost_norm_sq(m, [(a, g)], stack)
     whole = stack.take()[0]
+    grams = []
+    own = ghost_stack._grams_and_norms
+    monkeypatch.setattr(ghost_stack, "_grams_and_norms",
+                        lambda ts: grams.append(len(ts)) or own(ts))
     monkeypatch.setattr(ghost_stack, "BOUND_ELEMENTS", 2 * 3 * 5 * 5)  # two layers per chunk
+    for m, a, g in layers:
+        rule.defer_ghost_norm_sq(m, [(a, g)], stack)
+    blocks = stack.take()
+    # the Grams in three chunks, the rows' arithmetic once for the six layers
+    assert grams == [2] * 6 and [b.shape[0] for b in blocks] == [6]
+    assert torch.equal(blocks[0], whole)
+    assert torch.equal(torch.stack(stack.rows), whole)
+    monkeypatch.setattr(ghost_stack, "ROW_ELEMENTS", 2 * 3 * 5)  # two layers' rows per block
     for m, a, g in layers:
         rule.defer_ghost_norm_sq(m, [(a, g)], stack)
     blocks = stack.take()
     assert [b.shape[0] for b in blocks] == [2, 2, 2]
     assert torch.equal(torch.cat(blocks), whole)
-    assert torch.equal(torch.stack(stack.rows), whole)
 
 
 def test_bfloat16_operands_give_the_per_layer_bounds_bit_for_bit():
@@ -123,7 +134,8 @@ def test_bfloat16_operands_give_the_per_layer_bounds_bit_for_bit():
 def test_second_tries_of_every_chunk_follow_one_host_synchronisation(monkeypatch):
     """Chunked layers (a small ``BOUND_ELEMENTS``) still read whether any sample is loose by one
     host synchronisation per step (``bool`` of a tensor: ``aten._local_scalar_dense``), plus one
-    per chunk that holds a loose sample; the bounds stay those of the per-layer path."""
+    per block (here: per chunk) that holds a loose sample; the bounds stay those of the
+    per-layer path."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     import private_engine.layers.ghost_stack as ghost_stack
@@ -138,6 +150,7 @@ def test_second_tries_of_every_chunk_follow_one_host_synchronisation(monkeypatch
             return func(*args, **(kwargs or {}))
 
     monkeypatch.setattr(ghost_stack, "BOUND_ELEMENTS", 3 * 5 * 5)  # one layer per chunk
+    monkeypatch.setattr(ghost_stack, "ROW_ELEMENTS", 3 * 5)  # and per block
     rule = LinearRule()
     layers = [(m, a, g) for k, (m, a, g) in enumerate(_layers()) if k != 1 and k != 4]
     stack = GhostBoundStack()
@@ -234,3 +247,30 @@ def test_loose_samples_of_layers_of_one_shape_take_one_second_try(monkeypatch):
         exact = (torch.einsum("ntp,ntd->npd", g64, a64).pow(2).sum((1, 2))
                  + g64.sum(1).pow(2).sum(1))
         assert bool((blocks[0][k] >= exact).all()), k
+
+
+def test_chunked_bounds_hold_the_float64_per_sample_norms(monkeypatch):
+    """Grams in chunks of two layers, the rows' arithmetic once for all six: every bound is at
+    least the layer's float64 per-sample gradient norm² (weight and bias), the crafted samples of
+    the first and of the last chunk included, and an honest sample's within 10⁻³ of it."""
+    import private_engine.layers.ghost_stack as ghost_stack
+
+    monkeypatch.setattr(ghost_stack, "BOUND_ELEMENTS", 2 * 3 * 5 * 5)
+    rule = LinearRule()
+    layers = _layers()
+    m, a, g = layers[5]  # a crafted sample in the last chunk too
+    a[1] = torch.tensor([2.0, -2.0, 0.0, 0.0, 0.0]).unsqueeze(1) * 1e4
+    g[1] = 1e-4
+    stack = GhostBoundStack()
+    for m, a, g in layers:
+        assert rule.defer_ghost_norm_sq(m, [(a, g)], stack)
+    (block,) = stack.take()
+    for k, (m, a, g) in enumerate(layers):
+        a64, g64 = a.double(), g.double()
+        exact = torch.einsum("ntp,ntd->npd", g64, a64).pow(2).sum((1, 2))
+        if m.bias is not None:
+            exact = exact + g64.sum(1).pow(2).sum(1)
+        assert bool((block[k] >= exact).all()), (k, block[k], exact)
+        honest = torch.ones(3, dtype=torch.bool)
+        honest[{1: 0, 4: 2, 5: 1}.get(k, 3):][:1] = False  # the crafted samples
+        assert bool((block[k][honest] <= exact[honest] * (1 + 1e-3)).all()), (k, block[k], exact)
