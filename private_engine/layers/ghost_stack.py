@@ -131,28 +131,37 @@ class GhostBoundStack:
     @without_autocast
     def take(self) -> List[torch.Tensor]:
         """The certified squared norms of every kept layer, as float64 ``(L_k, N)`` blocks (per
-        number of positions and device, in blocks of at most ``ROW_ELEMENTS`` row elements; each
-        layer's row also in :attr:`rows`), and forget the layers."""
+        number of positions and device, in blocks of at most ``ROW_ELEMENTS`` row elements, of
+        layers of like widths side by side, each block's rows in the order its layers were added;
+        each layer's row also in :attr:`rows`), and forget the layers."""
         pending = self._pending
         self.clear()
         groups: Dict[tuple, List[int]] = {}
         for i, p in enumerate(pending):
             groups.setdefault((p.a.shape[0], p.a.shape[1], p.a.device), []).append(i)
         rows: List[Optional[torch.Tensor]] = [None] * len(pending)
-        blocks = []
+        parts: List[List[int]] = []
         retries: List[_Retry] = []
         for (N, T, device), idx in groups.items():
+            # operands of one shape side by side: one stack per run (_grams_and_norms)
+            idx = sorted(idx, key=lambda i: _widths(pending[i]))
             most = BOUND_ELEMENTS if ieee_matmul(device) else BOUND_ELEMENTS * 2 // 3
             per_chunk = max(1, most // max(1, N * T * T))
             per_block = max(per_chunk, ROW_ELEMENTS // max(1, N * T))
             for s in range(0, len(idx), per_block):
-                part = idx[s:s + per_block]
-                retry = self._bounds([pending[i] for i in part], per_chunk)
-                retries.append(retry)
-                blocks.append(retry.block)
-                for j, i in enumerate(part):
-                    rows[i] = retry.block[j]
+                parts.append(idx[s:s + per_block])
+                retries.append(self._bounds([pending[i] for i in parts[-1]], per_chunk))
         _second_tries(retries)
+        blocks = []
+        for part, retry in zip(parts, retries):
+            # the block's rows in the order the layers were added (one stack if sorting moved
+            # them): the sum of the norms over them then runs in the same order as ever
+            order = sorted(range(len(part)), key=part.__getitem__)
+            block = (retry.block if order == list(range(len(part)))
+                     else torch.stack([retry.block[j] for j in order]))
+            blocks.append(block)
+            for j, k in enumerate(order):
+                rows[part[k]] = block[j]
         self.rows = rows  # type: ignore[assignment]
         return blocks
 
@@ -231,6 +240,11 @@ class GhostBoundStack:
         return out
 
 
+def _widths(p: _Pending) -> tuple:
+    """What orders a block's layers: their operands' widths and dtypes."""
+    return (p.a.shape[2], p.g.shape[2], str(p.a.dtype), str(p.g.dtype))
+
+
 def _chunk_rows(layers: Sequence[_Pending], c: Dict[str, torch.Tensor],
                 sl: slice) -> Tuple[torch.Tensor, ...]:
     """The Gram-side work of one chunk of layers (``sl``: their rows of the constants ``c``):
@@ -279,36 +293,43 @@ def _abs_rows32(X: torch.Tensor, w: torch.Tensor, ieee: bool) -> torch.Tensor:
 
 def _grams_and_norms(ts: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(L, N, T, T)`` float32 Grams ``t tᵀ`` (:func:`.gram._gram32`) and ``(L, N, T)`` float32
-    row norms of ``ts`` (each ``(N, T, w)``): operands of one shape and dtype stacked for one
-    batched matmul and one reduction (at most ``STACK_ELEMENTS`` elements at a time; on CUDA,
-    16-bit operands stacked straight into the rows their Gram kernels need,
-    :func:`_stack_positions`). When one stack holds every operand, in order, its Grams and norms
-    are returned as they are (no second stack)."""
-    grams: List[Optional[torch.Tensor]] = [None] * len(ts)
-    norms: List[Optional[torch.Tensor]] = [None] * len(ts)
-    shapes: Dict[tuple, List[int]] = {}
+    row norms of ``ts`` (each ``(N, T, w)``): each run of consecutive operands of one shape and
+    dtype stacked for one batched matmul and one reduction (at most ``STACK_ELEMENTS`` elements
+    at a time; on CUDA, 16-bit operands stacked straight into the rows their Gram kernels need,
+    :func:`_stack_positions`), written into the run's rows of the result (float32 Grams by the
+    matmul itself). When one stack holds every operand its Grams and norms are returned as they
+    are."""
+    runs: List[Tuple[int, int]] = []
     for i, t in enumerate(ts):
-        shapes.setdefault((t.shape, t.dtype), []).append(i)
-    for (shape, _), idx in shapes.items():
-        per = max(1, STACK_ELEMENTS // max(1, math.prod(shape)))
-        for s in range(0, len(idx), per):
-            part = idx[s:s + per]
-            T = shape[1]
-            x = (ts[part[0]] if len(part) == 1 else
-                 _stack_positions([ts[i] for i in part], _gram_rows(ts[part[0]])))
-            rows = x.shape[-2]
-            gram = _gram32(x.reshape(-1, rows, shape[2]), T)
-            gram = gram.reshape(len(part), shape[0], T, T)
-            dtype = None if x.dtype == torch.float32 else torch.float32
+        s = runs[-1][0] if runs else 0
+        per = max(1, STACK_ELEMENTS // max(1, t.numel()))
+        if (runs and ts[s].shape == t.shape and ts[s].dtype == t.dtype
+                and runs[-1][1] - s < per):
+            runs[-1] = (s, i + 1)
+        else:
+            runs.append((i, i + 1))
+    N, T = ts[0].shape[0], ts[0].shape[1]
+    gram = norm = None
+    if len(runs) > 1:
+        gram = ts[0].new_empty((len(ts), N, T, T), dtype=torch.float32)
+        norm = ts[0].new_empty((len(ts), N, T), dtype=torch.float32)
+    for s, e in runs:
+        first = ts[s]
+        x = (first.unsqueeze(0) if e - s == 1 else
+             _stack_positions(ts[s:e], _gram_rows(first)))
+        rows, w = x.shape[-2], x.shape[-1]
+        flat = x.reshape(-1, rows, w)
+        dtype = None if x.dtype == torch.float32 else torch.float32
+        if gram is None or norm is None:
+            gram = _gram32(flat, T).reshape(e - s, N, T, T)
             norm = torch.linalg.vector_norm(x[..., :T, :], dim=-1, dtype=dtype)
-            norm = norm.reshape(len(part), shape[0], T)
-            if len(part) == len(ts) > 1 and part == list(range(len(ts))):
-                return gram, norm
-            for j, i in enumerate(part):
-                grams[i], norms[i] = gram[j], norm[j]
-    if len(ts) == 1:
-        return grams[0].unsqueeze(0), norms[0].unsqueeze(0)  # type: ignore[union-attr]
-    return torch.stack(grams), torch.stack(norms)  # type: ignore[arg-type]
+            return gram, norm
+        if x.dtype == torch.float32 and rows == T:
+            torch.bmm(flat, flat.transpose(1, 2), out=gram[s:e].view(-1, T, T))
+        else:
+            gram[s:e].copy_(_gram32(flat, T).reshape(e - s, N, T, T))
+        torch.linalg.vector_norm(x[..., :T, :], dim=-1, dtype=dtype, out=norm[s:e])
+    return gram, norm  # type: ignore[return-value]
 
 
 def _gram_rows(t: torch.Tensor) -> int:
