@@ -324,11 +324,12 @@ def _grams_and_norms(ts: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, torch.Te
             gram = _gram32(flat, T).reshape(e - s, N, T, T)
             norm = torch.linalg.vector_norm(x[..., :T, :], dim=-1, dtype=dtype)
             return gram, norm
-        if x.dtype == torch.float32 and rows == T:
-            torch.bmm(flat, flat.transpose(1, 2), out=gram[s:e].view(-1, T, T))
-        else:
-            gram[s:e].copy_(_gram32(flat, T).reshape(e - s, N, T, T))
-        torch.linalg.vector_norm(x[..., :T, :], dim=-1, dtype=dtype, out=norm[s:e])
+        with torch.no_grad():  # written into the buffers: no graph (the bounds need none)
+            if x.dtype == torch.float32 and rows == T:
+                torch.bmm(flat, flat.transpose(1, 2), out=gram[s:e].view(-1, T, T))
+            else:
+                gram[s:e].copy_(_gram32(flat, T).reshape(e - s, N, T, T))
+            torch.linalg.vector_norm(x[..., :T, :], dim=-1, dtype=dtype, out=norm[s:e])
     return gram, norm  # type: ignore[return-value]
 
 
