@@ -8,6 +8,8 @@ Also counts the aten operators one step issues (each is a kernel launch on a GPU
     python bench/investigate/host_overhead.py --mode bk --width 128
     python bench/investigate/host_overhead.py --width 768 --img-size 224 --batch-size 32 \
         --count-only        # kernels at a real step's shapes (ViT-B/16, 197 tokens, batch 32)
+    python bench/investigate/host_overhead.py --width 768 --img-size 224 --batch-size 8 \
+        --count-only --by-caller 30     # and the private step's kernels by engine function
 
 Prints ``non-DP <ms>  <mode> <ms>  ratio <r>  aten ops/step <non-DP> -> <mode>  kernels/step
 <non-DP> -> <mode>``: medians over ``--repeats`` rounds of ``--steps`` steps each, the two
@@ -40,6 +42,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--count-only", action="store_true",
                    help="count aten ops and kernels per step only (no timing)")
+    p.add_argument("--by-caller", type=int, default=0, metavar="N",
+                   help="with --count-only: also print the private step's kernels by the N "
+                        "private_engine functions that issue most of them")
     return p.parse_args(argv)
 
 
@@ -80,6 +85,37 @@ def kernels_per_step(step) -> int:
     with Count():
         step()
     return count
+
+
+def kernels_by_caller(step) -> dict:
+    """The kernels of one call of ``step`` (as :func:`kernels_per_step` counts them) by the
+    innermost ``private_engine`` function on the Python stack when each was dispatched
+    (``file:function``; the batch flow's dispatch mode skipped, so that a model's own operators
+    count under the engine function that ran them, or ``-`` outside the engine)."""
+    import collections
+    import sys
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    counts = collections.Counter()
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ not in NON_KERNEL_OPS:
+                frame, site = sys._getframe(1), "-"
+                while frame is not None:
+                    name = frame.f_code.co_filename
+                    if "private_engine/" in name and "batch_flow" not in name:
+                        site = (f"{name.split('private_engine/')[-1]}:"
+                                f"{frame.f_code.co_name}")
+                        break
+                    frame = frame.f_back
+                counts[site] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        step()
+    return counts
 
 
 def build_proxy(model: str = "vit_base_patch16_224", width: int = 64, img_size: int = 16):
@@ -161,6 +197,9 @@ def main(argv=None) -> dict:
     if args.count_only:
         print(f"{args.mode}: {counts} "
               f"({result['dp_kernels'] / result['nondp_kernels']:.2f}×)")
+        if args.by_caller:
+            for site, n in kernels_by_caller(dp).most_common(args.by_caller):
+                print(f"{n:6d}  {site}")
         return result
     result.update(nondp_ms=1e3 * statistics.median(times["nondp"]),
                   dp_ms=1e3 * statistics.median(times["dp"]))

@@ -10,12 +10,17 @@ forms every layer's bound at the end of the norm pass:
 * the Grams ``ã ãᵀ``, ``g gᵀ`` and the row norms ``‖a_t‖``, ``‖g_t‖`` of layers whose operands
   have one shape by one batched matmul and one reduction per shape (their operands stacked,
   in groups of at most ``STACK_ELEMENTS`` elements);
-* the rest of the arithmetic once over ``(L, N, T, T)`` stacks of the layers with ``T``
-  positions (in chunks of at most ``BOUND_ELEMENTS`` elements), each layer's constants
-  (``γ_a``, ``γ_g``, widths, release coefficient) a ``(L, 1[, 1])`` float64 tensor (formed
-  once per set of layers and kept): :func:`.gram.ghost_terms`, float32 passes over the Grams
-  (row dot products, absolute values in place, matrix–vector products) and float64 work on
-  ``(L, N, T)`` rows.
+* the passes over the Grams once per ``(L, N, T, T)`` stack of the layers with ``T``
+  positions (in chunks of at most ``BOUND_ELEMENTS`` elements): those of
+  :func:`.gram.ghost_terms` (row dot products, absolute values in place, matrix–vector
+  products), each giving float32 ``(L, N, T)`` rows, and the float64 row-norm bounds and
+  weights they need;
+* the rest — the float64 sums of those rows over ``t``, the slack, the mass, the test for a
+  loose bound, the released bound — once for all the chunks of a block of layers (at most
+  ``ROW_ELEMENTS`` row elements), so that the count of operations grows with the number of
+  chunks (the batch size) by the passes over the Grams only. Each layer's constants (``γ_a``,
+  ``γ_g``, widths, release coefficient) are a ``(L, 1[, 1])`` float64 tensor (formed once per
+  set of layers and kept).
 
 The formulas are those of the per-layer path term for term — the same float32 Grams with the same
 error model (Higham 2002, §3.1; Fasi, Higham, Mikaitis & Pranesh 2021 for tensor cores), the same
@@ -36,9 +41,10 @@ from .base import aligned_count, pad_positions
 from .gram import (
     CHUNK,
     _gram32,
+    _nonnegative_or_nan,
     fast_gram_model,
     form_constants,
-    ghost_terms,
+    ghost_slack,
     gram_gamma,
     ieee_matmul,
     loose_floor,
@@ -60,6 +66,10 @@ BOUND_ELEMENTS = 1 << 23
 #: the most output-gradient elements a two-pass norm pass holds for deferred bounds (64 MiB of
 #: float32): beyond it, each layer's bound is formed at once and its gradient freed
 HELD_GRADIENTS = 1 << 24
+#: the most ``(L, N, T)`` row elements of one block of layers: the rows of every chunk of a block
+#: (row-norm bounds, weights, the Grams' row results: about 48 bytes per element) live until the
+#: block's bounds are formed, at once for all its layers
+ROW_ELEMENTS = 1 << 21
 
 
 class _Pending(NamedTuple):
@@ -121,7 +131,8 @@ class GhostBoundStack:
     @without_autocast
     def take(self) -> List[torch.Tensor]:
         """The certified squared norms of every kept layer, as float64 ``(L_k, N)`` blocks (per
-        number of positions and device, in chunks of at most ``BOUND_ELEMENTS`` Gram elements;
+        number of positions and device, in blocks of at most ``ROW_ELEMENTS`` row elements, of
+        layers of like widths side by side, each block's rows in the order its layers were added;
         each layer's row also in :attr:`rows`), and forget the layers."""
         pending = self._pending
         self.clear()
@@ -129,46 +140,55 @@ class GhostBoundStack:
         for i, p in enumerate(pending):
             groups.setdefault((p.a.shape[0], p.a.shape[1], p.a.device), []).append(i)
         rows: List[Optional[torch.Tensor]] = [None] * len(pending)
-        blocks = []
+        parts: List[List[int]] = []
         retries: List[_Retry] = []
         for (N, T, device), idx in groups.items():
+            # operands of one shape side by side: one stack per run (_grams_and_norms)
+            idx = sorted(idx, key=lambda i: _widths(pending[i]))
             most = BOUND_ELEMENTS if ieee_matmul(device) else BOUND_ELEMENTS * 2 // 3
-            per = max(1, most // max(1, N * T * T))
-            for s in range(0, len(idx), per):
-                part = idx[s:s + per]
-                retry = self._bounds([pending[i] for i in part])
-                retries.append(retry)
-                blocks.append(retry.block)
-                for j, i in enumerate(part):
-                    rows[i] = retry.block[j]
+            per_chunk = max(1, most // max(1, N * T * T))
+            per_block = max(per_chunk, ROW_ELEMENTS // max(1, N * T))
+            for s in range(0, len(idx), per_block):
+                parts.append(idx[s:s + per_block])
+                retries.append(self._bounds([pending[i] for i in parts[-1]], per_chunk))
         _second_tries(retries)
+        blocks = []
+        for part, retry in zip(parts, retries):
+            # the block's rows in the order the layers were added (one stack if sorting moved
+            # them): the sum of the norms over them then runs in the same order as ever
+            order = sorted(range(len(part)), key=part.__getitem__)
+            block = (retry.block if order == list(range(len(part)))
+                     else torch.stack([retry.block[j] for j in order]))
+            blocks.append(block)
+            for j, k in enumerate(order):
+                rows[part[k]] = block[j]
         self.rows = rows  # type: ignore[assignment]
         return blocks
 
     # -- per group of layers with N samples and T positions -------------------------------------
-    def _bounds(self, layers: Sequence[_Pending]) -> "_Retry":
+    def _bounds(self, layers: Sequence[_Pending], per_chunk: int) -> "_Retry":
         """``(L, N)`` certified squared norms of ``layers`` (one N, T and device), with what the
-        second try of their loose samples needs (:func:`_second_tries`)."""
+        second try of their loose samples needs (:func:`_second_tries`). The Grams are formed
+        ``per_chunk`` layers at a time (:func:`_chunk_rows`); what follows them is work on
+        ``(L, N, T)`` rows, done once for all the layers."""
         c = self._constants_for(layers)
         T = layers[0].a.shape[1]
-        aat, na32 = _grams_and_norms([p.a for p in layers])
-        ggt, ng32 = _grams_and_norms([p.g for p in layers])
-        if c["any_bias"]:
-            aat.add_(c["bias32"])  # the w_a-th term of the sum (+0: exact for layers without)
-        # row norms raised for their rounding (row_norms64), the bias column (pair_norms)
-        na = na32.double().mul_(c["fa"]).add_(c["ca"])
-        if c["any_bias"]:
-            na = torch.where(c["bias"], (na.square() + 1).sqrt(), na)
-        ng = ng32.double().mul_(c["fg"]).add_(c["cg"])
+        form = form_constants(T)
+        parts = [_chunk_rows(layers[s:s + per_chunk], c, slice(s, s + per_chunk))
+                 for s in range(0, len(layers), per_chunk)]
+        na, ng, n2, m2, dots, forms_g, forms_a, mags = (
+            parts[0][k] if len(parts) == 1 else torch.cat([p[k] for p in parts])
+            for k in range(8))
+        del parts
         # M_i = Σ_t ‖ã_t‖‖g_t‖ raised for its rounding and underflow (mass_of)
         mass = (na * ng).sum(2).mul_(c["mass_slack"]).add_(T * ETA64)
-        # fast_ghost_bound, over all layers at once: float32 passes over the Grams (their
-        # absolute values taken in place), float64 work on (L, N, T) rows only
-        n2 = (na + c["floor_a"]).mul_(c["scale_a"])
-        m2 = (ng + c["floor_g"]).mul_(c["scale_g"])
-        form = form_constants(T)
-        nu, slack = ghost_terms(aat, ggt, n2, m2, form)
-        del aat, ggt
+        # ghost_terms' sums of the float32 rows, over all layers at once
+        nu = _nonnegative_or_nan(dots.sum(-1, dtype=torch.float64))
+        wg = torch.mul(forms_g.add_(form.row_loss), n2).sum(-1)
+        wa = torch.mul(forms_a.add_(form.row_loss), m2).sum(-1)
+        mag = mags.sum(-1, dtype=torch.float64)
+        cross = (n2 * m2).sum(-1)
+        slack = ghost_slack(wg, wa, cross, mag, form)
         bound = (nu + slack).mul_(1 + 2.0 ** -50)
         ok = tight(bound, slack, nu, loose_floor(T))  # False for non-finite bounds and slacks
         # certified_ghost with c_ν = 0: (√max(ν⁺, 0) + c_r M)² (an infinite or NaN M gives a
@@ -220,38 +240,97 @@ class GhostBoundStack:
         return out
 
 
+def _widths(p: _Pending) -> tuple:
+    """What orders a block's layers: their operands' widths and dtypes."""
+    return (p.a.shape[2], p.g.shape[2], str(p.a.dtype), str(p.g.dtype))
+
+
+def _chunk_rows(layers: Sequence[_Pending], c: Dict[str, torch.Tensor],
+                sl: slice) -> Tuple[torch.Tensor, ...]:
+    """The Gram-side work of one chunk of layers (``sl``: their rows of the constants ``c``):
+    the Grams (:func:`_grams_and_norms`), the row-norm bounds ``na``, ``ng`` (float64, raised
+    for their rounding: :func:`.rounding.row_norms64`; the bias column: :func:`.rounding.
+    pair_norms`), the floored weights ``n2``, ``m2`` (:func:`.gram._floored`), and the four
+    float32 ``(L, N, T)`` row results of :func:`.gram.ghost_terms`' passes over the Grams —
+    ``Σ_s Ã_ts G̃_ts`` (:func:`.gram.row_dots`), ``Σ_s |G̃_ts|·fl32(n2_s)`` and
+    ``Σ_s |Ã_ts|·fl32(m2_s)`` (:func:`.gram.weighted_form`), ``Σ_s |Ã_ts||G̃_ts|`` — the same
+    operations in the same order, whose sums over t the caller forms for all chunks at once."""
+    aat, na32 = _grams_and_norms([p.a for p in layers])
+    ggt, ng32 = _grams_and_norms([p.g for p in layers])
+    if c["any_bias"]:
+        aat.add_(c["bias32"][sl])  # the w_a-th term of the sum (+0: exact for layers without)
+    # row norms raised for their rounding (row_norms64), the bias column (pair_norms)
+    na = na32.double().mul_(c["fa"][sl]).add_(c["ca"][sl])
+    if c["any_bias"]:
+        na = torch.where(c["bias"][sl], (na.square() + 1).sqrt(), na)
+    ng = ng32.double().mul_(c["fg"][sl]).add_(c["cg"][sl])
+    n2 = (na + c["floor_a"][sl]).mul_(c["scale_a"][sl])
+    m2 = (ng + c["floor_g"][sl]).mul_(c["scale_g"][sl])
+    ieee = ieee_matmul(aat.device)
+    dots = _row_dots32(aat, ggt, ieee)
+    forms_g = _abs_rows32(ggt, n2, ieee)
+    forms_a = _abs_rows32(aat, m2, ieee)
+    mags = _row_dots32(aat, ggt, ieee)  # Σ |Ã||G̃|: both are absolute values now
+    return na, ng, n2, m2, dots, forms_g, forms_a, mags
+
+
+def _row_dots32(x: torch.Tensor, y: torch.Tensor, ieee: bool) -> torch.Tensor:
+    """``fl32(Σ_s x_ts y_ts)`` per row: :func:`.gram.row_dots` before its float64 sum over t."""
+    if ieee:
+        return torch.matmul(x.unsqueeze(-2), y.unsqueeze(-1)).squeeze(-1).squeeze(-1)
+    return torch.mul(x, y).sum(-1)
+
+
+def _abs_rows32(X: torch.Tensor, w: torch.Tensor, ieee: bool) -> torch.Tensor:
+    """``fl32(Σ_s |X_ts|·fl32(w_s))`` per row, ``X``'s absolute value taken in place:
+    :func:`.gram.weighted_form` before its row loss, weights and sum over t."""
+    v = w.float()
+    X = X.abs_()
+    if ieee:
+        return torch.matmul(X, v.unsqueeze(-1)).squeeze(-1)
+    return torch.mul(X, v.unsqueeze(-2)).sum(-1)
+
+
 def _grams_and_norms(ts: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(L, N, T, T)`` float32 Grams ``t tᵀ`` (:func:`.gram._gram32`) and ``(L, N, T)`` float32
-    row norms of ``ts`` (each ``(N, T, w)``): operands of one shape and dtype stacked for one
-    batched matmul and one reduction (at most ``STACK_ELEMENTS`` elements at a time; on CUDA,
-    16-bit operands stacked straight into the rows their Gram kernels need,
-    :func:`_stack_positions`). When one stack holds every operand, in order, its Grams and norms
-    are returned as they are (no second stack)."""
-    grams: List[Optional[torch.Tensor]] = [None] * len(ts)
-    norms: List[Optional[torch.Tensor]] = [None] * len(ts)
-    shapes: Dict[tuple, List[int]] = {}
+    row norms of ``ts`` (each ``(N, T, w)``): each run of consecutive operands of one shape and
+    dtype stacked for one batched matmul and one reduction (at most ``STACK_ELEMENTS`` elements
+    at a time; on CUDA, 16-bit operands stacked straight into the rows their Gram kernels need,
+    :func:`_stack_positions`), written into the run's rows of the result (float32 Grams by the
+    matmul itself). When one stack holds every operand its Grams and norms are returned as they
+    are."""
+    runs: List[Tuple[int, int]] = []
     for i, t in enumerate(ts):
-        shapes.setdefault((t.shape, t.dtype), []).append(i)
-    for (shape, _), idx in shapes.items():
-        per = max(1, STACK_ELEMENTS // max(1, math.prod(shape)))
-        for s in range(0, len(idx), per):
-            part = idx[s:s + per]
-            T = shape[1]
-            x = (ts[part[0]] if len(part) == 1 else
-                 _stack_positions([ts[i] for i in part], _gram_rows(ts[part[0]])))
-            rows = x.shape[-2]
-            gram = _gram32(x.reshape(-1, rows, shape[2]), T)
-            gram = gram.reshape(len(part), shape[0], T, T)
-            dtype = None if x.dtype == torch.float32 else torch.float32
+        s = runs[-1][0] if runs else 0
+        per = max(1, STACK_ELEMENTS // max(1, t.numel()))
+        if (runs and ts[s].shape == t.shape and ts[s].dtype == t.dtype
+                and runs[-1][1] - s < per):
+            runs[-1] = (s, i + 1)
+        else:
+            runs.append((i, i + 1))
+    N, T = ts[0].shape[0], ts[0].shape[1]
+    gram = norm = None
+    if len(runs) > 1:
+        gram = ts[0].new_empty((len(ts), N, T, T), dtype=torch.float32)
+        norm = ts[0].new_empty((len(ts), N, T), dtype=torch.float32)
+    for s, e in runs:
+        first = ts[s]
+        x = (first.unsqueeze(0) if e - s == 1 else
+             _stack_positions(ts[s:e], _gram_rows(first)))
+        rows, w = x.shape[-2], x.shape[-1]
+        flat = x.reshape(-1, rows, w)
+        dtype = None if x.dtype == torch.float32 else torch.float32
+        if gram is None or norm is None:
+            gram = _gram32(flat, T).reshape(e - s, N, T, T)
             norm = torch.linalg.vector_norm(x[..., :T, :], dim=-1, dtype=dtype)
-            norm = norm.reshape(len(part), shape[0], T)
-            if len(part) == len(ts) > 1 and part == list(range(len(ts))):
-                return gram, norm
-            for j, i in enumerate(part):
-                grams[i], norms[i] = gram[j], norm[j]
-    if len(ts) == 1:
-        return grams[0].unsqueeze(0), norms[0].unsqueeze(0)  # type: ignore[union-attr]
-    return torch.stack(grams), torch.stack(norms)  # type: ignore[arg-type]
+            return gram, norm
+        with torch.no_grad():  # written into the buffers: no graph (the bounds need none)
+            if x.dtype == torch.float32 and rows == T:
+                torch.bmm(flat, flat.transpose(1, 2), out=gram[s:e].view(-1, T, T))
+            else:
+                gram[s:e].copy_(_gram32(flat, T).reshape(e - s, N, T, T))
+            torch.linalg.vector_norm(x[..., :T, :], dim=-1, dtype=dtype, out=norm[s:e])
+    return gram, norm  # type: ignore[return-value]
 
 
 def _gram_rows(t: torch.Tensor) -> int:

@@ -131,3 +131,78 @@ def test_a_move_next_to_a_huge_element_or_a_sign_flip_changes_the_fingerprint(dt
         assert torch.equal(before[0], after[0])
         assert not torch.equal(before[1][1], after[1][1])
         assert torch.equal(before[1][[0, 2, 3]], after[1][[0, 2, 3]])
+
+
+def test_same_bits_compares_the_bytes_of_whole_lists():
+    """Equal bytes: True. One byte changed anywhere, ``-0.0`` for ``0.0``, a NaN of another
+    payload, another dtype or shape: False (the caller then compares value by value)."""
+    g = torch.Generator().manual_seed(4)
+    xs = [torch.randn(5, generator=g), torch.randint(-9, 9, (3,), generator=g, dtype=torch.int32),
+          torch.randn(2, generator=g, dtype=torch.float64)]
+    assert release.same_bits(xs, [x.clone() for x in xs])
+    assert release.same_bits([], [])
+    for k, i in ((0, 4), (1, 0), (2, 1)):
+        ys = [x.clone() for x in xs]
+        ys[k].view(torch.uint8)[ys[k].element_size() * i] ^= 1  # one bit of one element
+        assert not release.same_bits(xs, ys) and not release.same_tensors(xs, ys)
+    zero, nan = torch.zeros(2), torch.full((2,), math.nan)
+    assert not release.same_bits([zero], [-zero]) and release.same_tensors([zero], [-zero])
+    other_nan = nan.view(torch.int32).add(1).view(torch.float32)
+    assert not release.same_bits([nan], [other_nan]) and release.same_tensors([nan], [other_nan])
+    assert not release.same_bits([zero], [zero.double()])
+    assert not release.same_bits([zero], [torch.zeros(3)])
+    assert not release.same_bits(xs, xs[:2])
+
+
+def _normed_layers():
+    """Book-keeping's record of two Linear layers normed during the backward."""
+    from torch import nn
+
+    from private_engine.layers.linear import LinearRule
+
+    torch.manual_seed(5)
+    layers = []
+    for d_in, d_out in ((6, 4), (5, 7)):
+        pairs = [(torch.randn(3, 4, d_in), torch.randn(3, 4, d_out))]
+        layers.append((nn.Linear(d_in, d_out), LinearRule(), pairs, True,
+                       fingerprint_pairs(pairs)))
+    return layers
+
+
+def test_unchanged_operands_take_one_comparison_for_all_layers():
+    """At the end of a book-keeping norm pass the fingerprints of every normed layer are
+    compared by one comparison (one host synchronisation), not one per fingerprint."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ops = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    strategy = release.BookKeeping("bk_mixed")
+    strategy._normed = _normed_layers()
+    with Count():
+        assert strategy.changed_terms() == []
+    assert ops.count("equal") == 1 and "allclose" not in ops, ops
+
+
+@pytest.mark.parametrize("which", ["a", "g"])
+def test_an_operand_changed_after_its_layer_was_normed_gets_its_term_again(which):
+    """One element of the second layer's activation or output gradient changed after its norm:
+    that layer's certified norm is formed again from the operands as they are now (the one the
+    release is formed from), and only that layer's."""
+    strategy = release.BookKeeping("bk_mixed")
+    layers = _normed_layers()
+    strategy._normed = list(layers)
+    module, rule, pairs, _, _ = layers[1]
+    a, g = pairs[0]
+    (a if which == "a" else g)[1, 2, 3] *= 1e6
+    terms = strategy.changed_terms()
+    assert len(terms) == 1
+    assert torch.equal(terms[0], rule.certified_norm_sq(module, pairs, True))
+    a64, g64 = a.double(), g.double()
+    exact = (torch.einsum("ntp,ntd->npd", g64, a64).pow(2).sum((1, 2))
+             + g64.sum(1).pow(2).sum(1))
+    assert bool((terms[0] >= exact).all())

@@ -100,13 +100,26 @@ def test_large_groups_are_bounded_in_chunks_with_the_same_bounds(monkeypatch):
     for m, a, g in layers:
         rule.defer_ghost_norm_sq(m, [(a, g)], stack)
     whole = stack.take()[0]
+    grams = []
+    own = ghost_stack._grams_and_norms
+    monkeypatch.setattr(ghost_stack, "_grams_and_norms",
+                        lambda ts: grams.append(len(ts)) or own(ts))
     monkeypatch.setattr(ghost_stack, "BOUND_ELEMENTS", 2 * 3 * 5 * 5)  # two layers per chunk
     for m, a, g in layers:
         rule.defer_ghost_norm_sq(m, [(a, g)], stack)
     blocks = stack.take()
-    assert [b.shape[0] for b in blocks] == [2, 2, 2]
-    assert torch.equal(torch.cat(blocks), whole)
+    # the Grams in three chunks, the rows' arithmetic once for the six layers
+    assert grams == [2] * 6 and [b.shape[0] for b in blocks] == [6]
+    assert torch.equal(blocks[0], whole)
     assert torch.equal(torch.stack(stack.rows), whole)
+    monkeypatch.setattr(ghost_stack, "ROW_ELEMENTS", 2 * 3 * 5)  # two layers' rows per block
+    for m, a, g in layers:
+        rule.defer_ghost_norm_sq(m, [(a, g)], stack)
+    blocks = stack.take()
+    assert [b.shape[0] for b in blocks] == [2, 2, 2]
+    assert torch.equal(torch.stack(stack.rows), whole)
+    # each block is a set of layers of like widths, its rows in the order they were added
+    assert sorted(torch.cat(blocks).tolist()) == sorted(whole.tolist())
 
 
 def test_bfloat16_operands_give_the_per_layer_bounds_bit_for_bit():
@@ -123,7 +136,8 @@ def test_bfloat16_operands_give_the_per_layer_bounds_bit_for_bit():
 def test_second_tries_of_every_chunk_follow_one_host_synchronisation(monkeypatch):
     """Chunked layers (a small ``BOUND_ELEMENTS``) still read whether any sample is loose by one
     host synchronisation per step (``bool`` of a tensor: ``aten._local_scalar_dense``), plus one
-    per chunk that holds a loose sample; the bounds stay those of the per-layer path."""
+    per block (here: per chunk) that holds a loose sample; the bounds stay those of the
+    per-layer path."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     import private_engine.layers.ghost_stack as ghost_stack
@@ -138,6 +152,7 @@ def test_second_tries_of_every_chunk_follow_one_host_synchronisation(monkeypatch
             return func(*args, **(kwargs or {}))
 
     monkeypatch.setattr(ghost_stack, "BOUND_ELEMENTS", 3 * 5 * 5)  # one layer per chunk
+    monkeypatch.setattr(ghost_stack, "ROW_ELEMENTS", 3 * 5)  # and per block
     rule = LinearRule()
     layers = [(m, a, g) for k, (m, a, g) in enumerate(_layers()) if k != 1 and k != 4]
     stack = GhostBoundStack()
@@ -147,14 +162,14 @@ def test_second_tries_of_every_chunk_follow_one_host_synchronisation(monkeypatch
         blocks = stack.take()
     assert len(blocks) == len(layers) and len(syncs) == 1, (len(blocks), syncs)
     for k, (m, a, g) in enumerate(layers):
-        assert torch.equal(blocks[k][0], rule.certified_norm_sq(m, [(a, g)], True))
+        assert torch.equal(stack.rows[k], rule.certified_norm_sq(m, [(a, g)], True))
     # with the crafted (loose) samples: their chunks' second tries, the same bounds as ever
     layers = _layers()
     for m, a, g in layers:
         assert rule.defer_ghost_norm_sq(m, [(a, g)], stack)
     blocks = stack.take()
     for k, (m, a, g) in enumerate(layers):
-        assert torch.equal(blocks[k][0], rule.certified_norm_sq(m, [(a, g)], True)), k
+        assert torch.equal(stack.rows[k], rule.certified_norm_sq(m, [(a, g)], True)), k
 
 
 def test_honest_bounds_stay_tight_under_the_tensor_core_model(monkeypatch):
@@ -234,3 +249,67 @@ def test_loose_samples_of_layers_of_one_shape_take_one_second_try(monkeypatch):
         exact = (torch.einsum("ntp,ntd->npd", g64, a64).pow(2).sum((1, 2))
                  + g64.sum(1).pow(2).sum(1))
         assert bool((blocks[0][k] >= exact).all()), k
+
+
+def test_chunked_bounds_hold_the_float64_per_sample_norms(monkeypatch):
+    """Grams in chunks of two layers, the rows' arithmetic once for all six: every bound is at
+    least the layer's float64 per-sample gradient norm² (weight and bias), the crafted samples of
+    the first and of the last chunk included, and an honest sample's within 10⁻³ of it."""
+    import private_engine.layers.ghost_stack as ghost_stack
+
+    monkeypatch.setattr(ghost_stack, "BOUND_ELEMENTS", 2 * 3 * 5 * 5)
+    rule = LinearRule()
+    layers = _layers()
+    m, a, g = layers[5]  # a crafted sample in the last chunk too
+    a[1] = torch.tensor([2.0, -2.0, 0.0, 0.0, 0.0]).unsqueeze(1) * 1e4
+    g[1] = 1e-4
+    stack = GhostBoundStack()
+    for m, a, g in layers:
+        assert rule.defer_ghost_norm_sq(m, [(a, g)], stack)
+    (block,) = stack.take()
+    for k, (m, a, g) in enumerate(layers):
+        a64, g64 = a.double(), g.double()
+        exact = torch.einsum("ntp,ntd->npd", g64, a64).pow(2).sum((1, 2))
+        if m.bias is not None:
+            exact = exact + g64.sum(1).pow(2).sum(1)
+        assert bool((block[k] >= exact).all()), (k, block[k], exact)
+        honest = torch.ones(3, dtype=torch.bool)
+        honest[{1: 0, 4: 2, 5: 1}.get(k, 3):][:1] = False  # the crafted samples
+        assert bool((block[k][honest] <= exact[honest] * (1 + 1e-3)).all()), (k, block[k], exact)
+
+
+def test_layers_of_like_widths_are_stacked_side_by_side():
+    """Layers of two input widths added alternately: the operands of each width form one stack
+    written straight into the Grams of all six (three operand stacks, no stack of the Grams or
+    norms of the stacks; one more of the block's rows, put back in the order the layers were
+    added), and each layer's bound is the per-layer path's, bit for bit."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ops = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(6)
+    rule = LinearRule()
+    layers = []
+    for k in range(6):
+        d_in = 8 if k % 2 else 16
+        layers.append((nn.Linear(d_in, 12), torch.randn(3, 5, d_in), torch.randn(3, 5, 12)))
+    layers[3][1][2, 1] = -layers[3][1][2, 0]  # a cancelling sample among the stacked
+    layers[3][2][2, 1] = layers[3][2][2, 0]
+    stack = GhostBoundStack()
+    for m, a, g in layers:
+        assert rule.defer_ghost_norm_sq(m, [(a, g)], stack)
+    with Count():
+        (block,) = stack.take()
+    assert ops.count("stack") == 4 and ops.count("cat") == 0, ops
+    for k, (m, a, g) in enumerate(layers):
+        expected = rule.certified_norm_sq(m, [(a, g)], True)
+        assert torch.equal(block[k], expected) and torch.equal(stack.rows[k], expected), k
+        a64, g64 = a.double(), g.double()
+        exact = (torch.einsum("ntp,ntd->npd", g64, a64).pow(2).sum((1, 2))
+                 + g64.sum(1).pow(2).sum(1))
+        assert bool((block[k] >= exact).all()), k
