@@ -95,21 +95,26 @@ def weighted_word_sums(words: torch.Tensor) -> torch.Tensor:
     ``PIECE_WORDS`` words at a time."""
     rows, cols = words.shape
     weights = position_weights(cols, words.device)
-    out = torch.zeros(rows, dtype=torch.int64, device=words.device)
     if rows == 0 or cols == 0:
-        return out
+        return torch.zeros(rows, dtype=torch.int64, device=words.device)
     step = max(1, PIECE_WORDS.get(words.device.type, PIECE_WORDS_OTHER) // rows)
-    scratch = torch.empty(rows * min(step, cols), dtype=torch.int64, device=words.device)
-    on_cpu = words.device.type == "cpu"
+    if cols <= step:  # one piece: two kernels
+        return _weighted(words.to(torch.int64), weights)
+    out = torch.zeros(rows, dtype=torch.int64, device=words.device)
+    scratch = torch.empty(rows * step, dtype=torch.int64, device=words.device)
     for start in range(0, cols, step):
         piece = words[:, start:start + step]
         wide = scratch[:piece.numel()].view(piece.shape).copy_(piece)
-        part = weights[start:start + piece.shape[1]]
-        if on_cpu:
-            out.add_(torch.mv(wide, part))
-        else:
-            out.add_(wide.mul_(part).sum(1))
+        out.add_(_weighted(wide, weights[start:start + piece.shape[1]]))
     return out
+
+
+def _weighted(wide: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``wide @ weights`` in int64 (wrapping modulo ``2^64``): a matrix–vector product on the CPU,
+    elsewhere a product in place and a sum."""
+    if wide.device.type == "cpu":
+        return torch.mv(wide, weights)
+    return wide.mul_(weights).sum(1)
 
 
 def fingerprint_pairs(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> List[torch.Tensor]:

@@ -33,10 +33,12 @@ def _weighted_word_sums(t: torch.Tensor, word: torch.dtype) -> list:
 @pytest.mark.parametrize("dtype,k,word", [(torch.float32, 32, torch.int32),
                                           (torch.bfloat16, 16, torch.int16),
                                           (torch.float64, 64, torch.int32)])
-def test_bit_and_weighted_sums_wrap_around_exactly(dtype, k, word, monkeypatch):
-    """Both sums are exact integers modulo 2^k and 2^64, also when the words are widened in
-    several pieces (a piece of 1,000 words here)."""
-    monkeypatch.setitem(fingerprints.PIECE_WORDS, "cpu", 3000)
+@pytest.mark.parametrize("piece", [3000, None], ids=["pieces", "one"])
+def test_bit_and_weighted_sums_wrap_around_exactly(dtype, k, word, piece, monkeypatch):
+    """Both sums are exact integers modulo 2^k and 2^64, the words widened in one piece or in
+    several (pieces of 1,000 words per row)."""
+    if piece is not None:
+        monkeypatch.setitem(fingerprints.PIECE_WORDS, "cpu", piece)
     g = torch.Generator().manual_seed(0)
     t = (torch.randn(3, 40, 50, generator=g) * 1e6).to(dtype)  # sums far beyond 2^k
     bits, weighted = row_fingerprints(t)
