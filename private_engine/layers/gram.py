@@ -80,13 +80,21 @@ one float32 ``(…, T, T)`` product at a time. A ``ν̃`` that is not finite is 
 
 A sample whose bound is not finite (a value so large that a float32 Gram entry, one of the row
 dot products or a weighted row overflows) or loose (slack above ``LOOSE`` times the ghost norm)
-gets a second try, for that sample only: Grams formed
-in blocks of ``CHUNK`` columns by float32 matmuls, the blocks' Grams summed in float64, which
-divides ``γ`` by ``width/CHUNK`` for the same float32 FLOPs (honest samples whose Gram of one side
-is nearly diagonal, e.g. image patches, while the other is dense, e.g. correlated gradients: the
-weighted sum ``nᵀ|G̃|n`` is then about ``T·ν``). A sample still loose (cancellation built into a
-crafted sample) gets the float64 Grams. Picking the samples costs one host synchronisation
-(:func:`refine`; one per step for the stacked layers), on every device.
+gets a second try, for that sample only. Loose honest samples are those whose Gram of one side is
+nearly diagonal while the other is dense: image patches of mean-zero (noise) inputs, or the
+nearly orthogonal LayerNorm outputs of a ViT's early blocks, beside output gradients nearly equal
+at every position. The slack is then dominated by ``γ_a·n'ᵀ|G̃|n'`` (``γ_a`` charged on every
+off-diagonal entry of ``Ã``, weighted by a dense ``|G̃|``), about ``T·γ_a·ν``: ViT-Tiny at 224²
+with noise inputs, 7·10⁻³·ν for the 16×16 patch embedding (``D = 768``, ``T = 196``; 98 % of the
+slack), 0.9 to 1.3·10⁻³·ν for ``qkv`` (77 %; the other side's form 17 %, ``κρS`` 6 %). The
+second try, where the per-sample gradients take no more products than the Grams
+(:func:`instantiation_pays`, as for those layers), forms them by a float32 matmul and bounds
+``ν = ‖g_iᵀ ã_i‖²`` from their norm and the mass (:func:`instantiated_ghost_bound`: relative
+slack about ``2γ_T·M/√ν``, 3·10⁻⁴ there); elsewhere, Grams in blocks of ``CHUNK`` columns by
+float32 matmuls, the blocks' Grams summed in float64, which divides ``γ`` by ``width/CHUNK`` for
+the same float32 FLOPs. A sample still loose (cancellation built into a crafted sample) gets the
+float64 Grams. Picking the samples costs one host synchronisation (:func:`refine`; one per step
+for the stacked layers), on every device.
 """
 from __future__ import annotations
 
@@ -103,6 +111,7 @@ from .rounding import (
     ETA_TENSOR_CORE,
     gamma,
     gram_coefficient,
+    norm_sq64,
     operand_unit,
     unit_roundoff,
 )
@@ -468,23 +477,87 @@ def exact_ghost_bound(a: torch.Tensor, g: torch.Tensor, bias: bool, na: torch.Te
 
 def second_try(a: torch.Tensor, g: torch.Tensor, bias: bool, na: torch.Tensor,
                ng: torch.Tensor, model: Tuple[bool, float], idx: torch.Tensor) -> torch.Tensor:
-    """The bounds of the samples ``idx`` whose fast bound was loose or not finite: Grams in blocks
-    of ``CHUNK`` columns (:func:`fast_ghost_bound` with ``chunk``), then float64 Grams
-    (:func:`exact_ghost_bound`) for those still loose; float64 Grams at once for operands
-    narrower than two blocks."""
-    if max(a.shape[2], g.shape[2]) < 2 * CHUNK:
+    """The bounds of the samples ``idx`` whose fast bound was loose or not finite: the
+    per-sample gradients where they take fewer products than the Grams
+    (:func:`instantiation_pays`, :func:`instantiated_ghost_bound`), else Grams in blocks of
+    ``CHUNK`` columns (:func:`fast_ghost_bound` with ``chunk``) — float64 Grams at once for
+    operands narrower than two blocks —, then float64 Grams (:func:`exact_ghost_bound`) for those
+    still loose."""
+    if (max(a.shape[2], g.shape[2]) < 2 * CHUNK
+            and not instantiation_pays(a.shape[1], a.shape[2] + bias, g.shape[2], model)):
         return exact_ghost_bound(a, g, bias, na, ng, idx)
     return second_try_rows(a[idx], g[idx], bias, na[idx], ng[idx], model)
 
 
 def second_try_rows(a: torch.Tensor, g: torch.Tensor, bias: bool, na: torch.Tensor,
                     ng: torch.Tensor, model: Tuple[bool, float]) -> torch.Tensor:
-    """:func:`second_try` of every sample (row of dim 0) of ``a``, ``g``, ``na``, ``ng``: Grams in
-    blocks of ``CHUNK`` columns, then float64 Grams for those still loose. Each sample's bound is
-    its own (the rows are independent), so the rows may be those of several layers with equal
-    widths, positions, bias and fast-Gram model."""
-    b2, s2, n2 = fast_ghost_bound(a, g, bias, na, ng, *model, chunk=CHUNK)
+    """:func:`second_try` of every sample (row of dim 0) of ``a``, ``g``, ``na``, ``ng``: the
+    per-sample gradients (:func:`instantiated_ghost_bound`) where :func:`instantiation_pays`,
+    else Grams in blocks of ``CHUNK`` columns; then float64 Grams for those still loose. Each
+    sample's bound is its own (the rows are independent), so the rows may be those of several
+    layers with equal widths, positions, bias and fast-Gram model."""
+    if instantiation_pays(a.shape[1], a.shape[2] + bias, g.shape[2], model):
+        b2, s2, n2 = instantiated_ghost_bound(a, g, bias, na, ng)
+    else:
+        b2, s2, n2 = fast_ghost_bound(a, g, bias, na, ng, *model, chunk=CHUNK)
     return refine(b2, s2, n2, lambda j: exact_ghost_bound(a, g, bias, na, ng, j))
+
+
+def instantiation_pays(T: int, wa: int, p: int, model: Tuple[bool, float]) -> bool:
+    """Whether a second try forms the per-sample gradients ``g_iᵀ ã_i`` (``p·w_a`` entries of
+    ``T`` products each) rather than Grams (``T²`` entries of ``w_a + p`` products): where
+    ``p·w_a ≤ T·(w_a + p)`` — the patch embeddings and token-wise Linears of vision transformers
+    (ViT-Tiny at 224²: 147 456 against 188 356 products per position for the patch embedding,
+    111 168 against 151 493 for ``qkv``) — and the Grams' model is IEEE float32 accumulation
+    (not the tensor cores', whose per-sample gradients would carry their pessimistic ``γ``)."""
+    return not model[0] and p * wa <= T * (wa + p)
+
+
+#: per-sample gradient entries (samples × ``p·w_a``) :func:`instantiated_ghost_bound` forms at once
+#: (32 MiB of float32)
+GRADIENT_ENTRIES_AT_ONCE = 1 << 23
+
+
+def instantiated_ghost_bound(a: torch.Tensor, g: torch.Tensor, bias: bool, na: torch.Tensor,
+                             ng: torch.Tensor
+                             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(bound, slack, ν̃)``: a float64 upper bound of ``ν_i = ‖g_iᵀ ã_i‖²_F`` per sample from the
+    per-sample gradient formed by a float32 matmul (16-bit operands widened to float32: exact),
+    with ``ν̃`` the computed bound of ``‖G̃_i‖²`` and ``slack = bound − ν̃``.
+
+    ``G̃ = fl(gᵀ a)`` (and the bias column ``fl(Σ_t g_t)``), every entry a sum of ``T`` products
+    in any order (Higham 2002, §3.1): ``|G̃_kl − G_kl| ≤ γ_{T+1}·Σ_t |g_tk||ã_tl| + 4T·η`` (``η =
+    2⁻¹²⁶`` for each product or sum below the normal range, carried through at most ``T``
+    roundings), so ``‖G̃ − G‖_F ≤ γ_{T+1}·‖|g|ᵀ|ã|‖_F + 4T·η·√(p·w_a)`` and
+    ``‖|g|ᵀ|ã|‖_F ≤ Σ_t ‖ã_t‖‖g_t‖ ≤ M = Σ_t n_t m_t·(1 + γ^{(64)}_{T+4})`` (the triangle
+    inequality; ``na``, ``ng`` the row-norm bounds ``n_t ≥ ‖ã_t‖``, ``m_t ≥ ‖g_t‖``). With
+    ``S ≥ ‖G̃‖²`` from :func:`.rounding.norm_sq64` (its rounding included):
+    ``ν ≤ (√S + γ_{T+1}·M + 4T·η·√(p·w_a))²``, times ``1 + 2⁻⁴⁸`` for the float64 square root,
+    products, sums and square of this assembly. An entry that overflows gives ``inf`` or NaN:
+    a bound that is never kept (:func:`tight`).
+
+    Per-sample gradients of ``GRADIENT_ENTRIES_AT_ONCE`` entries at a time; a second try only
+    (:func:`second_try_rows`): where ``‖G‖`` is far below ``M`` (positions built to cancel) the
+    bound is loose, and the float64 Grams follow."""
+    N, T, p = g.shape
+    wa = a.shape[2] + bias
+    a32 = a if a.dtype == torch.float32 else a.float()
+    g32 = g if g.dtype == torch.float32 else g.float()
+    per = max(1, GRADIENT_ENTRIES_AT_ONCE // (p * wa))
+    parts = []
+    for s in range(0, N, per):
+        gs = g32[s:s + per]
+        sq = norm_sq64(torch.bmm(gs.transpose(1, 2), a32[s:s + per]))
+        if bias:
+            sq = sq + norm_sq64(gs.sum(1))
+        parts.append(sq)
+    nu = parts[0] if len(parts) == 1 else torch.cat(parts)
+    mass = (na * ng).sum(1) * (1 + gamma(T + 4, unit_roundoff(torch.float64)))
+    lost = 4.0 * T * ETA32 * math.sqrt(p * wa)
+    root = nu.sqrt().mul_(1 + 2.0 ** -51).add_(mass, alpha=gamma(T + 1, unit_roundoff(
+        torch.float32))).add_(lost)
+    bound = root.square_().mul_(1 + 2.0 ** -48)
+    return bound, (bound - nu).clamp_(min=0), nu
 
 
 def refine(bound: torch.Tensor, slack: torch.Tensor, nu: torch.Tensor, exact,

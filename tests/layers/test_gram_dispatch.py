@@ -49,7 +49,8 @@ def _linear_pairs(kind=None):
         return lin, [honest(3, 10, 24, 16, 5)]
     a, g = torch.randn(3, 10, 24, generator=gen), torch.randn(3, 10, 16, generator=gen)
     a[0, 1] = a[0, 0] = 1e3
-    a[0, 1, 0] = 1e3 * (1 + 2 ** -6)
+    # "cancel": the per-sample gradient cancels too (float64 Grams); "grams": only the Grams
+    a[0, 1, 0] = 1e3 * (1 + 2 ** (-20 if kind == "cancel" else -6))
     g[0, 0], g[0, 1] = 1e2, -1e2
     return lin, [(a, g)]
 
@@ -89,6 +90,20 @@ def test_honest_float32_certified_norms_dispatch_no_float64_matmul(case):
     ref = sum(t.flatten(1).square().sum(1) for t in grads.values())
     assert bool((bound >= ref).all())
     assert torch.allclose(bound.sqrt(), ref.sqrt(), rtol=1e-3, atol=0)
+
+
+def test_sample_whose_grams_alone_cancel_takes_no_float64_matmul():
+    """Gram entries that cancel (a loose fast bound) around a per-sample gradient that does not:
+    the second try instantiates it in float32 (10 positions: fewer products than the Grams)."""
+    module, pairs = _linear_pairs("grams")
+    rule = find_rule(module)
+    with MatmulDtypes() as seen:
+        bound = rule.certified_norm_sq(module, pairs, True)
+    assert all(dt != torch.float64 for _, dt in seen.seen), seen.seen
+    a, g = pairs[0]
+    ref = exact_sq(a, g)
+    assert bool((bound >= ref).all())
+    assert torch.allclose(bound[1:].sqrt(), ref[1:].sqrt(), rtol=1e-3, atol=0)
 
 
 def test_crafted_float32_sample_alone_takes_float64_matmuls():
