@@ -126,8 +126,8 @@ LOOSE = 2.0 ** -10
 NEGLIGIBLE = 2.0 ** -70
 #: columns per block of the second try's Grams (:func:`_gram_chunked`)
 CHUNK = 64
-#: Gram entries (samples × blocks × T²) the second try forms and sums at once
-#: (:func:`_gram_chunked`): 2²³, i.e. 32 MiB of float32 Grams and 64 MiB of their float64 copies;
+#: Gram entries (samples × blocks × T²) the second try forms at once (:func:`_gram_chunked`):
+#: 2²³, i.e. 32 MiB of float32 Grams, added one block at a time into the float64 total;
 #: the other blocks wait, so that a wide layer's second try over many samples holds a few blocks'
 #: Grams, not all of them, while a few loose samples take all their blocks in one group
 GRAM_ENTRIES_AT_ONCE = 1 << 23
@@ -178,12 +178,12 @@ def _gram32(t: torch.Tensor, rows: Optional[int] = None) -> torch.Tensor:
 def _gram_chunked(t: torch.Tensor, chunk: int) -> torch.Tensor:
     """``t tᵀ`` per sample as float64 ``(N, T, T)``: the columns split into ``⌈w/chunk⌉`` blocks
     (zero-padded: exact), each block's Gram formed by a batched float32 matmul
-    (:func:`_gram32`), the blocks' Grams summed in float64 — :func:`blocks_at_once` blocks at a
-    time, each group's Grams widened exactly to float64 and summed by one reduction, each group's
-    sum added to the total, so that at most that many blocks' Grams live at once, not all
-    ``⌈w/chunk⌉`` of them. A block's Gram meets at most ``k − 1 + ⌈b/k⌉ ≤ b`` float64 additions
-    (``b`` blocks, ``k`` at once; any order of summing ``k`` terms adds to each at most ``k − 1``
-    times), within the ``γ^{(64)}_{b+1}`` of :func:`gram_gamma`."""
+    (:func:`_gram32`) — :func:`blocks_at_once` blocks at a time, so that at most that many blocks'
+    Grams live at once, not all ``⌈w/chunk⌉`` of them — and added one by one into the float64
+    total, each float32 Gram widened exactly inside the addition (no float64 copy of the group; the
+    group laid out block-major, so each block's Grams are one contiguous operand). A block's Gram
+    meets at most ``b − 1`` float64 additions (``b`` blocks, summed in order), within the
+    ``γ^{(64)}_{b+1}`` of :func:`gram_gamma`."""
     N, T, w = t.shape
     blocks = -(-w // chunk)
     if blocks * chunk != w:
@@ -193,9 +193,10 @@ def _gram_chunked(t: torch.Tensor, chunk: int) -> torch.Tensor:
     at_once = blocks_at_once(N, T, blocks)
     for first in range(0, blocks, at_once):
         k = min(at_once, blocks - first)
-        group = parts[:, :, first:first + k].permute(0, 2, 1, 3).reshape(N * k, T, chunk)
-        part = _gram32(group).reshape(N, k, T, T).sum(1, dtype=torch.float64)
-        total = part if total is None else total.add_(part)
+        group = parts[:, :, first:first + k].permute(2, 0, 1, 3).reshape(k * N, T, chunk)
+        grams = _gram32(group).reshape(k, N, T, T)
+        for j in range(k):
+            total = grams[j].double() if total is None else total.add_(grams[j])
     assert total is not None  # w ≥ 1: one block at least
     return total
 
