@@ -79,7 +79,8 @@ one float32 ``(…, T, T)`` product at a time. A ``ν̃`` that is not finite is 
 0, and a bound that is not finite is never kept (:func:`tight`).
 
 A sample whose bound is not finite (a value so large that a float32 Gram entry, one of the row
-dot products or a weighted row overflows) or loose (slack above ``LOOSE`` times the ghost norm)
+dot products or a weighted row overflows) or loose (slack above ``LOOSE`` times the ghost norm,
+and above what the release's own rounding term ``c_r·M`` already leaves uncertain: :func:`tight`)
 gets a second try, for that sample only. Loose honest samples are those whose Gram of one side is
 nearly diagonal while the other is dense: image patches of mean-zero (noise) inputs, or the
 nearly orthogonal LayerNorm outputs of a ViT's early blocks, beside output gradients nearly equal
@@ -87,7 +88,9 @@ at every position. The slack is then dominated by ``γ_a·n'ᵀ|G̃|n'`` (``γ_a
 off-diagonal entry of ``Ã``, weighted by a dense ``|G̃|``), about ``T·γ_a·ν``: ViT-Tiny at 224²
 with noise inputs, 7·10⁻³·ν for the 16×16 patch embedding (``D = 768``, ``T = 196``; 98 % of the
 slack), 0.9 to 1.3·10⁻³·ν for ``qkv`` (77 %; the other side's form 17 %, ``κρS`` 6 %). The
-second try, where the per-sample gradients take no more products than the Grams
+``qkv`` bounds are kept, their slack below twice the release term (``c_r·M ≈ 1.5·10⁻³·√ν`` at
+batch 16); the patch embedding's is not (``c_r·M ≈ 2.4·10⁻³·√ν``). The second try, where the
+per-sample gradients take no more products than the Grams
 (:func:`instantiation_pays`, as for those layers), forms them by a float32 matmul and bounds
 ``ν = ‖g_iᵀ ã_i‖²`` from their norm and the mass (:func:`instantiated_ghost_bound`: relative
 slack about ``2γ_T·M/√ν``, 3·10⁻⁴ there); elsewhere, Grams in blocks of ``CHUNK`` columns by
@@ -116,8 +119,9 @@ from .rounding import (
     unit_roundoff,
 )
 
-#: the slack above which a fast bound is computed again (blocked Grams, then float64 Grams): 2⁻¹⁰
-#: of ``ν`` (a squared norm), so a kept fast bound is within 5·10⁻⁴ of the norm
+#: the slack above which a fast bound is computed again (:func:`second_try`): 2⁻¹⁰ of ``ν`` (a
+#: squared norm), so a kept fast bound is within 5·10⁻⁴ of the norm — or within the release's own
+#: rounding term where that is larger (:func:`tight`)
 LOOSE = 2.0 ** -10
 #: a slack below this (a squared norm of 8·10⁻²²) is not worth a second try, loose or not: a sample
 #: whose gradient at the layer is zero or tiny, whose slack is the underflow terms of float32
@@ -447,17 +451,28 @@ def float64_ghost_bound(a: torch.Tensor, g: torch.Tensor, bias: bool,
 
 @without_autocast
 def certified_ghost_sq(a: torch.Tensor, g: torch.Tensor, bias: bool, na: torch.Tensor,
-                       ng: torch.Tensor) -> Optional[torch.Tensor]:
+                       ng: torch.Tensor, c_rel: float = 0.0) -> Optional[torch.Tensor]:
     """A float64 upper bound ``(N,)`` of the ghost norm ``⟨ã ãᵀ, g gᵀ⟩``, every rounding included,
-    from fast Grams (:func:`fast_ghost_bound`) with the float64 Grams for the samples whose fast
-    bound is loose or not finite; None when the operands have no fast path
-    (:func:`fast_gram_model`: the caller keeps its float64 path)."""
+    from fast Grams (:func:`fast_ghost_bound`) with a second try (:func:`second_try`) for the
+    samples whose fast bound is loose or not finite; None when the operands have no fast path
+    (:func:`fast_gram_model`: the caller keeps its float64 path). ``c_rel``: the release
+    coefficient the caller adds to the norm (``c_r·M``, :func:`.rounding.certified_ghost`), which
+    sets how loose a kept bound may be (:func:`release_term`, :func:`tight`)."""
     model = fast_gram_model(a)
     if model is None or a.shape[1] == 1:
         return None
     bound, slack, nu = fast_ghost_bound(a, g, bias, na, ng, *model)
-    return refine(bound, slack, nu, lambda idx: second_try(a, g, bias, na, ng, model, idx),
-                  loose_floor(a.shape[1]))
+    return refine(bound, slack, nu,
+                  lambda idx: second_try(a, g, bias, na, ng, model, idx, c_rel),
+                  loose_floor(a.shape[1]), release_term(na, ng, c_rel))
+
+
+def release_term(na: torch.Tensor, ng: torch.Tensor, c_rel: float) -> Optional[torch.Tensor]:
+    """``c_r·Σ_t n_t m_t`` per sample (row of ``na``, ``ng``): the release's own rounding bound,
+    which the caller adds to the norm (:func:`.rounding.certified_ghost`), without the mass's
+    rounding raise (it only sets how loose a kept bound may be, :func:`tight`); None for
+    ``c_rel = 0``."""
+    return (na * ng).sum(-1).mul_(c_rel) if c_rel else None
 
 
 def loose_floor(T: int) -> float:
@@ -477,21 +492,23 @@ def exact_ghost_bound(a: torch.Tensor, g: torch.Tensor, bias: bool, na: torch.Te
 
 
 def second_try(a: torch.Tensor, g: torch.Tensor, bias: bool, na: torch.Tensor,
-               ng: torch.Tensor, model: Tuple[bool, float], idx: torch.Tensor) -> torch.Tensor:
+               ng: torch.Tensor, model: Tuple[bool, float], idx: torch.Tensor,
+               c_rel: float = 0.0) -> torch.Tensor:
     """The bounds of the samples ``idx`` whose fast bound was loose or not finite: the
     per-sample gradients where they take fewer products than the Grams
     (:func:`instantiation_pays`, :func:`instantiated_ghost_bound`), else Grams in blocks of
     ``CHUNK`` columns (:func:`fast_ghost_bound` with ``chunk``) — float64 Grams at once for
     operands narrower than two blocks —, then float64 Grams (:func:`exact_ghost_bound`) for those
-    still loose."""
+    still loose (``c_rel``: as for :func:`certified_ghost_sq`)."""
     if (max(a.shape[2], g.shape[2]) < 2 * CHUNK
             and not instantiation_pays(a.shape[1], a.shape[2] + bias, g.shape[2], model)):
         return exact_ghost_bound(a, g, bias, na, ng, idx)
-    return second_try_rows(a[idx], g[idx], bias, na[idx], ng[idx], model)
+    return second_try_rows(a[idx], g[idx], bias, na[idx], ng[idx], model, c_rel)
 
 
 def second_try_rows(a: torch.Tensor, g: torch.Tensor, bias: bool, na: torch.Tensor,
-                    ng: torch.Tensor, model: Tuple[bool, float]) -> torch.Tensor:
+                    ng: torch.Tensor, model: Tuple[bool, float],
+                    c_rel: float = 0.0) -> torch.Tensor:
     """:func:`second_try` of every sample (row of dim 0) of ``a``, ``g``, ``na``, ``ng``: the
     per-sample gradients (:func:`instantiated_ghost_bound`) where :func:`instantiation_pays`,
     else Grams in blocks of ``CHUNK`` columns; then float64 Grams for those still loose. Each
@@ -501,7 +518,8 @@ def second_try_rows(a: torch.Tensor, g: torch.Tensor, bias: bool, na: torch.Tens
         b2, s2, n2 = instantiated_ghost_bound(a, g, bias, na, ng)
     else:
         b2, s2, n2 = fast_ghost_bound(a, g, bias, na, ng, *model, chunk=CHUNK)
-    return refine(b2, s2, n2, lambda j: exact_ghost_bound(a, g, bias, na, ng, j))
+    return refine(b2, s2, n2, lambda j: exact_ghost_bound(a, g, bias, na, ng, j), NEGLIGIBLE,
+                  release_term(na, ng, c_rel))
 
 
 def instantiation_pays(T: int, wa: int, p: int, model: Tuple[bool, float]) -> bool:
@@ -562,15 +580,15 @@ def instantiated_ghost_bound(a: torch.Tensor, g: torch.Tensor, bias: bool, na: t
 
 
 def refine(bound: torch.Tensor, slack: torch.Tensor, nu: torch.Tensor, exact,
-           floor: float = NEGLIGIBLE) -> torch.Tensor:
-    """``bound`` with the samples whose fast bound is not finite or loose (``slack > LOOSE·ν̃`` and
-    above ``floor``, by default ``NEGLIGIBLE``) replaced by ``exact(indices)`` (a tighter try), on
+           floor: float = NEGLIGIBLE, release: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``bound`` with the samples whose fast bound is not finite or loose (:func:`tight`, with
+    ``floor`` and the release term ``release``) replaced by ``exact(indices)`` (a tighter try), on
     every device: one host synchronisation reads whether any is. A loose bound is an upper bound
     all the same, but under the pessimistic tensor-core model of 16-bit CUDA Grams an honest
     sample's fast bound can be several times 10⁻³ above its norm; the tighter try keeps it within
     about 5·10⁻⁴. A non-finite bound (a float32 product or weighted row that overflowed where the
     float64 Grams of the tighter try do not) is never kept."""
-    ok = tight(bound, slack, nu, floor)
+    ok = tight(bound, slack, nu, floor, release)
     if bool(ok.all()):
         return bound
     idx = (~ok).nonzero().squeeze(1)
@@ -578,10 +596,23 @@ def refine(bound: torch.Tensor, slack: torch.Tensor, nu: torch.Tensor, exact,
 
 
 def tight(bound: torch.Tensor, slack: torch.Tensor, nu: torch.Tensor,
-          floor: float = NEGLIGIBLE) -> torch.Tensor:
-    """Which fast bounds are kept: finite, with ``slack ≤ max(LOOSE·ν̃, floor)`` (False for NaN
-    and infinite slacks)."""
-    return (slack <= (LOOSE * nu).clamp_(min=floor)).logical_and_(bound < math.inf)
+          floor: float = NEGLIGIBLE, release: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Which fast bounds are kept: finite, with ``slack ≤ max(LOOSE·ν̃, floor, 2r·√ν̃)`` (False
+    for NaN and infinite slacks, and for a NaN ``ν̃``).
+
+    ``r = release`` (:func:`release_term`, omitted: 0) is the release's own rounding bound
+    ``c_r·M``, which the caller adds to the norm, ``(√(ν̃ + slack) + r)²``
+    (:func:`.rounding.certified_ghost`). A slack of at most ``2r·√ν̃`` raises the norm bound
+    ``√(ν̃ + slack) ≤ √ν̃ + r`` by no more than that term, which no second try removes: the clip
+    factor is then as precise as the release's rounding allows (the released bound at most
+    ``√ν̃ + 2r`` against ``√ν̃ + r`` after a tighter try). Whatever is kept, the bound is
+    ``ν̃ + slack``: an upper bound of the norm, so the choice is one of precision, never of
+    privacy. ViT-Tiny's ``qkv`` at 224² (noise inputs, batch 16): ``r ≈ 1.5·10⁻³·√ν``, slack
+    ``0.9–1.3·10⁻³·ν``: kept."""
+    allowed = (LOOSE * nu).clamp_(min=floor)
+    if release is not None:
+        allowed = torch.maximum(allowed, nu.sqrt().mul_(release).mul_(2))
+    return (slack <= allowed).logical_and_(bound < math.inf)
 
 
 @without_autocast

@@ -205,6 +205,51 @@ def test_instantiated_bound_covers_16_bit_sums_that_lose_a_position(dtype, bias)
     assert bool((bound_of(a, g, bias) >= ref).all())
 
 
+def qkv_like():
+    """ViT-Tiny's ``qkv`` at 224² on noise inputs, two samples: 197 positions of 192 nearly
+    orthogonal inputs, 576 output gradients nearly equal at every position; the release
+    coefficient of a batch of 16 (``B·T`` rows)."""
+    from private_engine.layers.rounding import release_coefficient
+
+    gen = gen_for(15)
+    a = torch.randn(2, 197, 192, generator=gen)
+    g = 1e-3 * (torch.randn(1, 1, 576, generator=gen) + 0.1 * torch.randn(2, 197, 576,
+                                                                          generator=gen))
+    return a, g, release_coefficient(torch.float32, torch.device("cpu"), 16 * 197)
+
+
+def test_slack_within_the_release_term_takes_no_second_try(monkeypatch):
+    """A fast bound above ``LOOSE·ν̃`` whose slack is below ``2·c_r·M·√ν̃`` is kept: the released
+    bound ``(√(ν̃ + slack) + c_r M)²`` is then within ``2·c_r·M`` of the norm, which a second try
+    would leave at ``c_r·M``. Without the release coefficient, the same samples take one."""
+    from private_engine.layers.rounding import certified_ghost, mass_of
+
+    a, g, c_rel = qkv_like()
+    na, ng = pair_norms(a, g, True)
+    fast, slack, nu = fast_ghost_bound(a, g, True, na, ng, False, 2.0 ** -149)
+    assert bool((slack > gram.LOOSE * nu).all())
+    tries = _spy(monkeypatch, "second_try")
+    got = certified_ghost_sq(a, g, True, na, ng, c_rel)
+    assert not tries and torch.equal(got, fast)
+    ref = exact_sq(a, g, True)
+    assert bool((got >= ref).all())
+    mass = mass_of(na, ng, a.shape[2])
+    released = certified_ghost(got, mass, 0.0, c_rel).sqrt()
+    assert bool((released <= ref.sqrt() + 2 * c_rel * mass).all())
+    certified_ghost_sq(a, g, True, na, ng)
+    assert len(tries) == 1
+
+
+@pytest.mark.parametrize("kind", ["cancel", "large", "tiny", "subnormal", "mixed"])
+def test_a_large_release_coefficient_keeps_only_upper_bounds(kind):
+    """Crafted samples with a release coefficient so large (10⁻²) that nearly every fast bound is
+    kept: what is kept is still at least the exact norm."""
+    a, g = crafted(kind, torch.float32)
+    na, ng = pair_norms(a, g, True)
+    got, ref = certified_ghost_sq(a, g, True, na, ng, 1e-2), exact_sq(a, g, True)
+    assert bool((got >= ref).all()), (got - ref).tolist()
+
+
 def test_blocked_gram_gamma_is_the_block_s_plus_the_float64_sum():
     from private_engine.layers.gram import gram_gamma
     from private_engine.layers.rounding import gamma, unit_roundoff
