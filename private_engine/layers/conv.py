@@ -337,9 +337,13 @@ class ConvRule(LayerRule):
         those of the mass (:meth:`_position_bounds`): ``‖(U_t, 1)‖ ≤ √(n²_t)·(1 + 2⁻⁵¹)`` (the
         float64 square root, correctly rounded, raised past its rounding) and ``m_t`` — no pass
         over ``U``, whose rows are ``Πk`` times the input. ``c_rel``: the release coefficient,
-        which sets how loose a kept bound may be (each group's row by its own mass)."""
+        which sets how loose a kept bound may be (each group's row by its own mass). Where the
+        per-sample gradients ``g^γᵀ U^γ`` take fewer products than the Grams (a ViT's patch
+        embedding: 147 456 against 188 356 per position), they are formed instead of the Grams
+        (``gradients_first``)."""
         na = na2.sqrt().mul_(1 + 2.0 ** -51).reshape(U.shape[:2])
-        fast = certified_ghost_sq(U, G, bias, na, ng.reshape(G.shape[:2]), c_rel)
+        fast = certified_ghost_sq(U, G, bias, na, ng.reshape(G.shape[:2]), c_rel,
+                                  gradients_first=True)
         if fast is None or module.groups == 1:
             return fast
         fast = fast.reshape(-1, module.groups).sum(1)

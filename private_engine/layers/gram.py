@@ -451,20 +451,34 @@ def float64_ghost_bound(a: torch.Tensor, g: torch.Tensor, bias: bool,
 
 @without_autocast
 def certified_ghost_sq(a: torch.Tensor, g: torch.Tensor, bias: bool, na: torch.Tensor,
-                       ng: torch.Tensor, c_rel: float = 0.0) -> Optional[torch.Tensor]:
+                       ng: torch.Tensor, c_rel: float = 0.0,
+                       gradients_first: bool = False) -> Optional[torch.Tensor]:
     """A float64 upper bound ``(N,)`` of the ghost norm ``⟨ã ãᵀ, g gᵀ⟩``, every rounding included,
     from fast Grams (:func:`fast_ghost_bound`) with a second try (:func:`second_try`) for the
     samples whose fast bound is loose or not finite; None when the operands have no fast path
     (:func:`fast_gram_model`: the caller keeps its float64 path). ``c_rel``: the release
     coefficient the caller adds to the norm (``c_r·M``, :func:`.rounding.certified_ghost`), which
-    sets how loose a kept bound may be (:func:`release_term`, :func:`tight`)."""
+    sets how loose a kept bound may be (:func:`release_term`, :func:`tight`).
+
+    ``gradients_first``: where the per-sample gradients take fewer products than the Grams
+    (:func:`instantiation_pays`), they are the first try (:func:`instantiated_ghost_bound`: no
+    ``(N, T, T)`` Gram at all), the float64 Grams the second; their slack, ``≈ 2γ_{T+1}·M·√ν``,
+    is below the ``2c_r·M·√ν`` that :func:`tight` allows whenever ``c_r ≥ γ_{T+1}`` (a release
+    over the batch's ``B·T`` rows), so only samples whose gradient cancels below its own rounding
+    take the second."""
     model = fast_gram_model(a)
     if model is None or a.shape[1] == 1:
         return None
+    release = release_term(na, ng, c_rel)
+    if gradients_first and instantiation_pays(a.shape[1], a.shape[2] + bias, g.shape[2], model):
+        bound, slack, nu = instantiated_ghost_bound(a, g, bias, na, ng)
+        return refine(bound, slack, nu,
+                      lambda idx: exact_ghost_bound(a, g, bias, na, ng, idx),
+                      loose_floor(a.shape[1]), release)
     bound, slack, nu = fast_ghost_bound(a, g, bias, na, ng, *model)
     return refine(bound, slack, nu,
                   lambda idx: second_try(a, g, bias, na, ng, model, idx, c_rel),
-                  loose_floor(a.shape[1]), release_term(na, ng, c_rel))
+                  loose_floor(a.shape[1]), release)
 
 
 def release_term(na: torch.Tensor, ng: torch.Tensor, c_rel: float) -> Optional[torch.Tensor]:

@@ -191,3 +191,27 @@ def test_vit_qkv_on_noise_inputs_takes_no_second_try(monkeypatch):
     bound = find_rule(lin).certified_norm_sq(lin, [(a, g)], True)
     assert not tries
     assert bool((bound >= exact_sq(a, g)).all())
+
+
+def test_patch_embedding_forms_per_sample_gradients_not_grams(monkeypatch):
+    """A ViT-style patch embedding (16×16 patches of 3 channels: 768 inputs, 8 outputs, 16
+    positions) whose per-sample gradients take fewer products than its Grams: the certified norm
+    forms them in float32 (no Gram, no float64 matmul) and covers the exact norm within 10⁻³."""
+    from private_engine.layers import gram
+
+    gen = gen_for(17)
+    conv = nn.Conv2d(3, 8, 16, stride=16)
+    pairs = [(torch.randn(2, 3, 64, 64, generator=gen),
+              1e-3 * torch.randn(2, 8, 4, 4, generator=gen))]
+    grams = []
+    own = gram._gram32
+    monkeypatch.setattr(gram, "_gram32", lambda *args: grams.append(1) or own(*args))
+    rule = find_rule(conv)
+    with MatmulDtypes() as seen:
+        bound = rule.certified_norm_sq(conv, pairs, True)
+    assert not grams
+    assert seen.seen and all(dt == torch.float32 for _, dt in seen.seen), seen.seen
+    wide = [(a.double(), g.double()) for a, g in pairs]
+    ref = sum(t.flatten(1).square().sum(1) for t in rule.per_sample_grads(conv, wide).values())
+    assert bool((bound >= ref).all())
+    assert torch.allclose(bound.sqrt(), ref.sqrt(), rtol=1e-3, atol=0)
