@@ -93,11 +93,12 @@ batch 16); the patch embedding's is not (``c_r·M ≈ 2.4·10⁻³·√ν``). Th
 per-sample gradients take no more products than the Grams
 (:func:`instantiation_pays`, as for those layers), forms them by a float32 matmul and bounds
 ``ν = ‖g_iᵀ ã_i‖²`` from their norm and the mass (:func:`instantiated_ghost_bound`: relative
-slack about ``2γ_T·M/√ν``, 3·10⁻⁴ there); elsewhere, Grams in blocks of ``CHUNK`` columns by
-float32 matmuls, the blocks' Grams summed in float64, which divides ``γ`` by ``width/CHUNK`` for
-the same float32 FLOPs. A sample still loose (cancellation built into a crafted sample) gets the
-float64 Grams. Picking the samples costs one host synchronisation (:func:`refine`; one per step
-for the stacked layers), on every device.
+slack about ``2γ_T·M/√ν``, 3·10⁻⁴ there; a convolution forms them as its first try instead of
+the Grams, ``gradients_first`` of :func:`certified_ghost_sq`); elsewhere, Grams in blocks of
+``CHUNK`` columns by float32 matmuls, the blocks' Grams summed in float64, which divides ``γ``
+by ``width/CHUNK`` for the same float32 FLOPs. A sample still loose (cancellation built into a
+crafted sample) gets the float64 Grams. Picking the samples costs one host synchronisation
+(:func:`refine`; one per step for the stacked layers), on every device.
 """
 from __future__ import annotations
 
