@@ -79,12 +79,24 @@ one float32 ``(…, T, T)`` product at a time. A ``ν̃`` that is not finite is 
 0, and a bound that is not finite is never kept (:func:`tight`).
 
 A sample whose bound is not finite (a value so large that a float32 Gram entry, one of the row
-dot products or a weighted row overflows) or loose (slack above ``LOOSE`` times the ghost norm)
-gets a second try, for that sample only: Grams formed
-in blocks of ``CHUNK`` columns by float32 matmuls, the blocks' Grams summed in float64, which
-divides ``γ`` by ``width/CHUNK`` for the same float32 FLOPs (honest samples whose Gram of one side
-is nearly diagonal, e.g. image patches, while the other is dense, e.g. correlated gradients: the
-weighted sum ``nᵀ|G̃|n`` is then about ``T·ν``). A sample still loose (cancellation built into a
+dot products or a weighted row overflows) or loose (slack above ``LOOSE`` times the ghost norm,
+and above what the release's own rounding term ``c_r·M`` already leaves uncertain: :func:`tight`)
+gets a second try, for that sample only. Loose honest samples are those whose Gram of one side is
+nearly diagonal while the other is dense: image patches of mean-zero (noise) inputs, or the
+nearly orthogonal LayerNorm outputs of a ViT's early blocks, beside output gradients nearly equal
+at every position. The slack is then dominated by ``γ_a·n'ᵀ|G̃|n'`` (``γ_a`` charged on every
+off-diagonal entry of ``Ã``, weighted by a dense ``|G̃|``), about ``T·γ_a·ν``: ViT-Tiny at 224²
+with noise inputs, 7·10⁻³·ν for the 16×16 patch embedding (``D = 768``, ``T = 196``; 98 % of the
+slack), 0.9 to 1.3·10⁻³·ν for ``qkv`` (77 %; the other side's form 17 %, ``κρS`` 6 %). The
+``qkv`` bounds are kept, their slack below twice the release term (``c_r·M ≈ 1.5·10⁻³·√ν`` at
+batch 16); the patch embedding's is not (``c_r·M ≈ 2.4·10⁻³·√ν``). The second try, where the
+per-sample gradients take no more products than the Grams
+(:func:`instantiation_pays`, as for those layers), forms them by a float32 matmul and bounds
+``ν = ‖g_iᵀ ã_i‖²`` from their norm and the mass (:func:`instantiated_ghost_bound`: relative
+slack about ``2γ_T·M/√ν``, 3·10⁻⁴ there; a convolution forms them as its first try instead of
+the Grams, ``gradients_first`` of :func:`certified_ghost_sq`); elsewhere, Grams in blocks of
+``CHUNK`` columns by float32 matmuls, the blocks' Grams summed in float64, which divides ``γ``
+by ``width/CHUNK`` for the same float32 FLOPs. A sample still loose (cancellation built into a
 crafted sample) gets the float64 Grams. Picking the samples costs one host synchronisation
 (:func:`refine`; one per step for the stacked layers), on every device.
 """
@@ -103,12 +115,14 @@ from .rounding import (
     ETA_TENSOR_CORE,
     gamma,
     gram_coefficient,
+    norm_sq64,
     operand_unit,
     unit_roundoff,
 )
 
-#: the slack above which a fast bound is computed again (blocked Grams, then float64 Grams): 2⁻¹⁰
-#: of ``ν`` (a squared norm), so a kept fast bound is within 5·10⁻⁴ of the norm
+#: the slack above which a fast bound is computed again (:func:`second_try`): 2⁻¹⁰ of ``ν`` (a
+#: squared norm), so a kept fast bound is within 5·10⁻⁴ of the norm — or within the release's own
+#: rounding term where that is larger (:func:`tight`)
 LOOSE = 2.0 ** -10
 #: a slack below this (a squared norm of 8·10⁻²²) is not worth a second try, loose or not: a sample
 #: whose gradient at the layer is zero or tiny, whose slack is the underflow terms of float32
@@ -117,8 +131,8 @@ LOOSE = 2.0 ** -10
 NEGLIGIBLE = 2.0 ** -70
 #: columns per block of the second try's Grams (:func:`_gram_chunked`)
 CHUNK = 64
-#: Gram entries (samples × blocks × T²) the second try forms and sums at once
-#: (:func:`_gram_chunked`): 2²³, i.e. 32 MiB of float32 Grams and 64 MiB of their float64 copies;
+#: Gram entries (samples × blocks × T²) the second try forms at once (:func:`_gram_chunked`):
+#: 2²³, i.e. 32 MiB of float32 Grams, added one block at a time into the float64 total;
 #: the other blocks wait, so that a wide layer's second try over many samples holds a few blocks'
 #: Grams, not all of them, while a few loose samples take all their blocks in one group
 GRAM_ENTRIES_AT_ONCE = 1 << 23
@@ -169,12 +183,12 @@ def _gram32(t: torch.Tensor, rows: Optional[int] = None) -> torch.Tensor:
 def _gram_chunked(t: torch.Tensor, chunk: int) -> torch.Tensor:
     """``t tᵀ`` per sample as float64 ``(N, T, T)``: the columns split into ``⌈w/chunk⌉`` blocks
     (zero-padded: exact), each block's Gram formed by a batched float32 matmul
-    (:func:`_gram32`), the blocks' Grams summed in float64 — :func:`blocks_at_once` blocks at a
-    time, each group's Grams widened exactly to float64 and summed by one reduction, each group's
-    sum added to the total, so that at most that many blocks' Grams live at once, not all
-    ``⌈w/chunk⌉`` of them. A block's Gram meets at most ``k − 1 + ⌈b/k⌉ ≤ b`` float64 additions
-    (``b`` blocks, ``k`` at once; any order of summing ``k`` terms adds to each at most ``k − 1``
-    times), within the ``γ^{(64)}_{b+1}`` of :func:`gram_gamma`."""
+    (:func:`_gram32`) — :func:`blocks_at_once` blocks at a time, so that at most that many blocks'
+    Grams live at once, not all ``⌈w/chunk⌉`` of them — and added one by one into the float64
+    total, each float32 Gram widened exactly inside the addition (no float64 copy of the group; the
+    group laid out block-major, so each block's Grams are one contiguous operand). A block's Gram
+    meets at most ``b − 1`` float64 additions (``b`` blocks, summed in order), within the
+    ``γ^{(64)}_{b+1}`` of :func:`gram_gamma`."""
     N, T, w = t.shape
     blocks = -(-w // chunk)
     if blocks * chunk != w:
@@ -184,9 +198,10 @@ def _gram_chunked(t: torch.Tensor, chunk: int) -> torch.Tensor:
     at_once = blocks_at_once(N, T, blocks)
     for first in range(0, blocks, at_once):
         k = min(at_once, blocks - first)
-        group = parts[:, :, first:first + k].permute(0, 2, 1, 3).reshape(N * k, T, chunk)
-        part = _gram32(group).reshape(N, k, T, T).sum(1, dtype=torch.float64)
-        total = part if total is None else total.add_(part)
+        group = parts[:, :, first:first + k].permute(2, 0, 1, 3).reshape(k * N, T, chunk)
+        grams = _gram32(group).reshape(k, N, T, T)
+        for j in range(k):
+            total = grams[j].double() if total is None else total.add_(grams[j])
     assert total is not None  # w ≥ 1: one block at least
     return total
 
@@ -437,17 +452,42 @@ def float64_ghost_bound(a: torch.Tensor, g: torch.Tensor, bias: bool,
 
 @without_autocast
 def certified_ghost_sq(a: torch.Tensor, g: torch.Tensor, bias: bool, na: torch.Tensor,
-                       ng: torch.Tensor) -> Optional[torch.Tensor]:
+                       ng: torch.Tensor, c_rel: float = 0.0,
+                       gradients_first: bool = False) -> Optional[torch.Tensor]:
     """A float64 upper bound ``(N,)`` of the ghost norm ``⟨ã ãᵀ, g gᵀ⟩``, every rounding included,
-    from fast Grams (:func:`fast_ghost_bound`) with the float64 Grams for the samples whose fast
-    bound is loose or not finite; None when the operands have no fast path
-    (:func:`fast_gram_model`: the caller keeps its float64 path)."""
+    from fast Grams (:func:`fast_ghost_bound`) with a second try (:func:`second_try`) for the
+    samples whose fast bound is loose or not finite; None when the operands have no fast path
+    (:func:`fast_gram_model`: the caller keeps its float64 path). ``c_rel``: the release
+    coefficient the caller adds to the norm (``c_r·M``, :func:`.rounding.certified_ghost`), which
+    sets how loose a kept bound may be (:func:`release_term`, :func:`tight`).
+
+    ``gradients_first``: where the per-sample gradients take fewer products than the Grams
+    (:func:`instantiation_pays`), they are the first try (:func:`instantiated_ghost_bound`: no
+    ``(N, T, T)`` Gram at all), the float64 Grams the second; their slack, ``≈ 2γ_{T+1}·M·√ν``,
+    is below the ``2c_r·M·√ν`` that :func:`tight` allows whenever ``c_r ≥ γ_{T+1}`` (a release
+    over the batch's ``B·T`` rows), so only samples whose gradient cancels below its own rounding
+    take the second."""
     model = fast_gram_model(a)
     if model is None or a.shape[1] == 1:
         return None
+    release = release_term(na, ng, c_rel)
+    if gradients_first and instantiation_pays(a.shape[1], a.shape[2] + bias, g.shape[2], model):
+        bound, slack, nu = instantiated_ghost_bound(a, g, bias, na, ng)
+        return refine(bound, slack, nu,
+                      lambda idx: exact_ghost_bound(a, g, bias, na, ng, idx),
+                      loose_floor(a.shape[1]), release)
     bound, slack, nu = fast_ghost_bound(a, g, bias, na, ng, *model)
-    return refine(bound, slack, nu, lambda idx: second_try(a, g, bias, na, ng, model, idx),
-                  loose_floor(a.shape[1]))
+    return refine(bound, slack, nu,
+                  lambda idx: second_try(a, g, bias, na, ng, model, idx, c_rel),
+                  loose_floor(a.shape[1]), release)
+
+
+def release_term(na: torch.Tensor, ng: torch.Tensor, c_rel: float) -> Optional[torch.Tensor]:
+    """``c_r·Σ_t n_t m_t`` per sample (row of ``na``, ``ng``): the release's own rounding bound,
+    which the caller adds to the norm (:func:`.rounding.certified_ghost`), without the mass's
+    rounding raise (it only sets how loose a kept bound may be, :func:`tight`); None for
+    ``c_rel = 0``."""
+    return (na * ng).sum(-1).mul_(c_rel) if c_rel else None
 
 
 def loose_floor(T: int) -> float:
@@ -467,36 +507,103 @@ def exact_ghost_bound(a: torch.Tensor, g: torch.Tensor, bias: bool, na: torch.Te
 
 
 def second_try(a: torch.Tensor, g: torch.Tensor, bias: bool, na: torch.Tensor,
-               ng: torch.Tensor, model: Tuple[bool, float], idx: torch.Tensor) -> torch.Tensor:
-    """The bounds of the samples ``idx`` whose fast bound was loose or not finite: Grams in blocks
-    of ``CHUNK`` columns (:func:`fast_ghost_bound` with ``chunk``), then float64 Grams
-    (:func:`exact_ghost_bound`) for those still loose; float64 Grams at once for operands
-    narrower than two blocks."""
-    if max(a.shape[2], g.shape[2]) < 2 * CHUNK:
+               ng: torch.Tensor, model: Tuple[bool, float], idx: torch.Tensor,
+               c_rel: float = 0.0) -> torch.Tensor:
+    """The bounds of the samples ``idx`` whose fast bound was loose or not finite: the
+    per-sample gradients where they take fewer products than the Grams
+    (:func:`instantiation_pays`, :func:`instantiated_ghost_bound`), else Grams in blocks of
+    ``CHUNK`` columns (:func:`fast_ghost_bound` with ``chunk``) — float64 Grams at once for
+    operands narrower than two blocks —, then float64 Grams (:func:`exact_ghost_bound`) for those
+    still loose (``c_rel``: as for :func:`certified_ghost_sq`)."""
+    if (max(a.shape[2], g.shape[2]) < 2 * CHUNK
+            and not instantiation_pays(a.shape[1], a.shape[2] + bias, g.shape[2], model)):
         return exact_ghost_bound(a, g, bias, na, ng, idx)
-    return second_try_rows(a[idx], g[idx], bias, na[idx], ng[idx], model)
+    return second_try_rows(a[idx], g[idx], bias, na[idx], ng[idx], model, c_rel)
 
 
 def second_try_rows(a: torch.Tensor, g: torch.Tensor, bias: bool, na: torch.Tensor,
-                    ng: torch.Tensor, model: Tuple[bool, float]) -> torch.Tensor:
-    """:func:`second_try` of every sample (row of dim 0) of ``a``, ``g``, ``na``, ``ng``: Grams in
-    blocks of ``CHUNK`` columns, then float64 Grams for those still loose. Each sample's bound is
-    its own (the rows are independent), so the rows may be those of several layers with equal
-    widths, positions, bias and fast-Gram model."""
-    b2, s2, n2 = fast_ghost_bound(a, g, bias, na, ng, *model, chunk=CHUNK)
-    return refine(b2, s2, n2, lambda j: exact_ghost_bound(a, g, bias, na, ng, j))
+                    ng: torch.Tensor, model: Tuple[bool, float],
+                    c_rel: float = 0.0) -> torch.Tensor:
+    """:func:`second_try` of every sample (row of dim 0) of ``a``, ``g``, ``na``, ``ng``: the
+    per-sample gradients (:func:`instantiated_ghost_bound`) where :func:`instantiation_pays`,
+    else Grams in blocks of ``CHUNK`` columns; then float64 Grams for those still loose. Each
+    sample's bound is its own (the rows are independent), so the rows may be those of several
+    layers with equal widths, positions, bias and fast-Gram model."""
+    if instantiation_pays(a.shape[1], a.shape[2] + bias, g.shape[2], model):
+        b2, s2, n2 = instantiated_ghost_bound(a, g, bias, na, ng)
+    else:
+        b2, s2, n2 = fast_ghost_bound(a, g, bias, na, ng, *model, chunk=CHUNK)
+    return refine(b2, s2, n2, lambda j: exact_ghost_bound(a, g, bias, na, ng, j), NEGLIGIBLE,
+                  release_term(na, ng, c_rel))
+
+
+def instantiation_pays(T: int, wa: int, p: int, model: Tuple[bool, float]) -> bool:
+    """Whether a second try forms the per-sample gradients ``g_iᵀ ã_i`` (``p·w_a`` entries of
+    ``T`` products each) rather than Grams (``T²`` entries of ``w_a + p`` products): where
+    ``p·w_a ≤ T·(w_a + p)`` — the patch embeddings and token-wise Linears of vision transformers
+    (ViT-Tiny at 224²: 147 456 against 188 356 products per position for the patch embedding,
+    111 168 against 151 493 for ``qkv``) — and the Grams' model is IEEE float32 accumulation
+    (not the tensor cores', whose per-sample gradients would carry their pessimistic ``γ``)."""
+    return not model[0] and p * wa <= T * (wa + p)
+
+
+#: per-sample gradient entries (samples × ``p·w_a``) :func:`instantiated_ghost_bound` forms at once
+#: (32 MiB of float32)
+GRADIENT_ENTRIES_AT_ONCE = 1 << 23
+
+
+def instantiated_ghost_bound(a: torch.Tensor, g: torch.Tensor, bias: bool, na: torch.Tensor,
+                             ng: torch.Tensor
+                             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(bound, slack, ν̃)``: a float64 upper bound of ``ν_i = ‖g_iᵀ ã_i‖²_F`` per sample from the
+    per-sample gradient formed by a float32 matmul (16-bit operands widened to float32: exact),
+    with ``ν̃`` the computed bound of ``‖G̃_i‖²`` and ``slack = bound − ν̃``.
+
+    ``G̃ = fl(gᵀ a)`` (and the bias column ``fl(Σ_t g_t)``), every entry a sum of ``T`` products
+    in any order (Higham 2002, §3.1): ``|G̃_kl − G_kl| ≤ γ_{T+1}·Σ_t |g_tk||ã_tl| + 4T·η`` (``η =
+    2⁻¹²⁶`` for each product or sum below the normal range, carried through at most ``T``
+    roundings), so ``‖G̃ − G‖_F ≤ γ_{T+1}·‖|g|ᵀ|ã|‖_F + 4T·η·√(p·w_a)`` and
+    ``‖|g|ᵀ|ã|‖_F ≤ Σ_t ‖ã_t‖‖g_t‖ ≤ M = Σ_t n_t m_t·(1 + γ^{(64)}_{T+4})`` (the triangle
+    inequality; ``na``, ``ng`` the row-norm bounds ``n_t ≥ ‖ã_t‖``, ``m_t ≥ ‖g_t‖``). With
+    ``S ≥ ‖G̃‖²`` from :func:`.rounding.norm_sq64` (its rounding included):
+    ``ν ≤ (√S + γ_{T+1}·M + 4T·η·√(p·w_a))²``, times ``1 + 2⁻⁴⁸`` for the float64 square root,
+    products, sums and square of this assembly. An entry that overflows gives ``inf`` or NaN:
+    a bound that is never kept (:func:`tight`).
+
+    Per-sample gradients of ``GRADIENT_ENTRIES_AT_ONCE`` entries at a time; a second try only
+    (:func:`second_try_rows`): where ``‖G‖`` is far below ``M`` (positions built to cancel) the
+    bound is loose, and the float64 Grams follow."""
+    N, T, p = g.shape
+    wa = a.shape[2] + bias
+    a32 = a if a.dtype == torch.float32 else a.float()
+    g32 = g if g.dtype == torch.float32 else g.float()
+    per = max(1, GRADIENT_ENTRIES_AT_ONCE // (p * wa))
+    parts = []
+    for s in range(0, N, per):
+        gs = g32[s:s + per]
+        sq = norm_sq64(torch.bmm(gs.transpose(1, 2), a32[s:s + per]))
+        if bias:
+            sq = sq + norm_sq64(gs.sum(1))
+        parts.append(sq)
+    nu = parts[0] if len(parts) == 1 else torch.cat(parts)
+    mass = (na * ng).sum(1) * (1 + gamma(T + 4, unit_roundoff(torch.float64)))
+    lost = 4.0 * T * ETA32 * math.sqrt(p * wa)
+    root = nu.sqrt().mul_(1 + 2.0 ** -51).add_(mass, alpha=gamma(T + 1, unit_roundoff(
+        torch.float32))).add_(lost)
+    bound = root.square_().mul_(1 + 2.0 ** -48)
+    return bound, (bound - nu).clamp_(min=0), nu
 
 
 def refine(bound: torch.Tensor, slack: torch.Tensor, nu: torch.Tensor, exact,
-           floor: float = NEGLIGIBLE) -> torch.Tensor:
-    """``bound`` with the samples whose fast bound is not finite or loose (``slack > LOOSE·ν̃`` and
-    above ``floor``, by default ``NEGLIGIBLE``) replaced by ``exact(indices)`` (a tighter try), on
+           floor: float = NEGLIGIBLE, release: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``bound`` with the samples whose fast bound is not finite or loose (:func:`tight`, with
+    ``floor`` and the release term ``release``) replaced by ``exact(indices)`` (a tighter try), on
     every device: one host synchronisation reads whether any is. A loose bound is an upper bound
     all the same, but under the pessimistic tensor-core model of 16-bit CUDA Grams an honest
     sample's fast bound can be several times 10⁻³ above its norm; the tighter try keeps it within
     about 5·10⁻⁴. A non-finite bound (a float32 product or weighted row that overflowed where the
     float64 Grams of the tighter try do not) is never kept."""
-    ok = tight(bound, slack, nu, floor)
+    ok = tight(bound, slack, nu, floor, release)
     if bool(ok.all()):
         return bound
     idx = (~ok).nonzero().squeeze(1)
@@ -504,10 +611,23 @@ def refine(bound: torch.Tensor, slack: torch.Tensor, nu: torch.Tensor, exact,
 
 
 def tight(bound: torch.Tensor, slack: torch.Tensor, nu: torch.Tensor,
-          floor: float = NEGLIGIBLE) -> torch.Tensor:
-    """Which fast bounds are kept: finite, with ``slack ≤ max(LOOSE·ν̃, floor)`` (False for NaN
-    and infinite slacks)."""
-    return (slack <= (LOOSE * nu).clamp_(min=floor)).logical_and_(bound < math.inf)
+          floor: float = NEGLIGIBLE, release: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Which fast bounds are kept: finite, with ``slack ≤ max(LOOSE·ν̃, floor, 2r·√ν̃)`` (False
+    for NaN and infinite slacks, and for a NaN ``ν̃``).
+
+    ``r = release`` (:func:`release_term`, omitted: 0) is the release's own rounding bound
+    ``c_r·M``, which the caller adds to the norm, ``(√(ν̃ + slack) + r)²``
+    (:func:`.rounding.certified_ghost`). A slack of at most ``2r·√ν̃`` raises the norm bound
+    ``√(ν̃ + slack) ≤ √ν̃ + r`` by no more than that term, which no second try removes: the clip
+    factor is then as precise as the release's rounding allows (the released bound at most
+    ``√ν̃ + 2r`` against ``√ν̃ + r`` after a tighter try). Whatever is kept, the bound is
+    ``ν̃ + slack``: an upper bound of the norm, so the choice is one of precision, never of
+    privacy. ViT-Tiny's ``qkv`` at 224² (noise inputs, batch 16): ``r ≈ 1.5·10⁻³·√ν``, slack
+    ``0.9–1.3·10⁻³·ν``: kept."""
+    allowed = (LOOSE * nu).clamp_(min=floor)
+    if release is not None:
+        allowed = torch.maximum(allowed, nu.sqrt().mul_(release).mul_(2))
+    return (slack <= allowed).logical_and_(bound < math.inf)
 
 
 @without_autocast

@@ -136,7 +136,7 @@ class LinearRule(LayerRule):
         mass = mass_of(na, ng, A.shape[-1])
         c_rel = release_coefficient(release_dtype(G), G.device, B * T)
         if use_ghost:
-            fast = certified_ghost_sq(A, G, bias, na, ng)
+            fast = certified_ghost_sq(A, G, bias, na, ng, c_rel)
             if fast is not None:  # float32 Grams, their rounding bounded per sample
                 return certified_ghost(fast, mass, 0.0, c_rel)
             unit = gram_unit(A)

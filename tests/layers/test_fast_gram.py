@@ -110,21 +110,144 @@ def test_honest_bound_within_1e_3_of_the_norm(dtype, bias, shape):
     assert bool((rel >= 0).all()) and bool((rel <= 1e-3).all()), rel.tolist()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_nearly_diagonal_gram_against_a_dense_one_takes_the_blocked_grams(dtype):
-    """Image-patch-like inputs (a nearly diagonal Gram) with correlated output gradients (a dense
-    one): the one-pass float32 bound is loose, the blocked float32 Grams (float64 block sums, no
-    float64 matmul) bring it within 10⁻³ of the norm."""
-    gen = gen_for(12)
-    a = torch.randn(2, 196, 768, generator=gen).to(dtype)
-    g = (torch.randn(1, 1, 256, generator=gen)
-         + 0.05 * torch.randn(2, 196, 256, generator=gen)).to(dtype)
+def patch_like(T: int, D: int, p: int, dtype, seed: int = 12):
+    """Image-patch-like inputs of noise (a nearly diagonal Gram) with correlated output gradients
+    (a dense one), two samples: the one-pass float32 bound is loose (``≈ T·γ_D·ν``)."""
+    gen = gen_for(seed)
+    a = torch.randn(2, T, D, generator=gen).to(dtype)
+    g = (torch.randn(1, 1, p, generator=gen)
+         + 0.05 * torch.randn(2, T, p, generator=gen)).to(dtype)
     na, ng = pair_norms(a, g, True)
     _, slack, nu = fast_ghost_bound(a, g, True, na, ng, False, 2.0 ** -149)
     assert bool((slack > 2e-3 * nu).all())
+    return a, g
+
+
+def _spy(monkeypatch, name):
+    """Record the calls of ``gram.<name>``."""
+    calls = []
+    own = getattr(gram, name)
+    monkeypatch.setattr(gram, name, lambda *args, **kw: calls.append(1) or own(*args, **kw))
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nearly_diagonal_gram_against_a_dense_one_takes_the_per_sample_gradients(
+        monkeypatch, dtype):
+    """At a ViT patch embedding's shape (196 positions, 768 inputs) the per-sample gradients take
+    fewer products than the Grams: the second try forms them in float32 and bounds the norm within
+    10⁻³, with no float64 Gram and no blocked Gram."""
+    a, g = patch_like(196, 768, 192, dtype)
+    blocked, exact = _spy(monkeypatch, "_gram_chunked"), _spy(monkeypatch, "exact_ghost_bound")
     got, ref = bound_of(a, g, True), exact_sq(a, g, True)
     rel = got.sqrt() / ref.sqrt() - 1
     assert bool((rel >= 0).all()) and bool((rel <= 1e-3).all()), rel.tolist()
+    assert not blocked and not exact
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nearly_diagonal_gram_with_few_positions_takes_the_blocked_grams(monkeypatch, dtype):
+    """With 50 positions the Grams take fewer products than the per-sample gradients: the blocked
+    float32 Grams (float64 block sums, no float64 matmul) bring the bound within 10⁻³."""
+    a, g = patch_like(50, 768, 256, dtype)
+    blocked = _spy(monkeypatch, "_gram_chunked")
+    got, ref = bound_of(a, g, True), exact_sq(a, g, True)
+    rel = got.sqrt() / ref.sqrt() - 1
+    assert bool((rel >= 0).all()) and bool((rel <= 1e-3).all()), rel.tolist()
+    assert blocked
+
+
+def cancelling_gradient(T: int, width: int):
+    """One sample whose per-sample gradient cancels in float32: inputs ``x·(1 + 2⁻¹²)`` and
+    ``x·(1 + 2⁻¹¹)`` at alternate positions, output gradients ``u·(1 + 2⁻¹²)`` and ``−u`` (``x``,
+    ``u`` of entries ±2¹³, ±2⁶): each pair of products is ``±2¹⁹·(1 + 2⁻¹¹ + 2⁻²⁴)`` against
+    ``∓2¹⁹·(1 + 2⁻¹¹)``, which float32 rounds to cancel, so ``fl(gᵀa) ≈ 0`` while every entry of
+    the exact gradient is ±1 (norm ``width``)."""
+    gen = gen_for(13)
+    x = 2.0 ** 13 * torch.randint(0, 2, (width,), generator=gen).mul(2).sub(1).float()
+    u = 2.0 ** 6 * torch.randint(0, 2, (width,), generator=gen).mul(2).sub(1).float()
+    even = torch.arange(T) % 2 == 0
+    a = torch.where(even[:, None], x * (1 + 2.0 ** -12), x * (1 + 2.0 ** -11))
+    g = torch.where(even[:, None], u * (1 + 2.0 ** -12), -u)
+    return a.unsqueeze(0), g.unsqueeze(0)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_instantiated_bound_covers_a_gradient_that_cancels_in_float32(bias):
+    """The per-sample gradient's float32 norm is far below the exact one; the instantiated bound
+    (its ``γ_{T+1}·M`` term) covers it, is loose, and the float64 Grams follow."""
+    a, g = cancelling_gradient(64, 32)
+    na, ng = pair_norms(a, g, bias)
+    ref = exact_sq(a, g, bias)
+    assert ref[0] >= 1000.0
+    bound, slack, nu = gram.instantiated_ghost_bound(a, g, bias, na, ng)
+    assert nu[0] < 0.1 * ref[0]  # the float32 gradient alone would under-clip
+    assert bound[0] >= ref[0]
+    assert not bool(gram.tight(bound, slack, nu).all())
+    assert bool((bound_of(a, g, bias) >= ref).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_instantiated_bound_covers_16_bit_sums_that_lose_a_position(dtype, bias):
+    """16-bit operands (widened to float32: exact products) whose float32 sums over positions
+    lose a small position between two large ones of opposite signs."""
+    gen = gen_for(14)
+    T, D, p = 48, 32, 24
+    a = torch.randn(2, T, D, generator=gen).sign().mul(64.0)
+    scale = torch.tensor([2.0 ** 12, 2.0 ** -4, -(2.0 ** 12)]).repeat(T // 3)
+    g = torch.randn(2, 1, p, generator=gen).sign() * scale.view(1, T, 1)
+    a, g = a.to(dtype), g.to(dtype)
+    na, ng = pair_norms(a, g, bias)
+    ref = exact_sq(a, g, bias)
+    bound, _, _ = gram.instantiated_ghost_bound(a, g, bias, na, ng)
+    assert bool((bound >= ref).all())
+    assert bool((bound_of(a, g, bias) >= ref).all())
+
+
+def qkv_like():
+    """ViT-Tiny's ``qkv`` at 224² on noise inputs, two samples: 197 positions of 192 nearly
+    orthogonal inputs, 576 output gradients nearly equal at every position; the release
+    coefficient of a batch of 16 (``B·T`` rows)."""
+    from private_engine.layers.rounding import release_coefficient
+
+    gen = gen_for(15)
+    a = torch.randn(2, 197, 192, generator=gen)
+    g = 1e-3 * (torch.randn(1, 1, 576, generator=gen) + 0.1 * torch.randn(2, 197, 576,
+                                                                          generator=gen))
+    return a, g, release_coefficient(torch.float32, torch.device("cpu"), 16 * 197)
+
+
+def test_slack_within_the_release_term_takes_no_second_try(monkeypatch):
+    """A fast bound above ``LOOSE·ν̃`` whose slack is below ``2·c_r·M·√ν̃`` is kept: the released
+    bound ``(√(ν̃ + slack) + c_r M)²`` is then within ``2·c_r·M`` of the norm, which a second try
+    would leave at ``c_r·M``. Without the release coefficient, the same samples take one."""
+    from private_engine.layers.rounding import certified_ghost, mass_of
+
+    a, g, c_rel = qkv_like()
+    na, ng = pair_norms(a, g, True)
+    fast, slack, nu = fast_ghost_bound(a, g, True, na, ng, False, 2.0 ** -149)
+    assert bool((slack > gram.LOOSE * nu).all())
+    tries = _spy(monkeypatch, "second_try")
+    got = certified_ghost_sq(a, g, True, na, ng, c_rel)
+    assert not tries and torch.equal(got, fast)
+    ref = exact_sq(a, g, True)
+    assert bool((got >= ref).all())
+    mass = mass_of(na, ng, a.shape[2])
+    released = certified_ghost(got, mass, 0.0, c_rel).sqrt()
+    assert bool((released <= ref.sqrt() + 2 * c_rel * mass).all())
+    certified_ghost_sq(a, g, True, na, ng)
+    assert len(tries) == 1
+
+
+@pytest.mark.parametrize("kind", ["cancel", "large", "tiny", "subnormal", "mixed"])
+def test_a_large_release_coefficient_keeps_only_upper_bounds(kind):
+    """Crafted samples with a release coefficient so large (10⁻²) that nearly every fast bound is
+    kept: what is kept is still at least the exact norm."""
+    a, g = crafted(kind, torch.float32)
+    na, ng = pair_norms(a, g, True)
+    got, ref = certified_ghost_sq(a, g, True, na, ng, 1e-2), exact_sq(a, g, True)
+    assert bool((got >= ref).all()), (got - ref).tolist()
 
 
 def test_blocked_gram_gamma_is_the_block_s_plus_the_float64_sum():

@@ -49,8 +49,12 @@ def _linear_pairs(kind=None):
         return lin, [honest(3, 10, 24, 16, 5)]
     a, g = torch.randn(3, 10, 24, generator=gen), torch.randn(3, 10, 16, generator=gen)
     a[0, 1] = a[0, 0] = 1e3
-    a[0, 1, 0] = 1e3 * (1 + 2 ** -6)
+    # "cancel": the per-sample gradient cancels too, to below its instantiation's rounding (the
+    # sample's other positions silent: float64 Grams); "grams": only the Grams cancel
+    a[0, 1, 0] = 1e3 * (1 + 2 ** (-20 if kind == "cancel" else -6))
     g[0, 0], g[0, 1] = 1e2, -1e2
+    if kind == "cancel":
+        g[0, 2:] = 0
     return lin, [(a, g)]
 
 
@@ -89,6 +93,20 @@ def test_honest_float32_certified_norms_dispatch_no_float64_matmul(case):
     ref = sum(t.flatten(1).square().sum(1) for t in grads.values())
     assert bool((bound >= ref).all())
     assert torch.allclose(bound.sqrt(), ref.sqrt(), rtol=1e-3, atol=0)
+
+
+def test_sample_whose_grams_alone_cancel_takes_no_float64_matmul():
+    """Gram entries that cancel (a loose fast bound) around a per-sample gradient that does not:
+    the second try instantiates it in float32 (10 positions: fewer products than the Grams)."""
+    module, pairs = _linear_pairs("grams")
+    rule = find_rule(module)
+    with MatmulDtypes() as seen:
+        bound = rule.certified_norm_sq(module, pairs, True)
+    assert all(dt != torch.float64 for _, dt in seen.seen), seen.seen
+    a, g = pairs[0]
+    ref = exact_sq(a, g)
+    assert bool((bound >= ref).all())
+    assert torch.allclose(bound[1:].sqrt(), ref[1:].sqrt(), rtol=1e-3, atol=0)
 
 
 def test_crafted_float32_sample_alone_takes_float64_matmuls():
@@ -153,3 +171,47 @@ def test_a_sample_with_a_zero_gradient_takes_no_second_try():
         bound = rule.certified_norm_sq(lin, [(a, g)], True)
     assert all(dt != torch.float64 for _, dt in seen.seen), seen.seen
     assert 0 <= bound[1] < 1e-30
+
+
+def test_vit_qkv_on_noise_inputs_takes_no_second_try(monkeypatch):
+    """ViT-Tiny's ``qkv`` (192 → 576, 197 positions, batch 16) on noise inputs: nearly orthogonal
+    inputs and output gradients nearly equal at every position make the fast slack about
+    1.3·10⁻³·ν, below twice the release's own rounding term (3.6·10⁻³·√ν·c_r·M): no second try,
+    and the bound covers the exact norm."""
+    from private_engine.layers import gram
+
+    gen = gen_for(16)
+    lin = nn.Linear(192, 576)
+    a = torch.randn(16, 197, 192, generator=gen)
+    g = 1e-3 * (torch.randn(1, 1, 576, generator=gen)
+                + 0.1 * torch.randn(16, 197, 576, generator=gen))
+    tries = []
+    own = gram.second_try
+    monkeypatch.setattr(gram, "second_try", lambda *args: tries.append(1) or own(*args))
+    bound = find_rule(lin).certified_norm_sq(lin, [(a, g)], True)
+    assert not tries
+    assert bool((bound >= exact_sq(a, g)).all())
+
+
+def test_patch_embedding_forms_per_sample_gradients_not_grams(monkeypatch):
+    """A ViT-style patch embedding (16×16 patches of 3 channels: 768 inputs, 8 outputs, 16
+    positions) whose per-sample gradients take fewer products than its Grams: the certified norm
+    forms them in float32 (no Gram, no float64 matmul) and covers the exact norm within 10⁻³."""
+    from private_engine.layers import gram
+
+    gen = gen_for(17)
+    conv = nn.Conv2d(3, 8, 16, stride=16)
+    pairs = [(torch.randn(2, 3, 64, 64, generator=gen),
+              1e-3 * torch.randn(2, 8, 4, 4, generator=gen))]
+    grams = []
+    own = gram._gram32
+    monkeypatch.setattr(gram, "_gram32", lambda *args: grams.append(1) or own(*args))
+    rule = find_rule(conv)
+    with MatmulDtypes() as seen:
+        bound = rule.certified_norm_sq(conv, pairs, True)
+    assert not grams
+    assert seen.seen and all(dt == torch.float32 for _, dt in seen.seen), seen.seen
+    wide = [(a.double(), g.double()) for a, g in pairs]
+    ref = sum(t.flatten(1).square().sum(1) for t in rule.per_sample_grads(conv, wide).values())
+    assert bool((bound >= ref).all())
+    assert torch.allclose(bound.sqrt(), ref.sqrt(), rtol=1e-3, atol=0)

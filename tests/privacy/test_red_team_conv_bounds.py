@@ -153,7 +153,7 @@ def checked_ghost(seen: list):
     cover the exact norms of the rows they are handed with."""
     inner = conv.certified_ghost_sq
 
-    def wrapper(a, g, bias, na, ng):
+    def wrapper(a, g, bias, na, ng, *rest, **kw):
         rows_a, rows_g = exact_row_sq(a, bias), exact_row_sq(g, False)
         na_l, ng_l = na.tolist(), ng.tolist()
         for i in range(len(rows_a)):
@@ -161,7 +161,7 @@ def checked_ghost(seen: list):
                 ok_a = not math.isfinite(na_l[i][t]) or Fraction(na_l[i][t]) ** 2 >= rows_a[i][t]
                 ok_g = not math.isfinite(ng_l[i][t]) or Fraction(ng_l[i][t]) ** 2 >= rows_g[i][t]
                 seen.append((ok_a and ok_g, i, t, na_l[i][t], ng_l[i][t]))
-        return inner(a, g, bias, na, ng)
+        return inner(a, g, bias, na, ng, *rest, **kw)
 
     return wrapper
 
