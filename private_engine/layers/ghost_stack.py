@@ -190,7 +190,8 @@ class GhostBoundStack:
         cross = (n2 * m2).sum(-1)
         slack = ghost_slack(wg, wa, cross, mag, form)
         bound = (nu + slack).mul_(1 + 2.0 ** -50)
-        ok = tight(bound, slack, nu, loose_floor(T))  # False for non-finite bounds and slacks
+        # kept: finite, and loose by no more than LOOSE·ν̃ or the release's own rounding term
+        ok = tight(bound, slack, nu, loose_floor(T), c["c_rel"] * mass)
         # certified_ghost with c_ν = 0: (√max(ν⁺, 0) + c_r M)² (an infinite or NaN M gives a
         # non-finite bound either way: the sample is dropped)
         block = _released(bound, c["c_rel"], mass)
@@ -443,12 +444,13 @@ def _second_try_together(items: Sequence[Tuple["_Retry", int, torch.Tensor]]) ->
     if len(items) == 1:
         r, layer, idx = items[0]
         p = r.layers[layer]
-        parts = [second_try(p.a, p.g, p.bias, r.na[layer], r.ng[layer], p.model, idx)]
+        parts = [second_try(p.a, p.g, p.bias, r.na[layer], r.ng[layer], p.model, idx,
+                            p.c_rel)]
     else:
         first = items[0][0].layers[items[0][1]]
         if max(first.a.shape[2], first.g.shape[2]) < 2 * CHUNK:  # float64 Grams, layer by layer
             parts = [second_try(r.layers[k].a, r.layers[k].g, first.bias, r.na[k], r.ng[k],
-                                first.model, idx) for r, k, idx in items]
+                                first.model, idx, r.layers[k].c_rel) for r, k, idx in items]
         else:
             def rows(pick):
                 return torch.cat([pick(r, k)[idx] for r, k, idx in items])
@@ -456,7 +458,7 @@ def _second_try_together(items: Sequence[Tuple["_Retry", int, torch.Tensor]]) ->
             second = second_try_rows(rows(lambda r, k: r.layers[k].a),
                                      rows(lambda r, k: r.layers[k].g), first.bias,
                                      rows(lambda r, k: r.na[k]), rows(lambda r, k: r.ng[k]),
-                                     first.model)
+                                     first.model, first.c_rel)
             parts = list(second.split([idx.numel() for _, _, idx in items]))
     for (r, layer, idx), part in zip(items, parts):
         r.block[layer].index_put_((idx,), _released(part, r.c_rel[layer], r.mass[layer, idx]))
