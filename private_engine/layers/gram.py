@@ -136,6 +136,9 @@ CHUNK = 64
 #: the other blocks wait, so that a wide layer's second try over many samples holds a few blocks'
 #: Grams, not all of them, while a few loose samples take all their blocks in one group
 GRAM_ENTRIES_AT_ONCE = 1 << 23
+#: device types whose second-try block Grams are added into the float64 total one by one
+#: (:func:`_gram_chunked`; elsewhere one reduction per group)
+ADDED_ONE_BY_ONE = ("cpu",)
 #: unit roundoff of the pessimistic tensor-core accumulation (truncation, float32)
 TENSOR_CORE_UNIT = 2.0 ** -23
 
@@ -184,11 +187,14 @@ def _gram_chunked(t: torch.Tensor, chunk: int) -> torch.Tensor:
     """``t tᵀ`` per sample as float64 ``(N, T, T)``: the columns split into ``⌈w/chunk⌉`` blocks
     (zero-padded: exact), each block's Gram formed by a batched float32 matmul
     (:func:`_gram32`) — :func:`blocks_at_once` blocks at a time, so that at most that many blocks'
-    Grams live at once, not all ``⌈w/chunk⌉`` of them — and added one by one into the float64
-    total, each float32 Gram widened exactly inside the addition (no float64 copy of the group; the
-    group laid out block-major, so each block's Grams are one contiguous operand). A block's Gram
-    meets at most ``b − 1`` float64 additions (``b`` blocks, summed in order), within the
-    ``γ^{(64)}_{b+1}`` of :func:`gram_gamma`."""
+    Grams live at once, not all ``⌈w/chunk⌉`` of them — and summed in float64, each float32 Gram
+    widened exactly: on the CPU added one by one into the total inside the addition (a reduction
+    with a float64 result would first copy the group to float64; the group is laid out
+    block-major, so each block's Grams are one contiguous operand), on other devices by one
+    reduction per group, which widens as it reads (one kernel, not one per block). A block's Gram
+    meets at most ``b − 1`` float64 additions in the first case and ``k − 1 + ⌈b/k⌉ ≤ b`` in the
+    second (``b`` blocks, ``k`` at once; any order of summing ``k`` terms adds to each at most
+    ``k − 1`` times), within the ``γ^{(64)}_{b+1}`` of :func:`gram_gamma`."""
     N, T, w = t.shape
     blocks = -(-w // chunk)
     if blocks * chunk != w:
@@ -200,6 +206,10 @@ def _gram_chunked(t: torch.Tensor, chunk: int) -> torch.Tensor:
         k = min(at_once, blocks - first)
         group = parts[:, :, first:first + k].permute(2, 0, 1, 3).reshape(k * N, T, chunk)
         grams = _gram32(group).reshape(k, N, T, T)
+        if t.device.type not in ADDED_ONE_BY_ONE:
+            part = grams.sum(0, dtype=torch.float64)
+            total = part if total is None else total.add_(part)
+            continue
         for j in range(k):
             total = grams[j].double() if total is None else total.add_(grams[j])
     assert total is not None  # w ≥ 1: one block at least

@@ -282,12 +282,15 @@ def test_a_few_loose_samples_take_all_their_blocks_at_once(monkeypatch, samples)
     assert torch.allclose(got, each.sum(1), rtol=1e-12, atol=0)
 
 
-def test_second_try_grams_are_formed_a_few_blocks_at_a_time(monkeypatch):
+@pytest.mark.parametrize("one_by_one", [True, False], ids=["added", "reduced"])
+def test_second_try_grams_are_formed_a_few_blocks_at_a_time(monkeypatch, one_by_one):
     """The blocked Grams of a wide operand (21 blocks of 64 columns, the last one padded) are
     formed as many blocks per matmul as ``GRAM_ENTRIES_AT_ONCE`` allows (8 here), not all at once,
-    and their float64 sum stays within ``gram_gamma(w, chunk)·‖t_t‖‖t_s‖`` of the exact Gram."""
+    and their float64 sum — added block by block (the CPU's way) or by one reduction per group
+    (other devices') — stays within ``gram_gamma(w, chunk)·‖t_t‖‖t_s‖`` of the exact Gram."""
     t = torch.randn(3, 5, 64 * 20 + 7, generator=torch.Generator().manual_seed(0))
     monkeypatch.setattr(gram, "GRAM_ENTRIES_AT_ONCE", 8 * 3 * 5 * 5 + 7)
+    monkeypatch.setattr(gram, "ADDED_ONE_BY_ONE", ("cpu",) if one_by_one else ())
     got, batches = _blocked_calls(monkeypatch, t)
     assert batches == [3 * 8, 3 * 8, 3 * 5]
     t64 = t.double()
