@@ -17,10 +17,12 @@ their float64 total (:func:`~private_engine.layers.gram._gram_chunked`).
    and no non-finite bound is kept.
 3. The blocked Grams of the second try, formed one block group at a time, are within their
    documented rounding of the exact Gram, whatever the number of blocks formed at once.
+   Per-sample gradients formed one sample at a time are each sample's own.
 4. End to end (noise 0, SGD at lr 1, ``B·‖Δ(released)‖/R ≤ 1 + 10⁻⁶``, every mode and both doors):
    a ViT-like patch embedding (``Conv2d(3, 8, 8, stride 8)`` on 32 × 32 images, 16 positions:
-   the per-sample gradients are its first try), a depthwise one, and three Linear layers of one
-   shape whose loose samples take their second tries together in the ghost stack.
+   the per-sample gradients are its first try; float32 and bfloat16 autocast), a depthwise one,
+   and three Linear layers of one shape whose loose samples take their second tries (per-sample
+   gradients) layer by layer or together in the ghost stack.
 
 Every attack here held (smallest bound/exact ratio 1, largest end-to-end ratio below 1 + 10⁻⁶);
 they are kept as regression tests.
@@ -38,6 +40,7 @@ from private_engine.layers import ghost_stack, gram
 from private_engine.layers.rounding import pair_norms
 from test_privacy_under_attack import (
     DOORS,
+    LOWP_TOL,
     B,
     Case,
     assert_bounded,
@@ -167,6 +170,23 @@ def test_instantiated_bounds_cover_the_exact_norm_under_flush_to_zero(kind, bias
             assert_covers(bound, a, g, bias, f"{kind} {name} T={a.shape[1]} (flush to zero)")
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_per_sample_gradients_formed_a_few_samples_at_a_time_stay_each_samples_own(bias,
+                                                                                 monkeypatch):
+    """``GRADIENT_ENTRIES_AT_ONCE`` so small that each sample's per-sample gradient is formed
+    alone: the bounds are those formed all at once, in the samples' order, each above its own
+    exact norm (samples 10³⁰ apart, so that a bound of the wrong sample shows)."""
+    a, g = crafted("cancel", 16, 24, 24)
+    a[0] *= 1e-15
+    g[2] *= 1e15
+    na, ng = pair_norms(a, g, bias)
+    whole = gram.instantiated_ghost_bound(a, g, bias, na, ng)[0]
+    monkeypatch.setattr(gram, "GRADIENT_ENTRIES_AT_ONCE", 1)
+    parts = gram.instantiated_ghost_bound(a, g, bias, na, ng)[0]
+    assert torch.equal(parts, whole)
+    assert_covers(parts, a, g, bias, "one sample at a time")
+
+
 # -- 2. the release term decides looseness only --------------------------------------------------
 CRAFT_KINDS = KINDS + ["mixed", "edge"]
 
@@ -284,7 +304,8 @@ def alternating(model: nn.Module, x: torch.Tensor, K: float, seed: int = 7):
 def patch_case(kind: str, bias: bool, depthwise: bool = False) -> Case:
     """Honest images of small noise; the crafted one repeats one patch ×10⁴ (relative steps
     10⁻⁶) with gradients of alternating sign (``cancel``), is noise ×10¹⁵ (``huge``: the
-    per-sample gradients overflow float32), or alternates rows of ±10⁻⁴⁰ and 10²⁰
+    per-sample gradients overflow float32) or ×10³ (``large``: its bound from the per-sample
+    gradients is kept, and clips it), or alternates rows of ±10⁻⁴⁰ and 10²⁰
     (``subnormal``)."""
     torch.manual_seed(0)
     model = PatchEmbed(bias, depthwise)
@@ -299,6 +320,8 @@ def patch_case(kind: str, bias: bool, depthwise: bool = False) -> Case:
         x, K = x.reshape(4, 4, 3, 8, 8).permute(2, 0, 3, 1, 4).reshape(1, 3, 32, 32), 1e3
     elif kind == "huge":
         x, K = torch.randn(1, 3, 32, 32, generator=gen) * 1e15, 1e18
+    elif kind == "large":
+        x, K = torch.randn(1, 3, 32, 32, generator=gen) * 1e3, 1e2
     else:
         x = torch.randn(1, 3, 32, 32, generator=gen).sign() * 1e-40
         x[..., ::2, :], K = 1e20, 1e-10
@@ -307,13 +330,12 @@ def patch_case(kind: str, bias: bool, depthwise: bool = False) -> Case:
 
 @pytest.fixture
 def instantiated(monkeypatch):
-    """The shapes (samples, positions, width) :func:`gram.instantiated_ghost_bound` was called
-    with."""
+    """The operand dtypes :func:`gram.instantiated_ghost_bound` was called with."""
     calls = []
     own = gram.instantiated_ghost_bound
 
     def spy(a, *rest):
-        calls.append(tuple(a.shape))
+        calls.append(a.dtype)
         return own(a, *rest)
 
     monkeypatch.setattr(gram, "instantiated_ghost_bound", spy)
@@ -322,7 +344,7 @@ def instantiated(monkeypatch):
 
 @pytest.mark.parametrize("depthwise", [False, True], ids=["patch", "depthwise"])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("kind", ["cancel", "huge", "subnormal"])
+@pytest.mark.parametrize("kind", ["cancel", "huge", "large", "subnormal"])
 def test_patch_embedding_with_per_sample_gradients_first(kind, bias, depthwise, instantiated):
     case = patch_case(kind, bias, depthwise)
     assert_large(case)
@@ -331,11 +353,26 @@ def test_patch_embedding_with_per_sample_gradients_first(kind, bias, depthwise, 
     assert instantiated, "the per-sample gradients were never the ghost bound's try"
 
 
-def stacked_case(D: int, T: int) -> Case:
+@pytest.mark.parametrize("kind", ["cancel", "large"])
+def test_patch_embedding_under_bfloat16_autocast(kind, instantiated):
+    """bfloat16 operands widened to float32 for the per-sample gradients on the CPU (the Opacus
+    hooks flow with a sum loss: a mean loss is refused under 16-bit autocast)."""
+    case = patch_case(kind, True)
+    assert_large(case)
+    for door, how in DOORS:
+        kw, batch = {"amp": torch.bfloat16}, B
+        if (door, how) == ("opacus", "hooks"):
+            kw["loss_reduction"], batch = "sum", 1
+        assert_bounded(*run_pair(case, door, how, **kw), tol=LOWP_TOL, batch=batch,
+                       what=f"{kind} bf16 {door}-{how}")
+    assert any(dtype == torch.bfloat16 for dtype in instantiated), instantiated
+
+
+def stacked_case(D: int, T: int, eps: float) -> Case:
     """``Linear(D, D)`` three times on ``T`` positions (``p·w_a ≤ T·(w_a + p)``); the crafted
-    sample repeats one input ×10⁴ (up to 1 + 2⁻¹²ε) with output gradients ±10³ alternating over
-    the positions: loose fast bounds in every layer, whose second tries form per-sample
-    gradients."""
+    sample repeats one input ×10⁴ (up to 1 + eps·ε, ε standard normal) with output gradients ±10³
+    alternating over the positions: loose fast bounds in every layer, whose second tries form
+    per-sample gradients (eps = 0.2: the cancellation leaves enough that their bound is kept)."""
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(D, D) for _ in range(3)])
     gen = torch.Generator().manual_seed(2)
@@ -343,12 +380,13 @@ def stacked_case(D: int, T: int) -> Case:
     with torch.no_grad():
         t = model(x) + 0.02 * torch.randn(3, T, D, generator=gen)
     xc = 1e4 * torch.randn(1, 1, D, generator=gen).expand(1, T, D)
-    xc = (xc * (1 + 2 ** -12 * torch.randn(1, T, D, generator=gen))).contiguous()
+    xc = (xc * (1 + eps * torch.randn(1, T, D, generator=gen))).contiguous()
     return Case(model, (x, t), (xc, alternating(model, xc, 1e3)))
 
 
+@pytest.mark.parametrize("eps", [2.0 ** -12, 0.2])
 @pytest.mark.parametrize("D,T", [(24, 16), (130, 66)], ids=["layer-by-layer", "rows-together"])
-def test_layers_of_one_shape_take_instantiated_second_tries(D, T, instantiated, monkeypatch):
+def test_layers_of_one_shape_take_instantiated_second_tries(D, T, eps, instantiated, monkeypatch):
     """Three Linears of one shape: widths under two blocks take their second tries layer by layer
     (:func:`gram.second_try`), wider ones over their rows together
     (:func:`gram.second_try_rows` from the ghost stack); both form per-sample gradients."""
@@ -360,7 +398,7 @@ def test_layers_of_one_shape_take_instantiated_second_tries(D, T, instantiated, 
         return own(a, *rest)
 
     monkeypatch.setattr(ghost_stack, "second_try_rows", spy)
-    case = stacked_case(D, T)
+    case = stacked_case(D, T, eps)
     assert_large(case)
     for door, how in DOORS:
         assert_bounded(*run_pair(case, door, how), what=f"D={D} T={T} {door}-{how}")
