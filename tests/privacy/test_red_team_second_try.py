@@ -405,3 +405,22 @@ def test_layers_of_one_shape_take_instantiated_second_tries(D, T, eps, instantia
     assert instantiated, "no second try formed per-sample gradients"
     if D >= 2 * gram.CHUNK:
         assert any(n >= 3 for n in together), f"no second try over several layers: {together}"
+
+
+@pytest.mark.parametrize("precision", ["medium", "high"])
+def test_no_per_sample_gradients_where_float32_matmuls_may_round_their_operands(precision,
+                                                                               instantiated):
+    """``torch.set_float32_matmul_precision("medium" | "high")`` (oneDNN's bfloat16 or TF32
+    operands on the CPU): the IEEE model of the per-sample gradients does not hold, so they are
+    never formed (the fast path is off: float64 Grams), and the patch embedding's large sample is
+    clipped as before."""
+    case = patch_case("large", True)
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        assert gram.fast_gram_model(torch.zeros(1)) is None
+        for door, how in DOORS:
+            assert_bounded(*run_pair(case, door, how), what=f"{precision} {door}-{how}")
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert not instantiated, "per-sample gradients formed under a rounding matmul precision"
