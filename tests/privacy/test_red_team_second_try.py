@@ -368,6 +368,46 @@ def test_patch_embedding_under_bfloat16_autocast(kind, instantiated):
     assert any(dtype == torch.bfloat16 for dtype in instantiated), instantiated
 
 
+class TwoCalls(nn.Module):
+    """``Conv2d(3, 8, k, stride, padding)`` called on the image and on its top-left 16 × 16 crop
+    (the positions of both calls in one ghost norm), a Linear head per position."""
+
+    def __init__(self, k: int, stride: int, padding: int):
+        super().__init__()
+        self.conv, self.head = nn.Conv2d(3, 8, k, stride, padding=padding), nn.Linear(8, 6)
+
+    def forward(self, x):
+        y = torch.cat([self.conv(x).flatten(2), self.conv(x[..., :16, :16]).flatten(2)], 2)
+        return self.head(y.transpose(1, 2))
+
+
+@pytest.mark.parametrize("kind", ["large", "cancel"])
+@pytest.mark.parametrize("k,stride,padding", [(8, 8, 0), (8, 4, 2)])
+def test_conv_called_twice_with_per_sample_gradients_first(k, stride, padding, kind,
+                                                           instantiated):
+    """A conv called twice (non-overlapping patches, and overlapping padded windows): the
+    crafted image is noise ×10³ (``large``) or one pixel ×10⁴ everywhere up to 1 + 10⁻⁶ε with
+    gradients of alternating sign (``cancel``)."""
+    torch.manual_seed(0)
+    model = TwoCalls(k, stride, padding)
+    gen = torch.Generator().manual_seed(1)
+    xh = torch.randn(3, 3, 32, 32, generator=gen) * 0.1
+    with torch.no_grad():
+        y = model(xh)
+    th = y + 0.02 * torch.randn(y.shape, generator=gen)
+    gen = torch.Generator().manual_seed(7)
+    if kind == "large":
+        x, K = torch.randn(1, 3, 32, 32, generator=gen) * 1e3, 1e2
+    else:
+        x = (torch.randn(1, 3, 1, 1, generator=gen) * 1e4).expand(1, 3, 32, 32)
+        x, K = x * (1 + 1e-6 * torch.randn(1, 3, 32, 32, generator=gen)), 1e3
+    case = Case(model, (xh, th), (x, alternating(model, x, K)))
+    assert_large(case)
+    for door, how in DOORS:
+        assert_bounded(*run_pair(case, door, how), what=f"k={k} s={stride} {kind} {door}-{how}")
+    assert instantiated, "the per-sample gradients were never the ghost bound's try"
+
+
 def stacked_case(D: int, T: int, eps: float) -> Case:
     """``Linear(D, D)`` three times on ``T`` positions (``p·w_a ≤ T·(w_a + p)``); the crafted
     sample repeats one input ×10⁴ (up to 1 + eps·ε, ε standard normal) with output gradients ±10³
