@@ -21,8 +21,10 @@ their float64 total (:func:`~private_engine.layers.gram._gram_chunked`).
 4. End to end (noise 0, SGD at lr 1, ``B·‖Δ(released)‖/R ≤ 1 + 10⁻⁶``, every mode and both doors):
    a ViT-like patch embedding (``Conv2d(3, 8, 8, stride 8)`` on 32 × 32 images, 16 positions:
    the per-sample gradients are its first try; float32 and bfloat16 autocast), a depthwise one,
-   and three Linear layers of one shape whose loose samples take their second tries (per-sample
-   gradients) layer by layer or together in the ghost stack.
+   a conv called twice (overlapping padded windows too), three Linear layers of one shape whose
+   loose samples take their second tries (per-sample gradients) layer by layer or together in the
+   ghost stack, and no per-sample gradients at all under a float32 matmul precision that rounds
+   operands (``torch.set_float32_matmul_precision("medium" | "high")``).
 
 Every attack here held (smallest bound/exact ratio 1, largest end-to-end ratio below 1 + 10⁻⁶);
 they are kept as regression tests.
