@@ -623,7 +623,8 @@ def refine(bound: torch.Tensor, slack: torch.Tensor, nu: torch.Tensor, exact,
 def tight(bound: torch.Tensor, slack: torch.Tensor, nu: torch.Tensor,
           floor: float = NEGLIGIBLE, release: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Which fast bounds are kept: finite, with ``slack ≤ max(LOOSE·ν̃, floor, 2r·√ν̃)`` (False
-    for NaN and infinite slacks, and for a NaN ``ν̃``).
+    for NaN slacks, for a NaN ``ν̃``, and for an infinite slack through the bound it makes
+    infinite, ``bound ≥ slack``, even where an infinite ``r`` would allow it).
 
     ``r = release`` (:func:`release_term`, omitted: 0) is the release's own rounding bound
     ``c_r·M``, which the caller adds to the norm, ``(√(ν̃ + slack) + r)²``
