@@ -36,3 +36,20 @@ def kept_group_shapes(monkeypatch):
 
     monkeypatch.setattr(clipper_module, "group_kept_grads", spy)
     return shapes
+
+
+@pytest.fixture
+def together_rows(monkeypatch):
+    """The number of rows (samples of all the layers) of each second try the ghost stack takes
+    over layers of one shape together during the test (``second_try_rows`` spied on)."""
+    import private_engine.layers.ghost_stack as ghost_stack
+
+    rows = []
+    own = ghost_stack.second_try_rows
+
+    def spy(a, *rest):
+        rows.append(a.shape[0])
+        return own(a, *rest)
+
+    monkeypatch.setattr(ghost_stack, "second_try_rows", spy)
+    return rows

@@ -38,7 +38,7 @@ import pytest
 import torch
 from torch import nn
 
-from private_engine.layers import ghost_stack, gram
+from private_engine.layers import gram
 from private_engine.layers.rounding import pair_norms
 from test_privacy_under_attack import (
     DOORS,
@@ -428,18 +428,12 @@ def stacked_case(D: int, T: int, eps: float) -> Case:
 
 @pytest.mark.parametrize("eps", [2.0 ** -12, 0.2])
 @pytest.mark.parametrize("D,T", [(24, 16), (130, 66)], ids=["layer-by-layer", "rows-together"])
-def test_layers_of_one_shape_take_instantiated_second_tries(D, T, eps, instantiated, monkeypatch):
+def test_layers_of_one_shape_take_instantiated_second_tries(D, T, eps, instantiated,
+                                                           together_rows):
     """Three Linears of one shape: widths under two blocks take their second tries layer by layer
     (:func:`gram.second_try`), wider ones over their rows together
     (:func:`gram.second_try_rows` from the ghost stack); both form per-sample gradients."""
-    together = []
-    own = ghost_stack.second_try_rows
-
-    def spy(a, *rest):
-        together.append(a.shape[0])
-        return own(a, *rest)
-
-    monkeypatch.setattr(ghost_stack, "second_try_rows", spy)
+    together = together_rows
     case = stacked_case(D, T, eps)
     assert_large(case)
     for door, how in DOORS:

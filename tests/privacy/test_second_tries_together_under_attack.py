@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 from test_red_team_gram import wide_linear_case
 
-import private_engine.layers.ghost_stack as ghost_stack
 from test_privacy_under_attack import Case, R, assert_bounded, run_pair, true_norm
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings("ignore")]
@@ -22,15 +21,8 @@ def three_layer_case() -> Case:
 
 
 @pytest.mark.parametrize("mode", ["bk_mixed", "bk"])
-def test_cancellation_in_layers_of_one_shape_takes_one_second_try(monkeypatch, mode):
-    calls = []
-    own = ghost_stack.second_try_rows
-
-    def spy(a, *rest):
-        calls.append(a.shape[0])
-        return own(a, *rest)
-
-    monkeypatch.setattr(ghost_stack, "second_try_rows", spy)
+def test_cancellation_in_layers_of_one_shape_takes_one_second_try(together_rows, mode):
+    calls = together_rows
     case = three_layer_case()
     assert true_norm(case.model, *case.crafted) >= 10 * R
     assert_bounded(*run_pair(case, "native", mode), what=f"three layers {mode}")
