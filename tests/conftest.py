@@ -42,14 +42,14 @@ def kept_group_shapes(monkeypatch):
 def together_rows(monkeypatch):
     """The number of rows (samples of all the layers) of each second try the ghost stack takes
     over layers of one shape together during the test (``second_try_rows`` spied on)."""
-    import private_engine.layers.ghost_stack as ghost_stack
+    import private_engine.layers.ghost_retry as ghost_retry
 
     rows = []
-    own = ghost_stack.second_try_rows
+    own = ghost_retry.second_try_rows
 
     def spy(a, *rest):
         rows.append(a.shape[0])
         return own(a, *rest)
 
-    monkeypatch.setattr(ghost_stack, "second_try_rows", spy)
+    monkeypatch.setattr(ghost_retry, "second_try_rows", spy)
     return rows

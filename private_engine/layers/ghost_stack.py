@@ -27,19 +27,19 @@ error model (Higham 2002, §3.1; Fasi, Higham, Mikaitis & Pranesh 2021 for tenso
 functions for ``ν̃`` and the slack, the same second try for a loose or non-finite sample
 (:func:`.gram.second_try`, on every device, after one host synchronisation per step instead of
 one per layer; the loose samples of layers of one shape together, each sample's bound its
-own) — so each layer's bound is an upper bound of its released per-sample norm², rounding
-included, as before.
+own: :mod:`.ghost_retry`) — so each layer's bound is an upper bound of its released per-sample
+norm², rounding included, as before.
 """
 from __future__ import annotations
 
 import math
-from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from .base import aligned_count, pad_positions
+from .ghost_retry import Retry, released_bound, second_tries
 from .gram import (
-    CHUNK,
     _gram32,
     _nonnegative_or_nan,
     fast_gram_model,
@@ -48,8 +48,6 @@ from .gram import (
     gram_gamma,
     ieee_matmul,
     loose_floor,
-    second_try,
-    second_try_rows,
     tight,
     weight_scale,
 )
@@ -141,7 +139,7 @@ class GhostBoundStack:
             groups.setdefault((p.a.shape[0], p.a.shape[1], p.a.device), []).append(i)
         rows: List[Optional[torch.Tensor]] = [None] * len(pending)
         parts: List[List[int]] = []
-        retries: List[_Retry] = []
+        retries: List[Retry] = []
         for (N, T, device), idx in groups.items():
             # operands of one shape side by side: one stack per run (_grams_and_norms)
             idx = sorted(idx, key=lambda i: _widths(pending[i]))
@@ -151,7 +149,7 @@ class GhostBoundStack:
             for s in range(0, len(idx), per_block):
                 parts.append(idx[s:s + per_block])
                 retries.append(self._bounds([pending[i] for i in parts[-1]], per_chunk))
-        _second_tries(retries)
+        second_tries(retries)
         blocks = []
         for part, retry in zip(parts, retries):
             # the block's rows in the order the layers were added (one stack if sorting moved
@@ -166,11 +164,11 @@ class GhostBoundStack:
         return blocks
 
     # -- per group of layers with N samples and T positions -------------------------------------
-    def _bounds(self, layers: Sequence[_Pending], per_chunk: int) -> "_Retry":
+    def _bounds(self, layers: Sequence[_Pending], per_chunk: int) -> Retry:
         """``(L, N)`` certified squared norms of ``layers`` (one N, T and device), with what the
-        second try of their loose samples needs (:func:`_second_tries`). The Grams are formed
-        ``per_chunk`` layers at a time (:func:`_chunk_rows`); what follows them is work on
-        ``(L, N, T)`` rows, done once for all the layers."""
+        second try of their loose samples needs (:func:`.ghost_retry.second_tries`). The Grams
+        are formed ``per_chunk`` layers at a time (:func:`_chunk_rows`); what follows them is
+        work on ``(L, N, T)`` rows, done once for all the layers."""
         c = self._constants_for(layers)
         T = layers[0].a.shape[1]
         form = form_constants(T)
@@ -194,8 +192,8 @@ class GhostBoundStack:
         ok = tight(bound, slack, nu, loose_floor(T), c["c_rel"] * mass)
         # certified_ghost with c_ν = 0: (√max(ν⁺, 0) + c_r M)² (an infinite or NaN M gives a
         # non-finite bound either way: the sample is dropped)
-        block = _released(bound, c["c_rel"], mass)
-        return _Retry(layers, block, ok, na, ng, c["c_rel"], mass)
+        block = released_bound(bound, c["c_rel"], mass)
+        return Retry(layers, block, ok, na, ng, c["c_rel"], mass)
 
     def _constants_for(self, layers: Sequence[_Pending]) -> Dict[str, torch.Tensor]:
         """Each layer's constants as ``(L, 1[, 1])`` float64 tensors (formed once per set of
@@ -364,101 +362,3 @@ def _stack_positions(ts: Sequence[torch.Tensor], rows: int) -> torch.Tensor:
         out[j, :, :T].copy_(t)
     out[:, :, T:].zero_()
     return out
-
-
-def _released(bound: torch.Tensor, c_rel: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
-    """``(√max(b, 0) + c_r·M)²``: the released sample's squared norm bound from the bound ``b`` of
-    its ghost norm and its mass ``M`` (:func:`.rounding.certified_ghost` with ``c_ν = 0``)."""
-    return (bound.clamp(min=0).sqrt_() + c_rel * mass).square()
-
-
-class _Retry(NamedTuple):
-    """One chunk's bounds (``block``, ``(L, N)``) and what a second try needs: its layers, which
-    samples' fast bounds are tight enough (``ok``), their row-norm bounds, ``c_r`` and masses."""
-
-    layers: Sequence[_Pending]
-    block: torch.Tensor
-    ok: torch.Tensor
-    na: torch.Tensor
-    ng: torch.Tensor
-    c_rel: torch.Tensor
-    mass: torch.Tensor
-
-
-def _second_tries(retries: Sequence[_Retry]) -> None:
-    """:func:`.gram.refine` over every chunk of a step at once, on every device: one host
-    synchronisation per device per step reads whether any sample's fast bound is loose (slack
-    above ``LOOSE·ν̃``) or not finite; those samples get the second try of their layer
-    (:func:`.gram.second_try`: blocked Grams, then float64 Grams), written into their chunk's
-    block. A loose bound is an upper bound all the same; the second try keeps an honest sample's
-    bound within about 5·10⁻⁴ of its norm where the fast one can be several times looser (the
-    pessimistic tensor-core model of 16-bit CUDA Grams)."""
-    by_device: Dict[torch.device, List[_Retry]] = {}
-    for r in retries:
-        by_device.setdefault(r.block.device, []).append(r)
-    for group in by_device.values():
-        flags = group[0].ok if len(group) == 1 else torch.cat([r.ok.flatten() for r in group])
-        if bool(flags.all()):
-            continue
-        loose: Dict[tuple, List[Tuple[_Retry, int, torch.Tensor]]] = {}
-        for r in group:
-            if bool(r.ok.all()):
-                continue
-            for layer in (~r.ok).any(1).nonzero().squeeze(1).tolist():
-                p = r.layers[layer]
-                idx = (~r.ok[layer]).nonzero().squeeze(1)
-                loose.setdefault((p.key(), p.a.dtype, p.g.dtype), []).append((r, layer, idx))
-        for items in loose.values():
-            for part in _together(items):
-                _second_try_together(part)
-
-
-#: the most samples whose second tries are formed together, times ``T²``: the loose samples of
-#: layers of one shape take one second try up to this many Gram entries
-TOGETHER_ELEMENTS = 1 << 23
-
-
-def _together(items: List[Tuple["_Retry", int, torch.Tensor]]
-              ) -> Iterator[List[Tuple["_Retry", int, torch.Tensor]]]:
-    """``items`` (loose samples of layers of one shape) in runs whose samples hold at most
-    ``TOGETHER_ELEMENTS`` Gram entries (``samples·T²``), one layer at least per run."""
-    T = items[0][0].layers[items[0][1]].a.shape[1]
-    run: list = []
-    samples = 0
-    for item in items:
-        n = item[2].numel()
-        if run and (samples + n) * T * T > TOGETHER_ELEMENTS:
-            yield run
-            run, samples = [], 0
-        run.append(item)
-        samples += n
-    if run:
-        yield run
-
-
-def _second_try_together(items: Sequence[Tuple["_Retry", int, torch.Tensor]]) -> None:
-    """The second tries (:func:`.gram.second_try`) of the loose samples ``idx`` of layers of one
-    shape (``(retry, layer, idx)``: widths, positions, bias and fast-Gram model equal), formed
-    together over their rows laid one after the other (each sample's bound is its own: the same
-    formulas as one layer's), each written into its chunk's block."""
-    if len(items) == 1:
-        r, layer, idx = items[0]
-        p = r.layers[layer]
-        parts = [second_try(p.a, p.g, p.bias, r.na[layer], r.ng[layer], p.model, idx,
-                            p.c_rel)]
-    else:
-        first = items[0][0].layers[items[0][1]]
-        if max(first.a.shape[2], first.g.shape[2]) < 2 * CHUNK:  # float64 Grams, layer by layer
-            parts = [second_try(r.layers[k].a, r.layers[k].g, first.bias, r.na[k], r.ng[k],
-                                first.model, idx, r.layers[k].c_rel) for r, k, idx in items]
-        else:
-            def rows(pick):
-                return torch.cat([pick(r, k)[idx] for r, k, idx in items])
-
-            second = second_try_rows(rows(lambda r, k: r.layers[k].a),
-                                     rows(lambda r, k: r.layers[k].g), first.bias,
-                                     rows(lambda r, k: r.na[k]), rows(lambda r, k: r.ng[k]),
-                                     first.model, first.c_rel)
-            parts = list(second.split([idx.numel() for _, _, idx in items]))
-    for (r, layer, idx), part in zip(items, parts):
-        r.block[layer].index_put_((idx,), _released(part, r.c_rel[layer], r.mass[layer, idx]))

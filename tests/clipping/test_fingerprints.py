@@ -84,7 +84,7 @@ def _largest_allocation(fn) -> int:
 
 def test_fingerprints_copy_no_operand():
     """The fingerprints of a 9.7 MB float32 output gradient hold one piece of ``PIECE_WORDS``
-    words widened to int64 (2 MiB) besides their ``(B,)`` results: no cast or copy of the
+    words widened to int64 (8 MiB) besides their ``(B,)`` results: no cast or copy of the
     operand (a float64 or int64 one would be 19 MB)."""
     a = torch.randn(16, 197, 192)
     g = torch.randn(16, 197, 768)

@@ -5,6 +5,7 @@ import pytest
 import torch
 from torch import nn
 
+from private_engine.layers import ghost_retry
 from private_engine.layers.ghost_stack import GhostBoundStack
 from private_engine.layers.linear import LinearRule
 
@@ -34,11 +35,9 @@ def _layers():
 
 
 def test_stacked_bounds_equal_the_per_layer_bounds_bit_for_bit(monkeypatch):
-    import private_engine.layers.ghost_stack as ghost_stack
-
     tried = []
-    second_try = ghost_stack.second_try
-    monkeypatch.setattr(ghost_stack, "second_try",
+    second_try = ghost_retry.second_try
+    monkeypatch.setattr(ghost_retry, "second_try",
                         lambda a, *rest: tried.append(a.shape) or second_try(a, *rest))
     rule = LinearRule()
     layers = _layers()
@@ -214,11 +213,10 @@ def test_loose_samples_of_layers_of_one_shape_take_one_second_try(monkeypatch):
     their four loose samples take one second try over their rows laid together, and every bound
     is the one of separate second tries (bit for bit), within 10⁻⁶ of the per-layer path's and
     at least the float64 per-sample norm²."""
-    import private_engine.layers.ghost_stack as ghost_stack
 
     calls = []
-    own = ghost_stack.second_try_rows
-    monkeypatch.setattr(ghost_stack, "second_try_rows",
+    own = ghost_retry.second_try_rows
+    monkeypatch.setattr(ghost_retry, "second_try_rows",
                         lambda a, *rest: calls.append(a.shape[0]) or own(a, *rest))
     torch.manual_seed(0)
     layers = []
@@ -240,7 +238,7 @@ def test_loose_samples_of_layers_of_one_shape_take_one_second_try(monkeypatch):
 
     blocks = bounds()
     assert calls == [4]
-    monkeypatch.setattr(ghost_stack, "TOGETHER_ELEMENTS", 0)  # each layer's second try alone
+    monkeypatch.setattr(ghost_retry, "TOGETHER_ELEMENTS", 0)  # each layer's second try alone
     assert torch.equal(bounds()[0], blocks[0]) and calls == [4]
     for k, (m, a, g) in enumerate(layers):
         per_layer = rule.certified_norm_sq(m, [(a, g)], True)
@@ -320,11 +318,10 @@ def test_stacked_bounds_keep_a_slack_within_the_release_term_as_the_per_layer_pa
     slack, about 1.3·10⁻³·ν, is within twice the release's own rounding term, so the per-layer
     path keeps it without a second try; the stacked bounds keep it too and equal the per-layer
     bounds bit for bit (a second try would give other, tighter bounds)."""
-    import private_engine.layers.ghost_stack as ghost_stack
     from private_engine.layers import gram
 
     tries = []
-    for module, name in ((ghost_stack, "second_try"), (ghost_stack, "second_try_rows"),
+    for module, name in ((ghost_retry, "second_try"), (ghost_retry, "second_try_rows"),
                          (gram, "second_try")):
         own = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *args, own=own: tries.append(1) or own(*args))
