@@ -179,7 +179,8 @@ class GhostBoundStack:
             for k in range(8))
         del parts
         # M_i = Σ_t ‖ã_t‖‖g_t‖ raised for its rounding and underflow (mass_of)
-        mass = (na * ng).sum(2).mul_(c["mass_slack"]).add_(T * ETA64)
+        pair = (na * ng).sum(2)
+        mass = pair.mul(c["mass_slack"]).add_(T * ETA64)
         # ghost_terms' sums of the float32 rows, over all layers at once
         nu = _nonnegative_or_nan(dots.sum(-1, dtype=torch.float64))
         wg = torch.mul(forms_g.add_(form.row_loss), n2).sum(-1)
@@ -189,7 +190,8 @@ class GhostBoundStack:
         slack = ghost_slack(wg, wa, cross, mag, form)
         bound = (nu + slack).mul_(1 + 2.0 ** -50)
         # kept: finite, and loose by no more than LOOSE·ν̃ or the release's own rounding term
-        ok = tight(bound, slack, nu, loose_floor(T), c["c_rel"] * mass)
+        # (gram.release_term's c_r·Σ_t n_t m_t, as the per-layer path weighs it)
+        ok = tight(bound, slack, nu, loose_floor(T), pair.mul_(c["c_rel"]))
         # certified_ghost with c_ν = 0: (√max(ν⁺, 0) + c_r M)² (an infinite or NaN M gives a
         # non-finite bound either way: the sample is dropped)
         block = released_bound(bound, c["c_rel"], mass)
