@@ -48,8 +48,10 @@ from .gram import (
     gram_gamma,
     ieee_matmul,
     loose_floor,
+    row_dots32,
     tight,
     weight_scale,
+    weighted_rows32,
 )
 from .precision import without_autocast
 from .rounding import ETA32, ETA64, gamma, unit_roundoff
@@ -253,8 +255,8 @@ def _chunk_rows(layers: Sequence[_Pending], c: Dict[str, torch.Tensor],
     for their rounding: :func:`.rounding.row_norms64`; the bias column: :func:`.rounding.
     pair_norms`), the floored weights ``n2``, ``m2`` (:func:`.gram._floored`), and the four
     float32 ``(L, N, T)`` row results of :func:`.gram.ghost_terms`' passes over the Grams —
-    ``Σ_s Ã_ts G̃_ts`` (:func:`.gram.row_dots`), ``Σ_s |G̃_ts|·fl32(n2_s)`` and
-    ``Σ_s |Ã_ts|·fl32(m2_s)`` (:func:`.gram.weighted_form`), ``Σ_s |Ã_ts||G̃_ts|`` — the same
+    ``Σ_s Ã_ts G̃_ts`` (:func:`.gram.row_dots32`), ``Σ_s |G̃_ts|·fl32(n2_s)`` and
+    ``Σ_s |Ã_ts|·fl32(m2_s)`` (:func:`.gram.weighted_rows32`), ``Σ_s |Ã_ts||G̃_ts|`` — the same
     operations in the same order, whose sums over t the caller forms for all chunks at once."""
     aat, na32 = _grams_and_norms([p.a for p in layers])
     ggt, ng32 = _grams_and_norms([p.g for p in layers])
@@ -268,28 +270,11 @@ def _chunk_rows(layers: Sequence[_Pending], c: Dict[str, torch.Tensor],
     n2 = (na + c["floor_a"][sl]).mul_(c["scale_a"][sl])
     m2 = (ng + c["floor_g"][sl]).mul_(c["scale_g"][sl])
     ieee = ieee_matmul(aat.device)
-    dots = _row_dots32(aat, ggt, ieee)
-    forms_g = _abs_rows32(ggt, n2, ieee)
-    forms_a = _abs_rows32(aat, m2, ieee)
-    mags = _row_dots32(aat, ggt, ieee)  # Σ |Ã||G̃|: both are absolute values now
+    dots = row_dots32(aat, ggt, ieee)
+    forms_g = weighted_rows32(ggt, n2, ieee)
+    forms_a = weighted_rows32(aat, m2, ieee)
+    mags = row_dots32(aat, ggt, ieee)  # Σ |Ã||G̃|: both are absolute values now
     return na, ng, n2, m2, dots, forms_g, forms_a, mags
-
-
-def _row_dots32(x: torch.Tensor, y: torch.Tensor, ieee: bool) -> torch.Tensor:
-    """``fl32(Σ_s x_ts y_ts)`` per row: :func:`.gram.row_dots` before its float64 sum over t."""
-    if ieee:
-        return torch.matmul(x.unsqueeze(-2), y.unsqueeze(-1)).squeeze(-1).squeeze(-1)
-    return torch.mul(x, y).sum(-1)
-
-
-def _abs_rows32(X: torch.Tensor, w: torch.Tensor, ieee: bool) -> torch.Tensor:
-    """``fl32(Σ_s |X_ts|·fl32(w_s))`` per row, ``X``'s absolute value taken in place:
-    :func:`.gram.weighted_form` before its row loss, weights and sum over t."""
-    v = w.float()
-    X = X.abs_()
-    if ieee:
-        return torch.matmul(X, v.unsqueeze(-1)).squeeze(-1)
-    return torch.mul(X, v.unsqueeze(-2)).sum(-1)
 
 
 def _grams_and_norms(ts: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:

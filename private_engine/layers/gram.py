@@ -295,34 +295,43 @@ def ieee_matmul(device: torch.device) -> bool:
 
 def row_dots(x: torch.Tensor, y: torch.Tensor, ieee: Optional[bool] = None) -> torch.Tensor:
     """``ν̃ = Σ_t fl32(Σ_s x_ts y_ts)`` over the last two dimensions of float32 ``x``, ``y``: the
-    row dot products in float32 — one batched matmul of ``1 × T`` rows by ``T × 1`` columns where
-    float32 matmuls are IEEE (:func:`ieee_matmul`), else element-wise products and a sum — and
-    their sum in float64. Rounding: the module docstring (``κ_T`` and ``8T²·η'``); a product
-    above float32's range gives ``inf`` or NaN. ``ieee``: :func:`ieee_matmul` as the caller read
-    it (read here when None)."""
+    row dot products in float32 (:func:`row_dots32`) and their sum in float64. Rounding: the
+    module docstring (``κ_T`` and ``8T²·η'``); a product above float32's range gives ``inf`` or
+    NaN. ``ieee``: :func:`ieee_matmul` as the caller read it (read here when None)."""
+    return row_dots32(x, y, ieee).sum(-1, dtype=torch.float64)
+
+
+def row_dots32(x: torch.Tensor, y: torch.Tensor, ieee: Optional[bool] = None) -> torch.Tensor:
+    """``fl32(Σ_s x_ts y_ts)`` per row t of float32 ``x``, ``y``: one batched matmul of ``1 × T``
+    rows by ``T × 1`` columns where float32 matmuls are IEEE (:func:`ieee_matmul`), else
+    element-wise products and a sum."""
     if ieee_matmul(x.device) if ieee is None else ieee:
-        rows = torch.matmul(x.unsqueeze(-2), y.unsqueeze(-1)).squeeze(-1).squeeze(-1)
-    else:
-        rows = torch.mul(x, y).sum(-1)
-    return rows.sum(-1, dtype=torch.float64)
+        return torch.matmul(x.unsqueeze(-2), y.unsqueeze(-1)).squeeze(-1).squeeze(-1)
+    return torch.mul(x, y).sum(-1)
 
 
 def weighted_form(X: torch.Tensor, w: torch.Tensor, row_loss: float,
                   ieee: Optional[bool] = None) -> torch.Tensor:
     """``W = Σ_t w_t·fl32(Σ_s |X_ts|·v_s + row_loss)`` in float64 for a float32 ``X`` (its absolute
     value taken *in place*: the caller's temporary), float64 weights ``w ≥ 0`` from
-    :func:`_floored` and ``v = fl32(w)``: the row sums by one batched float32 matrix–vector
-    product (element-wise products and a sum where matmuls may round float32 operands), the
-    products by ``w`` widened to float64 inside one multiplication. ``ρ_T·W`` is at least
+    :func:`_floored` and ``v = fl32(w)``: the row sums by :func:`weighted_rows32`, the products
+    by ``w`` widened to float64 inside one multiplication. ``ρ_T·W`` is at least
     ``Σ_{t,s} w_t|X_ts|w_s`` (module docstring); ``inf`` or NaN where a weight, a product or a
     row leaves float32's range, or ``X`` is not finite. ``ieee``: as for :func:`row_dots`."""
+    rows = weighted_rows32(X, w, ieee)
+    return torch.mul(rows.add_(row_loss), w).sum(-1)
+
+
+def weighted_rows32(X: torch.Tensor, w: torch.Tensor,
+                    ieee: Optional[bool] = None) -> torch.Tensor:
+    """``fl32(Σ_s |X_ts|·fl32(w_s))`` per row t of a float32 ``X`` (its absolute value taken *in
+    place*): one batched float32 matrix–vector product (element-wise products and a sum where
+    matmuls may round float32 operands)."""
     v = w.float()
     X = X.abs_()
     if ieee_matmul(X.device) if ieee is None else ieee:
-        rows = torch.matmul(X, v.unsqueeze(-1)).squeeze(-1)
-    else:
-        rows = torch.mul(X, v.unsqueeze(-2)).sum(-1)
-    return torch.mul(rows.add_(row_loss), w).sum(-1)
+        return torch.matmul(X, v.unsqueeze(-1)).squeeze(-1)
+    return torch.mul(X, v.unsqueeze(-2)).sum(-1)
 
 
 def ghost_slack(wg: torch.Tensor, wa: torch.Tensor, cross: torch.Tensor, mag: torch.Tensor,
