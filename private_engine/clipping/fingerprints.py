@@ -95,9 +95,9 @@ def weighted_word_sums(words: torch.Tensor) -> torch.Tensor:
     :func:`position_weights` of its width), exact in int64, widened a piece of at most
     ``PIECE_WORDS`` words at a time."""
     rows, cols = words.shape
-    weights = position_weights(cols, words.device)
     if rows == 0 or cols == 0:
         return torch.zeros(rows, dtype=torch.int64, device=words.device)
+    weights = position_weights(cols, words.device)
     step = max(1, PIECE_WORDS.get(words.device.type, PIECE_WORDS_OTHER) // rows)
     if cols <= step:  # one piece: two kernels
         return _weighted(words.to(torch.int64), weights)

@@ -140,29 +140,24 @@ AMPS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 @pytest.mark.parametrize("amp", list(AMPS))
 @pytest.mark.parametrize("door,how", DOORS, ids=DOOR_IDS)
-def test_activation_permuted_after_its_layer_was_normed(door, how, amp):
-    """Held by the fingerprints' secret position weights; before them a break in "per_sample"
-    (ratio ~4.3e5 in float32, ~161 under bfloat16 autocast) and, under float16 autocast, in every
-    native mode (~4.3e5): the layer's bound is formed when its gradient arrives, the row
-    permutation afterwards kept the bit-pattern and value sums, and the sum was formed from the
-    permuted activation with the factors of the original. Under float16 autocast the swap at
-    every backward also needs the same number of backward passes with and without the sample
-    (1.005·R/B under book-keeping when the separability probe ran one more without it)."""
-    torch.manual_seed(0)
-    case = permutation_case(PermutedAfterNormed())
-    assert_bounded(*run_pair(case, door, how, amp=AMPS[amp]), may_refuse=True,
-                   what=f"{door}-{how}-{amp}")
+@pytest.mark.parametrize("model", [PermutedAfterNormed, PermutedAroundDeferral],
+                         ids=["after", "around"])
+def test_activation_permuted(model, door, how, amp):
+    """Held by the fingerprints' position-weighted sums. Before them:
 
-
-@pytest.mark.parametrize("amp", list(AMPS))
-@pytest.mark.parametrize("door,how", DOORS, ids=DOOR_IDS)
-def test_activation_permuted_around_the_deferred_bound(door, how, amp):
-    """Held by the fingerprints' secret position weights; before them a break in "mixed" and
-    "ghost" (ratio ~4.3e5 in float32, ~1.3e4 under bfloat16 autocast): the deferred bound is
-    formed from the restored activation, and the second backward found the permuted one with the
-    same bit-pattern and value sums."""
+    * permuted after its layer was normed ("after"): a break in "per_sample" (ratio ~4.3e5 in
+      float32, ~161 under bfloat16 autocast) and, under float16 autocast, in every native mode
+      (~4.3e5): the layer's bound is formed when its gradient arrives, the row permutation
+      afterwards kept the bit-pattern and value sums, and the sum was formed from the permuted
+      activation with the factors of the original. Under float16 autocast the swap at every
+      backward also needs the same number of backward passes with and without the sample
+      (1.005·R/B under book-keeping when the separability probe ran one more without it);
+    * permuted around the deferred bound ("around"): a break in "mixed" and "ghost" (~4.3e5 in
+      float32, ~1.3e4 under bfloat16 autocast): the deferred bound is formed from the restored
+      activation, and the second backward found the permuted one with the same bit-pattern and
+      value sums."""
     torch.manual_seed(0)
-    case = permutation_case(PermutedAroundDeferral())
+    case = permutation_case(model())
     assert_bounded(*run_pair(case, door, how, amp=AMPS[amp]), may_refuse=True,
                    what=f"{door}-{how}-{amp}")
 
