@@ -7,7 +7,9 @@
 * :class:`TwoPass` (modes "mixed", "ghost", "per_sample"; Bu, Mao & Xu 2022, "Scalable and
   Efficient Training of Large Convolutional Neural Networks with Differential Privacy"): the norm
   pass keeps only the norms (and the per-sample gradients of layers where they are no larger than
-  the layer's input and output gradient: elementwise-affine norms, released as kept); a second
+  the layer's input and output gradient: elementwise-affine norms, released as kept; and the
+  ``(a, g)`` of the ghost Linears whose bounds the clipper's ``ghost_bounds`` forms at its end,
+  which holds them until then: released from them as book-keeping does); a second
   activation-only backward recomputes each other layer's output gradient and writes its clipped
   sum as soon as it arrives. The second backward must reproduce each layer's output gradient and
   find its activation unchanged, bit for bit (row fingerprints per layer); where either
@@ -30,7 +32,6 @@ from typing import (
     Optional,
     Protocol,
     Sequence,
-    Tuple,
 )
 
 import torch
@@ -239,19 +240,18 @@ class TwoPass:
         #: while the second pass runs: what it writes with, and the layers it wrote (by id)
         self._second: Optional[SecondPass] = None
         self._written: set = set()
-        #: records of the layers whose bound the clipper's ``ghost_bounds`` forms, in order, with
-        #: their calls (fingerprinted when the bounds are formed)
-        self._deferred: List[Tuple[FirstPass, Sequence[Call]]] = []
 
     def start(self) -> None:
-        self.first, self._deferred = {}, []
+        self.first = {}
 
     def layer_norm(self, clipper: "PerSampleClipper", layer: RecordedLayer,
                    pairs: Sequence[Call], dims: Sequence[LayerDims], merged: int) -> NormedLayer:
-        """``(decision, certified ‖∂L_i/∂θ‖², keep the calls)``; a ghost Linear's bound is handed
-        to the clipper's ``ghost_bounds`` (formed with the other layers' at the end of the pass,
-        while the output gradients held for it stay within the stack's limit) and its record
-        completed then (:meth:`norm_pass_done`)."""
+        """``(decision, certified ‖∂L_i/∂θ‖², keep the calls)``. A ghost Linear's bound is handed
+        to the clipper's ``ghost_bounds`` while the output gradients held for it stay within the
+        stack's limit; the stack holds its ``(a, g)`` to the end of the pass and forms the bound
+        from them as they are then, and the clipped sum ``gᵀ·diag(C)·a`` is formed from the same
+        tensors right after the clip factors (kept as book-keeping keeps them; no model code runs
+        in between): the second pass neither recomputes nor compares them."""
         decision = decide(layer.name, layer.module, dims, self.mode)
         if not decision.use_ghost and self._keep_instantiated(clipper, layer, pairs, dims):
             # released as the kept gradients themselves: the second pass skips the layer
@@ -260,10 +260,9 @@ class TwoPass:
         defer = getattr(layer.rule, "defer_ghost_norm_sq", None)
         if decision.use_ghost and defer is not None and \
                 defer(layer.module, pairs, clipper.ghost_bounds):
-            first = FirstPass(True, merged, [], None)
-            self.first[id(layer)] = first
-            self._deferred.append((first, pairs))
-            return NormedLayer(decision, None, True)
+            clipper.keep_pairs(layer.module, layer.rule, pairs)
+            self.first[id(layer)] = FirstPass(True, merged, [], None)
+            return NormedLayer(decision, None, False)
         contrib = layer.rule.certified_norm_sq(layer.module, pairs, decision.use_ghost)
         self.first[id(layer)] = FirstPass(decision.use_ghost, merged, fingerprint_pairs(pairs),
                                           contrib)
@@ -304,13 +303,6 @@ class TwoPass:
 
     def norm_pass_done(self, clipper: "PerSampleClipper", inputs: list, ok: bool) -> None:
         if ok:
-            rows = clipper.ghost_bounds.rows
-            if len(rows) != len(self._deferred):
-                raise RuntimeError("internal error: a deferred ghost bound is missing.")
-            for (first, pairs), row in zip(self._deferred, rows):
-                # the operands as the bound saw them, at the end of the pass
-                first.bound, first.fingerprints = row, fingerprint_pairs(pairs)
-            self._deferred = []
             for extra in clipper.recorder.extras:  # their per-sample gradients are kept
                 extra.reset()
         else:
@@ -385,7 +377,7 @@ class TwoPass:
             layer.release()
 
     def reset(self) -> None:
-        self.first, self._deferred = {}, []
+        self.first = {}
 
 
 def strategy_for(mode: str, book_keeping: bool) -> ReleaseStrategy:

@@ -1,6 +1,7 @@
 """The second backward of the two-pass modes asks autograd only for the outputs of the layers
-whose clipped sums it writes: none when every layer is released from the per-sample gradients
-its norm pass kept (one backward per step), and it stops at the lowest such layer."""
+whose clipped sums it writes: none when every layer is released from what its norm pass kept
+(per-sample gradients, or the operands the ghost-bound stack held to the end of the pass: one
+backward per step), and it stops at the lowest such layer."""
 import warnings
 
 import pytest
@@ -8,6 +9,7 @@ import torch
 from torch import nn
 
 import private_engine as pe
+from private_engine.clipping import clipper
 
 
 class Counted(nn.Module):
@@ -25,9 +27,11 @@ class Counted(nn.Module):
         return self.l2(torch.nn.functional.gelu(self.l1(h)))
 
 
-def _second_step(mode: str, monkeypatch):
+def _second_step(mode: str, monkeypatch, held: int = clipper.HELD_GRADIENTS):
     """The update of a second step (after the separability probe's backward passes of the
-    first), the backward passes it ran, and the gradients that reached the LayerNorm's output."""
+    first), the backward passes it ran, and the gradients that reached the LayerNorm's output;
+    ``held``: the most output-gradient elements the norm pass holds for deferred ghost bounds."""
+    monkeypatch.setattr(clipper, "HELD_GRADIENTS", held)
     torch.manual_seed(0)
     hits: list = []
     model = Counted(hits)
@@ -69,10 +73,21 @@ def test_no_second_backward_when_every_layer_kept_its_gradients(mode, monkeypatc
 
 
 def test_second_backward_stops_at_the_lowest_layer_it_writes(monkeypatch):
-    """"ghost": both Linears are ghost-normed and written by the second backward; the LayerNorm
-    below them keeps its per-sample gradients, so the second backward does not reach it."""
-    update, passes, hits = _second_step("ghost", monkeypatch)
+    """"ghost", with no output gradient held for deferred bounds: both Linears are ghost-normed
+    and written by the second backward; the LayerNorm below them keeps its per-sample gradients,
+    so the second backward does not reach it."""
+    update, passes, hits = _second_step("ghost", monkeypatch, held=0)
     bk, _, _ = _second_step("bk", monkeypatch)
     assert (passes, hits) == (2, 1)
+    for u, v in zip(update, bk):
+        assert float((u - v).norm() / v.norm()) <= 2e-5  # float32 rounding apart
+
+
+def test_no_second_backward_for_layers_whose_operands_were_held_for_their_bounds(monkeypatch):
+    """"ghost": both Linears' bounds are formed at the end of the norm pass from the operands
+    the stack held until then, and their clipped sums from the same operands: one backward."""
+    update, passes, hits = _second_step("ghost", monkeypatch)
+    bk, _, _ = _second_step("bk", monkeypatch)
+    assert (passes, hits) == (1, 1)
     for u, v in zip(update, bk):
         assert float((u - v).norm() / v.norm()) <= 2e-5  # float32 rounding apart
