@@ -22,10 +22,12 @@ drives; :meth:`ReleaseStrategy.layer_norm` answers with a :class:`NormedLayer`.
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import (
     TYPE_CHECKING,
     Callable,
+    Deque,
     Dict,
     List,
     NamedTuple,
@@ -39,6 +41,7 @@ from torch import nn
 
 from ..capture.recorder import RecordedLayer
 from ..layers.base import Call, LayerDims, LayerRule
+from ..layers.ghost_stack import HELD_GRADIENTS
 from .fingerprints import fingerprint_pairs
 from .kept import per_sample_numel
 from .plan import LayerDecision, decide, keeps_grads
@@ -48,6 +51,11 @@ if TYPE_CHECKING:
 
 #: writes one layer's clipped sum: ``write(module, rule, calls, per-sample weights)``
 WriteSum = Callable[[nn.Module, LayerRule, Sequence[Call], torch.Tensor], None]
+
+#: the most output-gradient elements a two-pass norm pass holds for the last layers it normed at
+#: once (besides the ghost-bound stack's ``HELD_GRADIENTS``): released from these operands, they
+#: spare the second backward the bottom of the network (:class:`TwoPass`)
+HELD_LOWEST = HELD_GRADIENTS
 
 
 class NormedLayer(NamedTuple):
@@ -113,9 +121,20 @@ class FirstPass:
     #: k of a Linear seeing k·B rows, merged into positions (1 otherwise)
     merged: int
     fingerprints: List[torch.Tensor]
-    #: the certified squared norms the clip factors were computed from (None: per-sample
-    #: gradients kept, released as such)
+    #: the certified squared norms the clip factors were computed from (None: released from
+    #: what the norm pass kept, not by the second pass)
     bound: Optional[torch.Tensor]
+
+
+@dataclass
+class HeldLayer:
+    """A layer normed at once whose ``(a, g)`` the two-pass norm pass holds to its end."""
+
+    layer: RecordedLayer
+    pairs: Sequence[Call]
+    first: FirstPass
+    #: output-gradient elements held
+    size: int
 
 
 def same_tensors(xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor]) -> bool:
@@ -240,9 +259,14 @@ class TwoPass:
         #: while the second pass runs: what it writes with, and the layers it wrote (by id)
         self._second: Optional[SecondPass] = None
         self._written: set = set()
+        #: the last layers normed at once, their operands held (:meth:`_hold`); then those found
+        #: at the end of the pass, released from these operands (:meth:`norm_pass_done`)
+        self._held: Deque[HeldLayer] = deque()
+        self._held_size = 0
+        self._ended: List[HeldLayer] = []
 
     def start(self) -> None:
-        self.first = {}
+        self.reset()
 
     def layer_norm(self, clipper: "PerSampleClipper", layer: RecordedLayer,
                    pairs: Sequence[Call], dims: Sequence[LayerDims], merged: int) -> NormedLayer:
@@ -264,9 +288,26 @@ class TwoPass:
             self.first[id(layer)] = FirstPass(True, merged, [], None)
             return NormedLayer(decision, None, False)
         contrib = layer.rule.certified_norm_sq(layer.module, pairs, decision.use_ghost)
-        self.first[id(layer)] = FirstPass(decision.use_ghost, merged, fingerprint_pairs(pairs),
-                                          contrib)
+        first = FirstPass(decision.use_ghost, merged, fingerprint_pairs(pairs), contrib)
+        self.first[id(layer)] = first
+        self._hold(layer, pairs, first)
         return NormedLayer(decision, contrib, True)
+
+    def _hold(self, layer: RecordedLayer, pairs: Sequence[Call], first: FirstPass) -> None:
+        """Hold the operands of a layer normed at once, dropping those of the layers normed
+        before it while more than ``HELD_LOWEST`` output-gradient elements are held (all of them
+        when this one's alone are more): the layers held at the end of the pass are the last ones
+        the backward reached — in a chain, the lowest — and the second backward, released of
+        them, stops above them. A layer dropped stays a layer of the second pass."""
+        size = sum(g.numel() for _, g in pairs)
+        if size > HELD_LOWEST:
+            self._held.clear()
+            self._held_size = 0
+            return
+        self._held.append(HeldLayer(layer, pairs, first, size))
+        self._held_size += size
+        while self._held_size > HELD_LOWEST:
+            self._held_size -= self._held.popleft().size
 
     @staticmethod
     def _keep_instantiated(clipper: "PerSampleClipper", layer: RecordedLayer,
@@ -297,12 +338,29 @@ class TwoPass:
         return True
 
     def changed_terms(self) -> List[torch.Tensor]:
-        """None: the second pass compares each layer's operands with its norm's
+        """The certified norm terms again of the held layers (:meth:`_hold`) whose operands
+        changed since they were normed, as book-keeping forms them
+        (:meth:`BookKeeping.changed_terms`): these layers are released from their operands as
+        they are now. The second pass compares the other layers' operands with their norm's
         (:meth:`_on_layer_released`)."""
-        return []
+        held, self._held, self._held_size = list(self._held), deque(), 0
+        self._ended = held
+        if not held:
+            return []
+        now = [fingerprint_pairs(h.pairs) for h in held]
+        prints = [f for h in held for f in h.first.fingerprints]
+        if same_bits([f for fs in now for f in fs], prints):
+            return []  # every held layer's operands as they were normed: one look for all
+        return [h.layer.rule.certified_norm_sq(h.layer.module, h.pairs, h.first.use_ghost)
+                for h, fs in zip(held, now) if not same_tensors(fs, h.first.fingerprints)]
 
     def norm_pass_done(self, clipper: "PerSampleClipper", inputs: list, ok: bool) -> None:
         if ok:
+            ended, self._ended = self._ended, []
+            for h in ended:  # released from the operands held: the second pass skips them
+                clipper.keep_pairs(h.layer.module, h.layer.rule, h.pairs)
+                h.first.bound = None
+                h.layer.release()
             for extra in clipper.recorder.extras:  # their per-sample gradients are kept
                 extra.reset()
         else:
@@ -378,6 +436,7 @@ class TwoPass:
 
     def reset(self) -> None:
         self.first = {}
+        self._held, self._held_size, self._ended = deque(), 0, []
 
 
 def strategy_for(mode: str, book_keeping: bool) -> ReleaseStrategy:

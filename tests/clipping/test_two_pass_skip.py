@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import private_engine as pe
-from private_engine.clipping import clipper
+from private_engine.clipping import clipper, release
 
 
 class Counted(nn.Module):
@@ -27,11 +27,14 @@ class Counted(nn.Module):
         return self.l2(torch.nn.functional.gelu(self.l1(h)))
 
 
-def _second_step(mode: str, monkeypatch, held: int = clipper.HELD_GRADIENTS):
+def _second_step(mode: str, monkeypatch, held: int = clipper.HELD_GRADIENTS,
+                 lowest: int = release.HELD_LOWEST):
     """The update of a second step (after the separability probe's backward passes of the
     first), the backward passes it ran, and the gradients that reached the LayerNorm's output;
-    ``held``: the most output-gradient elements the norm pass holds for deferred ghost bounds."""
+    ``held`` / ``lowest``: the most output-gradient elements the norm pass holds for deferred
+    ghost bounds / of the last layers it normed at once."""
     monkeypatch.setattr(clipper, "HELD_GRADIENTS", held)
+    monkeypatch.setattr(release, "HELD_LOWEST", lowest)
     torch.manual_seed(0)
     hits: list = []
     model = Counted(hits)
@@ -73,21 +76,26 @@ def test_no_second_backward_when_every_layer_kept_its_gradients(mode, monkeypatc
 
 
 def test_second_backward_stops_at_the_lowest_layer_it_writes(monkeypatch):
-    """"ghost", with no output gradient held for deferred bounds: both Linears are ghost-normed
+    """"ghost", with no output gradient held by the norm pass: both Linears are ghost-normed
     and written by the second backward; the LayerNorm below them keeps its per-sample gradients,
     so the second backward does not reach it."""
-    update, passes, hits = _second_step("ghost", monkeypatch, held=0)
+    update, passes, hits = _second_step("ghost", monkeypatch, held=0, lowest=0)
     bk, _, _ = _second_step("bk", monkeypatch)
     assert (passes, hits) == (2, 1)
     for u, v in zip(update, bk):
         assert float((u - v).norm() / v.norm()) <= 2e-5  # float32 rounding apart
 
 
-def test_no_second_backward_for_layers_whose_operands_were_held_for_their_bounds(monkeypatch):
-    """"ghost": both Linears' bounds are formed at the end of the norm pass from the operands
-    the stack held until then, and their clipped sums from the same operands: one backward."""
-    update, passes, hits = _second_step("ghost", monkeypatch)
+@pytest.mark.parametrize("held,lowest", [(clipper.HELD_GRADIENTS, 0),
+                                         (0, release.HELD_LOWEST), (0, 16 * 8 * 4)],
+                         ids=["bound-stack", "lowest-layers", "lowest-layer-only"])
+def test_no_second_backward_below_the_layers_whose_operands_were_held(held, lowest, monkeypatch):
+    """"ghost": the Linears' operands held to the end of the norm pass — by the ghost-bound
+    stack, which forms their bounds then, or as the last layers normed at once — release their
+    clipped sums: one backward. With room for the lowest Linear's output gradient only (16
+    elements at 8 positions of 4 samples), the second backward writes the top Linear's."""
+    update, passes, hits = _second_step("ghost", monkeypatch, held=held, lowest=lowest)
     bk, _, _ = _second_step("bk", monkeypatch)
-    assert (passes, hits) == (1, 1)
+    assert (passes, hits) == (2 if lowest == 16 * 8 * 4 else 1, 1)
     for u, v in zip(update, bk):
         assert float((u - v).norm() / v.norm()) <= 2e-5  # float32 rounding apart
