@@ -1,6 +1,7 @@
-"""Two-pass modes hand their ghost Linears' bounds to the clipper's GhostBoundStack: the bounds the
-second pass compares a recomputed output gradient against are each layer's own, so a forced
-recomputation (as after a non-deterministic kernel) releases exactly what the plain path does."""
+"""Two-pass modes hand their ghost Linears' bounds to the clipper's GhostBoundStack, formed together
+at the end of the norm pass, and release these layers from the operands the stack held: a second
+pass that takes every output gradient as changed (as after a non-deterministic kernel) releases
+exactly what the plain path does."""
 import warnings
 
 import torch
