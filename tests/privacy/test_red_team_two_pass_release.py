@@ -176,6 +176,22 @@ def test_activation_permuted_next_to_a_huge_element(model, door, how, amp):
                    what=f"{door}-{how}-{amp}")
 
 
+@pytest.mark.parametrize("masked", [False, True], ids=["plain", "next-to-huge"])
+@pytest.mark.parametrize("mode", ["mixed", "ghost", "per_sample"])
+def test_activation_permuted_while_held_to_the_end_of_the_norm_pass(mode, masked, monkeypatch):
+    """The permutation after the layer was normed, with no ghost bound deferred: the two-pass
+    norm pass holds the layers it normed at once to its end and releases them from these
+    operands, after the book-keeping check of operands changed since their norm (the layer's
+    term formed again from the permuted activation). Held."""
+    from private_engine.clipping import clipper
+
+    monkeypatch.setattr(clipper, "HELD_GRADIENTS", 0)
+    torch.manual_seed(0)
+    model = PermutedAfterNormed()
+    case = masked_permutation_case(model) if masked else permutation_case(model)
+    assert_bounded(*run_pair(case, "native", mode), may_refuse=True, what=f"native-{mode}")
+
+
 # -- 2. integer operands: token ids shifted with their row sum kept (held) -----------------------
 class IdsShifted(nn.Module):
     """``Embedding(64, W) → Linear`` (frozen) on 4 tokens; a hook on the embedding's output —
