@@ -259,10 +259,12 @@ class TwoPass:
         #: while the second pass runs: what it writes with, and the layers it wrote (by id)
         self._second: Optional[SecondPass] = None
         self._written: set = set()
-        #: the last layers normed at once, their operands held (:meth:`_hold`); then those found
-        #: at the end of the pass, released from these operands (:meth:`norm_pass_done`)
+        #: the last layers left to the second pass, their operands held and their bounds not yet
+        #: formed (:meth:`_hold`); the bounds of those dropped since; then the layers held at the
+        #: end of the pass, released from these operands (:meth:`norm_pass_done`)
         self._held: Deque[HeldLayer] = deque()
         self._held_size = 0
+        self._dropped: List[torch.Tensor] = []
         self._ended: List[HeldLayer] = []
 
     def start(self) -> None:
@@ -287,27 +289,48 @@ class TwoPass:
             clipper.keep_pairs(layer.module, layer.rule, pairs)
             self.first[id(layer)] = FirstPass(True, merged, [], None)
             return NormedLayer(decision, None, False)
-        contrib = layer.rule.certified_norm_sq(layer.module, pairs, decision.use_ghost)
-        first = FirstPass(decision.use_ghost, merged, fingerprint_pairs(pairs), contrib)
+        first = FirstPass(decision.use_ghost, merged, [], None)
         self.first[id(layer)] = first
-        self._hold(layer, pairs, first)
-        return NormedLayer(decision, contrib, True)
+        if self._hold(layer, pairs, first):
+            return NormedLayer(decision, None, True)  # bound formed when dropped or at the end
+        self._bound(first, layer, pairs)
+        return NormedLayer(decision, first.bound, True)
 
-    def _hold(self, layer: RecordedLayer, pairs: Sequence[Call], first: FirstPass) -> None:
-        """Hold the operands of a layer normed at once, dropping those of the layers normed
-        before it while more than ``HELD_LOWEST`` output-gradient elements are held (all of them
-        when this one's alone are more): the layers held at the end of the pass are the last ones
-        the backward reached — in a chain, the lowest — and the second backward, released of
-        them, stops above them. A layer dropped stays a layer of the second pass."""
+    def _hold(self, layer: RecordedLayer, pairs: Sequence[Call], first: FirstPass) -> bool:
+        """Hold the operands of a layer left to the second pass, its bound not yet formed;
+        dropping those of the layers held before it while more than ``HELD_LOWEST``
+        output-gradient elements are held (all of them, and False — not held — when this one's
+        alone are more). A layer dropped gets its bound and fingerprints then and stays a layer
+        of the second pass. The layers held at the end of the pass — the last ones the backward
+        reached: in a chain, the lowest — get their bounds from their operands as they are then
+        and are released from the same operands right after the clip factors (no model code
+        runs in between, as for the ghost-bound stack's layers); the second backward stops above
+        them."""
         size = sum(g.numel() for _, g in pairs)
         if size > HELD_LOWEST:
-            self._held.clear()
-            self._held_size = 0
-            return
+            while self._held:
+                self._drop()
+            return False
         self._held.append(HeldLayer(layer, pairs, first, size))
         self._held_size += size
         while self._held_size > HELD_LOWEST:
-            self._held_size -= self._held.popleft().size
+            self._drop()
+        return True
+
+    def _drop(self) -> None:
+        """Stop holding the earliest held layer: its bound and fingerprints from its operands as
+        they are now (compared by the second pass)."""
+        h = self._held.popleft()
+        self._held_size -= h.size
+        self._dropped.append(self._bound(h.first, h.layer, h.pairs))
+
+    @staticmethod
+    def _bound(first: FirstPass, layer: RecordedLayer, pairs: Sequence[Call]) -> torch.Tensor:
+        """A second-pass layer's certified bound and fingerprints, from its operands as they are
+        now."""
+        first.bound = layer.rule.certified_norm_sq(layer.module, pairs, first.use_ghost)
+        first.fingerprints = fingerprint_pairs(pairs)
+        return first.bound
 
     @staticmethod
     def _keep_instantiated(clipper: "PerSampleClipper", layer: RecordedLayer,
@@ -338,21 +361,16 @@ class TwoPass:
         return True
 
     def changed_terms(self) -> List[torch.Tensor]:
-        """The certified norm terms again of the held layers (:meth:`_hold`) whose operands
-        changed since they were normed, as book-keeping forms them
-        (:meth:`BookKeeping.changed_terms`): these layers are released from their operands as
-        they are now. The second pass compares the other layers' operands with their norm's
-        (:meth:`_on_layer_released`)."""
+        """The certified norm terms not formed when their layers were normed: those of the layers
+        dropped from the held ones (:meth:`_drop`), and those of the layers still held, from
+        their operands as they are now — the operands they are released from
+        (:meth:`norm_pass_done`). The second pass compares the other layers' operands with their
+        norm's (:meth:`_on_layer_released`)."""
         held, self._held, self._held_size = list(self._held), deque(), 0
+        terms, self._dropped = self._dropped, []
         self._ended = held
-        if not held:
-            return []
-        now = [fingerprint_pairs(h.pairs) for h in held]
-        prints = [f for h in held for f in h.first.fingerprints]
-        if same_bits([f for fs in now for f in fs], prints):
-            return []  # every held layer's operands as they were normed: one look for all
-        return [h.layer.rule.certified_norm_sq(h.layer.module, h.pairs, h.first.use_ghost)
-                for h, fs in zip(held, now) if not same_tensors(fs, h.first.fingerprints)]
+        return terms + [h.layer.rule.certified_norm_sq(h.layer.module, h.pairs, h.first.use_ghost)
+                        for h in held]
 
     def norm_pass_done(self, clipper: "PerSampleClipper", inputs: list, ok: bool) -> None:
         if ok:
@@ -436,7 +454,7 @@ class TwoPass:
 
     def reset(self) -> None:
         self.first = {}
-        self._held, self._held_size, self._ended = deque(), 0, []
+        self._held, self._held_size, self._dropped, self._ended = deque(), 0, [], []
 
 
 def strategy_for(mode: str, book_keeping: bool) -> ReleaseStrategy:

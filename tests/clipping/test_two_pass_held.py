@@ -1,7 +1,7 @@
-"""The two-pass norm pass holds the operands of the last layers it normed at once (within
-``HELD_LOWEST`` output-gradient elements) and releases them from these operands: a layer whose
-operand changed after its norm gets its certified term again, as under book-keeping; the layers
-held are those normed last."""
+"""The two-pass norm pass holds the operands of the last layers it leaves to the second pass
+(within ``HELD_LOWEST`` output-gradient elements), forms their bounds at its end from these
+operands as they are then and releases them from the same operands; the layers it stops holding
+get their bounds and fingerprints then and stay with the second pass."""
 from types import SimpleNamespace
 
 import pytest
@@ -15,15 +15,15 @@ from private_engine.layers.linear import LinearRule
 
 
 def _normed(strategy: release.TwoPass, d_in: int, d_out: int, seed: int):
-    """A Linear normed at once by ``strategy`` (held if there is room): its layer record."""
+    """A Linear ghost-normed by ``strategy``, held if there is room: its layer record."""
     torch.manual_seed(seed)
     module, rule = nn.Linear(d_in, d_out), LinearRule()
     pairs = [(torch.randn(3, 4, d_in), torch.randn(3, 4, d_out))]
     layer = RecordedLayer(f"l{seed}", module, rule)
-    first = release.FirstPass(True, 1, fingerprint_pairs(pairs),
-                              rule.certified_norm_sq(module, pairs, True))
+    first = release.FirstPass(True, 1, [], None)
     strategy.first[id(layer)] = first
-    strategy._hold(layer, pairs, first)
+    if not strategy._hold(layer, pairs, first):
+        strategy._bound(first, layer, pairs)
     return layer, pairs
 
 
@@ -37,11 +37,12 @@ def _done(strategy: release.TwoPass) -> list:
 
 
 @pytest.mark.parametrize("which", ["a", "g"])
-def test_a_held_operand_changed_after_its_norm_gets_its_term_again(which):
-    """One element of the second layer's activation or output gradient scaled by 10⁶ after its
-    norm (a ``.data`` write from a later hook): that layer's certified norm is formed again from
-    the operands as they are now — those its clipped sum is formed from — and only that
-    layer's; both layers are then released from their held operands, not by the second pass."""
+def test_a_held_layer_is_bounded_from_its_operands_as_released(which):
+    """One element of the second layer's activation or output gradient scaled by 10⁶ after it
+    was normed (a ``.data`` write from a later hook): its certified term is formed at the end of
+    the pass from the operands as they are then — those its clipped sum is formed from — and
+    bounds the exact norm of that release; neither layer is fingerprinted, and both are released
+    from their held operands, not by the second pass."""
     strategy = release.TwoPass("ghost")
     strategy.start()
     first, _ = _normed(strategy, 6, 4, 0)
@@ -49,12 +50,13 @@ def test_a_held_operand_changed_after_its_norm_gets_its_term_again(which):
     a, g = pairs[0]
     (a if which == "a" else g).data[1, 2, 3] *= 1e6
     terms = strategy.changed_terms()
-    assert len(terms) == 1
-    assert torch.equal(terms[0], layer.rule.certified_norm_sq(layer.module, pairs, True))
+    assert len(terms) == 2
+    assert torch.equal(terms[1], layer.rule.certified_norm_sq(layer.module, pairs, True))
     a64, g64 = a.double(), g.double()
     exact = (torch.einsum("ntp,ntd->npd", g64, a64).pow(2).sum((1, 2))
              + g64.sum(1).pow(2).sum(1))
-    assert bool((terms[0] >= exact).all())
+    assert bool((terms[1] >= exact).all())
+    assert all(strategy.first[id(x)].fingerprints == [] for x in (first, layer))
     kept = _done(strategy)
     assert [k[0] for k in kept] == [first.module, layer.module]
     assert strategy.second_pass_layers([first, layer]) == []
@@ -62,15 +64,26 @@ def test_a_held_operand_changed_after_its_norm_gets_its_term_again(which):
 
 def test_the_layers_held_are_the_last_normed_within_the_limit(monkeypatch):
     """Room for 2·48 output-gradient elements: of three layers of 48, 48 and 84 normed in this
-    order, the last alone is held (the first two dropped as it came); the layers not held stay
-    with the second pass, unchanged operands add no term."""
+    order, the last alone is held (the first two dropped as it came, their bounds and
+    fingerprints formed then); the dropped layers' bounds and the held one's are the terms
+    added at the end of the pass, and the dropped ones stay with the second pass."""
     monkeypatch.setattr(release, "HELD_LOWEST", 2 * 48)
     strategy = release.TwoPass("ghost")
     strategy.start()
-    layers = [_normed(strategy, 6, 4, 0)[0], _normed(strategy, 6, 4, 1)[0]]
+    records = [_normed(strategy, 6, 4, 0), _normed(strategy, 6, 4, 1)]
+    layers = [r[0] for r in records]
     assert [h.layer for h in strategy._held] == layers
-    layers.append(_normed(strategy, 5, 7, 2)[0])
+    assert all(strategy.first[id(x)].bound is None for x in layers)
+    records.append(_normed(strategy, 5, 7, 2))
+    layers.append(records[2][0])
     assert [h.layer for h in strategy._held] == layers[2:]
-    assert strategy.changed_terms() == []
+    dropped = [strategy.first[id(x)] for x in layers[:2]]
+    for f, (x, pairs) in zip(dropped, records):
+        assert torch.equal(f.bound, x.rule.certified_norm_sq(x.module, pairs, True))
+        assert release.same_tensors(f.fingerprints, fingerprint_pairs(pairs))
+    terms = strategy.changed_terms()
+    x, pairs = records[2]
+    assert len(terms) == 3 and all(t is f.bound for t, f in zip(terms, dropped))
+    assert torch.equal(terms[2], x.rule.certified_norm_sq(x.module, pairs, True))
     assert [k[0] for k in _done(strategy)] == [layers[2].module]
     assert strategy.second_pass_layers(layers) == layers[:2]
