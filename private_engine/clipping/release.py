@@ -7,11 +7,11 @@
 * :class:`TwoPass` (modes "mixed", "ghost", "per_sample"; Bu, Mao & Xu 2022, "Scalable and
   Efficient Training of Large Convolutional Neural Networks with Differential Privacy"): the norm
   pass keeps only the norms (and the per-sample gradients of layers where they are no larger than
-  the layer's input and output gradient: elementwise-affine norms, released as kept; and the
-  ``(a, g)`` of the ghost Linears whose bounds the clipper's ``ghost_bounds`` forms at its end,
-  which holds them until then: released from them as book-keeping does); a second
-  activation-only backward recomputes each other layer's output gradient and writes its clipped
-  sum as soon as it arrives. The second backward must reproduce each layer's output gradient and
+  the layer's input and output gradient: elementwise-affine norms, released as kept; and, within
+  two budgets, the ``(a, g)`` of the ghost Linears whose bounds the clipper's ``ghost_bounds``
+  forms at its end and of the last other layers it reaches, whose bounds are formed then too:
+  released from them as book-keeping does); a second activation-only backward recomputes each
+  other layer's output gradient and writes its clipped sum as soon as it arrives. The second backward must reproduce each layer's output gradient and
   find its activation unchanged, bit for bit (row fingerprints per layer); where either
   changed (a non-deterministic kernel, a write through ``.data``), that layer's factors are
   lowered to its recomputed bound, so the certificate still holds.
