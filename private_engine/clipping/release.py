@@ -11,10 +11,11 @@
   two budgets, the ``(a, g)`` of the ghost Linears whose bounds the clipper's ``ghost_bounds``
   forms at its end and of the last other layers it reaches, whose bounds are formed then too:
   released from them as book-keeping does); a second activation-only backward recomputes each
-  other layer's output gradient and writes its clipped sum as soon as it arrives. The second backward must reproduce each layer's output gradient and
-  find its activation unchanged, bit for bit (row fingerprints per layer); where either
-  changed (a non-deterministic kernel, a write through ``.data``), that layer's factors are
-  lowered to its recomputed bound, so the certificate still holds.
+  other layer's output gradient and writes its clipped sum as soon as it arrives. The second
+  backward must reproduce each layer's output gradient and find its activation unchanged, bit
+  for bit (row fingerprints per layer); where either changed (a non-deterministic kernel, a
+  write through ``.data``), that layer's factors are lowered to its recomputed bound, so the
+  certificate still holds.
 
 Either way a sample's clip factor multiplies that sample's rows at every layer, and what is
 released is what was normed. Both implement :class:`ReleaseStrategy`, the interface the clipper
