@@ -1,5 +1,7 @@
 """The separability probe's backward passes are a fixed sequence: their number (which tensor hooks
-of the model see, one call per pass) does not depend on any sample's data, in every dtype.
+of the model see, one call per pass) does not depend on any sample's data, in every dtype; and
+which batches run them is a function of the input signatures alone (the first ``probed_steps``
+checked batches of each), not of a verdict, a sample's values or the batch size.
 
 A model hook with a side effect (a ``.data`` write at every backward) makes the state after the
 step depend on how many backward passes ran; a pass count that follows the data (a rescaled pass
@@ -7,6 +9,8 @@ run only when the batch's largest gradient is small, a retry when a weighted pas
 one sample change what the other samples release.
 """
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
@@ -59,7 +63,7 @@ def probe_passes(model: Amplified, x: torch.Tensor, y: torch.Tensor, dtype) -> i
     assert probe.pending
     model.backwards = 0
     probe.check((out * y.to(dtype)).sum(1), targets)
-    assert not probe.pending and not probe._silent  # a verdict: the signature is probed
+    assert not probe.pending
     return model.backwards
 
 
@@ -99,24 +103,39 @@ def test_float16_with_large_gradients_between_the_compared_points_still_sees_mix
         probe_passes(Amplified(lambda h: h.flip(0)), x, y, torch.float16)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a batch without a verdict (a sample whose gradient is not finite) leaves the signature "
-    "unprobed: the next batch runs the probe's passes, which the model's hooks see"))
-def test_whether_the_next_batch_is_probed_does_not_depend_on_a_sample():
-    """Two steps of the same signature; the first batch with or without a sample whose gradient
-    is infinite (the engine drops such a sample and releases the rest): the backward passes of
-    the probe at the second, identical batch."""
-    seen = []
+# -- which batches run the probe: a function of the input signatures alone ---------------------
+def honest_targets(n: int = B) -> torch.Tensor:
+    """Output gradients of ``n`` honest samples (those of :func:`targets` without the crafted
+    one)."""
+    return targets(torch.float32, 2.0 ** -12)[:n]
+
+
+def without_verdict(kind: str):
+    """A first batch ``(x, y)`` that leaves the probe without a verdict: a sample whose gradient
+    is infinite, or finite at the output and overflowing inside the model (the engine drops such
+    a sample and releases the rest), a batch whose other samples have zero output gradients
+    (every point reaches one sample), a batch of one."""
     x = torch.randn(B, D, generator=torch.Generator().manual_seed(0))
-    y = targets(torch.float32, 2.0 ** -12)
-    for crafted in (False, True):
-        model = Amplified()
-        probe = SeparabilityProbe(model)
-        probe.install()
-        y1 = y.clone()
-        if crafted:
-            y1[-1] = float("inf")
-        for yb in (y1, y):
+    y = honest_targets()
+    if kind == "infinite gradient":
+        y[-1] = float("inf")
+    elif kind == "overflowing gradient":
+        y[-1] = 3e38  # finite, its gradient inside the model is not
+    elif kind == "others' gradients zero":
+        y[:-1] = 0.0
+    else:  # one sample
+        x, y = x[:1], y[:1]
+    return x, y
+
+
+def passes_per_step(model: Amplified, probe: SeparabilityProbe, batches, caught=None) -> list:
+    """One probed step per batch ``(x, y)`` (forward, per-sample losses ``⟨b(...)_j, y_j⟩``,
+    check): the backward passes the model's hook saw at each. The warnings' messages go to
+    ``caught``."""
+    seen = []
+    with warnings.catch_warnings(record=True) as records:
+        warnings.simplefilter("always")
+        for x, y in batches:
             edges = []
             hooks = [getattr(model, n).register_forward_hook(
                 lambda m, i, o, n=n: edges.append((n, get_gradient_edge(o)))) for n in "ab"]
@@ -124,6 +143,88 @@ def test_whether_the_next_batch_is_probed_does_not_depend_on_a_sample():
             for h in hooks:
                 h.remove()
             model.backwards = 0
-            probe.check((out * yb).sum(1), edges)
-        seen.append(model.backwards)
-    assert seen[0] == seen[1], f"backward passes at the second batch: {seen}"
+            probe.check((out * y).sum(1), edges)
+            seen.append(model.backwards)
+    if caught is not None:
+        caught += [str(w.message) for w in records]
+    return seen
+
+
+def schedule(first, K: int = 1, steps: int = 3, mix=lambda h: h, caught=None) -> list:
+    """The backward passes at each of ``steps`` steps of one signature: ``first`` then honest
+    batches, on a fresh model and probe with ``probed_steps=K`` (warnings to ``caught``)."""
+    model = Amplified(mix)
+    probe = SeparabilityProbe(model, **({"probed_steps": K} if K != 1 else {}))
+    probe.install()
+    x = torch.randn(B, D, generator=torch.Generator().manual_seed(2))
+    return passes_per_step(model, probe, [first] + [(x, honest_targets())] * (steps - 1),
+                           caught)
+
+
+KINDS = ["infinite gradient", "overflowing gradient", "others' gradients zero", "one sample"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_whether_the_next_batch_is_probed_does_not_depend_on_a_sample(kind):
+    """Three steps of one signature, the first batch honest or one without a verdict: the
+    backward passes at every step are the same (the probe runs its two passes at the first
+    step, a batch of one sample included, and never again)."""
+    x = torch.randn(B, D, generator=torch.Generator().manual_seed(0))
+    honest = schedule((x, honest_targets()))
+    assert honest == [2, 0, 0]
+    assert schedule(without_verdict(kind)) == honest, kind
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_probed_steps_probes_K_batches_whatever_their_outcome(kind):
+    """``probed_steps=2``: the first two checked batches of the signature run the probe, with
+    or without a verdict at the first; a third does not."""
+    x = torch.randn(B, D, generator=torch.Generator().manual_seed(0))
+    assert schedule((x, honest_targets()), K=2) == [2, 2, 0]
+    assert schedule(without_verdict(kind), K=2) == [2, 2, 0], kind
+
+
+def test_mixing_hidden_by_a_crafted_first_batch_is_warned_and_seen_at_a_later_probed_step():
+    """``h - h.mean(0)`` spreads one sample's infinite gradient to every row: the first probe
+    compares nothing. With one probed step the signature is accepted with a warning that names
+    what was not compared and what to do; with two, the second (honest) batch names the mix."""
+    center = lambda h: h - h.mean(0)  # noqa: E731
+    caught: list = []
+    assert schedule(without_verdict("infinite gradient"), mix=center, caught=caught) == [2, 0, 0]
+    assert len(caught) == 1 and "could not compare samples" in caught[0], caught
+    assert "raise probed_steps" in caught[0]
+    with pytest.raises(BatchMixingError, match="mean over dim 0"):
+        schedule(without_verdict("infinite gradient"), K=2, mix=center)
+    caught.clear()  # an honest first batch: a verdict, no warning
+    x = torch.randn(B, D, generator=torch.Generator().manual_seed(0))
+    assert schedule((x, honest_targets()), caught=caught) == [2, 0, 0] and caught == []
+
+
+def test_probed_steps_must_be_a_positive_integer():
+    with pytest.raises(ValueError, match="probed_steps must be an integer >= 1"):
+        SeparabilityProbe(Amplified(), probed_steps=0)
+
+
+def test_the_schedule_follows_the_input_shapes_not_the_values_or_the_batch_size():
+    """Which steps run the probe is a function of the input signatures (shapes other than the
+    batch size, dtypes, devices, train/eval): a new sequence length is probed at its first batch
+    — under padding to the longest sample of each batch, one sample's length sets it, as it sets
+    the shape the model's own forward receives — and batch sizes and values change nothing."""
+
+    class Tokens(Amplified):
+        def forward(self, x):  # (B, T, D) -> (B, H)
+            return super().forward(x).mean(1)
+
+    def run(lengths, sizes, seed):
+        g = torch.Generator().manual_seed(seed)
+        model = Tokens()
+        probe = SeparabilityProbe(model)
+        probe.install()
+        batches = [(torch.randn(n, T, D, generator=g) * 10.0 ** seed,
+                    torch.randn(n, H, generator=g)) for T, n in zip(lengths, sizes)]
+        return passes_per_step(model, probe, batches)
+
+    lengths = [3, 3, 5, 3, 5, 7]
+    want = [2, 0, 2, 0, 0, 2]
+    assert run(lengths, [8] * 6, 0) == want
+    assert run(lengths, [1, 5, 2, 8, 3, 4], 3) == want

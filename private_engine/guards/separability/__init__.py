@@ -102,7 +102,7 @@ The package's parts:
 """
 from .diagnosis import BatchMixingError, describe_node
 from .fingerprints import DEFAULT_TOLERANCE, TOLERANCES
-from .probe import MAX_PENDING, MAX_SIGNATURES, MAX_SILENT_PROBES, SeparabilityProbe
+from .probe import MAX_PENDING, MAX_SIGNATURES, PROBED_STEPS, SeparabilityProbe
 
 __all__ = ["BatchMixingError", "DEFAULT_TOLERANCE", "MAX_PENDING", "MAX_SIGNATURES",
-           "MAX_SILENT_PROBES", "SeparabilityProbe", "TOLERANCES", "describe_node"]
+           "PROBED_STEPS", "SeparabilityProbe", "TOLERANCES", "describe_node"]

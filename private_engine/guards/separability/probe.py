@@ -1,20 +1,22 @@
 """The separability probe's owner: a forward pre-hook on the root module that notes forwards with an
-unprobed input signature (and makes their per-sample inputs differentiable), the probed signatures
-(an LRU) and the checks that run the comparison once per signature (the method is described in
-:mod:`private_engine.guards.separability`)."""
+input signature still to be probed (and makes their per-sample inputs differentiable), the
+schedule of the probes (the first ``probed_steps`` checked batches of every signature, whatever
+their outcome), the accepted signatures (an LRU) and the checks that run the comparison (the
+method is described in :mod:`private_engine.guards.separability`)."""
 from __future__ import annotations
 
 import os
 import warnings
 from collections import OrderedDict, deque
-from typing import Dict, Optional
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
 
 import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 from ...capture.fallback import replaying
-from .comparison import compare_points
+from .comparison import Comparison, compare_points
 from .diagnosis import mixing_error
 from .graph import ComparisonPoint, reached_forwards, target_points
 from .inputs import PendingForward, arm, collect_tensors, first_batch, signature
@@ -23,9 +25,20 @@ from .inputs import PendingForward, arm, collect_tensors, first_batch, signature
 MAX_SIGNATURES = 256
 #: forwards with an unprobed signature remembered until the next check (the most recent ones)
 MAX_PENDING = 8
-#: probes of one signature that may end without a verdict (a point whose gradient reached fewer than
-#: two samples, or rows that were not finite) before the signature is accepted with a warning
-MAX_SILENT_PROBES = 8
+#: checked batches of every input signature that run the comparison, whatever its outcome (a
+#: verdict, none, or a batch of one sample): the schedule follows the signatures alone
+PROBED_STEPS = 1
+
+
+@dataclass
+class _Progress:
+    """The probes run so far for one input signature."""
+
+    runs: int = 0
+    #: whether some probe compared at least two samples at every point, with finite rows
+    verdict: bool = False
+    #: what kept the last probe from a verdict (for the warning)
+    unseen: List[str] = field(default_factory=list)
 
 
 class SeparabilityProbe:
@@ -45,15 +58,29 @@ class SeparabilityProbe:
             may take batch-first token ids and transpose them): every float argument is then
             made differentiable and compared as per-sample along dim 0 or dim 1, whichever
             holds (mixing is still seen; a sequence-first layout is not an error), and shapes
-            enter the signature unnormalised (each batch size is probed once).
+            enter the signature unnormalised (each batch size is a signature of its own).
+        probed_steps: K, the checked batches of every input signature that run the comparison
+            (default :data:`PROBED_STEPS`), each at the cost of two backward passes (three when
+            float16 is involved). The first K checks of a signature are probed whatever came
+            out of them — a verdict, none (a sample whose gradient is not finite, one that zeroes
+            the others' gradients) or a batch of one sample —, so which batches run the probe's
+            passes is a function of the sequence of input signatures alone, never of a sample's
+            values or of the batch size. When none of the K gave a verdict a ``RuntimeWarning``
+            names the points that were not compared, and the signature is accepted.
     """
 
-    def __init__(self, model: nn.Module, *, batch_dim: Optional[int] = 0):
+    def __init__(self, model: nn.Module, *, batch_dim: Optional[int] = 0,
+                 probed_steps: int = PROBED_STEPS):
+        if not (isinstance(probed_steps, int) and probed_steps >= 1):
+            raise ValueError(f"probed_steps must be an integer >= 1 (got {probed_steps!r}): the "
+                             "number of checked batches of each input signature the probe runs on.")
         self.model = model
         self.batch_dim = batch_dim
+        self.probed_steps = probed_steps
+        #: accepted signatures: probed ``probed_steps`` times (an LRU)
         self._probed: "OrderedDict[tuple, None]" = OrderedDict()
-        #: probes without a verdict so far, per signature (see MAX_SILENT_PROBES)
-        self._silent: Dict[tuple, int] = {}
+        #: signatures probed fewer than ``probed_steps`` times so far (an LRU)
+        self._progress: "OrderedDict[tuple, _Progress]" = OrderedDict()
         self._pending: deque = deque(maxlen=MAX_PENDING)
         self._handle = None
         self._gen = torch.Generator()
@@ -90,8 +117,16 @@ class SeparabilityProbe:
 
     @property
     def pending(self) -> bool:
-        """True when a forward with an unprobed input signature ran since the last check."""
+        """True when a forward with an input signature still to be probed ran since the last
+        check."""
         return bool(self._pending)
+
+    def reset(self) -> None:
+        """Forget the probed signatures and pending forwards: every signature is probed again
+        (its next ``probed_steps`` checked batches)."""
+        self._probed.clear()
+        self._progress.clear()
+        self._pending.clear()
 
     def _pre(self, module, args, kwargs):
         if not torch.is_grad_enabled() or torch.is_inference_mode_enabled() or replaying():
@@ -126,9 +161,10 @@ class SeparabilityProbe:
         and of ``Σ_j 2^{e_j}·L_j`` (``retain_graph=True``) and compares, at every target and at
         the remembered model inputs that reach the loss, row m of the weighted gradient with
         ``2^{e_{m//k}}`` times the plain one (module doc). Clears ``pending`` and the remembered
-        inputs and records the input signature(s) as probed; raises :class:`BatchMixingError`
-        naming the offending target closest to the loss and the autograd op(s) that mix rows.
-        Does nothing when no probe is pending.
+        inputs and counts one probe of the input signature(s) (accepted after ``probed_steps``);
+        raises :class:`BatchMixingError` naming the offending target closest to the loss and the
+        autograd op(s) that mix rows. Does nothing when no probe is pending or the batch is
+        empty (B = 0: nothing is counted).
         """
         if not self._pending:
             return
@@ -194,10 +230,10 @@ class SeparabilityProbe:
         forwards = list(self._pending)
         self._pending.clear()
         root_nodes = [t.grad_fn for t in roots if t.grad_fn is not None]
-        if not root_nodes:
+        if not root_nodes or B < 1:  # no graph / an empty batch: nothing to compare or count
             return
         reached = reached_forwards(forwards, root_nodes)
-        if not reached or B < 2:  # nothing of these forwards in this graph / one sample
+        if not reached:  # nothing of these forwards in this graph
             return
         points = target_points(targets)
         input_dims = (0, 1) if self.batch_dim is None else (self.batch_dim,)
@@ -207,31 +243,47 @@ class SeparabilityProbe:
                                               get_gradient_edge(x).node, -1, input_dims, None,
                                               True))
         layouts = sorted(set(layouts).union(*(p.dims for p in points)))
+        verdict = None
         if points:
+            # the same passes for a batch of one sample (which cannot show mixing): their number
+            # does not tell the batch size
             verdict = compare_points(self._gen, roots, cotangents, B, points)
-            if verdict.bad:
+            if verdict.bad:  # a refusal: the signature stays to be probed
                 raise mixing_error(self._gen, roots, cotangents, B, verdict.bad, layouts,
                                    verdict.weights)
-            silent = verdict.silent
-            if not verdict.complete or silent:
-                # no verdict: a batch can hide mixing (a sample that saturates a softmax over the
-                # batch zeroes every other row's gradient; a NaN spreads to every row), so the
-                # signature is probed again on the next batches, and accepted only after
-                # MAX_SILENT_PROBES such probes (a layer whose gradient never reaches two samples)
-                sigs = {f.signature for f in reached}
-                tries = max(self._silent.get(sig, 0) for sig in sigs) + 1
-                if tries < MAX_SILENT_PROBES:
-                    for sig in sigs:
-                        self._silent[sig] = tries
-                    return
+        self._count({f.signature for f in reached}, verdict, B)
+
+    def _count(self, sigs, verdict: Optional[Comparison], B: int) -> None:
+        """One probe of the signatures ``sigs`` done, whatever its outcome; a signature probed
+        ``probed_steps`` times is accepted (with a warning when none of its probes had a
+        verdict: a crafted sample can leave a batch without one, see the module doc)."""
+        if verdict is None:  # nothing to compare: no point, no model input
+            seen, unseen = True, []
+        elif B < 2:
+            seen, unseen = False, ["every point (a batch of one sample)"]
+        else:
+            seen = verdict.complete and not verdict.silent
+            unseen = sorted(set(verdict.silent)) or ["rows that were not finite"]
+        for sig in sigs:
+            prog = self._progress.pop(sig, None) or _Progress()
+            prog.runs += 1
+            prog.verdict = prog.verdict or seen
+            if not seen:
+                prog.unseen = unseen
+            if prog.runs < self.probed_steps:
+                self._progress[sig] = prog
+                continue
+            if not prog.verdict:
                 warnings.warn(
-                    f"the separability probe could not compare samples at {sorted(set(silent))} "
-                    f"in {MAX_SILENT_PROBES} batches (the gradient there reached fewer than two "
-                    "samples, or was not finite): mixing of samples there is not ruled out.",
-                    RuntimeWarning, stacklevel=4)
-        for f in reached:
-            self._silent.pop(f.signature, None)
-            self._probed[f.signature] = None
-            self._probed.move_to_end(f.signature)
+                    f"the separability probe could not compare samples at {prog.unseen} in the "
+                    f"{prog.runs} batch(es) it probes of this input signature (the gradient there "
+                    "reached fewer than two samples, or was not finite): mixing of samples there "
+                    "is not ruled out. The batch flow still refuses mixing in the forward; to "
+                    "probe more batches, raise probed_steps.",
+                    RuntimeWarning, stacklevel=5)
+            self._probed[sig] = None
+            self._probed.move_to_end(sig)
+        while len(self._progress) > MAX_SIGNATURES:
+            self._progress.popitem(last=False)
         while len(self._probed) > MAX_SIGNATURES:
             self._probed.popitem(last=False)
