@@ -20,8 +20,14 @@ crafted sample whose two positions have equal activations and opposite output gr
 bfloat16 whenever two weights rounded alike. Under float16 autocast the model's swap at every
 backward also ran once more in the batch without the sample (the separability probe's rescaled
 pass, run only when the batch's largest gradient was small): 1.005·R/B under book-keeping, held
-since the probe's passes are a fixed sequence. The other tests are attacks that held, kept as
-regression tests.
+since the probe's passes are a fixed sequence.
+
+Section 5: the same kind of hook, counting backward passes into a buffer, across two steps. A
+first batch holding a sample whose gradient is not finite (the engine drops it, releasing the
+rest) left the probe without a verdict, and the probe ran again at the second step: the
+buffer released after it differed by the probe's two passes (ratio B·2/R = 8). Held since the
+probed batches of a signature are its first ones, whatever came out of them. The other tests
+are attacks that held, kept as regression tests.
 """
 from __future__ import annotations
 
@@ -34,13 +40,16 @@ from reference import reference_clipped_sum
 from test_privacy_under_attack import (
     DOOR_IDS,
     DOORS,
+    MODES,
     B,
     CapturingSGD,
     Case,
     R,
+    Refused,
     assert_bounded,
     mse,
     opposite_targets,
+    released,
     run_pair,
 )
 
@@ -365,3 +374,70 @@ def test_output_gradients_that_differ_between_the_passes(door, how):
     case = Case(model, (xh, th), (torch.randn(1, 2, W, generator=g) * 100,
                                   torch.randn(1, 2, W, generator=g) * 1e4))
     assert_bounded(*run_pair(case, door, how), what=f"{door}-{how}")
+
+
+# -- 5. which steps run the separability probe: seen by a hook that counts backward passes -------
+class CountsBackwards(nn.Module):
+    """``l2(tanh(l1(x)))`` with a float buffer that a hook on the hidden tensor raises by one at
+    every backward pass, through ``.data`` (no version counter moves, so no guard sees it): the
+    released buffer tells how many backward passes the engine ran."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1, self.l2 = nn.Linear(W, W), nn.Linear(W, W)
+        self.register_buffer("passes", torch.zeros(()))
+
+    def forward(self, x):
+        h = torch.tanh(self.l1(x))
+        if h.requires_grad:
+            h.register_hook(self._count)
+        return self.l2(h)
+
+    def _count(self, g):
+        self.passes.data += 1
+
+
+def two_steps(model: nn.Module, batches, mode: str) -> list:
+    """Two private steps of one native engine (noise 0, SGD lr 1) on ``model``: what each
+    released, or :class:`Refused`."""
+    engine = pe.PrivacyEngine(model, batch_size=B, sample_size=10 * B, max_grad_norm=R,
+                              noise_multiplier=0.0, clipping_mode=mode)
+    opt = CapturingSGD(model.parameters())
+    engine.attach(opt)
+    out: list = []
+    for x, t in batches:
+        try:
+            opt.step(loss=mse(model(x), t))
+        except ValueError as e:
+            out.append(Refused(e, "step"))
+            continue
+        out.append(released(model, opt))
+    return out
+
+
+#: the first batch without the attacker's sample: three honest samples, or one (a Poisson batch
+#: of one sample, to which the attacker's joining adds the second); the attacker's target: not
+#: finite (dropped), or ordinary
+FIRST = {"dropped sample": (3, float("inf")), "batch of one": (1, None)}
+
+
+@pytest.mark.parametrize("first", list(FIRST))
+@pytest.mark.parametrize("mode", MODES)
+def test_the_sample_does_not_decide_which_steps_run_the_probe(mode, first):
+    """The first step with and without the attacker's sample, the second on the same honest
+    batch: both steps' releases, the pass-counting buffer included, agree (a dropped sample left
+    the probe without a verdict, a batch of one sample left it unprobed: the probe ran at the
+    second step, its passes released through the buffer)."""
+    n, target = FIRST[first]
+    g = torch.Generator().manual_seed(1)
+    honest = (torch.randn(n, W, generator=g), torch.randn(n, W, generator=g))
+    crafted = (torch.randn(1, W, generator=g), torch.randn(1, W, generator=g) * 0.1)
+    if target is not None:
+        crafted[1].fill_(target)
+    second = (torch.randn(3, W, generator=g), torch.randn(3, W, generator=g))
+    with_sample = (torch.cat([honest[0], crafted[0]]), torch.cat([honest[1], crafted[1]]))
+    runs = [two_steps(CountsBackwards(), [first_batch, second], mode)
+            for first_batch in (with_sample, honest)]
+    for step, (w, wo) in enumerate(zip(*runs), 1):
+        assert_bounded(w, wo, what=f"{first}, {mode}, step {step}")
