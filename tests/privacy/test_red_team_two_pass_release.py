@@ -26,8 +26,11 @@ Section 5: the same kind of hook, counting backward passes into a buffer, across
 first batch holding a sample whose gradient is not finite (the engine drops it, releasing the
 rest) left the probe without a verdict, and the probe ran again at the second step: the
 buffer released after it differed by the probe's two passes (ratio B·2/R = 8). Held since the
-probed batches of a signature are its first ones, whatever came out of them. The other tests
-are attacks that held, kept as regression tests.
+probed batches of a signature are its first ones, whatever came out of them. Padding each batch
+to its longest sample makes one sample's length a shape, which the engine treats as public (a
+new shape is a new signature, probed; the two-pass modes' plan follows the shapes): a documented
+limit, held by padding to a fixed length. The other tests are attacks that held, kept as
+regression tests.
 """
 from __future__ import annotations
 
@@ -441,3 +444,57 @@ def test_the_sample_does_not_decide_which_steps_run_the_probe(mode, first):
             for first_batch in (with_sample, honest)]
     for step, (w, wo) in enumerate(zip(*runs), 1):
         assert_bounded(w, wo, what=f"{first}, {mode}, step {step}")
+
+
+def padded(rows, T: int):
+    """Sequences ``(n_i, W)`` zero-padded to ``T`` positions: ``(x, mask)``, ``mask`` (B, T)."""
+    x = torch.zeros(len(rows), T, W)
+    mask = torch.zeros(len(rows), T)
+    for i, r in enumerate(rows):
+        x[i, :len(r)] = r
+        mask[i, :len(r)] = 1.0
+    return x, mask
+
+
+def masked_steps(model: nn.Module, batches, mode: str) -> list:
+    """:func:`two_steps` with the squared error taken over each sample's own positions."""
+    engine = pe.PrivacyEngine(model, batch_size=B, sample_size=10 * B, max_grad_norm=R,
+                              noise_multiplier=0.0, clipping_mode=mode)
+    opt = CapturingSGD(model.parameters())
+    engine.attach(opt)
+    out: list = []
+    for (x, mask), t in batches:
+        opt.step(loss=((model(x) - t).square().sum(2) * mask).sum(1))
+        out.append(released(model, opt))
+    return out
+
+
+@pytest.mark.parametrize("padding", [
+    pytest.param("longest", marks=pytest.mark.xfail(strict=True, reason=(
+        "documented limit: shapes are public (docs/engine.md, 'Batch separability'); padding "
+        "to the batch's longest sample makes one sample's length the batch's shape"))),
+    "fixed"])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_long_sample_padded_into_the_batch_shape(mode, padding):
+    """Step 1: honest sequences of length 4. Step 2: honest sequences with, and without, the
+    attacker's sequence of length 6. Padded to the batch's longest sample, the attacker makes
+    the second batch a new shape: a new input signature, probed (two backward passes more, which
+    the pass-counting buffer releases: ratio ≈ 8), and in the two-pass modes a plan of its own.
+    Padded to a fixed length (8), the shapes do not depend on the sample."""
+    g = torch.Generator().manual_seed(1)
+    first = [torch.randn(4, W, generator=g) for _ in range(3)]
+    honest = [torch.randn(int(n), W, generator=g) for n in (4, 3, 4)]
+    attacker = torch.randn(6, W, generator=g) * 0.1
+
+    def batch(rows):
+        T = 8 if padding == "fixed" else max(len(r) for r in rows)
+        return padded(rows, T), torch.randn(len(rows), T, W, generator=torch.Generator())
+
+    t_first = batch(first)
+    runs = []
+    for second in (honest + [attacker], honest):
+        (x, mask), _ = batch(second)
+        t = torch.randn(len(second), x.shape[1], W, generator=torch.Generator().manual_seed(2))
+        runs.append(masked_steps(CountsBackwards(), [t_first, ((x, mask), t)], mode))
+    for step, (w, wo) in enumerate(zip(*runs), 1):
+        assert_bounded(w, wo, what=f"padding to the {padding}, {mode}, step {step}")
