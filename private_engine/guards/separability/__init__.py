@@ -47,22 +47,42 @@ compared entry near 2^11 and the largest gradient that entered any node of the g
 pass at most 2^14, which the plain pass notes with one reduction per node), and the weights only
 scale down; the scaled pass is the baseline unless it overflowed where the plain one did not.
 Rows that are not finite in the baseline or the weighted pass are not compared (such samples are
-dropped or rejected by the engine anyway), and the signature then stays unprobed, to be probed
-again at its next forward.
+dropped or rejected by the engine anyway): the probe then has no verdict for that batch.
 
 **When it runs.** A forward pre-hook on the root module computes an *input signature* (training
 flag, shapes with the batch size replaced by -1, dtypes and devices of the tensor arguments, the
 values of bool/str/None arguments and the types of other ones) — attribute reads only, no tensor
-op. For a signature not probed yet (with grad enabled), every floating tensor argument whose size
-along the batch dimension is the batch size (the size of the first tensor argument there) and
-that does not require grad is replaced by ``leaf.clone()`` with ``leaf = x.detach()
+op. For a signature still to be probed (with grad enabled), every floating tensor argument whose
+size along the batch dimension is the batch size (the size of the first tensor argument there)
+and that does not require grad is replaced by ``leaf.clone()`` with ``leaf = x.detach()
 .requires_grad_()`` (a non-leaf copy, so the model may still change it in place), and the probe
 is *pending*. :meth:`SeparabilityProbe.check` (per-sample losses) or
 :meth:`SeparabilityProbe.check_outputs` (a random cotangent on the model's outputs) then runs
-the comparison once and records the signature as probed (an LRU of 256 signatures, so models
-with changing shapes are probed per shape without unbounded memory). Nothing runs afterwards
-while the signature stays the same. A batch of one sample cannot show mixing: it leaves the
-signature unprobed.
+the comparison and counts one probe of the signature; after ``probed_steps`` probes (K, default
+1) the signature is accepted (an LRU of 256 signatures, so models with changing shapes are probed
+per shape without unbounded memory), and nothing runs afterwards while it stays the same.
+
+**Which batches are probed** is a function of the sequence of input signatures alone: the first K
+checked non-empty batches of each, counted whatever came out of them. The passes are seen by the
+model's tensor hooks, so a schedule that followed the verdict would let one sample tell the model
+code about itself: a sample whose gradient is not finite (which the engine drops, releasing the
+rest), or one that zeroes every other sample's gradient, leaves its batch without a verdict, and
+a re-probe of the next batch would run two passes more than the batch without the sample does. A
+batch of one sample (which cannot show mixing) runs the same passes, so neither does the batch
+size decide which batches are probed (an empty batch runs nothing and is not counted: the engine
+takes no backward of it either). A mixing verdict raises, and the signature stays to be probed.
+When none of the K probes of a signature had a verdict, a ``RuntimeWarning`` names the points
+not compared and the signature is accepted: a crafted sample in the first batch of a signature
+can hide mixing from the probe (K > 1 makes it need all K batches); the batch flow refuses mixing
+in the forward at every step whatever the values, and mixing only in the backward is then not
+ruled out. Cost: 2·K extra backward passes per signature (3·K when float16 is involved).
+
+The signature holds the shapes other than the batch size (all of them when the batch dimension is
+not known): the engine treats a batch's shapes as public, as the batch flow (which tags shapes as
+depending on no sample) and the layer plan (chosen per batch from the shapes; in the two-pass
+modes it decides whether the second backward runs) do, and the model's own forward receives them.
+Padding each batch to its longest sample makes one sample's length a shape — a new length is a
+new signature, probed at its first batch —, so pad to a fixed length when lengths are private.
 
 **When it fails** a diagnostic pass (cost irrelevant) hooks every autograd node between the loss
 and the offending tensor, repeats both passes with per-node fingerprints, and names the node(s)
@@ -91,7 +111,8 @@ Limits:
 The package's parts:
 
 * :mod:`.probe` — :class:`SeparabilityProbe`: the root pre-hook, the pending forwards, the
-  probed signatures (an LRU) and the checks;
+  schedule (the first K checked batches of each signature), the accepted signatures (an LRU) and
+  the checks;
 * :mod:`.inputs` — the input signature, the batch size, the differentiable copies of the
   model's per-sample inputs (a :class:`~.inputs.PendingForward` each);
 * :mod:`.graph` — the comparison points (recorded outputs, model inputs) and walks of the

@@ -165,7 +165,7 @@ def compare_points(gen: torch.Generator, roots, cotangents, B: int,
         if not passed:
             nbad, ncmp, _ = min(verdicts)
             results.append((p, nbad, ncmp))
-    # rows that could not be compared (not finite): the signature is probed again next time
+    # rows that could not be compared (not finite): no verdict for this batch
     complete = not overflow and all(bool(q.finite.all()) for qs in plain for q in qs.values())
     # points whose gradient reached fewer than two samples show nothing about mixing
     silent = [p.name for p, qs in zip(points, plain) if samples_reached(qs, B) < 2]

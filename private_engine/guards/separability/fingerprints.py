@@ -78,7 +78,7 @@ class Fingerprints:
         # in float32 (float64 stays), without a copy of a float32 gradient: a float64 copy of every
         # compared gradient would be a large transient (and, through the allocator's caching, a
         # lasting one); scaling by a power of two stays exact in float32 too. Rows whose norm
-        # overflows float32 (|x| > 1.8e19) read as not finite: not compared, probed again later
+        # overflows float32 (|x| > 1.8e19) read as not finite: not compared (no verdict)
         work = torch.float64 if x.dtype == torch.float64 else torch.float32
         key = (x.shape[1], x.device, work)
         u = self.vectors.get(key)

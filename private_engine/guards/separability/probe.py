@@ -23,7 +23,7 @@ from .inputs import PendingForward, arm, collect_tensors, first_batch, signature
 
 #: probed input signatures kept (least recently used dropped first), as ``hooks.py`` caps dims
 MAX_SIGNATURES = 256
-#: forwards with an unprobed signature remembered until the next check (the most recent ones)
+#: forwards with a signature still to be probed, remembered until the next check (the latest)
 MAX_PENDING = 8
 #: checked batches of every input signature that run the comparison, whatever its outcome (a
 #: verdict, none, or a batch of one sample): the schedule follows the signatures alone
