@@ -123,7 +123,8 @@ class SeparabilityProbe:
 
     def reset(self) -> None:
         """Forget the probed signatures and pending forwards: every signature is probed again
-        (its next ``probed_steps`` checked batches)."""
+        (its next ``probed_steps`` checked batches). The model's hooks see those passes: call it
+        for public reasons (a changed model), not in answer to what the probe found on data."""
         self._probed.clear()
         self._progress.clear()
         self._pending.clear()
