@@ -422,7 +422,7 @@ def two_steps(model: nn.Module, batches, mode: str) -> list:
 #: the first batch without the attacker's sample: three honest samples, or one (a Poisson batch
 #: of one sample, to which the attacker's joining adds the second); the attacker's target: not
 #: finite (dropped), or ordinary
-FIRST = {"dropped sample": (3, float("inf")), "batch of one": (1, None)}
+FIRST = {"dropped-sample": (3, float("inf")), "batch-of-one": (1, None)}
 
 
 @pytest.mark.parametrize("first", list(FIRST))
