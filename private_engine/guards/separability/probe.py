@@ -71,7 +71,7 @@ class SeparabilityProbe:
 
     def __init__(self, model: nn.Module, *, batch_dim: Optional[int] = 0,
                  probed_steps: int = PROBED_STEPS):
-        if not (isinstance(probed_steps, int) and probed_steps >= 1):
+        if type(probed_steps) is not int or probed_steps < 1:
             raise ValueError(f"probed_steps must be an integer >= 1 (got {probed_steps!r}): the "
                              "number of checked batches of each input signature the probe runs on.")
         self.model = model
