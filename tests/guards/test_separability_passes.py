@@ -10,6 +10,7 @@ one sample change what the other samples release.
 """
 from __future__ import annotations
 
+import logging
 import warnings
 
 import pytest
@@ -17,7 +18,11 @@ import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
-from private_engine.guards.separability import BatchMixingError, SeparabilityProbe
+from private_engine.guards.separability import (
+    BatchMixingError,
+    SeparabilityProbe,
+    probed_at,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -162,42 +167,142 @@ def schedule(first, K: int = 1, steps: int = 3, mix=lambda h: h, caught=None) ->
 
 
 KINDS = ["infinite gradient", "overflowing gradient", "others' gradients zero", "one sample"]
+#: the passes at the first nine forwards of a signature: probes at n = 1, 4, 8 (K = 1)
+HONEST_SCHEDULE = [2, 0, 0, 2, 0, 0, 0, 2, 0]
+
+
+def test_probed_forwards_are_the_first_K_then_powers_of_two_from_4():
+    """13 probes of a signature over 10,000 forwards with K = 1, 15 with K = 3."""
+    assert [n for n in range(1, 10_001) if probed_at(n)] == [1] + [2 ** j for j in range(2, 14)]
+    assert sum(probed_at(n, 3) for n in range(1, 10_001)) == 15
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_whether_the_next_batch_is_probed_does_not_depend_on_a_sample(kind):
-    """Three steps of one signature, the first batch honest or one without a verdict: the
-    backward passes at every step are the same (the probe runs its two passes at the first
-    step, a batch of one sample included, and never again)."""
+def test_whether_a_batch_is_probed_does_not_depend_on_a_sample_and_lasts(kind):
+    """Nine forwards of one signature, the first batch honest or one without a verdict: the
+    backward passes at every step are the same, and the probe comes back at the 4th and the 8th
+    forward (a model that changes after its first steps is probed again)."""
     x = torch.randn(B, D, generator=torch.Generator().manual_seed(0))
-    honest = schedule((x, honest_targets()))
-    assert honest == [2, 0, 0]
-    assert schedule(without_verdict(kind)) == honest, kind
+    honest = schedule((x, honest_targets()), steps=9)
+    assert honest == HONEST_SCHEDULE
+    assert schedule(without_verdict(kind), steps=9) == honest, kind
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_probed_steps_probes_K_batches_whatever_their_outcome(kind):
-    """``probed_steps=2``: the first two checked batches of the signature run the probe, with
-    or without a verdict at the first; a third does not."""
+def test_probed_steps_probes_the_first_K_batches_whatever_their_outcome(kind):
+    """``probed_steps=2``: the first two forwards of the signature run the probe, with or
+    without a verdict at the first; then the 4th and the 8th."""
     x = torch.randn(B, D, generator=torch.Generator().manual_seed(0))
-    assert schedule((x, honest_targets()), K=2) == [2, 2, 0]
-    assert schedule(without_verdict(kind), K=2) == [2, 2, 0], kind
+    want = [2, 2, 0, 2, 0, 0, 0, 2, 0]
+    assert schedule((x, honest_targets()), K=2, steps=9) == want
+    assert schedule(without_verdict(kind), K=2, steps=9) == want, kind
 
 
-def test_mixing_hidden_by_a_crafted_first_batch_is_warned_and_seen_at_a_later_probed_step():
-    """``h - h.mean(0)`` spreads one sample's infinite gradient to every row: the first probe
-    compares nothing. With one probed step the signature is accepted with a warning that names
-    what was not compared and what to do; with two, the second (honest) batch names the mix."""
-    center = lambda h: h - h.mean(0)  # noqa: E731
+class BackwardMean(torch.autograd.Function):
+    """The identity in the forward; its backward adds the batch mean of the gradient to every
+    row (mixing in the backward only: the batch flow, which follows the forward, cannot see it)."""
+
+    @staticmethod
+    def forward(ctx, h):
+        return h.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g + g.mean(0, keepdim=True)
+
+
+class BackwardRoll(torch.autograd.Function):
+    """The identity in the forward; its backward adds row m - 1's gradient to row m: a
+    non-finite row spreads to one other row only."""
+
+    @staticmethod
+    def forward(ctx, h):
+        return h.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g + g.roll(1, 0)
+
+
+def first_refusal(first, mix, steps: int = 9):
+    """The step (1-based) at which the probe refuses ``mix`` (None: never), the first batch
+    ``first`` and honest batches after it, as in :func:`schedule`."""
+    model = Amplified(mix)
+    probe = SeparabilityProbe(model)
+    probe.install()
+    x = torch.randn(B, D, generator=torch.Generator().manual_seed(2))
+    batches = [first] + [(x, honest_targets())] * (steps - 1)
+    for step, batch in enumerate(batches, 1):
+        try:
+            passes_per_step(model, probe, [batch])
+        except BatchMixingError as e:
+            assert "BackwardMean" in str(e) or "BackwardRoll" in str(e), str(e)
+            return step
+    return None
+
+
+#: the last sample's output gradient: infinite, huge, subnormal, and the step at which mixing
+#: in the backward is refused: an infinite gradient averaged into every row leaves no row to
+#: compare below the mix (the probe at the 4th forward sees it), the others show it at once
+CRAFTED_FIRST = {"inf": (float("inf"), 4), "1e30": (1e30, 1), "subnormal": (1e-40, 1)}
+
+
+@pytest.mark.parametrize("crafted", list(CRAFTED_FIRST))
+def test_mixing_in_the_backward_only_is_refused_at_a_probed_step_whatever_the_first_batch(
+        crafted):
+    """A custom ``autograd.Function`` whose backward adds the batch mean: refused at the first
+    probed step whose honest samples can show it, whatever one crafted sample in the first
+    batch holds; a backward that spreads one row to one other leaves the others to show it."""
+    value, step = CRAFTED_FIRST[crafted]
+    x = torch.randn(B, D, generator=torch.Generator().manual_seed(0))
+    assert first_refusal((x, honest_targets()), BackwardMean.apply) == 1
+    y = honest_targets()
+    y[-1] = value
+    assert first_refusal((x, y), BackwardMean.apply) == step, crafted
+    assert first_refusal((x, y), BackwardRoll.apply) == 1, crafted
+
+
+@pytest.mark.parametrize("kind", ["infinite gradient", "overflowing gradient"])
+def test_a_batch_is_judged_on_the_rows_that_are_finite(kind):
+    """A separable model, one sample whose gradient is not finite: the other samples are
+    compared at every point, so the probe has a verdict (no warning, none of the points
+    unseen)."""
+    model = Amplified()
+    probe = SeparabilityProbe(model)
+    probe.install()
     caught: list = []
-    assert schedule(without_verdict("infinite gradient"), mix=center, caught=caught) == [2, 0, 0]
-    assert len(caught) == 1 and "could not compare samples" in caught[0], caught
-    assert "raise probed_steps" in caught[0]
-    with pytest.raises(BatchMixingError, match="mean over dim 0"):
-        schedule(without_verdict("infinite gradient"), K=2, mix=center)
-    caught.clear()  # an honest first batch: a verdict, no warning
+    passes_per_step(model, probe, [without_verdict(kind)], caught)
+    assert caught == []
+    (record,) = probe.records.values()
+    assert (record.probes, record.verdicts, record.unseen) == (1, 1, {}), record
+
+
+def warnings_and_logs(batches, caplog) -> list:
+    """Nine forwards of one signature on a separable model: the warnings' messages and the log
+    records at INFO and above."""
+    model = Amplified()
+    probe = SeparabilityProbe(model)
+    probe.install()
+    caught: list = []
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="private_engine"):
+        passes_per_step(model, probe, batches, caught)
+    return caught + [r.getMessage() for r in caplog.records]
+
+
+def test_a_crafted_sample_in_or_out_of_the_probed_batches_leaves_the_same_warnings(caplog):
+    """The probe's warnings and INFO records are the same whether a sample whose gradient is
+    not finite is in every probed batch or not, for a separable model (nothing) and for one
+    whose batches are of one sample (the structural warning after three probes)."""
     x = torch.randn(B, D, generator=torch.Generator().manual_seed(0))
-    assert schedule((x, honest_targets()), caught=caught) == [2, 0, 0] and caught == []
+    honest = [(x, honest_targets())] * 9
+    crafted = [without_verdict("infinite gradient")] * 9
+    assert warnings_and_logs(honest, caplog) == warnings_and_logs(crafted, caplog) == []
+    one = [(x[:1], honest_targets(1))] * 9
+    two = [(x[:2], torch.cat([honest_targets(1), torch.full((1, H), float("inf"))]))] * 9
+    told = warnings_and_logs(one, caplog)
+    assert len(told) == 1 and "fewer than two samples" in told[0], told
+    assert warnings_and_logs(two, caplog) == told
 
 
 def test_probed_steps_must_be_a_positive_integer():

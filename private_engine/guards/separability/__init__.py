@@ -123,7 +123,16 @@ The package's parts:
 """
 from .diagnosis import BatchMixingError, describe_node
 from .fingerprints import DEFAULT_TOLERANCE, TOLERANCES
-from .probe import MAX_PENDING, MAX_SIGNATURES, PROBED_STEPS, SeparabilityProbe
+from .probe import (
+    MAX_PENDING,
+    MAX_SIGNATURES,
+    PROBED_STEPS,
+    STRUCTURAL_PROBES,
+    ProbeRecord,
+    SeparabilityProbe,
+    probed_at,
+)
 
 __all__ = ["BatchMixingError", "DEFAULT_TOLERANCE", "MAX_PENDING", "MAX_SIGNATURES",
-           "PROBED_STEPS", "SeparabilityProbe", "TOLERANCES", "describe_node"]
+           "PROBED_STEPS", "ProbeRecord", "STRUCTURAL_PROBES", "SeparabilityProbe", "TOLERANCES",
+           "describe_node", "probed_at"]

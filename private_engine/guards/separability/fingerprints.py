@@ -106,11 +106,16 @@ class Fingerprints:
         return RowPrint(norm, proj, finite, k, g.dtype, amax)
 
 
-def samples_reached(prints: Dict[int, "RowPrint"], B: int) -> int:
-    """The most samples with a non-zero, finite gradient row at a point, over its layouts."""
+def samples_compared(plain: Dict[int, "RowPrint"], weighted: Dict[int, "RowPrint"],
+                     B: int) -> int:
+    """The most samples with a row that is compared at a point (finite in both passes and not
+    zero in the plain one), over its layouts: a point shows mixing only when it is at least 2."""
     best = 0
-    for q in prints.values():
-        rows = (q.norm > 0) & q.finite
+    for d, q in plain.items():
+        w = weighted.get(d)
+        if w is None or w.k != q.k:
+            continue
+        rows = (q.norm > 0) & q.finite & w.finite
         best = max(best, int(rows.reshape(B, q.k).any(1).sum()))
     return best
 

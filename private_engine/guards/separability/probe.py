@@ -1,15 +1,17 @@
 """The separability probe's owner: a forward pre-hook on the root module that notes forwards with an
-input signature still to be probed (and makes their per-sample inputs differentiable), the
-schedule of the probes (the first ``probed_steps`` checked batches of every signature, whatever
-their outcome), the accepted signatures (an LRU) and the checks that run the comparison (the
-method is described in :mod:`private_engine.guards.separability`)."""
+input signature due for a probe (and makes their per-sample inputs differentiable), the schedule
+of the probes (the n-th forward of a signature is probed for n ≤ ``probed_steps`` and n = 4, 8,
+16, …, whatever came out of the earlier ones), what the probes found (a non-private record per
+signature) and the checks that run the comparison (the method is described in
+:mod:`private_engine.guards.separability`)."""
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import torch
 from torch import nn
@@ -21,24 +23,39 @@ from .diagnosis import mixing_error
 from .graph import ComparisonPoint, reached_forwards, target_points
 from .inputs import PendingForward, arm, collect_tensors, first_batch, signature
 
-#: probed input signatures kept (least recently used dropped first), as ``hooks.py`` caps dims
+log = logging.getLogger(__name__)
+
+#: input signatures whose forwards are counted (least recently used dropped first: a signature
+#: seen again after that starts its schedule over)
 MAX_SIGNATURES = 256
-#: forwards with a signature still to be probed, remembered until the next check (the latest)
+#: forwards due for a probe, remembered until the next check (the latest)
 MAX_PENDING = 8
-#: checked batches of every input signature that run the comparison, whatever its outcome (a
-#: verdict, none, or a batch of one sample): the schedule follows the signatures alone
+#: K: the first forwards of every input signature that are probed (then its 4th, 8th, 16th, ...)
 PROBED_STEPS = 1
+#: probes of a signature after which points that were never compared are told in a warning
+STRUCTURAL_PROBES = 3
+
+
+def probed_at(n: int, k: int = PROBED_STEPS) -> bool:
+    """Whether the n-th forward (n ≥ 1) of an input signature is probed: ``n ≤ k`` or ``n`` a
+    power of two from 4 on (``n = 2^j``, ``j ≥ 2``). Over N forwards of one signature that is
+    ``k + #{j ≥ 2 : k < 2^j ≤ N}`` probes, 13 for N = 10,000 and k = 1 (n = 1, 4, 8, …, 8192)."""
+    return n <= k or (n >= 4 and n & (n - 1) == 0)
 
 
 @dataclass
-class _Progress:
-    """The probes run so far for one input signature."""
+class ProbeRecord:
+    """What the probes of one input signature found so far (NOT private: it depends on the
+    batches' values, like the engine's dropped-sample count; read it for debugging)."""
 
-    runs: int = 0
-    #: whether some probe compared at least two samples at every point, with finite rows
-    verdict: bool = False
-    #: what kept the last probe from a verdict (for the warning)
-    unseen: List[str] = field(default_factory=list)
+    #: probes run (forwards of the signature that reached a check with a non-empty batch)
+    probes: int = 0
+    #: probes that compared at least two samples at every point
+    verdicts: int = 0
+    #: ``{point: probes in which it compared fewer than two samples}``
+    unseen: Dict[str, int] = field(default_factory=dict)
+    #: whether the warning about points never compared was given
+    warned: bool = False
 
 
 class SeparabilityProbe:
@@ -59,14 +76,15 @@ class SeparabilityProbe:
             made differentiable and compared as per-sample along dim 0 or dim 1, whichever
             holds (mixing is still seen; a sequence-first layout is not an error), and shapes
             enter the signature unnormalised (each batch size is a signature of its own).
-        probed_steps: K, the checked batches of every input signature that run the comparison
-            (default :data:`PROBED_STEPS`), each at the cost of two backward passes (three when
-            float16 is involved). The first K checks of a signature are probed whatever came
-            out of them — a verdict, none (a sample whose gradient is not finite, one that zeroes
-            the others' gradients) or a batch of one sample —, so which batches run the probe's
-            passes is a function of the sequence of input signatures alone, never of a sample's
-            values or of the batch size. When none of the K gave a verdict a ``RuntimeWarning``
-            names the points that were not compared, and the signature is accepted.
+        probed_steps: K (default :data:`PROBED_STEPS`): the first K forwards of every input
+            signature are probed, and after them its 4th, 8th, 16th, … (:func:`probed_at`), each
+            probe at the cost of two backward passes (three when float16 is involved): 13 probes
+            of a signature over 10,000 forwards with K = 1. Which forwards run the probe's passes
+            is a function of how many forwards of the signature came before, never of a sample's
+            values, of a verdict or of the batch size. What the probes found is in
+            :attr:`records` (not private: for debugging); points that compared fewer than two
+            samples at every one of a signature's first three probes are told in one
+            ``RuntimeWarning``.
     """
 
     def __init__(self, model: nn.Module, *, batch_dim: Optional[int] = 0,
@@ -77,10 +95,12 @@ class SeparabilityProbe:
         self.model = model
         self.batch_dim = batch_dim
         self.probed_steps = probed_steps
-        #: accepted signatures: probed ``probed_steps`` times (an LRU)
-        self._probed: "OrderedDict[tuple, None]" = OrderedDict()
-        #: signatures probed fewer than ``probed_steps`` times so far (an LRU)
-        self._progress: "OrderedDict[tuple, _Progress]" = OrderedDict()
+        #: forwards (with grad) of every input signature so far (an LRU)
+        self._forwards: "OrderedDict[tuple, int]" = OrderedDict()
+        #: signatures whose last probe refused the model: their next forward is probed too
+        self._refused: set = set()
+        #: what the probes of every signature found (an LRU, not private)
+        self._records: "OrderedDict[tuple, ProbeRecord]" = OrderedDict()
         self._pending: deque = deque(maxlen=MAX_PENDING)
         self._handle = None
         self._gen = torch.Generator()
@@ -117,16 +137,23 @@ class SeparabilityProbe:
 
     @property
     def pending(self) -> bool:
-        """True when a forward with an input signature still to be probed ran since the last
-        check."""
+        """True when a forward due for a probe ran since the last check."""
         return bool(self._pending)
 
+    @property
+    def records(self) -> Dict[tuple, ProbeRecord]:
+        """``{input signature: ProbeRecord}``: the probes run, those with a verdict and the
+        points not compared. NOT private (it follows the batches' values, as
+        ``engine.dropped_samples`` does): read it for debugging, do not publish it."""
+        return dict(self._records)
+
     def reset(self) -> None:
-        """Forget the probed signatures and pending forwards: every signature is probed again
-        (its next ``probed_steps`` checked batches). The model's hooks see those passes: call it
-        for public reasons (a changed model), not in answer to what the probe found on data."""
-        self._probed.clear()
-        self._progress.clear()
+        """Forget the forward counts, records and pending forwards: every signature's schedule
+        starts over (its next forward is probed). The model's hooks see those passes: call it for
+        public reasons (a changed model), not in answer to what the probe found on data."""
+        self._forwards.clear()
+        self._refused.clear()
+        self._records.clear()
         self._pending.clear()
 
     def _pre(self, module, args, kwargs):
@@ -138,8 +165,11 @@ class SeparabilityProbe:
             B = first_batch(kwargs, bd)
         sig = (module.training, bd, signature(args, bd, B),
                signature(kwargs, bd, B) if kwargs else ())
-        if sig in self._probed:
-            self._probed.move_to_end(sig)
+        n = self._forwards.pop(sig, 0) + 1
+        self._forwards[sig] = n
+        while len(self._forwards) > MAX_SIGNATURES:
+            self._forwards.popitem(last=False)
+        if not (probed_at(n, self.probed_steps) or sig in self._refused):
             return None
         fwd = PendingForward(signature=sig, batch_size=B)
         memo: Dict[int, torch.Tensor] = {}
@@ -162,10 +192,10 @@ class SeparabilityProbe:
         and of ``Σ_j 2^{e_j}·L_j`` (``retain_graph=True``) and compares, at every target and at
         the remembered model inputs that reach the loss, row m of the weighted gradient with
         ``2^{e_{m//k}}`` times the plain one (module doc). Clears ``pending`` and the remembered
-        inputs and counts one probe of the input signature(s) (accepted after ``probed_steps``);
-        raises :class:`BatchMixingError` naming the offending target closest to the loss and the
+        inputs and records the probe of the input signature(s) (:attr:`records`); raises
+        :class:`BatchMixingError` naming the offending target closest to the loss and the
         autograd op(s) that mix rows. Does nothing when no probe is pending or the batch is
-        empty (B = 0: nothing is counted).
+        empty (B = 0).
         """
         if not self._pending:
             return
@@ -249,42 +279,38 @@ class SeparabilityProbe:
             # the same passes for a batch of one sample (which cannot show mixing): their number
             # does not tell the batch size
             verdict = compare_points(self._gen, roots, cotangents, B, points)
-            if verdict.bad:  # a refusal: the signature stays to be probed
+            if verdict.bad:  # a refusal: the signature's next forward is probed too
+                self._refused.update(f.signature for f in reached)
                 raise mixing_error(self._gen, roots, cotangents, B, verdict.bad, layouts,
                                    verdict.weights)
-        self._count({f.signature for f in reached}, verdict, B)
+        self._record({f.signature for f in reached}, verdict)
 
-    def _count(self, sigs, verdict: Optional[Comparison], B: int) -> None:
-        """One probe of the signatures ``sigs`` done, whatever its outcome; a signature probed
-        ``probed_steps`` times is accepted (with a warning when none of its probes had a
-        verdict: a crafted sample can leave a batch without one, see the module doc)."""
-        if verdict is None:  # nothing to compare: no point, no model input
-            seen, unseen = True, []
-        elif B < 2:
-            seen, unseen = False, ["every point (a batch of one sample)"]
-        else:
-            seen = verdict.complete and not verdict.silent
-            unseen = sorted(set(verdict.silent)) or ["rows that were not finite"]
+    def _record(self, sigs, verdict: Optional[Comparison]) -> None:
+        """Note one probe of the signatures ``sigs`` in :attr:`records`. Points that compared
+        fewer than two samples (finite, non-zero rows in both passes) go to a DEBUG log record;
+        those that did so at every one of a signature's first :data:`STRUCTURAL_PROBES` probes
+        to one ``RuntimeWarning`` (a structural limit of the probe, module doc)."""
+        # a batch of one sample compares one sample at every point: all of them are unseen
+        unseen = [] if verdict is None else sorted(set(verdict.silent))
+        if unseen:
+            log.debug("separability probe: fewer than two samples compared at %s", unseen)
         for sig in sigs:
-            prog = self._progress.pop(sig, None) or _Progress()
-            prog.runs += 1
-            prog.verdict = prog.verdict or seen
-            if not seen:
-                prog.unseen = unseen
-            if prog.runs < self.probed_steps:
-                self._progress[sig] = prog
-                continue
-            if not prog.verdict:
+            self._refused.discard(sig)
+            rec = self._records.pop(sig, None) or ProbeRecord()
+            self._records[sig] = rec
+            rec.probes += 1
+            rec.verdicts += not unseen
+            for name in unseen:
+                rec.unseen[name] = rec.unseen.get(name, 0) + 1
+            never = sorted(n for n, c in rec.unseen.items() if c == rec.probes)
+            if rec.probes == STRUCTURAL_PROBES and never and not rec.warned:
+                rec.warned = True
                 warnings.warn(
-                    f"the separability probe could not compare samples at {prog.unseen} in the "
-                    f"{prog.runs} batch(es) it probes of this input signature (the gradient there "
-                    "reached fewer than two samples, or was not finite): mixing of samples there "
-                    "is not ruled out. The batch flow still refuses mixing in the forward; to "
-                    "probe more batches, raise probed_steps.",
+                    f"the separability probe compared fewer than two samples at {never} in each "
+                    f"of the first {rec.probes} batches it probed of this input signature: the "
+                    "gradient there reaches at most one sample (or is not finite), so mixing of "
+                    "samples in the backward there is not ruled out (the batch flow still "
+                    "refuses mixing in the forward). See probe.records.",
                     RuntimeWarning, stacklevel=5)
-            self._probed[sig] = None
-            self._probed.move_to_end(sig)
-        while len(self._progress) > MAX_SIGNATURES:
-            self._progress.popitem(last=False)
-        while len(self._probed) > MAX_SIGNATURES:
-            self._probed.popitem(last=False)
+        while len(self._records) > MAX_SIGNATURES:
+            self._records.popitem(last=False)
