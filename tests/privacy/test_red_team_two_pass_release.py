@@ -26,7 +26,8 @@ Section 5: the same kind of hook, counting backward passes into a buffer, across
 first batch holding a sample whose gradient is not finite (the engine drops it, releasing the
 rest) left the probe without a verdict, and the probe ran again at the second step: the
 buffer released after it differed by the probe's two passes (ratio B·2/R = 8). Held since the
-probed batches of a signature are its first ones, whatever came out of them. Padding each batch
+probed forwards of a signature are set by their count alone (1, 4, 8, …), whatever came out of
+them. Padding each batch
 to its longest sample makes one sample's length a shape, which the engine treats as public (a
 new shape is a new signature, probed; the two-pass modes' plan follows the shapes): a documented
 limit, held by padding to a fixed length. The other tests are attacks that held, kept as
@@ -402,8 +403,8 @@ class CountsBackwards(nn.Module):
 
 
 def two_steps(model: nn.Module, batches, mode: str) -> list:
-    """Two private steps of one native engine (noise 0, SGD lr 1) on ``model``: what each
-    released, or :class:`Refused`."""
+    """Private steps of one native engine (noise 0, SGD lr 1) on ``model``, one per batch: what
+    each released, or :class:`Refused`."""
     engine = pe.PrivacyEngine(model, batch_size=B, sample_size=10 * B, max_grad_norm=R,
                               noise_multiplier=0.0, clipping_mode=mode)
     opt = CapturingSGD(model.parameters())
@@ -428,10 +429,10 @@ FIRST = {"dropped-sample": (3, float("inf")), "batch-of-one": (1, None)}
 @pytest.mark.parametrize("first", list(FIRST))
 @pytest.mark.parametrize("mode", MODES)
 def test_the_sample_does_not_decide_which_steps_run_the_probe(mode, first):
-    """The first step with and without the attacker's sample, the second on the same honest
-    batch: both steps' releases, the pass-counting buffer included, agree (a dropped sample left
-    the probe without a verdict, a batch of one sample left it unprobed: the probe ran at the
-    second step, its passes released through the buffer)."""
+    """The first step with and without the attacker's sample, three more on the same honest
+    batch (the 4th is probed again): every step's releases, the pass-counting buffer included,
+    agree (a dropped sample left the probe without a verdict, a batch of one sample left it
+    unprobed: the probe ran at the second step, its passes released through the buffer)."""
     n, target = FIRST[first]
     g = torch.Generator().manual_seed(1)
     honest = (torch.randn(n, W, generator=g), torch.randn(n, W, generator=g))
@@ -440,7 +441,7 @@ def test_the_sample_does_not_decide_which_steps_run_the_probe(mode, first):
         crafted[1].fill_(target)
     second = (torch.randn(3, W, generator=g), torch.randn(3, W, generator=g))
     with_sample = (torch.cat([honest[0], crafted[0]]), torch.cat([honest[1], crafted[1]]))
-    runs = [two_steps(CountsBackwards(), [first_batch, second], mode)
+    runs = [two_steps(CountsBackwards(), [first_batch, second, second, second], mode)
             for first_batch in (with_sample, honest)]
     for step, (w, wo) in enumerate(zip(*runs), 1):
         assert_bounded(w, wo, what=f"{first}, {mode}, step {step}")
