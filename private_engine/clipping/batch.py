@@ -4,9 +4,6 @@ factors with non-finite samples dropped, and the clipped sums."""
 from __future__ import annotations
 
 import logging
-import os
-import sys
-import warnings
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional
 
@@ -21,17 +18,6 @@ from .grad_sums import GradSums
 from .loss_scaling import LossScaling
 
 log = logging.getLogger(__name__)
-
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _user_stacklevel() -> int:
-    """The ``stacklevel`` of a warning raised here that points at the first caller outside the
-    package (the user's ``optimizer.step`` line, whichever path led here)."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def check_per_sample_loss(loss, *, name: str = "loss") -> torch.Tensor:
@@ -99,9 +85,10 @@ def clip_batch(clipper: PerSampleClipper, loss: torch.Tensor, *,
     of its layer, before anything is modified. With ``loss_scaling`` (float16), the backward runs
     on ``S·Σ L_i`` and norms and factors are unscaled in float32. A sample whose loss or certified
     norm is not finite is dropped (``C_i = 0``, its rows zeroed). ``names``: ``{id(param): name}``
-    for messages. ``all_dropped_hint``: when given, a ``RuntimeWarning`` with this advice, at the
-    user's line, says that every sample of a batch was dropped. Under loss scaling, half the batch
-    or more dropped warns with the scale to use instead
+    for messages. Dropped samples go to DEBUG log records only (whether one sample was dropped
+    tells whether it was in the batch; the count is in the step metrics): with
+    ``all_dropped_hint`` (advice) when every sample of a batch was dropped, and under loss
+    scaling, when half the batch or more was, with the scale to use instead
     (:meth:`LossScaling.overflow_advice`). ``before_sums`` (optional): called with the clipper
     once the clip factors are known, before the clipped sums are formed (FSDP2 frees the gathered
     parameters there when the sums need no weights). ``walk``: the result of
@@ -141,17 +128,15 @@ def clip_batch(clipper: PerSampleClipper, loss: torch.Tensor, *,
             sums = clipper.clipped_sums(loss_in, factors, keep=keep)  # releases what it kept
     if scaling is not None:
         scaling.update(dropped)
+    # whether one sample was dropped is a membership signal: DEBUG records (off by default),
+    # the count in the step metrics and engine.dropped_samples (non-private statistics)
     if dropped:
-        log.info("%d of %d samples of this batch dropped (clip factor 0): non-finite loss or "
-                 "gradient norm", dropped, loss.shape[0])
+        log.debug("%d of %d samples of this batch dropped (clip factor 0): non-finite loss or "
+                  "gradient norm", dropped, loss.shape[0])
     if scaling is not None and dropped and 2 * dropped >= loss.shape[0]:
-        warnings.warn(
-            f"{dropped} of the {loss.shape[0]} samples of this batch had a non-finite scaled "
-            f"loss or gradient norm and were dropped (clip factor 0): "
-            f"{scaling.overflow_advice()}", RuntimeWarning, stacklevel=_user_stacklevel())
+        log.debug("%d of the %d samples of this batch had a non-finite scaled loss or gradient "
+                  "norm: %s", dropped, loss.shape[0], scaling.overflow_advice())
     elif dropped == loss.shape[0] and all_dropped_hint is not None:
-        warnings.warn(
-            f"every sample of this batch ({dropped}) had a non-finite loss or gradient norm "
-            f"and was dropped (clip factor 0): {all_dropped_hint}", RuntimeWarning,
-            stacklevel=_user_stacklevel())
+        log.debug("every sample of this batch (%d) had a non-finite loss or gradient norm: %s",
+                  dropped, all_dropped_hint)
     return ClippedBatch(sums, loss.shape[0], norms.detach(), dropped, loss.detach())

@@ -218,12 +218,14 @@ def test_outputs_of_a_skipped_module_keep_the_verified_batch_dimension():
     engine = make_engine(model, 3, mode="bk_mixed")
     # T == B: only the batch dimension the tracer followed tells rows from samples
     x = torch.randn(3, 3, 4)
-    for _ in range(2):  # traced (verification), then skipped: the same refusal both times
+    # traced (verification), then skipped: the same refusal every time. The first forward's
+    # input is the separability probe's differentiable copy (requires_grad: a key of its own)
+    for _ in range(3):
         with pytest.raises(ValueError, match="moved from dim 0"):
             engine.clipped_grad_sum(sum_loss(model(x)))
         engine.clipper.release()
     (verdicts,) = engine.clipper.tracer.plain.verdicts.values()
-    assert list(verdicts.values()) == [(1,)]
+    assert list(verdicts.values()) == [(1,), (1,)]
 
 
 def test_candidates_are_maximal_and_avoid_tracked_parameters_and_opaque_modules():

@@ -143,16 +143,20 @@ def test_signatures_are_capped(monkeypatch):
     for T in range(1, 7):
         out = model(torch.randn(4, T, D)).sum(1)
         probe.check(per_sample_ce(out, torch.zeros(4, dtype=torch.long)), rec.take())
-    assert len(probe._probed) == 3
+    assert len(probe._forwards) == 3 and len(probe.records) == 3
 
 
-def test_one_sample_leaves_the_signature_unprobed():
+def test_a_batch_of_one_sample_is_a_probed_step_without_a_verdict():
+    """It cannot show mixing, but is one of the signature's probed batches (the batch size does
+    not decide which batches run the probe): recorded without a verdict, no warning."""
     model = Mixer(lambda h: h)
     probe, rec = probe_for(model)
     x, y = batch(B=1)
     probe.check(per_sample_ce(model(x), y), rec.take())
+    (record,) = probe.records.values()
+    assert (record.probes, record.verdicts) == (1, 0) and record.unseen
     model(torch.randn(4, D))
-    assert probe.pending
+    assert not probe.pending
 
 
 def test_mae_random_masking_and_unshuffle_are_accepted():
@@ -336,14 +340,18 @@ def test_float32_overflow_of_the_weighted_pass_is_retried_with_smaller_weights()
         run_check(Mixer(lambda h: h.flip(0)), x, y, loss_fn=huge)
 
 
-def test_non_finite_gradients_leave_the_signature_unprobed():
+def test_non_finite_gradients_leave_the_other_samples_to_compare():
+    """A sample whose gradients are not finite is not compared; the others are, so the batch
+    has a verdict (recorded, no warning), and the next batch is not probed."""
     model = Mixer(lambda h: h)
     probe, rec = probe_for(model)
     x, y = batch()
     x[2, 0] = float("inf")  # sample 2's gradients are not finite: its rows cannot be compared
     probe.check(per_sample_ce(model(x), y), rec.take())
+    (record,) = probe.records.values()
+    assert (record.probes, record.verdicts, record.unseen) == (1, 1, {})
     model(batch()[0])
-    assert probe.pending
+    assert not probe.pending
 
 
 # -- models that must be rejected ---------------------------------------------------------------
@@ -526,8 +534,11 @@ def test_unrelated_pending_forward_is_not_probed():
     assert probe.pending
     probe.check(per_sample_ce(out, y), rec.take())
     model.eval()
+    model(x)  # the eval signature's 2nd forward: not probed (its 1st, never checked, was)
+    assert not probe.pending
     model(x)
-    assert probe.pending  # the eval signature was not marked probed by the training check
+    model(x)
+    assert probe.pending  # its 4th
 
 
 # -- check_outputs (a reduced loss: Opacus' front door) -----------------------------------------

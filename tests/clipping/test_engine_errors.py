@@ -1,6 +1,7 @@
 """What bad input gets: clear errors, and a failed step leaves the model parameters, the optimizer
 state, the accumulated sums and the accountant untouched."""
 import copy
+import logging
 import warnings
 
 import pytest
@@ -215,11 +216,14 @@ def test_non_finite_sample_is_dropped_not_a_failed_step(where, mode):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
-def test_a_batch_of_only_non_finite_samples_warns_and_releases_nothing_but_noise():
+def test_a_batch_of_only_non_finite_samples_releases_nothing_but_noise(caplog):
+    """Told in a DEBUG record (whether a sample was dropped is a membership signal)."""
     model, engine, opt, x, y = _setup(torch.optim.SGD)
     before = [p.detach().clone() for p in model.parameters()]
-    with pytest.warns(RuntimeWarning, match="diverged"):
+    with caplog.at_level(logging.DEBUG, logger="private_engine.clipping.batch"):
         opt.step(loss=_loss(model, x, y) * float("nan"))
+    assert any("diverged" in r.getMessage() and r.levelno == logging.DEBUG
+               for r in caplog.records)
     assert engine.dropped_samples == 4 and engine.steps_taken == 1
     for p, b in zip(model.parameters(), before):
         assert torch.equal(p.detach(), b)  # noise 0: nothing released
@@ -233,8 +237,8 @@ def test_failed_virtual_step_does_not_pollute_the_logical_batch():
         model, engine, opt, x, y = _setup(torch.optim.SGD)
         opt.virtual_step(loss=_loss(model, x, y))
         if include_bad:
-            with pytest.warns(RuntimeWarning):
-                opt.virtual_step(loss=_loss(model, x, y) * float("nan"))
+            opt.virtual_step(loss=_loss(model, x, y) * float("nan"))
+            assert engine.dropped_samples == len(x)
             with pytest.raises(ValueError):
                 opt.virtual_step(loss=_loss(model, x, y).mean())
         opt.step(loss=_loss(model, x[:2], y[:2]))
@@ -409,15 +413,17 @@ def test_private_step_after_detach_raises_clear_error_and_plain_step_still_works
     assert not torch.equal(before, model.weight)
 
 
-def test_all_dropped_warning_points_at_the_users_line_in_both_steps():
+def test_all_dropped_is_a_debug_record_in_both_steps_and_no_warning(caplog):
     model = nn.Linear(3, 2)
     engine = pe.PrivacyEngine(model, batch_size=4, sample_size=40, max_grad_norm=1.0,
                               noise_multiplier=0.0)
     opt = engine.attach(torch.optim.SGD(model.parameters(), lr=1.0))
     x = torch.full((4, 3), float("nan"))
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, \
+            caplog.at_level(logging.DEBUG, logger="private_engine.clipping.batch"):
         warnings.simplefilter("always")
         opt.virtual_step(loss=model(x).sum(1))
         opt.step(loss=model(x).sum(1))
-    dropped = [w for w in caught if "was dropped" in str(w.message)]
-    assert [w.filename for w in dropped] == [__file__, __file__]
+    assert not [w for w in caught if "non-finite" in str(w.message)]
+    told = [r for r in caplog.records if "every sample of this batch" in r.getMessage()]
+    assert [r.levelno for r in told] == [logging.DEBUG, logging.DEBUG]

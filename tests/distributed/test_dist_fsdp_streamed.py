@@ -5,7 +5,8 @@ own backward hooks and resharded after its backward, and each unit's clipped sum
 reduce-scattered into the ranks' shard sums as soon as they are formed. An MLP of four Linear
 layers, each its own unit (biases of 8 and 3 rows: padded shards):
 
-* after a first step (the separability probe's, with the whole model gathered), a logical batch
+* after four steps (the separability probe runs at the 1st and the 4th forward, with the whole
+  model gathered; the next ones until the 8th are not probed), a logical batch
   of physical batches of different sizes, an empty one on each rank (rank 0: 3, 0, 2 samples;
   rank 1: 1, 4, 0), steps the shards by the float64 clipped mean computed sample by sample
   (noise 0, SGD at learning rate 1);
@@ -77,10 +78,11 @@ def _engine(model, mode):
 
 
 def _warm_up(rank, model, opt):
-    """A first step (the probe runs on it, with the whole model gathered)."""
+    """Four steps (the probe runs at the 1st and the 4th, with the whole model gathered)."""
     x, y = _data()
     sl = slice(rank * 5, rank * 5 + 5)
-    opt.step(loss=_loss(model, x[sl], y[sl]))
+    for _ in range(4):
+        opt.step(loss=_loss(model, x[sl], y[sl]))
 
 
 def _gathered_spy(model):

@@ -20,7 +20,17 @@ crafted sample whose two positions have equal activations and opposite output gr
 bfloat16 whenever two weights rounded alike. Under float16 autocast the model's swap at every
 backward also ran once more in the batch without the sample (the separability probe's rescaled
 pass, run only when the batch's largest gradient was small): 1.005·R/B under book-keeping, held
-since the probe's passes are a fixed sequence. The other tests are attacks that held, kept as
+since the probe's passes are a fixed sequence.
+
+Section 5: the same kind of hook, counting backward passes into a buffer, across two steps. A
+first batch holding a sample whose gradient is not finite (the engine drops it, releasing the
+rest) left the probe without a verdict, and the probe ran again at the second step: the
+buffer released after it differed by the probe's two passes (ratio B·2/R = 8). Held since the
+probed forwards of a signature are set by their count alone (1, 4, 8, …), whatever came out of
+them. Padding each batch
+to its longest sample makes one sample's length a shape, which the engine treats as public (a
+new shape is a new signature, probed; the two-pass modes' plan follows the shapes): a documented
+limit, held by padding to a fixed length. The other tests are attacks that held, kept as
 regression tests.
 """
 from __future__ import annotations
@@ -34,13 +44,16 @@ from reference import reference_clipped_sum
 from test_privacy_under_attack import (
     DOOR_IDS,
     DOORS,
+    MODES,
     B,
     CapturingSGD,
     Case,
     R,
+    Refused,
     assert_bounded,
     mse,
     opposite_targets,
+    released,
     run_pair,
 )
 
@@ -381,3 +394,124 @@ def test_output_gradients_that_differ_between_the_passes(door, how):
     case = Case(model, (xh, th), (torch.randn(1, 2, W, generator=g) * 100,
                                   torch.randn(1, 2, W, generator=g) * 1e4))
     assert_bounded(*run_pair(case, door, how), what=f"{door}-{how}")
+
+
+# -- 5. which steps run the separability probe: seen by a hook that counts backward passes -------
+class CountsBackwards(nn.Module):
+    """``l2(tanh(l1(x)))`` with a float buffer that a hook on the hidden tensor raises by one at
+    every backward pass, through ``.data`` (no version counter moves, so no guard sees it): the
+    released buffer tells how many backward passes the engine ran."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1, self.l2 = nn.Linear(W, W), nn.Linear(W, W)
+        self.register_buffer("passes", torch.zeros(()))
+
+    def forward(self, x):
+        h = torch.tanh(self.l1(x))
+        if h.requires_grad:
+            h.register_hook(self._count)
+        return self.l2(h)
+
+    def _count(self, g):
+        self.passes.data += 1
+
+
+def two_steps(model: nn.Module, batches, mode: str) -> list:
+    """Private steps of one native engine (noise 0, SGD lr 1) on ``model``, one per batch: what
+    each released, or :class:`Refused`."""
+    engine = pe.PrivacyEngine(model, batch_size=B, sample_size=10 * B, max_grad_norm=R,
+                              noise_multiplier=0.0, clipping_mode=mode)
+    opt = CapturingSGD(model.parameters())
+    engine.attach(opt)
+    out: list = []
+    for x, t in batches:
+        try:
+            opt.step(loss=mse(model(x), t))
+        except ValueError as e:
+            out.append(Refused(e, "step"))
+            continue
+        out.append(released(model, opt))
+    return out
+
+
+#: the first batch without the attacker's sample: three honest samples, or one (a Poisson batch
+#: of one sample, to which the attacker's joining adds the second); the attacker's target: not
+#: finite (dropped), or ordinary
+FIRST = {"dropped-sample": (3, float("inf")), "batch-of-one": (1, None)}
+
+
+@pytest.mark.parametrize("first", list(FIRST))
+@pytest.mark.parametrize("mode", MODES)
+def test_the_sample_does_not_decide_which_steps_run_the_probe(mode, first):
+    """The first step with and without the attacker's sample, three more on the same honest
+    batch (the 4th is probed again): every step's releases, the pass-counting buffer included,
+    agree (a dropped sample left the probe without a verdict, a batch of one sample left it
+    unprobed: the probe ran at the second step, its passes released through the buffer)."""
+    n, target = FIRST[first]
+    g = torch.Generator().manual_seed(1)
+    honest = (torch.randn(n, W, generator=g), torch.randn(n, W, generator=g))
+    crafted = (torch.randn(1, W, generator=g), torch.randn(1, W, generator=g) * 0.1)
+    if target is not None:
+        crafted[1].fill_(target)
+    second = (torch.randn(3, W, generator=g), torch.randn(3, W, generator=g))
+    with_sample = (torch.cat([honest[0], crafted[0]]), torch.cat([honest[1], crafted[1]]))
+    runs = [two_steps(CountsBackwards(), [first_batch, second, second, second], mode)
+            for first_batch in (with_sample, honest)]
+    for step, (w, wo) in enumerate(zip(*runs), 1):
+        assert_bounded(w, wo, what=f"{first}, {mode}, step {step}")
+
+
+def padded(rows, T: int):
+    """Sequences ``(n_i, W)`` zero-padded to ``T`` positions: ``(x, mask)``, ``mask`` (B, T)."""
+    x = torch.zeros(len(rows), T, W)
+    mask = torch.zeros(len(rows), T)
+    for i, r in enumerate(rows):
+        x[i, :len(r)] = r
+        mask[i, :len(r)] = 1.0
+    return x, mask
+
+
+def masked_steps(model: nn.Module, batches, mode: str) -> list:
+    """:func:`two_steps` with the squared error taken over each sample's own positions."""
+    engine = pe.PrivacyEngine(model, batch_size=B, sample_size=10 * B, max_grad_norm=R,
+                              noise_multiplier=0.0, clipping_mode=mode)
+    opt = CapturingSGD(model.parameters())
+    engine.attach(opt)
+    out: list = []
+    for (x, mask), t in batches:
+        opt.step(loss=((model(x) - t).square().sum(2) * mask).sum(1))
+        out.append(released(model, opt))
+    return out
+
+
+@pytest.mark.parametrize("padding", [
+    pytest.param("longest", marks=pytest.mark.xfail(strict=True, reason=(
+        "documented limit: shapes are public (docs/engine.md, 'Batch separability'); padding "
+        "to the batch's longest sample makes one sample's length the batch's shape"))),
+    "fixed"])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_long_sample_padded_into_the_batch_shape(mode, padding):
+    """Step 1: honest sequences of length 4. Step 2: honest sequences with, and without, the
+    attacker's sequence of length 6. Padded to the batch's longest sample, the attacker makes
+    the second batch a new shape: a new input signature, probed (two backward passes more, which
+    the pass-counting buffer releases: ratio ≈ 8), and in the two-pass modes a plan of its own.
+    Padded to a fixed length (8), the shapes do not depend on the sample."""
+    g = torch.Generator().manual_seed(1)
+    first = [torch.randn(4, W, generator=g) for _ in range(3)]
+    honest = [torch.randn(int(n), W, generator=g) for n in (4, 3, 4)]
+    attacker = torch.randn(6, W, generator=g) * 0.1
+
+    def batch(rows):
+        T = 8 if padding == "fixed" else max(len(r) for r in rows)
+        return padded(rows, T), torch.randn(len(rows), T, W, generator=torch.Generator())
+
+    t_first = batch(first)
+    runs = []
+    for second in (honest + [attacker], honest):
+        (x, mask), _ = batch(second)
+        t = torch.randn(len(second), x.shape[1], W, generator=torch.Generator().manual_seed(2))
+        runs.append(masked_steps(CountsBackwards(), [t_first, ((x, mask), t)], mode))
+    for step, (w, wo) in enumerate(zip(*runs), 1):
+        assert_bounded(w, wo, what=f"padding to the {padding}, {mode}, step {step}")

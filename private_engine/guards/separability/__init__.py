@@ -47,22 +47,54 @@ compared entry near 2^11 and the largest gradient that entered any node of the g
 pass at most 2^14, which the plain pass notes with one reduction per node), and the weights only
 scale down; the scaled pass is the baseline unless it overflowed where the plain one did not.
 Rows that are not finite in the baseline or the weighted pass are not compared (such samples are
-dropped or rejected by the engine anyway), and the signature then stays unprobed, to be probed
-again at its next forward.
+dropped by the engine anyway); a batch is judged on the others: a point has a verdict when at
+least two samples' rows there are finite in both passes and not zero.
 
 **When it runs.** A forward pre-hook on the root module computes an *input signature* (training
 flag, shapes with the batch size replaced by -1, dtypes and devices of the tensor arguments, the
 values of bool/str/None arguments and the types of other ones) — attribute reads only, no tensor
-op. For a signature not probed yet (with grad enabled), every floating tensor argument whose size
-along the batch dimension is the batch size (the size of the first tensor argument there) and
-that does not require grad is replaced by ``leaf.clone()`` with ``leaf = x.detach()
-.requires_grad_()`` (a non-leaf copy, so the model may still change it in place), and the probe
-is *pending*. :meth:`SeparabilityProbe.check` (per-sample losses) or
-:meth:`SeparabilityProbe.check_outputs` (a random cotangent on the model's outputs) then runs
-the comparison once and records the signature as probed (an LRU of 256 signatures, so models
-with changing shapes are probed per shape without unbounded memory). Nothing runs afterwards
-while the signature stays the same. A batch of one sample cannot show mixing: it leaves the
-signature unprobed.
+op — and counts the forwards (with grad enabled) of every signature. The n-th forward of a
+signature is probed when ``n ≤ K`` (``probed_steps``, default 1) or ``n`` is a power of two from 4
+on (4, 8, 16, …): every floating tensor argument whose size along the batch dimension is the batch
+size (the size of the first tensor argument there) and that does not require grad is replaced by
+``leaf.clone()`` with ``leaf = x.detach().requires_grad_()`` (a non-leaf copy, so the model may
+still change it in place), and the probe is *pending*. :meth:`SeparabilityProbe.check`
+(per-sample losses) or :meth:`SeparabilityProbe.check_outputs` (a random cotangent on the model's
+outputs) then runs the comparison. Other forwards run untouched. The counts are kept for 256
+signatures (an LRU: a signature seen again after that starts its schedule over).
+
+**Which batches are probed** is a function of the sequence of input signatures alone, never of a
+verdict, a value or the batch size: the passes are seen by the model's tensor hooks, so a schedule
+that followed what the probe found would let one sample tell the model code about itself (a
+sample whose gradient is not finite, which the engine drops, would make the next batch run two
+passes more than the batch without it does). A batch of one sample runs the same passes, and an
+empty batch counts as a forward (it runs no pass: the engine takes no backward of it either). A
+mixing verdict raises, and the signature's next forward is probed too. The schedule lasts: a
+model whose backward starts to mix at its t-th forward is refused by its 2t-th (at most), and a
+crafted sample in one probed batch (one whose gradient is not finite and is averaged into every
+row leaves nothing to compare below the mix) hides the mixing from that batch only. Cost, per
+signature: ``K + ⌊log2 N⌋ - 1`` probes over N ≥ 4 forwards with K ≤ 3, each of two backward
+passes (three when float16 is involved): 13 probes, 26 backward passes, over 10,000 forwards with
+K = 1. K = 1 is the default: forward 1 catches a model that mixes from the start, and 4, 8, 16, …
+one that changes later; a larger K only probes more of the first forwards.
+
+**What the probe found** is not private (it follows the batches' values, like the engine's
+dropped-sample count): :attr:`SeparabilityProbe.records` holds, per signature, the probes run,
+those with a verdict at every point and the points without one, and a probe without a verdict
+writes a DEBUG log record; neither a warning nor an INFO record follows from one batch. A
+structural limit — points where fewer than two samples are compared at each of the signature's
+first three probes (a gradient that reaches one sample by construction, batches of one sample) —
+is told in one ``RuntimeWarning``. A sample whose gradient is not finite is never compared, so it
+changes neither; one with a finite gradient changes only its own row in a separable model, so it
+changes the warning only when it is in all three batches and is each time the second sample that
+reaches the point.
+
+The signature holds the shapes other than the batch size (all of them when the batch dimension is
+not known): the engine treats a batch's shapes as public, as the batch flow (which tags shapes as
+depending on no sample) and the layer plan (chosen per batch from the shapes; in the two-pass
+modes it decides whether the second backward runs) do, and the model's own forward receives them.
+Padding each batch to its longest sample makes one sample's length a shape — a new length is a
+new signature, probed at its first batch —, so pad to a fixed length when lengths are private.
 
 **When it fails** a diagnostic pass (cost irrelevant) hooks every autograd node between the loss
 and the offending tensor, repeats both passes with per-node fingerprints, and names the node(s)
@@ -77,8 +109,11 @@ Limits:
   (``h * h.detach().mean(0)``), through non-float data, or through model state (buffers
   updated in the forward) is invisible to autograd.
 * Models whose forward has no float per-sample input (token ids only) cannot tell the probe
-  which pending forward a loss came from: a forward that never reaches a loss (an evaluation
-  forward with grad enabled) is then marked probed together with the next checked one.
+  which pending forward a loss came from: a probed forward that never reaches a loss (an
+  evaluation forward with grad enabled) is recorded together with the next checked one.
+* A probed forward that never reaches a check (an evaluation forward with grad enabled whose
+  output is not backpropagated) uses up its place in the schedule: the signature's next probe
+  is at its next scheduled forward.
 * :meth:`SeparabilityProbe.check_outputs` starts from the model's outputs: mixing inside the
   user's loss function (``loss.flip(0)``) and auxiliary outputs that are not per-sample (a
   scalar load-balancing loss) are not seen there.
@@ -91,7 +126,8 @@ Limits:
 The package's parts:
 
 * :mod:`.probe` — :class:`SeparabilityProbe`: the root pre-hook, the pending forwards, the
-  probed signatures (an LRU) and the checks;
+  schedule (:func:`~.probe.probed_at`: forwards 1..K, 4, 8, 16, … of each signature), the
+  records (:class:`~.probe.ProbeRecord`, an LRU) and the checks;
 * :mod:`.inputs` — the input signature, the batch size, the differentiable copies of the
   model's per-sample inputs (a :class:`~.inputs.PendingForward` each);
 * :mod:`.graph` — the comparison points (recorded outputs, model inputs) and walks of the
@@ -102,7 +138,16 @@ The package's parts:
 """
 from .diagnosis import BatchMixingError, describe_node
 from .fingerprints import DEFAULT_TOLERANCE, TOLERANCES
-from .probe import MAX_PENDING, MAX_SIGNATURES, MAX_SILENT_PROBES, SeparabilityProbe
+from .probe import (
+    MAX_PENDING,
+    MAX_SIGNATURES,
+    PROBED_STEPS,
+    STRUCTURAL_PROBES,
+    ProbeRecord,
+    SeparabilityProbe,
+    probed_at,
+)
 
 __all__ = ["BatchMixingError", "DEFAULT_TOLERANCE", "MAX_PENDING", "MAX_SIGNATURES",
-           "MAX_SILENT_PROBES", "SeparabilityProbe", "TOLERANCES", "describe_node"]
+           "PROBED_STEPS", "ProbeRecord", "STRUCTURAL_PROBES", "SeparabilityProbe", "TOLERANCES",
+           "describe_node", "probed_at"]

@@ -16,7 +16,7 @@ from .fingerprints import (
     Fingerprints,
     compare_rows,
     overflowed_rows,
-    samples_reached,
+    samples_compared,
 )
 from .graph import ComparisonPoint, graph_dtypes, leading_points, tf32_allowed, walk_graph
 
@@ -37,9 +37,10 @@ class Comparison:
 
     #: ``[(point, bad rows, compared rows)]`` of the points whose rows disagree
     bad: List[Tuple[ComparisonPoint, int, int]]
-    #: False when some rows could not be compared (not finite)
+    #: False when some rows could not be compared (not finite in one of the passes)
     complete: bool
-    #: names of the points whose gradient reached fewer than two samples
+    #: names of the points where fewer than two samples were compared (rows finite in both
+    #: passes and not zero): no verdict there
     silent: List[str]
     #: ``(scale, r, tol)`` of the last weighted pass: common scale 2^s, sample weights, tolerance
     weights: Tuple[float, torch.Tensor, float]
@@ -76,9 +77,10 @@ def compare_points(gen: torch.Generator, roots, cotangents, B: int,
       the largest finite value of the lowest-range dtype of the graph), so the weighted compared
       entries stay below ``max / 2^8``.
 
-    Rows that are finite in the baseline but not in the weighted pass are not compared (the
-    verdict is then incomplete). The tolerance follows the lowest precision among the gradients
-    of the graph (autograd's input metadata), the compared gradients and the roots."""
+    Rows that are not finite in the baseline or the weighted pass are not compared; a point has a
+    verdict when at least two samples' rows are compared there (:func:`samples_compared`). The
+    tolerance follows the lowest precision among the gradients of the graph (autograd's input
+    metadata), the compared gradients and the roots."""
     fp = Fingerprints(gen)
     # autograd is asked only for the model inputs and the points with no other point below
     # them; the others are fingerprinted by a pre-hook on their node as the backward passes
@@ -165,10 +167,11 @@ def compare_points(gen: torch.Generator, roots, cotangents, B: int,
         if not passed:
             nbad, ncmp, _ = min(verdicts)
             results.append((p, nbad, ncmp))
-    # rows that could not be compared (not finite): the signature is probed again next time
+    # rows that could not be compared (not finite): no verdict for this batch
     complete = not overflow and all(bool(q.finite.all()) for qs in plain for q in qs.values())
-    # points whose gradient reached fewer than two samples show nothing about mixing
-    silent = [p.name for p, qs in zip(points, plain) if samples_reached(qs, B) < 2]
+    # points where fewer than two samples' rows are compared show nothing about mixing
+    silent = [p.name for p, q0, q1 in zip(points, plain, weighted)
+              if samples_compared(q0, q1, B) < 2]
     return Comparison(results, complete, silent, (scale, r, tol))
 
 

@@ -78,7 +78,7 @@ class Fingerprints:
         # in float32 (float64 stays), without a copy of a float32 gradient: a float64 copy of every
         # compared gradient would be a large transient (and, through the allocator's caching, a
         # lasting one); scaling by a power of two stays exact in float32 too. Rows whose norm
-        # overflows float32 (|x| > 1.8e19) read as not finite: not compared, probed again later
+        # overflows float32 (|x| > 1.8e19) read as not finite: not compared (no verdict)
         work = torch.float64 if x.dtype == torch.float64 else torch.float32
         key = (x.shape[1], x.device, work)
         u = self.vectors.get(key)
@@ -106,11 +106,16 @@ class Fingerprints:
         return RowPrint(norm, proj, finite, k, g.dtype, amax)
 
 
-def samples_reached(prints: Dict[int, "RowPrint"], B: int) -> int:
-    """The most samples with a non-zero, finite gradient row at a point, over its layouts."""
+def samples_compared(plain: Dict[int, "RowPrint"], weighted: Dict[int, "RowPrint"],
+                     B: int) -> int:
+    """The most samples with a row that is compared at a point (finite in both passes and not
+    zero in the plain one), over its layouts: a point shows mixing only when it is at least 2."""
     best = 0
-    for q in prints.values():
-        rows = (q.norm > 0) & q.finite
+    for d, q in plain.items():
+        w = weighted.get(d)
+        if w is None or w.k != q.k:
+            continue
+        rows = (q.norm > 0) & q.finite & w.finite
         best = max(best, int(rows.reshape(B, q.k).any(1).sum()))
     return best
 

@@ -1,7 +1,7 @@
 """The model's arguments as the separability probe sees them: the input signature (metadata only,
 no tensor op), the batch size, and the differentiable copies of the per-sample float inputs that
 let the probe compare gradients at the model's inputs (one :class:`PendingForward` per forward
-with an unprobed signature)."""
+with a signature still to be probed)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -13,7 +13,7 @@ from torch.autograd.graph import get_gradient_edge
 
 @dataclass
 class PendingForward:
-    """One forward pass with an unprobed input signature."""
+    """One forward pass with an input signature still to be probed."""
 
     signature: tuple
     batch_size: Optional[int]

@@ -1,12 +1,16 @@
 """The separability probe's owner: a forward pre-hook on the root module that notes forwards with an
-unprobed input signature (and makes their per-sample inputs differentiable), the probed signatures
-(an LRU) and the checks that run the comparison once per signature (the method is described in
+input signature due for a probe (and makes their per-sample inputs differentiable), the schedule
+of the probes (the n-th forward of a signature is probed for n ≤ ``probed_steps`` and n = 4, 8,
+16, …, whatever came out of the earlier ones), what the probes found (a non-private record per
+signature) and the checks that run the comparison (the method is described in
 :mod:`private_engine.guards.separability`)."""
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from collections import OrderedDict, deque
+from dataclasses import dataclass, field
 from typing import Dict, Optional
 
 import torch
@@ -14,18 +18,44 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 from ...capture.fallback import replaying
-from .comparison import compare_points
+from .comparison import Comparison, compare_points
 from .diagnosis import mixing_error
 from .graph import ComparisonPoint, reached_forwards, target_points
 from .inputs import PendingForward, arm, collect_tensors, first_batch, signature
 
-#: probed input signatures kept (least recently used dropped first), as ``hooks.py`` caps dims
+log = logging.getLogger(__name__)
+
+#: input signatures whose forwards are counted (least recently used dropped first: a signature
+#: seen again after that starts its schedule over)
 MAX_SIGNATURES = 256
-#: forwards with an unprobed signature remembered until the next check (the most recent ones)
+#: forwards due for a probe, remembered until the next check (the latest)
 MAX_PENDING = 8
-#: probes of one signature that may end without a verdict (a point whose gradient reached fewer than
-#: two samples, or rows that were not finite) before the signature is accepted with a warning
-MAX_SILENT_PROBES = 8
+#: K: the first forwards of every input signature that are probed (then its 4th, 8th, 16th, ...)
+PROBED_STEPS = 1
+#: probes of a signature after which points that were never compared are told in a warning
+STRUCTURAL_PROBES = 3
+
+
+def probed_at(n: int, k: int = PROBED_STEPS) -> bool:
+    """Whether the n-th forward (n ≥ 1) of an input signature is probed: ``n ≤ k`` or ``n`` a
+    power of two from 4 on (``n = 2^j``, ``j ≥ 2``). Over N forwards of one signature that is
+    ``k + #{j ≥ 2 : k < 2^j ≤ N}`` probes, 13 for N = 10,000 and k = 1 (n = 1, 4, 8, …, 8192)."""
+    return n <= k or (n >= 4 and n & (n - 1) == 0)
+
+
+@dataclass
+class ProbeRecord:
+    """What the probes of one input signature found so far (NOT private: it depends on the
+    batches' values, like the engine's dropped-sample count; read it for debugging)."""
+
+    #: probes run (forwards of the signature that reached a check with a non-empty batch)
+    probes: int = 0
+    #: probes that compared at least two samples at every point
+    verdicts: int = 0
+    #: ``{point: probes in which it compared fewer than two samples}``
+    unseen: Dict[str, int] = field(default_factory=dict)
+    #: whether the warning about points never compared was given
+    warned: bool = False
 
 
 class SeparabilityProbe:
@@ -45,15 +75,32 @@ class SeparabilityProbe:
             may take batch-first token ids and transpose them): every float argument is then
             made differentiable and compared as per-sample along dim 0 or dim 1, whichever
             holds (mixing is still seen; a sequence-first layout is not an error), and shapes
-            enter the signature unnormalised (each batch size is probed once).
+            enter the signature unnormalised (each batch size is a signature of its own).
+        probed_steps: K (default :data:`PROBED_STEPS`): the first K forwards of every input
+            signature are probed, and after them its 4th, 8th, 16th, … (:func:`probed_at`), each
+            probe at the cost of two backward passes (three when float16 is involved): 13 probes
+            of a signature over 10,000 forwards with K = 1. Which forwards run the probe's passes
+            is a function of how many forwards of the signature came before, never of a sample's
+            values, of a verdict or of the batch size. What the probes found is in
+            :attr:`records` (not private: for debugging); points that compared fewer than two
+            samples at every one of a signature's first three probes are told in one
+            ``RuntimeWarning``.
     """
 
-    def __init__(self, model: nn.Module, *, batch_dim: Optional[int] = 0):
+    def __init__(self, model: nn.Module, *, batch_dim: Optional[int] = 0,
+                 probed_steps: int = PROBED_STEPS):
+        if type(probed_steps) is not int or probed_steps < 1:
+            raise ValueError(f"probed_steps must be an integer >= 1 (got {probed_steps!r}): the "
+                             "number of checked batches of each input signature the probe runs on.")
         self.model = model
         self.batch_dim = batch_dim
-        self._probed: "OrderedDict[tuple, None]" = OrderedDict()
-        #: probes without a verdict so far, per signature (see MAX_SILENT_PROBES)
-        self._silent: Dict[tuple, int] = {}
+        self.probed_steps = probed_steps
+        #: forwards (with grad) of every input signature so far (an LRU)
+        self._forwards: "OrderedDict[tuple, int]" = OrderedDict()
+        #: signatures whose last probe refused the model: their next forward is probed too
+        self._refused: set = set()
+        #: what the probes of every signature found (an LRU, not private)
+        self._records: "OrderedDict[tuple, ProbeRecord]" = OrderedDict()
         self._pending: deque = deque(maxlen=MAX_PENDING)
         self._handle = None
         self._gen = torch.Generator()
@@ -90,8 +137,24 @@ class SeparabilityProbe:
 
     @property
     def pending(self) -> bool:
-        """True when a forward with an unprobed input signature ran since the last check."""
+        """True when a forward due for a probe ran since the last check."""
         return bool(self._pending)
+
+    @property
+    def records(self) -> Dict[tuple, ProbeRecord]:
+        """``{input signature: ProbeRecord}``: the probes run, those with a verdict and the
+        points not compared. NOT private (it follows the batches' values, as
+        ``engine.dropped_samples`` does): read it for debugging, do not publish it."""
+        return dict(self._records)
+
+    def reset(self) -> None:
+        """Forget the forward counts, records and pending forwards: every signature's schedule
+        starts over (its next forward is probed). The model's hooks see those passes: call it for
+        public reasons (a changed model), not in answer to what the probe found on data."""
+        self._forwards.clear()
+        self._refused.clear()
+        self._records.clear()
+        self._pending.clear()
 
     def _pre(self, module, args, kwargs):
         if not torch.is_grad_enabled() or torch.is_inference_mode_enabled() or replaying():
@@ -102,8 +165,11 @@ class SeparabilityProbe:
             B = first_batch(kwargs, bd)
         sig = (module.training, bd, signature(args, bd, B),
                signature(kwargs, bd, B) if kwargs else ())
-        if sig in self._probed:
-            self._probed.move_to_end(sig)
+        n = self._forwards.pop(sig, 0) + 1
+        self._forwards[sig] = n
+        while len(self._forwards) > MAX_SIGNATURES:
+            self._forwards.popitem(last=False)
+        if not (probed_at(n, self.probed_steps) or sig in self._refused):
             return None
         fwd = PendingForward(signature=sig, batch_size=B)
         memo: Dict[int, torch.Tensor] = {}
@@ -126,9 +192,10 @@ class SeparabilityProbe:
         and of ``Σ_j 2^{e_j}·L_j`` (``retain_graph=True``) and compares, at every target and at
         the remembered model inputs that reach the loss, row m of the weighted gradient with
         ``2^{e_{m//k}}`` times the plain one (module doc). Clears ``pending`` and the remembered
-        inputs and records the input signature(s) as probed; raises :class:`BatchMixingError`
-        naming the offending target closest to the loss and the autograd op(s) that mix rows.
-        Does nothing when no probe is pending.
+        inputs and records the probe of the input signature(s) (:attr:`records`); raises
+        :class:`BatchMixingError` naming the offending target closest to the loss and the
+        autograd op(s) that mix rows. Does nothing when no probe is pending or the batch is
+        empty (B = 0).
         """
         if not self._pending:
             return
@@ -194,10 +261,10 @@ class SeparabilityProbe:
         forwards = list(self._pending)
         self._pending.clear()
         root_nodes = [t.grad_fn for t in roots if t.grad_fn is not None]
-        if not root_nodes:
+        if not root_nodes or B < 1:  # no graph / an empty batch: nothing to compare or count
             return
         reached = reached_forwards(forwards, root_nodes)
-        if not reached or B < 2:  # nothing of these forwards in this graph / one sample
+        if not reached:  # nothing of these forwards in this graph
             return
         points = target_points(targets)
         input_dims = (0, 1) if self.batch_dim is None else (self.batch_dim,)
@@ -207,31 +274,43 @@ class SeparabilityProbe:
                                               get_gradient_edge(x).node, -1, input_dims, None,
                                               True))
         layouts = sorted(set(layouts).union(*(p.dims for p in points)))
+        verdict = None
         if points:
+            # the same passes for a batch of one sample (which cannot show mixing): their number
+            # does not tell the batch size
             verdict = compare_points(self._gen, roots, cotangents, B, points)
-            if verdict.bad:
+            if verdict.bad:  # a refusal: the signature's next forward is probed too
+                self._refused.update(f.signature for f in reached)
                 raise mixing_error(self._gen, roots, cotangents, B, verdict.bad, layouts,
                                    verdict.weights)
-            silent = verdict.silent
-            if not verdict.complete or silent:
-                # no verdict: a batch can hide mixing (a sample that saturates a softmax over the
-                # batch zeroes every other row's gradient; a NaN spreads to every row), so the
-                # signature is probed again on the next batches, and accepted only after
-                # MAX_SILENT_PROBES such probes (a layer whose gradient never reaches two samples)
-                sigs = {f.signature for f in reached}
-                tries = max(self._silent.get(sig, 0) for sig in sigs) + 1
-                if tries < MAX_SILENT_PROBES:
-                    for sig in sigs:
-                        self._silent[sig] = tries
-                    return
+        self._record({f.signature for f in reached}, verdict)
+
+    def _record(self, sigs, verdict: Optional[Comparison]) -> None:
+        """Note one probe of the signatures ``sigs`` in :attr:`records`. Points that compared
+        fewer than two samples (finite, non-zero rows in both passes) go to a DEBUG log record;
+        those that did so at every one of a signature's first :data:`STRUCTURAL_PROBES` probes
+        to one ``RuntimeWarning`` (a structural limit of the probe, module doc)."""
+        # a batch of one sample compares one sample at every point: all of them are unseen
+        unseen = [] if verdict is None else sorted(set(verdict.silent))
+        if unseen:
+            log.debug("separability probe: fewer than two samples compared at %s", unseen)
+        for sig in sigs:
+            self._refused.discard(sig)
+            rec = self._records.pop(sig, None) or ProbeRecord()
+            self._records[sig] = rec
+            rec.probes += 1
+            rec.verdicts += not unseen
+            for name in unseen:
+                rec.unseen[name] = rec.unseen.get(name, 0) + 1
+            never = sorted(n for n, c in rec.unseen.items() if c == rec.probes)
+            if rec.probes == STRUCTURAL_PROBES and never and not rec.warned:
+                rec.warned = True
                 warnings.warn(
-                    f"the separability probe could not compare samples at {sorted(set(silent))} "
-                    f"in {MAX_SILENT_PROBES} batches (the gradient there reached fewer than two "
-                    "samples, or was not finite): mixing of samples there is not ruled out.",
-                    RuntimeWarning, stacklevel=4)
-        for f in reached:
-            self._silent.pop(f.signature, None)
-            self._probed[f.signature] = None
-            self._probed.move_to_end(f.signature)
-        while len(self._probed) > MAX_SIGNATURES:
-            self._probed.popitem(last=False)
+                    f"the separability probe compared fewer than two samples at {never} in each "
+                    f"of the first {rec.probes} batches it probed of this input signature: the "
+                    "gradient there reaches at most one sample (or is not finite), so mixing of "
+                    "samples in the backward there is not ruled out (the batch flow still "
+                    "refuses mixing in the forward). See probe.records.",
+                    RuntimeWarning, stacklevel=5)
+        while len(self._records) > MAX_SIGNATURES:
+            self._records.popitem(last=False)
