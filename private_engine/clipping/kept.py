@@ -19,6 +19,9 @@ from ..layers.ruled import KeptPairs
 KEPT_GROUP_ELEMENTS = 1 << 22
 KEPT_SMALL_CUDA = 1 << 20
 KEPT_SMALL_CPU = 1 << 11
+#: device types whose kept gradients are small by their whole size (``KEPT_SMALL_CUDA``); on the
+#: others, by their size per sample (``KEPT_SMALL_CPU``)
+SMALL_BY_TOTAL = ("cuda",)
 
 KeptGroup = Tuple[List[nn.Parameter], torch.Tensor]
 
@@ -71,7 +74,7 @@ def group_kept_grads(items: List[Tuple[nn.Parameter, torch.Tensor]], batch_size:
     for k in range(len(items)):
         p, G = items[k]
         items[k] = None
-        small = (G.numel() <= KEPT_SMALL_CUDA if G.is_cuda
+        small = (G.numel() <= KEPT_SMALL_CUDA if G.device.type in SMALL_BY_TOTAL
                  else per_sample_numel(G) <= KEPT_SMALL_CPU)
         if current and (not small or G.dtype != current[0][1].dtype
                         or G.device != current[0][1].device

@@ -139,6 +139,9 @@ GRAM_ENTRIES_AT_ONCE = 1 << 23
 #: device types whose second-try block Grams are added into the float64 total one by one
 #: (:func:`_gram_chunked`; elsewhere one reduction per group)
 ADDED_ONE_BY_ONE = ("cpu",)
+#: device types on which ``Σ_s |X_ts|·v_s`` is one L1-norm reduction of the products
+#: (:func:`_abs_rows`; elsewhere an in-place absolute value and a sum, faster on the CPU)
+L1_IN_ONE_PASS = ("cuda",)
 #: unit roundoff of the pessimistic tensor-core accumulation (truncation, float32)
 TENSOR_CORE_UNIT = 2.0 ** -23
 
@@ -372,12 +375,12 @@ def weighted_abs_sum(n: torch.Tensor, G: torch.Tensor, m: torch.Tensor, A: torch
 
 def _abs_rows(X: torch.Tensor, v: torch.Tensor, one_pass: Optional[bool] = None) -> torch.Tensor:
     """``Σ_s |X_ts|·v_s`` per row t in float64 for ``v ≥ 0``: the products ``X_ts·v_s`` and the
-    sum of their absolute values — with ``one_pass`` (the default on CUDA) by one L1-norm
-    reduction, no separate absolute-value pass over the ``(…, T, T)`` products; else (the default
-    on the CPU, faster there) by an in-place absolute value and a sum."""
+    sum of their absolute values — with ``one_pass`` (the default on ``L1_IN_ONE_PASS``: CUDA)
+    by one L1-norm reduction, no separate absolute-value pass over the ``(…, T, T)`` products;
+    else (the default on the CPU, faster there) by an in-place absolute value and a sum."""
     y = X * v.unsqueeze(-2)
     if one_pass is None:
-        one_pass = y.device.type == "cuda"
+        one_pass = y.device.type in L1_IN_ONE_PASS
     return torch.linalg.vector_norm(y, ord=1, dim=-1) if one_pass else y.abs_().sum(-1)
 
 
