@@ -93,3 +93,45 @@ def test_small_gradients_grouped_across_a_large_one_under_a_crafted_sample(kept_
     assert_bounded(*run_pair(case, "native", "bk_mixed", batch=6), batch=6,
                    what=f"tokens {variant}")
     assert (6, 3 * 64 + 3 + 2 * 64 + 64) in shapes, f"not grouped across the large one: {shapes}"
+
+
+@pytest.mark.parametrize("variant", ["huge", "cancel"])
+def test_layer_norms_instantiated_in_groups_under_a_crafted_sample(monkeypatch, variant):
+    """Three LayerNorms whose held operands exceed the stack's budget after each one (their
+    gradients instantiated in groups before the end of the pass): a huge or cancelling sample moves
+    the released step by at most R."""
+    import private_engine.layers.norm_stack as norm_stack
+
+    batch = 6
+    monkeypatch.setattr(norm_stack, "HELD_ELEMENTS", 2 * batch * 5 * 16)  # one layer at a time
+    stacked = []
+    own = norm_stack._instantiate
+
+    def spy(module, As, Gs, names):
+        stacked.append(len(As))
+        return own(module, As, Gs, names)
+
+    monkeypatch.setattr(norm_stack, "_instantiate", spy)
+    torch.manual_seed(0)
+    blocks = []
+    for _ in range(3):
+        blocks += [nn.Linear(16, 16), nn.LayerNorm(16)]
+        with torch.no_grad():
+            blocks[-1].weight.add_(0.3 * torch.randn(16))
+            blocks[-1].bias.add_(0.3 * torch.randn(16))
+    model = nn.Sequential(*blocks, nn.Linear(16, 2))
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(batch - 1, 5, 16, generator=gen)
+    with torch.no_grad():
+        t = model(x) + 0.02 * torch.randn(batch - 1, 5, 2, generator=gen)
+    if variant == "huge":
+        xc, tc = torch.full((1, 5, 16), 1e30), torch.full((1, 5, 2), 1e4)
+    else:
+        xc = (1e4 * (1 + 1e-5 * torch.arange(16, dtype=torch.float64))).float().expand(
+            1, 5, 16).contiguous()
+        tc = 1e3 * torch.tensor([1.0, -1.0]).expand(1, 5, 2)
+    case = Case(model, (x, t), (xc, tc))
+    assert true_norm(case.model, *case.crafted) >= 10 * R
+    assert_bounded(*run_pair(case, "native", "bk_mixed", batch=batch), batch=batch,
+                   what=f"LayerNorms in groups {variant}")
+    assert stacked.count(1) >= 3, f"not instantiated through the stack: {stacked}"
