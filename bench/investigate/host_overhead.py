@@ -28,7 +28,8 @@ at real shapes instead (no timing: a step there is arithmetic-bound on the CPU).
 
 Kernels are counted on the CPU, where a few choices differ from a CUDA device's by a device
 check: torch.optim's per-parameter loop (CUDA: one multi-tensor ``foreach`` update), the second
-try's block Grams added one by one (``layers/gram.py``'s ``ADDED_ONE_BY_ONE``), LayerNorm
+try by float64 Grams (``layers/gram.py``'s ``FLOAT64_SECOND_TRY``; CUDA: float32 Grams in blocks)
+and those blocks added one by one (``ADDED_ONE_BY_ONE``), LayerNorm
 gradients stacked only when small (``layers/norm_stack.py``'s ``CPU_LAYER_ELEMENTS``), kept
 per-sample gradients grouped by their size per sample rather than in all (``clipping/kept.py``),
 ``|X|·v`` by an absolute value and a sum rather than one L1 reduction (``layers/gram.py``'s
@@ -78,10 +79,11 @@ def cuda_choices(*optimizers):
     from private_engine.layers import gram, norm_stack
 
     saved = (gram.ADDED_ONE_BY_ONE, gram.L1_IN_ONE_PASS, norm_stack.CPU_LAYER_ELEMENTS,
-             kept.SMALL_BY_TOTAL)
+             kept.SMALL_BY_TOTAL, gram.FLOAT64_SECOND_TRY)
     groups = [g for opt in optimizers for g in opt.param_groups]
     foreach = [g.get("foreach") for g in groups]
     gram.ADDED_ONE_BY_ONE, norm_stack.CPU_LAYER_ELEMENTS = (), norm_stack.HELD_ELEMENTS
+    gram.FLOAT64_SECOND_TRY = ()
     gram.L1_IN_ONE_PASS = kept.SMALL_BY_TOTAL = ("cuda", "cpu")
     for g in groups:
         g["foreach"] = True
@@ -89,7 +91,7 @@ def cuda_choices(*optimizers):
         yield
     finally:
         (gram.ADDED_ONE_BY_ONE, gram.L1_IN_ONE_PASS, norm_stack.CPU_LAYER_ELEMENTS,
-         kept.SMALL_BY_TOTAL) = saved
+         kept.SMALL_BY_TOTAL, gram.FLOAT64_SECOND_TRY) = saved
         for g, f in zip(groups, foreach):
             g["foreach"] = f
 

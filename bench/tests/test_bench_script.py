@@ -425,7 +425,7 @@ def test_host_overhead_by_caller_ops_and_cuda_choices(capsys):
     from private_engine.layers import gram, norm_stack
 
     saved = (gram.ADDED_ONE_BY_ONE, gram.L1_IN_ONE_PASS, norm_stack.CPU_LAYER_ELEMENTS,
-             kept.SMALL_BY_TOTAL)
+             kept.SMALL_BY_TOTAL, gram.FLOAT64_SECOND_TRY)
     args = ["--width", "32", "--count-only", "--by-caller", "3", "--ops", "2"]
     cpu = module.main(args)
     text = capsys.readouterr().out
@@ -433,7 +433,7 @@ def test_host_overhead_by_caller_ops_and_cuda_choices(capsys):
     cuda = module.main(args + ["--cuda-choices"])
     assert cuda["nondp_kernels"] < cpu["nondp_kernels"]
     assert (gram.ADDED_ONE_BY_ONE, gram.L1_IN_ONE_PASS, norm_stack.CPU_LAYER_ELEMENTS,
-            kept.SMALL_BY_TOTAL) == saved
+            kept.SMALL_BY_TOTAL, gram.FLOAT64_SECOND_TRY) == saved
 
 def test_batch_flow_cost_runs(capsys):
     import torch
