@@ -10,6 +10,9 @@ Also counts the aten operators one step issues (each is a kernel launch on a GPU
         --count-only        # kernels at a real step's shapes (ViT-B/16, 197 tokens, batch 32)
     python bench/investigate/host_overhead.py --width 768 --img-size 224 --batch-size 8 \
         --count-only --by-caller 30     # and the private step's kernels by engine function
+    python bench/investigate/host_overhead.py --width 768 --img-size 224 --batch-size 8 \
+        --count-only --by-caller 30 --ops 8 --cuda-choices   # with each function's aten ops, on
+                                                             # the code path a CUDA device takes
 
 Prints ``non-DP <ms>  <mode> <ms>  ratio <r>  aten ops/step <non-DP> -> <mode>  kernels/step
 <non-DP> -> <mode>``: medians over ``--repeats`` rounds of ``--steps`` steps each, the two
@@ -22,10 +25,24 @@ The tiny shapes leave out what depends on size: at ViT-B/16's 197 tokens the sta
 arithmetic and the stacked operands are formed in chunks (``layers/ghost_stack.py``), each chunk
 its own kernels. ``--img-size``, ``--batch-size`` and ``--count-only`` count the kernels of a step
 at real shapes instead (no timing: a step there is arithmetic-bound on the CPU).
+
+Kernels are counted on the CPU, where a few choices differ from a CUDA device's by a device
+check: torch.optim's per-parameter loop (CUDA: one multi-tensor ``foreach`` update), the second
+try by float64 Grams (``layers/gram.py``'s ``FLOAT64_SECOND_TRY``; CUDA: float32 Grams in blocks)
+and those blocks added one by one (``ADDED_ONE_BY_ONE``), LayerNorm
+gradients stacked only when small (``layers/norm_stack.py``'s ``CPU_LAYER_ELEMENTS``), kept
+per-sample gradients grouped by their size per sample rather than in all (``clipping/kept.py``),
+``|X|·v`` by an absolute value and a sum rather than one L1 reduction (``layers/gram.py``'s
+``_abs_rows``). ``--cuda-choices`` counts with the CUDA choices instead (both trainings); what
+else differs on a device (the noise's draw, 16-bit Gram paths, the convolution rule's CPU
+paths) is left as the CPU runs it. The CPU noise is drawn on worker threads, whose operators are
+not counted.
 """
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import statistics
 import time
 
@@ -45,7 +62,38 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--by-caller", type=int, default=0, metavar="N",
                    help="with --count-only: also print the private step's kernels by the N "
                         "private_engine functions that issue most of them")
+    p.add_argument("--ops", type=int, default=0, metavar="K",
+                   help="with --by-caller: each function's K most frequent aten operators")
+    p.add_argument("--cuda-choices", action="store_true",
+                   help="count on the code path a CUDA device takes where the CPU's differs by "
+                        "a device check (module docstring)")
     return p.parse_args(argv)
+
+
+@contextlib.contextmanager
+def cuda_choices(*optimizers):
+    """The device-dependent choices of the engine and of torch.optim set as on a CUDA device
+    (module docstring) for the duration; ``optimizers``: their param groups get
+    ``foreach=True`` (torch's default for CUDA parameters)."""
+    from private_engine.clipping import kept
+    from private_engine.layers import gram, norm_stack
+
+    saved = (gram.ADDED_ONE_BY_ONE, gram.L1_IN_ONE_PASS, norm_stack.CPU_LAYER_ELEMENTS,
+             kept.SMALL_BY_TOTAL, gram.FLOAT64_SECOND_TRY)
+    groups = [g for opt in optimizers for g in opt.param_groups]
+    foreach = [g.get("foreach") for g in groups]
+    gram.ADDED_ONE_BY_ONE, norm_stack.CPU_LAYER_ELEMENTS = (), norm_stack.HELD_ELEMENTS
+    gram.FLOAT64_SECOND_TRY = ()
+    gram.L1_IN_ONE_PASS = kept.SMALL_BY_TOTAL = ("cuda", "cpu")
+    for g in groups:
+        g["foreach"] = True
+    try:
+        yield
+    finally:
+        (gram.ADDED_ONE_BY_ONE, gram.L1_IN_ONE_PASS, norm_stack.CPU_LAYER_ELEMENTS,
+         kept.SMALL_BY_TOTAL, gram.FLOAT64_SECOND_TRY) = saved
+        for g, f in zip(groups, foreach):
+            g["foreach"] = f
 
 
 def aten_ops_per_step(step) -> int:
@@ -87,12 +135,12 @@ def kernels_per_step(step) -> int:
     return count
 
 
-def kernels_by_caller(step) -> dict:
+def kernels_by_caller(step, ops: bool = False) -> dict:
     """The kernels of one call of ``step`` (as :func:`kernels_per_step` counts them) by the
     innermost ``private_engine`` function on the Python stack when each was dispatched
     (``file:function``; the batch flow's dispatch mode skipped, so that a model's own operators
-    count under the engine function that ran them, or ``-`` outside the engine)."""
-    import collections
+    count under the engine function that ran them, or ``-`` outside the engine); with ``ops``,
+    by ``(function, aten operator)``."""
     import sys
 
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -110,7 +158,7 @@ def kernels_by_caller(step) -> dict:
                                 f"{frame.f_code.co_name}")
                         break
                     frame = frame.f_back
-                counts[site] += 1
+                counts[(site, func.overloadpacket.__name__) if ops else site] += 1
             return func(*args, **(kwargs or {}))
 
     with Count():
@@ -149,6 +197,7 @@ def nondp_step(model, x, y):
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    step.optimizer = opt  # type: ignore[attr-defined]
     return step
 
 
@@ -180,6 +229,9 @@ def main(argv=None) -> dict:
         dp_opt.step(loss=F.cross_entropy(private(x), y, reduction="none"))
         dp_opt.zero_grad(set_to_none=True)
 
+    if args.cuda_choices:
+        choices = cuda_choices(nondp.optimizer, dp_opt)
+        choices.__enter__()
     for step in (nondp, dp):
         for _ in range(1 if args.count_only else 3):  # the first step runs the probes
             step()
@@ -198,9 +250,20 @@ def main(argv=None) -> dict:
         print(f"{args.mode}: {counts} "
               f"({result['dp_kernels'] / result['nondp_kernels']:.2f}×)")
         if args.by_caller:
-            for site, n in kernels_by_caller(dp).most_common(args.by_caller):
-                print(f"{n:6d}  {site}")
+            by_op = kernels_by_caller(dp, ops=True)
+            sites: collections.Counter = collections.Counter()
+            for (site, _), n in by_op.items():
+                sites[site] += n
+            for site, n in sites.most_common(args.by_caller):
+                top = sorted(((c, op) for (s, op), c in by_op.items() if s == site),
+                             reverse=True)[:args.ops]
+                print(f"{n:6d}  {site}" + ("  " + " ".join(f"{op}:{c}" for c, op in top)
+                                           if top else ""))
+        if args.cuda_choices:
+            choices.__exit__(None, None, None)
         return result
+    if args.cuda_choices:
+        choices.__exit__(None, None, None)
     result.update(nondp_ms=1e3 * statistics.median(times["nondp"]),
                   dp_ms=1e3 * statistics.median(times["dp"]))
     print(f"non-DP {result['nondp_ms']:.1f} ms  {args.mode} {result['dp_ms']:.1f} ms  "

@@ -416,6 +416,25 @@ def test_host_overhead_counts_kernels_at_other_shapes(capsys):
     assert "kernels/step" in capsys.readouterr().out
 
 
+
+def test_host_overhead_by_caller_ops_and_cuda_choices(capsys):
+    """--by-caller with --ops names each function's operators; --cuda-choices counts torch.optim's
+    multi-tensor update (fewer non-DP kernels) and puts the device-dependent constants back."""
+    from bench.investigate import host_overhead as module
+    from private_engine.clipping import kept
+    from private_engine.layers import gram, norm_stack
+
+    saved = (gram.ADDED_ONE_BY_ONE, gram.L1_IN_ONE_PASS, norm_stack.CPU_LAYER_ELEMENTS,
+             kept.SMALL_BY_TOTAL, gram.FLOAT64_SECOND_TRY)
+    args = ["--width", "32", "--count-only", "--by-caller", "3", "--ops", "2"]
+    cpu = module.main(args)
+    text = capsys.readouterr().out
+    assert "optim/private_step.py:step  add_:" in text  # torch.optim's per-parameter loop
+    cuda = module.main(args + ["--cuda-choices"])
+    assert cuda["nondp_kernels"] < cpu["nondp_kernels"]
+    assert (gram.ADDED_ONE_BY_ONE, gram.L1_IN_ONE_PASS, norm_stack.CPU_LAYER_ELEMENTS,
+            kept.SMALL_BY_TOTAL, gram.FLOAT64_SECOND_TRY) == saved
+
 def test_batch_flow_cost_runs(capsys):
     import torch
 

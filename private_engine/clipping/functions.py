@@ -120,11 +120,13 @@ def finite_factors(factors_of: Callable[[torch.Tensor], torch.Tensor], norms: to
     ``norms``, with every sample whose norm (or loss) is not finite dropped — ``C_i = 0``, and
     ``keep`` (bool ``(B,)``, None when nothing was dropped) tells the clipped sums to zero its
     rows. A per-sample decision: one sample (a crafted value that overflows the forward, a float16
-    overflow) never makes the step fail. ``dropped`` is a Python int (one host sync)."""
-    ok = torch.isfinite(norms)
-    if loss is not None:
-        ok = ok & torch.isfinite(loss.detach())
-    dropped = int((~ok).sum())
+    overflow) never makes the step fail. ``dropped`` is a Python int (one host sync).
+
+    Norm and loss are tested together, ``isfinite(‖g_i‖ + 0·L_i)``: ``0·L_i`` is ±0 for a finite
+    loss (the sum is the norm itself) and NaN for an infinite or NaN one."""
+    probe = norms if loss is None else norms + loss.detach() * 0
+    ok = torch.isfinite(probe)
+    dropped = norms.shape[0] - int(ok.sum())
     if not dropped:
         return norms, factors_of(norms), None, 0
     norms = torch.where(ok, norms, torch.zeros_like(norms))

@@ -19,6 +19,9 @@ from ..layers.ruled import KeptPairs
 KEPT_GROUP_ELEMENTS = 1 << 22
 KEPT_SMALL_CUDA = 1 << 20
 KEPT_SMALL_CPU = 1 << 11
+#: device types whose kept gradients are small by their whole size (``KEPT_SMALL_CUDA``); on the
+#: others, by their size per sample (``KEPT_SMALL_CPU``)
+SMALL_BY_TOTAL = ("cuda",)
 
 KeptGroup = Tuple[List[nn.Parameter], torch.Tensor]
 
@@ -43,7 +46,8 @@ def group_kept_grads(items: List[Tuple[nn.Parameter, torch.Tensor]], batch_size:
     """``(groups, norm terms)`` for kept per-sample gradients ``[(parameter, G (B, *shape))]``.
 
     The small ones are laid side by side as ``(B, n)`` matrices of at most ``KEPT_GROUP_ELEMENTS``
-    elements (one dtype and device each; a large one stays alone, uncopied), so that their
+    elements (one dtype and device each, in the order given, a large one between them leaving
+    their group open; a large one stays alone, uncopied), so that their
     certified squared norms ``Σ_θ ‖G_i^θ‖²`` are one reduction per group
     (:func:`private_engine.layers.base.certified_kept`) and their clipped sums one product
     ``Gᵀ C`` per group. Each original is released (its slot in ``items`` set to None) as soon as
@@ -56,35 +60,34 @@ def group_kept_grads(items: List[Tuple[nn.Parameter, torch.Tensor]], batch_size:
     current: list = []
     size = 0
 
-    def flush():
-        if not current:
+    def flush(run):
+        if not run:
             return
-        params = [p for p, _ in current]
-        if len(current) == 1:
-            mat = current[0][1].reshape(B, -1)
+        params = [p for p, _ in run]
+        if len(run) == 1:
+            mat = run[0][1].reshape(B, -1)
         else:
-            mat = torch.cat([G.reshape(B, -1) for _, G in current], 1)
-        current.clear()
+            mat = torch.cat([G.reshape(B, -1) for _, G in run], 1)
+        run.clear()
         terms.append(certified_kept([mat], mat))
         groups.append((params, mat))
 
     for k in range(len(items)):
         p, G = items[k]
         items[k] = None
-        small = (G.numel() <= KEPT_SMALL_CUDA if G.is_cuda
+        small = (G.numel() <= KEPT_SMALL_CUDA if G.device.type in SMALL_BY_TOTAL
                  else per_sample_numel(G) <= KEPT_SMALL_CPU)
-        if current and (not small or G.dtype != current[0][1].dtype
-                        or G.device != current[0][1].device
+        if not small:  # a group of its own; the small ones around it stay one group
+            flush([(p, G)])
+            continue
+        if current and (G.dtype != current[0][1].dtype or G.device != current[0][1].device
                         or (key is not None and key(p) != key(current[0][0]))
                         or size + G.numel() > KEPT_GROUP_ELEMENTS):
-            flush()
+            flush(current)
             size = 0
         current.append((p, G))
         size += G.numel()
-        if not small:
-            flush()
-            size = 0
-    flush()
+    flush(current)
     return groups, terms
 
 

@@ -262,11 +262,14 @@ def _chunk_rows(layers: Sequence[_Pending], c: Dict[str, torch.Tensor],
     ggt, ng32 = _grams_and_norms([p.g for p in layers])
     if c["any_bias"]:
         aat.add_(c["bias32"][sl])  # the w_a-th term of the sum (+0: exact for layers without)
-    # row norms raised for their rounding (row_norms64), the bias column (pair_norms)
-    na = na32.double().mul_(c["fa"][sl]).add_(c["ca"][sl])
+    # row norms raised for their rounding (row_norms64's n·f + c, the float32 norms widened exactly
+    # inside one float64 multiply-add, which may round once where the product and the sum round
+    # twice: within an ulp of float64, far inside the u32 margin of f = 1 + γ_{w+2}, whose sum of
+    # w squares and square root need γ_{w+1}), the bias column (pair_norms)
+    na = torch.addcmul(c["ca"][sl], na32, c["fa"][sl])
     if c["any_bias"]:
         na = torch.where(c["bias"][sl], (na.square() + 1).sqrt(), na)
-    ng = ng32.double().mul_(c["fg"][sl]).add_(c["cg"][sl])
+    ng = torch.addcmul(c["cg"][sl], ng32, c["fg"][sl])
     n2 = (na + c["floor_a"][sl]).mul_(c["scale_a"][sl])
     m2 = (ng + c["floor_g"][sl]).mul_(c["scale_g"][sl])
     ieee = ieee_matmul(aat.device)

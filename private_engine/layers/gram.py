@@ -104,7 +104,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple, Optional, Tuple
+from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
 
@@ -139,6 +139,9 @@ GRAM_ENTRIES_AT_ONCE = 1 << 23
 #: device types whose second-try block Grams are added into the float64 total one by one
 #: (:func:`_gram_chunked`; elsewhere one reduction per group)
 ADDED_ONE_BY_ONE = ("cpu",)
+#: device types on which ``Σ_s |X_ts|·v_s`` is one L1-norm reduction of the products
+#: (:func:`_abs_rows`; elsewhere an in-place absolute value and a sum, faster on the CPU)
+L1_IN_ONE_PASS = ("cuda",)
 #: unit roundoff of the pessimistic tensor-core accumulation (truncation, float32)
 TENSOR_CORE_UNIT = 2.0 ** -23
 
@@ -372,12 +375,12 @@ def weighted_abs_sum(n: torch.Tensor, G: torch.Tensor, m: torch.Tensor, A: torch
 
 def _abs_rows(X: torch.Tensor, v: torch.Tensor, one_pass: Optional[bool] = None) -> torch.Tensor:
     """``Σ_s |X_ts|·v_s`` per row t in float64 for ``v ≥ 0``: the products ``X_ts·v_s`` and the
-    sum of their absolute values — with ``one_pass`` (the default on CUDA) by one L1-norm
-    reduction, no separate absolute-value pass over the ``(…, T, T)`` products; else (the default
-    on the CPU, faster there) by an in-place absolute value and a sum."""
+    sum of their absolute values — with ``one_pass`` (the default on ``L1_IN_ONE_PASS``: CUDA)
+    by one L1-norm reduction, no separate absolute-value pass over the ``(…, T, T)`` products;
+    else (the default on the CPU, faster there) by an in-place absolute value and a sum."""
     y = X * v.unsqueeze(-2)
     if one_pass is None:
-        one_pass = y.device.type == "cuda"
+        one_pass = y.device.type in L1_IN_ONE_PASS
     return torch.linalg.vector_norm(y, ord=1, dim=-1) if one_pass else y.abs_().sum(-1)
 
 
@@ -517,8 +520,8 @@ def loose_floor(T: int) -> float:
 
 
 def exact_ghost_bound(a: torch.Tensor, g: torch.Tensor, bias: bool, na: torch.Tensor,
-                      ng: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """:func:`float64_ghost_bound` of the samples ``idx``, with their mass
+                      ng: torch.Tensor, idx: Union[torch.Tensor, slice]) -> torch.Tensor:
+    """:func:`float64_ghost_bound` of the samples ``idx`` (indices or a slice), with their mass
     ``M_i = Σ_t n_t m_t·(1 + γ^{(64)}_{T+4})`` from the row-norm bounds ``na``, ``ng``."""
     mass = (na[idx] * ng[idx]).sum(1) * (1 + gamma(na.shape[1] + 4,
                                                      unit_roundoff(torch.float64)))
@@ -545,15 +548,42 @@ def second_try_rows(a: torch.Tensor, g: torch.Tensor, bias: bool, na: torch.Tens
                     c_rel: float = 0.0) -> torch.Tensor:
     """:func:`second_try` of every sample (row of dim 0) of ``a``, ``g``, ``na``, ``ng``: the
     per-sample gradients (:func:`instantiated_ghost_bound`) where :func:`instantiation_pays`,
-    else Grams in blocks of ``CHUNK`` columns; then float64 Grams for those still loose. Each
+    else Grams in blocks of ``CHUNK`` columns; then float64 Grams for those still loose. On
+    ``FLOAT64_SECOND_TRY`` devices (the CPU) the float64 Grams are formed at once instead of the
+    blocked ones (:func:`float64_rows`). Each
     sample's bound is its own (the rows are independent), so the rows may be those of several
     layers with equal widths, positions, bias and fast-Gram model."""
     if instantiation_pays(a.shape[1], a.shape[2] + bias, g.shape[2], model):
         b2, s2, n2 = instantiated_ghost_bound(a, g, bias, na, ng)
+    elif a.device.type in FLOAT64_SECOND_TRY:
+        return float64_rows(a, g, bias, na, ng)
     else:
         b2, s2, n2 = fast_ghost_bound(a, g, bias, na, ng, *model, chunk=CHUNK)
     return refine(b2, s2, n2, lambda j: exact_ghost_bound(a, g, bias, na, ng, j), NEGLIGIBLE,
                   release_term(na, ng, c_rel))
+
+
+#: device types whose second try forms float64 Grams at once rather than float32 Grams in
+#: blocks (:func:`second_try_rows`): on the CPU a float64 matmul costs about what the blocked
+#: float32 Grams and their float64 sums do (2-core AMD EPYC: 40 against 38 ms for 8 samples of
+#: 197 positions, 768 and 2304 wide; 58 against 69 ms at 3072 and 768), with two operations per
+#: side instead of one per block, and the bound it gives is the tighter, final one
+FLOAT64_SECOND_TRY = ("cpu",)
+#: bytes of float64 operands and Grams one run of :func:`float64_rows` holds (64 MiB)
+FLOAT64_ROWS_BYTES = 1 << 26
+
+
+def float64_rows(a: torch.Tensor, g: torch.Tensor, bias: bool, na: torch.Tensor,
+                 ng: torch.Tensor) -> torch.Tensor:
+    """:func:`exact_ghost_bound` of every sample (row of dim 0): float64 Grams, their inner
+    product ``max(ν̃, 0) + c_ν·M²`` (:func:`float64_ghost_bound`), formed for runs of samples
+    whose float64 operands and Grams take at most ``FLOAT64_ROWS_BYTES`` (one sample at least)."""
+    N, T = a.shape[0], a.shape[1]
+    per = max(1, FLOAT64_ROWS_BYTES // (8 * T * (a.shape[2] + g.shape[2] + 2 * T)))
+    if per >= N:
+        return exact_ghost_bound(a, g, bias, na, ng, slice(None))
+    return torch.cat([exact_ghost_bound(a, g, bias, na, ng, slice(s, s + per))
+                      for s in range(0, N, per)])
 
 
 def instantiation_pays(T: int, wa: int, p: int, model: Tuple[bool, float]) -> bool:

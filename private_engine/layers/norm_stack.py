@@ -9,8 +9,12 @@ of the norm pass, forms the gradients of all layers of one shape by the same fou
 their stacked operands: x̂ is normalised row by row and the sums run over each sample's positions,
 so each layer's gradients are the ones its own operations would give. They are then kept, normed
 and summed like any instantiated per-sample gradient (the release is ``Σ_i C_i G_i`` of these very
-tensors). At most ``HELD_ELEMENTS`` operand elements are held at a time; a layer beyond that is
-instantiated at once. On the CPU, where an operation's fixed cost is microseconds and stacking
+tensors). At most ``HELD_ELEMENTS`` operand elements are held at a time: a layer that would
+exceed it first has the layers held so far instantiated (their operands freed, their gradients
+kept until the end of the pass), so that a model whose LayerNorms' operands exceed it together
+(a ViT-B's 25 at batch 8 and 197 positions hold 60 M elements) costs one set of operations per
+group of layers that fits, not one per layer; a layer larger than it alone is instantiated at
+once. On the CPU, where an operation's fixed cost is microseconds and stacking
 copies the operands once more, only layers whose operands have at most ``CPU_LAYER_ELEMENTS``
 elements are stacked (ViT-Tiny's, 16 × 197 × 192, cost 2–3 % of a step stacked).
 """
@@ -51,35 +55,49 @@ class LayerNormGradStack:
     def __init__(self) -> None:
         self._pending: List[_Pending] = []
         self._held = 0
+        #: the gradients of layers instantiated before the end of the pass (the held operands
+        #: reached ``HELD_ELEMENTS``), in the order they were added
+        self._done: List[Tuple[nn.Module, Dict[str, torch.Tensor]]] = []
 
     def __len__(self) -> int:
-        return len(self._pending)
+        return len(self._done) + len(self._pending)
 
     def add(self, module: nn.LayerNorm, a: torch.Tensor, g: torch.Tensor,
             names: Tuple[str, ...]) -> bool:
         """Keep one LayerNorm call's input ``a`` and output gradient ``g`` (batch-first, ending
-        with ``normalized_shape``) for the gradients of the parameters ``names``; False (nothing
-        kept) when the held operands would exceed ``HELD_ELEMENTS``, or on the CPU when the
-        layer's operand has more than ``CPU_LAYER_ELEMENTS`` elements."""
+        with ``normalized_shape``) for the gradients of the parameters ``names``; the layers held
+        so far are instantiated first when the held operands would exceed ``HELD_ELEMENTS``.
+        False (nothing kept) when ``a`` and ``g`` differ in shape, when the layer's operands alone
+        exceed ``HELD_ELEMENTS``, or on the CPU when its operand has more than
+        ``CPU_LAYER_ELEMENTS`` elements."""
         size = a.numel() + g.numel()
-        if self._held + size > HELD_ELEMENTS or a.shape != g.shape:
+        if size > HELD_ELEMENTS or a.shape != g.shape:
             return False
         if a.device.type == "cpu" and a.numel() > CPU_LAYER_ELEMENTS:
             return False
+        if self._held + size > HELD_ELEMENTS:
+            self._done.extend(self._instantiate_pending())
         self._held += size
         self._pending.append(_Pending(module, a, g, names))
         return True
 
     def clear(self) -> None:
         """Drop what was kept (a failed norm pass)."""
-        self._pending, self._held = [], 0
+        self._pending, self._held, self._done = [], 0, []
 
-    @without_autocast
     def take(self) -> List[Tuple[nn.Module, Dict[str, torch.Tensor]]]:
         """``[(module, {name: G (B, *normalized_shape)})]`` for every kept layer, in the order
         they were added; the layers are forgotten."""
-        pending = self._pending
+        out = self._done + self._instantiate_pending()
         self.clear()
+        return out
+
+    @without_autocast
+    def _instantiate_pending(self) -> List[Tuple[nn.Module, Dict[str, torch.Tensor]]]:
+        """The gradients of the held layers (in the order they were added), one set of
+        operations per key; the held operands are released."""
+        pending = self._pending
+        self._pending, self._held = [], 0
         groups: Dict[tuple, List[int]] = {}
         for i, p in enumerate(pending):
             groups.setdefault(p.key(), []).append(i)

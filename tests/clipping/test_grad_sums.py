@@ -308,3 +308,35 @@ def test_layer_norm_gradients_grouped_at_any_batch_match_the_reference(kept_grou
     t = torch.randn(24, 3, generator=gen_for(3), dtype=torch.float64)
     check_against_reference(model, [x, t], mode="bk_mixed", clip="abadi")
     assert (24, 2 * 768) in shapes, shapes
+
+
+class _Tokens(nn.Module):
+    """A class token and a position embedding on a sequence (traced parameters, instantiated and
+    kept after the layers' gradients), a LayerNorm and a Linear head (instantiated in
+    ``bk_mixed``): the position embedding's gradient (40·64 = 2,560 elements per sample: large on
+    the CPU) comes between the layers' and the class token's (64: small)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cls = nn.Parameter(0.5 * torch.randn(1, 1, 64))
+        self.pos = nn.Parameter(0.5 * torch.randn(1, 40, 64))
+        self.norm = nn.LayerNorm(64)
+        self.head = nn.Linear(64, 3)
+
+    def forward(self, x):
+        x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], 1) + self.pos
+        return self.head(self.norm(x)).mean(1)
+
+
+def test_small_kept_gradients_grouped_across_a_large_one(kept_group_shapes):
+    """A large kept gradient (the position embedding) between small ones (the layers', the class
+    token's) leaves their group open: one group of the small ones and the large one alone, whose
+    norms and clipped sums match the float64 reference."""
+    shapes = kept_group_shapes
+    torch.manual_seed(0)
+    model = _Tokens().double()
+    x = torch.randn(6, 39, 64, generator=gen_for(4), dtype=torch.float64)
+    t = torch.randn(6, 3, generator=gen_for(5), dtype=torch.float64)
+    check_against_reference(model, [x, t], mode="bk_mixed", clip="abadi")
+    # the head's weight and bias (instantiated: 40 positions), the LayerNorm's, the class token's
+    assert set(shapes) == {(6, 3 * 64 + 3 + 2 * 64 + 64), (6, 40 * 64)}, shapes

@@ -147,14 +147,55 @@ def test_nearly_diagonal_gram_against_a_dense_one_takes_the_per_sample_gradients
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_nearly_diagonal_gram_with_few_positions_takes_the_blocked_grams(monkeypatch, dtype):
-    """With 50 positions the Grams take fewer products than the per-sample gradients: the blocked
-    float32 Grams (float64 block sums, no float64 matmul) bring the bound within 10⁻³."""
+    """With 50 positions the Grams take fewer products than the per-sample gradients: where the
+    second try is not by float64 Grams (CUDA's choice, set here), the blocked float32 Grams
+    (float64 block sums, no float64 matmul) bring the bound within 10⁻³."""
+    monkeypatch.setattr(gram, "FLOAT64_SECOND_TRY", ())
     a, g = patch_like(50, 768, 256, dtype)
-    blocked = _spy(monkeypatch, "_gram_chunked")
+    blocked, exact = _spy(monkeypatch, "_gram_chunked"), _spy(monkeypatch, "exact_ghost_bound")
     got, ref = bound_of(a, g, True), exact_sq(a, g, True)
     rel = got.sqrt() / ref.sqrt() - 1
     assert bool((rel >= 0).all()) and bool((rel <= 1e-3).all()), rel.tolist()
-    assert blocked
+    assert blocked and not exact
+
+
+@pytest.mark.parametrize("per_run", [None, 1], ids=["one_run", "sample_by_sample"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_second_try_on_the_cpu_takes_float64_grams(monkeypatch, dtype, per_run):
+    """On the CPU the second try of the same loose samples forms float64 Grams at once (no
+    blocked float32 Gram), in runs of samples within ``FLOAT64_ROWS_BYTES`` (one here, when
+    ``per_run``): every bound is above the float64 per-sample reference and within 10⁻³ of it."""
+    if per_run is not None:
+        monkeypatch.setattr(gram, "FLOAT64_ROWS_BYTES", 8 * 50 * (768 + 256 + 100))
+    a, g = patch_like(50, 768, 256, dtype)
+    blocked, exact = _spy(monkeypatch, "_gram_chunked"), _spy(monkeypatch, "exact_ghost_bound")
+    got, ref = bound_of(a, g, True), exact_sq(a, g, True)
+    rel = got.sqrt() / ref.sqrt() - 1
+    assert bool((rel >= 0).all()) and bool((rel <= 1e-3).all()), rel.tolist()
+    assert not blocked and len(exact) == (2 if per_run else 1)
+
+
+@pytest.mark.parametrize("crafted", ["huge", "tiny", "subnormal", "cancel"])
+def test_float64_second_try_bounds_crafted_samples(crafted):
+    """The CPU's float64 second try (:func:`gram.float64_rows`) of a crafted sample beside an
+    honest one: every bound is at least the sample's float64 per-sample norm² — and for inputs of
+    1e30, whose row norms overflow float32, infinite (the engine drops the sample), never NaN."""
+    a, g = patch_like(50, 768, 256, torch.float32)
+    if crafted == "huge":
+        a[1] = 1e30
+    elif crafted == "tiny":
+        a[1] *= 1e-20
+    elif crafted == "subnormal":
+        g[1] = 1e-41
+    else:
+        a1, g1 = cancelling_gradient(50, 768)
+        a[1], g[1] = a1[0], g1[0, :, :256]
+    na, ng = pair_norms(a, g, True)
+    got = gram.float64_rows(a, g, True, na, ng)
+    ref = exact_sq(a, g, True)
+    assert got.dtype == torch.float64 and not bool(got.isnan().any())
+    assert bool(torch.isfinite(got[0])) and bool((got >= ref).all()), (got - ref).tolist()
+    assert bool(torch.isfinite(got[1])) == (crafted != "huge")
 
 
 def cancelling_gradient(T: int, width: int):
