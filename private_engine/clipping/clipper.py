@@ -13,8 +13,8 @@ Networks with Differential Privacy", Algorithm 1, "mixed ghost clipping"):
 2. **Clip factors** ``C_i = C(‖g_i‖, R)`` from a clipping function (:mod:`.functions`).
 3. **Clipped sum** ``Σ_i C_i·g_i``, layer by layer, from the very ``(a, g)`` the norms came from:
    ``gᵀ·diag(C)·a`` (one matmul per layer, ``LayerRule.weighted_grads``) or ``Σ_i C_i G_i`` of
-   instantiated per-sample gradients; when, depends on the release strategy (:mod:`.release`:
-   book-keeping, one backward; or a second backward).
+   instantiated per-sample gradients; when, depends on the release strategy (:mod:`.release`,
+   book-keeping, one backward; or :mod:`.two_pass`, a second backward).
 """
 from __future__ import annotations
 
@@ -43,11 +43,12 @@ from .grad_sums import GradSums
 from .kept import group_kept_grads
 from .ownership import check_unmoved, handed_modules
 from .plan import DEFAULT_CLIPPING_MODE, LayerDecision, check_mode, decide, is_book_keeping
-from .release import strategy_for
+from .release import BookKeeping, ReleaseStrategy
 from .rows import check_rows, merged_rows, rows_grads
 from .sums import BufferKey, SumBuilder
 from .tied import TiedGroups
 from .tied_ghost import joint_ghost_chosen
+from .two_pass import TwoPass
 
 
 class PerSampleClipper:
@@ -101,9 +102,10 @@ class PerSampleClipper:
         #: follows the batch through every op of each step's forward and loss (checked when the
         #: loss arrives: :meth:`check_loss`)
         self.batch_flow = batch_flow
-        #: book-keeping (one backward) or two passes (:mod:`.release`)
+        #: book-keeping (one backward, :mod:`.release`) or two passes (:mod:`.two_pass`)
         self.book_keeping = is_book_keeping(self.mode)
-        self.strategy = strategy_for(self.mode, self.book_keeping)
+        self.strategy: ReleaseStrategy = (BookKeeping(self.mode) if self.book_keeping
+                                          else TwoPass(self.mode))
         self.last_plan: List[LayerDecision] = []
         self.batch_size = 0
         #: per-layer (B,) certified squared norms (float64) of the running norm pass

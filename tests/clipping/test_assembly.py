@@ -105,10 +105,10 @@ def test_the_layer_route_has_one_owner_native_two_pass(monkeypatch):
     """The second backward of a two-pass mode diverts the route; it comes back after the step,
     and after a step that raised inside the diversion. (No operand held to the end of the norm
     pass: every layer is left to the second backward.)"""
-    from private_engine.clipping import clipper, release
+    from private_engine.clipping import clipper, two_pass
 
     monkeypatch.setattr(clipper, "HELD_GRADIENTS", 0)
-    monkeypatch.setattr(release, "HELD_LOWEST", 0)
+    monkeypatch.setattr(two_pass, "HELD_LOWEST", 0)
     _, engine, optimizer = _native(mode="ghost")
     core = engine.core
     handler = core.route.handler

@@ -9,25 +9,25 @@ import torch
 from torch import nn
 
 from private_engine.capture.recorder import RecordedLayer
-from private_engine.clipping import release
+from private_engine.clipping import release, two_pass
 from private_engine.clipping.fingerprints import fingerprint_pairs
 from private_engine.layers.linear import LinearRule
 
 
-def _normed(strategy: release.TwoPass, d_in: int, d_out: int, seed: int):
+def _normed(strategy: two_pass.TwoPass, d_in: int, d_out: int, seed: int):
     """A Linear ghost-normed by ``strategy``, held if there is room: its layer record."""
     torch.manual_seed(seed)
     module, rule = nn.Linear(d_in, d_out), LinearRule()
     pairs = [(torch.randn(3, 4, d_in), torch.randn(3, 4, d_out))]
     layer = RecordedLayer(f"l{seed}", module, rule)
-    first = release.FirstPass(True, 1, [], None)
+    first = two_pass.FirstPass(True, 1, [], None)
     strategy.first[id(layer)] = first
     if not strategy._hold(layer, pairs, first):
         strategy._bound(first, layer, pairs)
     return layer, pairs
 
 
-def _done(strategy: release.TwoPass) -> list:
+def _done(strategy: two_pass.TwoPass) -> list:
     """End the pass: the kept ``(module, rule, pairs)``."""
     kept: list = []
     clipper = SimpleNamespace(keep_pairs=lambda *k: kept.append(k),
@@ -43,7 +43,7 @@ def test_a_held_layer_is_bounded_from_its_operands_as_released(which):
     the pass from the operands as they are then — those its clipped sum is formed from — and
     bounds the exact norm of that release; neither layer is fingerprinted, and both are released
     from their held operands, not by the second pass."""
-    strategy = release.TwoPass("ghost")
+    strategy = two_pass.TwoPass("ghost")
     strategy.start()
     first, _ = _normed(strategy, 6, 4, 0)
     layer, pairs = _normed(strategy, 5, 7, 1)
@@ -67,8 +67,8 @@ def test_the_layers_held_are_the_last_normed_within_the_limit(monkeypatch):
     order, the last alone is held (the first two dropped as it came, their bounds and
     fingerprints formed then); the dropped layers' bounds and the held one's are the terms
     added at the end of the pass, and the dropped ones stay with the second pass."""
-    monkeypatch.setattr(release, "HELD_LOWEST", 2 * 48)
-    strategy = release.TwoPass("ghost")
+    monkeypatch.setattr(two_pass, "HELD_LOWEST", 2 * 48)
+    strategy = two_pass.TwoPass("ghost")
     strategy.start()
     records = [_normed(strategy, 6, 4, 0), _normed(strategy, 6, 4, 1)]
     layers = [r[0] for r in records]

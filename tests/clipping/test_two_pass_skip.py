@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import private_engine as pe
-from private_engine.clipping import clipper, release
+from private_engine.clipping import clipper, two_pass
 
 
 class Counted(nn.Module):
@@ -28,13 +28,13 @@ class Counted(nn.Module):
 
 
 def _second_step(mode: str, monkeypatch, held: int = clipper.HELD_GRADIENTS,
-                 lowest: int = release.HELD_LOWEST):
+                 lowest: int = two_pass.HELD_LOWEST):
     """The update of a second step (after the separability probe's backward passes of the
     first), the backward passes it ran, and the gradients that reached the LayerNorm's output;
     ``held`` / ``lowest``: the most output-gradient elements the norm pass holds for deferred
     ghost bounds / of the last layers it normed at once."""
     monkeypatch.setattr(clipper, "HELD_GRADIENTS", held)
-    monkeypatch.setattr(release, "HELD_LOWEST", lowest)
+    monkeypatch.setattr(two_pass, "HELD_LOWEST", lowest)
     torch.manual_seed(0)
     hits: list = []
     model = Counted(hits)
@@ -87,7 +87,7 @@ def test_second_backward_stops_at_the_lowest_layer_it_writes(monkeypatch):
 
 
 @pytest.mark.parametrize("held,lowest", [(clipper.HELD_GRADIENTS, 0),
-                                         (0, release.HELD_LOWEST), (0, 16 * 8 * 4)],
+                                         (0, two_pass.HELD_LOWEST), (0, 16 * 8 * 4)],
                          ids=["bound-stack", "lowest-layers", "lowest-layer-only"])
 def test_no_second_backward_below_the_layers_whose_operands_were_held(held, lowest, monkeypatch):
     """"ghost": the Linears' operands held to the end of the norm pass — by the ghost-bound

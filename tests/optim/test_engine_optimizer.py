@@ -292,7 +292,12 @@ def test_dp_optimizer_with_noise_trains_float32():
 def test_book_keeping_runs_one_backward_and_forms_no_weight_gradient(mode, monkeypatch):
     """Book-keeping modes: a single autograd call per physical batch, during which autograd never
     computes a parameter gradient (hooks on every parameter stay silent); the two-pass modes run two
-    activation-only backwards (the clipped sums come from the recorded layers in both)."""
+    activation-only backwards (the clipped sums come from the recorded layers in both) when the
+    norm pass holds no layer's operands to its end (held ones are released from them)."""
+    from private_engine.clipping import clipper, two_pass
+
+    monkeypatch.setattr(clipper, "HELD_GRADIENTS", 0)
+    monkeypatch.setattr(two_pass, "HELD_LOWEST", 0)
     model = _model()
     x, t = _batch(model, 5)
     engine = make_engine(model, 5, mode=mode, R=0.5)
